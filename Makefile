@@ -1,0 +1,29 @@
+# The two commands of the README: `make run` and `make test`. Both go through `make venv`,
+# which creates .venv once and reuses it (re-installing only when the pins change).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv run test bench clean
+
+venv: $(STAMP)
+
+# torch is pinned first and on its own: an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -r requirements.lock
+	touch $(STAMP)
+
+run: venv
+	$(BIN)/python main.py $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -q tests $(ARGS)
+
+bench: venv
+	$(BIN)/python bench/engine.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache
