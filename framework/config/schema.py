@@ -1,0 +1,300 @@
+"""Typed configuration: one dataclass per section of `conf/`.
+
+Hydra merges the YAML groups onto these dataclasses (registered in `store.py`), so an unknown key
+or a value of the wrong type is refused while the config is composed. `OmegaConf.to_object` turns
+the composed config into these objects once, in `main.py`; each `__post_init__` then checks its own
+section, and `validate.py` checks what spans sections. Choices are `str` enums because OmegaConf
+2.3 does not accept `typing.Literal`; they compare equal to their plain string values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+
+class Engine(str, Enum):
+    native = "native"  # our own sharded engine (framework.distributed.fsdp)
+    torch = "torch"  # torch.distributed.fsdp.fully_shard, for side-by-side comparison
+
+
+class Strategy(str, Enum):
+    full = "full"  # ZeRO-3: reshard after forward, re-gather in backward
+    grad_op = "grad_op"  # ZeRO-2: keep parameters unsharded from forward to backward
+    hybrid = "hybrid"  # shard inside dp_shard groups, replicate across dp_replicate
+    no_shard = "no_shard"  # DDP-like: every rank holds everything
+
+
+class ActivationCheckpointing(str, Enum):
+    none = "none"
+    full = "full"  # recompute every transformer block in backward
+    selective = "selective"  # recompute every other block
+
+
+class OptimizerName(str, Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class Schedule(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class DataName(str, Enum):
+    synthetic = "synthetic"  # random tokens, no files: for tests and benchmarks
+    stdlib = "stdlib"  # the embedded default corpus: this Python's own standard library sources
+    indexed = "indexed"  # Megatron .bin/.idx datasets prepared by `stage=data_preparation`
+
+
+class Stage(str, Enum):
+    training = "training"
+    data_preparation = "data_preparation"
+
+
+class ClusterType(str, Enum):
+    local = "local"
+    slurm = "slurm"
+    k8s = "k8s"
+
+
+class ContainerRuntime(str, Enum):
+    none = "none"
+    pyxis = "pyxis"
+    apptainer = "apptainer"
+    docker = "docker"
+    podman = "podman"
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if value is None or value <= 0:
+            raise ValueError(f"{section}.{name}={value}: must be > 0")
+
+
+def _choice(section: str, name: str, value: Any, enum: type[Enum]) -> Enum:
+    try:
+        return enum(value)
+    except ValueError:
+        choices = ", ".join(e.value for e in enum)
+        raise ValueError(f"{section}.{name}={value!r}: unknown; choose one of {choices}") from None
+
+
+@dataclass
+class ModelConfig:
+    name: str = "debug"  # a registered architecture preset (conf/model/*.yaml)
+    vocab_size: int = 256  # -1: take it from the data's tokenizer
+    dim: int = 64  # hidden size
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads must be a multiple
+    ffn_dim: int = 176  # SwiGLU inner size
+    max_seq_len: int = 128  # the longest sequence the rotary table covers
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False  # share the token embedding with the output head
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.vocab_size != -1:
+            _positive("model", vocab_size=self.vocab_size)
+        _positive("model", dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+                  n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, max_seq_len=self.max_seq_len)
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} is not a multiple of "
+                             f"model.n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary "
+                             "embeddings need an even head size")
+
+
+@dataclass
+class ParallelismConfig:
+    engine: Engine = Engine.native
+    strategy: Strategy = Strategy.full
+    dp_replicate: int = 1  # replica groups (hybrid sharding); -1: infer from the world size
+    dp_shard: int = -1  # ranks a parameter is sharded over; -1: infer from the world size
+    tp: int = 1  # tensor-parallel degree (splits every block)
+    sequence_parallel: bool = False  # shard norms/residuals on the sequence dim when tp > 1
+    param_dtype: str = "float32"  # dtype of the gathered compute copy (float32 | bfloat16 | float16)
+    reduce_dtype: str = "float32"  # dtype gradients are reduced in
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    cpu_offload: bool = False  # keep shards, grads and optimizer state on the CPU
+    compile: bool = False  # torch.compile each transformer block
+    quantized_comm: bool = False  # int8 block-quantized all-gather / reduce-scatter (native engine)
+
+    def __post_init__(self) -> None:
+        self.engine = _choice("parallelism", "engine", self.engine, Engine)
+        self.strategy = _choice("parallelism", "strategy", self.strategy, Strategy)
+        self.activation_checkpointing = _choice("parallelism", "activation_checkpointing",
+                                                self.activation_checkpointing, ActivationCheckpointing)
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            value = getattr(self, name)
+            if value == 0 or value < -1:
+                raise ValueError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
+        if self.quantized_comm and self.engine == Engine.torch:
+            raise NotImplementedError("parallelism.quantized_comm is a feature of the native engine; "
+                                      "set parallelism.engine=native or parallelism.quantized_comm=false")
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
+    weight_decay: float = 0.1  # not applied to norms, biases and embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # SGD only
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 10
+    clip_grad_norm: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        self.name = _choice("optimizer", "name", self.name, OptimizerName)
+        self.schedule = _choice("optimizer", "schedule", self.schedule, Schedule)
+        _positive("optimizer", lr=self.lr)
+        for name in ("weight_decay", "warmup_steps", "clip_grad_norm", "min_lr_ratio", "momentum"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optimizer.{name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    name: DataName = DataName.synthetic
+    seq_len: int = 64  # tokens per sample fed to the model
+    paths: List[str] = field(default_factory=list)  # indexed datasets: prefixes (without .bin/.idx)
+    weights: List[float] = field(default_factory=list)  # blend weights, one per path (empty: equal)
+    split: str = "98,1,1"  # train,valid,test proportions
+    cache_dir: str = "data_cache"  # prepared corpora, tokenizers and index caches
+    tokenizer: str = ""  # a tokenizer.json to use instead of training one
+    vocab_size: int = 2048  # size of the byte-level BPE trained by data preparation
+    raw_inputs: List[str] = field(default_factory=list)  # data_preparation: text/JSONL files or dirs
+    output_prefix: str = ""  # data_preparation: where to write <prefix>.bin/.idx
+    workers: int = 2  # data_preparation: tokenizer processes
+
+    def __post_init__(self) -> None:
+        self.name = _choice("data", "name", self.name, DataName)
+        _positive("data", seq_len=self.seq_len, vocab_size=self.vocab_size, workers=self.workers)
+        if self.weights and len(self.weights) != len(self.paths):
+            raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} "
+                             "data.paths: give one weight per path, or none for equal weights")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 20
+    global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 2  # samples per rank per forward; the rest is gradient accumulation
+    eval_interval: int = 10  # steps between validation losses (0: never)
+    eval_iters: int = 2  # validation batches per evaluation
+    log_interval: int = 1  # steps between metrics records
+    seed: int = 1234
+    max_time_minutes: float = 0.0  # stop (with a checkpoint) after this wall time; 0: no limit
+    device: str = "auto"  # auto | cpu | cuda
+    progress_bar: bool = True
+    sample_tokens: int = 0  # tokens of text generated at the end of training (0: none)
+    peak_tflops: float = 0.0  # the device's peak for MFU; 0: look it up, unknown on CPU
+
+    def __post_init__(self) -> None:
+        _positive("trainer", max_steps=self.max_steps, global_batch_size=self.global_batch_size,
+                  micro_batch_size=self.micro_batch_size, log_interval=self.log_interval,
+                  eval_iters=self.eval_iters)
+        for name in ("eval_interval", "max_time_minutes", "sample_tokens", "peak_tflops"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name}={getattr(self, name)}: must be >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"trainer.device={self.device!r}: choose auto, cpu or cuda")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"  # relative paths are inside the run directory
+    interval: int = 0  # steps between saves (0: only at the end)
+    resume: str = "none"  # auto (latest complete checkpoint in dir) | none | a checkpoint path
+    keep_last: int = 3  # complete checkpoints kept; older ones are deleted
+    async_save: bool = False  # write the previous state while training continues
+    save_final: bool = True
+    init_from: str = ""  # a model.safetensors (+ config.json) directory to start from
+    export_safetensors: bool = False  # write a Hugging Face style export at the end
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"checkpoint.interval={self.interval}: must be >= 0")
+        _positive("checkpoint", keep_last=self.keep_last)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    jsonl: bool = True  # metrics.jsonl in the run directory
+
+
+@dataclass
+class ClusterConfig:
+    type: ClusterType = ClusterType.local
+    nodes: int = 1
+    nproc_per_node: int = 2  # processes (ranks) per node
+    gpus_per_node: int = 0
+    partition: str = ""
+    account: str = ""
+    time_limit: str = "01:00:00"
+    job_name: str = "train"
+    exclusive: bool = False
+    qos: str = ""
+    namespace: str = "default"  # k8s
+    image_pull_secrets: List[str] = field(default_factory=list)  # k8s: secret names only
+    env: Dict[str, str] = field(default_factory=dict)  # extra environment for the job
+    nccl_env: Dict[str, str] = field(default_factory=dict)
+    rdzv_port: int = 29500
+    requeue: bool = True  # Slurm: requeue on pre-emption and resume from the latest checkpoint
+    signal_seconds: int = 120  # Slurm: SIGUSR1 this long before the time limit
+    chain: int = 0  # Slurm: jobs chained with --dependency=afterany for long runs
+    derive_mesh: bool = False  # hybrid mesh from the cluster shape: dp_replicate=nodes
+    shm_size: str = "16Gi"  # k8s: shared memory for data loaders
+    data_volume: str = ""  # k8s: PVC name mounted at /data
+    checkpoint_volume: str = ""  # k8s: PVC name mounted at /checkpoints
+    jobs_dir: str = "jobs"  # where the launcher writes each job's directory
+
+    def __post_init__(self) -> None:
+        self.type = _choice("cluster", "type", self.type, ClusterType)
+        _positive("cluster", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
+        if self.gpus_per_node < 0:
+            raise ValueError(f"cluster.gpus_per_node={self.gpus_per_node}: must be >= 0")
+
+
+@dataclass
+class ContainerConfig:
+    runtime: ContainerRuntime = ContainerRuntime.none
+    image: str = ""
+    mounts: List[str] = field(default_factory=list)  # host:container[:flags]
+    workdir: str = "/workspace"
+
+    def __post_init__(self) -> None:
+        self.runtime = _choice("container", "runtime", self.runtime, ContainerRuntime)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    stage: Stage = Stage.training
+    dry_run: bool = False  # launcher: write the job files, submit nothing
+    run_dir: str = ""  # filled in by main.py from hydra.run.dir; never set by hand
+
+    def __post_init__(self) -> None:
+        self.stage = _choice("", "stage", self.stage, Stage)

@@ -1,0 +1,79 @@
+"""Checks that span sections, run before any process group starts.
+
+Each problem is one line naming the field and the fix; `main.py` prints them all and exits 2.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from framework.config.schema import Config, DataName
+from framework.distributed.parallel_dims import ParallelDims, resolve_parallel_dims
+
+
+def world_size_of(cfg: Config) -> int:
+    """The world size the job will have: torchrun's if we are under it, else the cluster shape."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.cluster.nodes * cfg.cluster.nproc_per_node
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
+    """Return every cross-field problem of `cfg` (empty when the job can start)."""
+    errors: List[str] = []
+    world = world_size if world_size is not None else world_size_of(cfg)
+    p, m, t = cfg.parallelism, cfg.model, cfg.trainer
+
+    dims: Optional[ParallelDims] = None
+    try:
+        dims = resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world,
+                                     cfg.cluster.nproc_per_node)
+    except ValueError as exc:
+        errors.append(str(exc))
+
+    if p.tp > 1:
+        for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
+            value = getattr(m, name)
+            if value % p.tp:
+                errors.append(f"model.{name}={value} is not divisible by parallelism.tp={p.tp}; "
+                              "choose a tp that divides it")
+    if p.sequence_parallel and p.tp == 1:
+        errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
+
+    if dims is not None:
+        per_step = t.micro_batch_size * dims.dp
+        if t.global_batch_size % per_step:
+            errors.append(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"trainer.micro_batch_size ({t.micro_batch_size}) x data-parallel size "
+                          f"({dims.dp}) = {per_step}; make it a multiple of {per_step}")
+
+    if cfg.data.seq_len > m.max_seq_len:
+        errors.append(f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
+                      f"{m.max_seq_len} of model={m.name}; lower data.seq_len")
+    if cfg.data.name == DataName.indexed and not cfg.data.paths:
+        errors.append("data=indexed needs data.paths (prefixes of .bin/.idx files); "
+                      "prepare them with stage=data_preparation")
+    for prefix in cfg.data.paths:
+        if cfg.data.name == DataName.indexed and not os.path.exists(prefix + ".idx"):
+            errors.append(f"data.paths: {prefix}.idx does not exist; prepare it with stage=data_preparation")
+
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none", "") and not os.path.exists(resume):
+        errors.append(f"checkpoint.resume={resume}: no such checkpoint; give an existing path, "
+                      "'auto' or 'none'")
+    if cfg.checkpoint.init_from and not os.path.exists(cfg.checkpoint.init_from):
+        errors.append(f"checkpoint.init_from={cfg.checkpoint.init_from}: no such directory")
+    if t.device == "cuda":
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                errors.append("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto")
+        except ImportError:  # the launcher's environment may lack torch; the job checks again
+            pass
+    return errors
+
+
+def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    return resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world_size,
+                                 cfg.cluster.nproc_per_node)

@@ -1,0 +1,88 @@
+"""`ParallelDims`: the degrees of parallelism and the named device mesh built from them.
+
+Pure arithmetic at construction (importable without a process group, so the launcher can
+validate a job before submitting it); `build_mesh()` needs an initialised process group.
+Mesh dims, outermost first: dp_replicate, dp_shard, tp. Tensor parallel is innermost so its
+ranks are neighbours (same node) and its many small collectives stay on the fast links.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            value = getattr(self, name)
+            if value == 0 or value < -1:
+                raise ValueError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
+        unknown = [n for n in ("dp_replicate", "dp_shard", "tp") if getattr(self, n) == -1]
+        if len(unknown) > 1:
+            raise ValueError(f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), "
+                             f"got {', '.join(unknown)}")
+        known = self.dp_replicate * self.dp_shard * self.tp * (-1 if unknown else 1)
+        if unknown:
+            if self.world_size % known:
+                raise ValueError(self._mismatch(f"cannot infer parallelism.{unknown[0]}"))
+            setattr(self, unknown[0], self.world_size // known)
+        if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+            raise ValueError(self._mismatch("degrees do not multiply to the world size"))
+
+    def _mismatch(self, what: str) -> str:
+        def show(v: int) -> str:
+            return "?" if v == -1 else str(v)
+        return (f"parallelism: {what}: dp_replicate ({show(self.dp_replicate)}) x dp_shard "
+                f"({show(self.dp_shard)}) x tp ({show(self.tp)}) must equal the world size "
+                f"({self.world_size}); fix parallelism.dp_replicate/dp_shard/tp or the number of ranks")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def build_mesh(self, device_type: str):
+        """The 3-D named mesh (dp_replicate, dp_shard, tp); submeshes are sliced by name."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def resolve_parallel_dims(strategy: str, dp_replicate: int, dp_shard: int, tp: int,
+                          world_size: int, nproc_per_node: int) -> ParallelDims:
+    """Fill in the degrees a strategy implies, then check them against the world size.
+
+    full / grad_op: everything not tensor parallel is sharded (dp_replicate defaults to 1).
+    no_shard: dp_shard is 1, everything is replicated (DDP-like).
+    hybrid: shard within a node, replicate across nodes, unless the degrees are given.
+    """
+    if strategy == "no_shard":
+        if dp_shard not in (-1, 1):
+            raise ValueError(f"parallelism.dp_shard={dp_shard} with parallelism.strategy=no_shard: "
+                             "no_shard replicates everything; set dp_shard=1 or choose strategy=hybrid")
+        dp_shard = 1
+        if dp_replicate == 1 and world_size // max(tp, 1) > 1:
+            dp_replicate = -1
+    elif strategy == "hybrid":
+        if dp_replicate == -1 and dp_shard == -1:
+            dp_shard = max(1, nproc_per_node // max(tp, 1))
+    else:
+        if dp_replicate == -1 and dp_shard == -1:
+            dp_replicate = 1
+    if tp == -1 and (dp_replicate == -1 or dp_shard == -1):
+        raise ValueError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
+    dims = ParallelDims(dp_replicate, dp_shard, tp, world_size)
+    if strategy == "hybrid" and dims.dp_replicate < 2:
+        raise ValueError(f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "
+                         "set parallelism.dp_replicate or choose strategy=full")
+    return dims
