@@ -6,3 +6,4 @@ from framework.config.schema import (  # noqa: F401
 )
 from framework.config.validate import parallel_dims_of, validate, world_size_of  # noqa: F401
 from framework.config.compose import compose_config, to_config  # noqa: F401
+from framework.config.store import register as register_schema  # noqa: F401,E402

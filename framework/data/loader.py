@@ -1,0 +1,60 @@
+"""Deterministic, resumable batching over an indexable source of samples.
+
+[Note: global sample order]
+Step s consumes the global samples [s*G, (s+1)*G) of the shuffled order (G = global batch).
+Micro-step a of data-parallel rank r takes the M samples starting at s*G + (a*D + r)*M (D ranks,
+M micro-batch). The set of samples a step sees therefore does not depend on D, and the loader's
+whole state is one number, the global samples consumed: a resume at another data-parallel size
+neither repeats nor skips a sample, and the step's mean loss is the same mean over the same samples.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Tuple
+
+import torch
+
+
+class SampleSource(Protocol):
+    """Anything indexable that returns seq_len + 1 token ids per sample."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+
+class GlobalBatchLoader:
+    def __init__(self, source: SampleSource, *, micro_batch_size: int, global_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError(f"trainer.global_batch_size={global_batch_size} is not divisible by "
+                             f"micro_batch_size x dp = {micro_batch_size * dp_size}")
+        self.source = source
+        self.micro = micro_batch_size
+        self.global_batch = global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.accum_steps = global_batch_size // (micro_batch_size * dp_size)
+        self.consumed = 0  # global samples consumed by completed steps
+        self._micro_step = 0
+
+    def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch of this rank: (inputs, labels), each (micro, seq_len)."""
+        start = self.consumed + (self._micro_step * self.dp_size + self.dp_rank) * self.micro
+        rows = torch.stack([self.source[(start + i) % len(self.source)] for i in range(self.micro)])
+        self._micro_step += 1
+        if self._micro_step == self.accum_steps:
+            self._micro_step = 0
+            self.consumed += self.global_batch
+        return rows[:, :-1].long(), rows[:, 1:].long()
+
+    def sample_indices(self) -> list:
+        """The global indices this rank's next micro-batch will read (for tests)."""
+        start = self.consumed + (self._micro_step * self.dp_size + self.dp_rank) * self.micro
+        return [(start + i) % len(self.source) for i in range(self.micro)]
+
+    def state_dict(self) -> dict:
+        assert self._micro_step == 0, "loader state is saved between steps only"
+        return {"consumed_samples": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed_samples"])
+        self._micro_step = 0

@@ -1,0 +1,82 @@
+"""Applies parallelism to a plain model after construction, in a fixed order:
+tensor parallel plan, activation checkpointing, compile, then sharding per block and at the root.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from framework.config.schema import ActivationCheckpointing, Engine, ParallelismConfig, Strategy
+from framework.distributed.parallel_dims import ParallelDims
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_api(engine: Engine):
+    """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy) of the chosen engine: same signatures."""
+    if engine == Engine.torch:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    else:
+        from framework.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
+
+
+def dp_mesh_of(mesh, dims: ParallelDims):
+    """1-D shard mesh for full/grad_op, 2-D (replicate, shard) for hybrid and no_shard."""
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList, mode: ActivationCheckpointing) -> None:
+    """Recompute blocks in backward. The block's own forward is wrapped, so parameter names (and
+    therefore checkpoints) are the same with and without it."""
+    for index, block in enumerate(blocks):
+        if mode == ActivationCheckpointing.selective and index % 2:
+            continue
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConfig) -> nn.Module:
+    if dims.tp_enabled:
+        from framework.distributed.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], cfg)
+    if cfg.activation_checkpointing != ActivationCheckpointing.none:
+        apply_activation_checkpointing(model.layers, cfg.activation_checkpointing)
+    if cfg.compile:
+        for block in model.layers:
+            block.compile()
+
+    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine_api(cfg.engine)
+    kwargs = {"mesh": dp_mesh_of(mesh, dims),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
+                                                reduce_dtype=_DTYPES[cfg.reduce_dtype])}
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if cfg.quantized_comm:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
+                                                   reduce_dtype=_DTYPES[cfg.reduce_dtype],
+                                                   quantized_comm=True)
+    reshard = cfg.strategy != Strategy.grad_op
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # The root keeps its parameters (embeddings, final norm, head) unsharded after forward:
+    # backward needs them first, so resharding them would only gather them again at once.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, engine: Engine) -> torch.Tensor:
+    """Global gradient norm over every shard on every rank, clipping in place when max_norm > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_norm if max_norm > 0 else float("inf")
+    if engine == Engine.native:
+        from framework.distributed.fsdp import clip_grad_norm_
+
+        return clip_grad_norm_(params, limit)
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

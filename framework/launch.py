@@ -1,0 +1,62 @@
+"""From a composed config to running ranks: validation, the run directory, local rank start."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config import Stage, to_config, validate
+from framework.distributed.runtime import spawn_local, under_torchrun
+
+EXIT_BAD_CONFIG = 2
+
+
+def fix_run_dir_under_torchrun(argv: List[str]) -> List[str]:
+    """Under torchrun every rank composes its own config, and Hydra's default run directory is a
+    timestamp that may differ between ranks: give them all one directory, named by the rendezvous,
+    unless the user (or the launcher) chose `hydra.run.dir`."""
+    if not under_torchrun() or any(a.startswith("hydra.run.dir=") for a in argv):
+        return argv
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id == "none":
+        run_id = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
+    return argv + [f"hydra.run.dir=outputs/torchrun/{run_id}"]
+
+
+def _refuse(problems: List[str], run_dir: str) -> int:
+    if os.environ.get("RANK", "0") == "0":
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+    # Hydra created the run directory before calling us; leave no trace of a refused job.
+    try:
+        os.rmdir(run_dir)
+    except OSError:
+        pass
+    return EXIT_BAD_CONFIG
+
+
+def start(dict_cfg: DictConfig, run_dir: str) -> int:
+    """Validate, record the resolved config, then run the stage on every rank."""
+    try:
+        cfg = to_config(dict_cfg)
+    except (ValueError, NotImplementedError) as exc:
+        return _refuse([str(exc)], run_dir)
+    problems = validate(cfg)
+    if problems:
+        return _refuse(problems, run_dir)
+    cfg.run_dir = os.path.abspath(run_dir)
+    if os.environ.get("RANK", "0") == "0":
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        OmegaConf.save(dict_cfg, os.path.join(cfg.run_dir, "config.yaml"), resolve=True)
+    if cfg.stage == Stage.data_preparation:
+        from framework.data.prepare import prepare_data
+
+        return prepare_data(cfg)
+
+    from framework.trainer import run
+
+    if under_torchrun() or cfg.cluster.nproc_per_node == 1:
+        return run(cfg)
+    return spawn_local(run, cfg, cfg.cluster.nproc_per_node)

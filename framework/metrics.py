@@ -1,0 +1,83 @@
+"""Rank 0's reporting: a progress bar, metrics.jsonl and TensorBoard events in the run directory."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Dict, Optional
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device, for MFU. Unknown devices (any CPU) report no MFU.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def device_peak_tflops(device: torch.device, configured: float) -> Optional[float]:
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _PEAK_TFLOPS.items() if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Writes on rank 0 only; every other rank gets a logger that does nothing."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, start_step: int,
+                 jsonl: bool, tensorboard: bool, progress_bar: bool):
+        self.enabled = enabled
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if jsonl:
+            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=sys.stderr, mininterval=0.5)
+
+    def log(self, step: int, values: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: v for k, v in values.items() if v is not None}}
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def progress(self, values: Dict[str, float]) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items()},
+                                  refresh=False)
+            self._bar.update(1)
+
+    def write(self, message: str) -> None:
+        """A line for the user that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        for handle in (self._bar, self._tb, self._jsonl):
+            if handle is not None:
+                handle.close()
+        self._jsonl = self._tb = self._bar = None

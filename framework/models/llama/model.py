@@ -1,0 +1,155 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+A plain nn.Module with no parallel code: parallelism is applied after construction
+(`framework/distributed/parallelize.py`). Head counts inside attention are derived from the local
+weight shapes (`view(..., -1, head_dim)`) so that tensor parallelism can split q/k/v column-wise
+without the model knowing.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from framework.config.schema import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rotary_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """(max_seq_len, head_dim) table: cos in the first half of the last dim, sin in the second."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x (batch, seq, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    cos = table[: x.shape[1], :half][None, :, None, :]
+    sin = table[: x.shape[1], half:][None, :, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads  # query heads per KV head
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=2)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", torch.empty(cfg.max_seq_len, cfg.dim // cfg.n_heads), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Initialise every parameter and the rotary table in place (also after `to_empty`).
+
+        Output projections of each block are scaled by 1/sqrt(2 * n_layers) (GPT-2's residual
+        scaling), so the residual stream's variance does not grow with depth.
+        """
+        gen = None
+        if seed is not None and self.tok_embeddings.weight.device.type == "cpu":
+            gen = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        self.rope.copy_(rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len,
+                                     self.cfg.rope_theta, device=self.rope.device))
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.output and self.cfg.tie_embeddings:
+                    continue
+                scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo", "w2")) else std
+                nn.init.normal_(module.weight, mean=0.0, std=scale, generator=gen)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        seen = {id(p): p for p in self.parameters()}
+        total = sum(p.numel() for p in seen.values())
+        if exclude_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x (non-embedding params) + attention's 12 x layers x dim x seq."""
+        n = self.num_params(exclude_embeddings=True)
+        return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.dim * seq_len
+
+
+def build_llama(cfg: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
+    with torch.device(device):
+        return Transformer(cfg)

@@ -1,0 +1,17 @@
+"""What a training run holds between steps: everything a checkpoint saves and restores."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TrainState:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # torch.optim.lr_scheduler.LRScheduler
+    train_loader: Any  # framework.data.GlobalBatchLoader
+    step: int = 0  # optimizer steps completed

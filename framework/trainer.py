@@ -1,0 +1,202 @@
+"""The training loop: build everything from the config, then step. Short; delegates the rest."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from framework.config.schema import Config, Engine
+from framework.config.validate import parallel_dims_of
+from framework.data import build_data
+from framework.distributed.parallelize import clip_grad_norm, parallelize
+from framework.distributed.runtime import Runtime, init_distributed, shutdown
+from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
+from framework.models import build_model
+from framework.optim import build_optimizer, build_scheduler
+from framework.state import TrainState
+
+EXIT_DIVERGED = 3  # a NaN/inf loss stopped the run
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        t = cfg.trainer
+        self.dims = parallel_dims_of(cfg, rt.world_size)
+        self.mesh = self.dims.build_mesh(rt.device.type)
+        dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.dims.dp_replicate > 1 \
+            else self.mesh["dp_shard"]
+        self.dp_group = dp_mesh.get_group()
+        self.dp_rank = dist.get_rank(self.dp_group)
+        torch.manual_seed(t.seed)
+
+        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, micro_batch_size=t.micro_batch_size,
+                               global_batch_size=t.global_batch_size, dp_rank=self.dp_rank,
+                               dp_size=self.dims.dp, seed=t.seed)
+        model_cfg = dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size)
+        # Small models are materialised identically on every rank (same seed, then sharded), so a
+        # run's numbers do not depend on its layout; large ones are built on the meta device and
+        # initialised shard by shard after sharding, never whole on one rank.
+        meta = _full_model_bytes(model_cfg) > 4 * 2**30
+        model = build_model(model_cfg, "meta" if meta else "cpu")
+        if not meta:
+            model.init_weights(seed=t.seed)
+        self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism)
+        if meta:
+            self.model.to_empty(device=rt.device)
+            self.model.init_weights()
+        elif rt.device.type != "cpu":
+            self.model.to(rt.device)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.max_steps)
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data.train)
+        self.ckpt = None
+        c = cfg.checkpoint
+        if c.save_final or c.interval or c.resume != "none" or c.init_from or c.export_safetensors:
+            from framework.checkpoint import CheckpointManager
+
+            self.ckpt = CheckpointManager(cfg, cfg.run_dir, rt)
+        self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
+        self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
+
+    def train_step(self) -> Dict[str, float]:
+        t, model = self.cfg.trainer, self.model
+        accum = self.data.train.accum_steps
+        total = torch.zeros((), device=self.rt.device)
+        for micro in range(accum):
+            model.set_requires_gradient_sync(micro == accum - 1)
+            inputs, labels = self.data.train.next_batch()
+            loss = loss_fn(model(inputs.to(self.rt.device)), labels.to(self.rt.device)) / accum
+            loss.backward()
+            total += loss.detach()
+        grad_norm = clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm, self.cfg.parallelism.engine)
+        dist.all_reduce(total, group=self.dp_group)  # the global batch's mean loss
+        loss_value = total.item() / self.dims.dp
+        if not math.isfinite(loss_value):
+            raise TrainingDiverged(f"loss is {loss_value} at step {self.state.step + 1}; stopping "
+                                   "before the optimizer step (no checkpoint of this state is written). "
+                                   "Lower optimizer.lr or enable optimizer.clip_grad_norm")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_value, "grad_norm": float(grad_norm), "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.rt.device)
+        for _ in range(self.cfg.trainer.eval_iters):
+            inputs, labels = self.data.valid.next_batch()
+            total += loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device))
+        dist.all_reduce(total, group=self.dp_group)
+        self.model.train()
+        return total.item() / (self.cfg.trainer.eval_iters * self.dims.dp)
+
+    def comm_stats(self) -> Optional[Dict[str, float]]:
+        stats = getattr(self.model, "comm_stats", None)
+        return stats() if callable(stats) else None
+
+    def fit(self) -> int:
+        cfg, t, rt = self.cfg, self.cfg.trainer, self.rt
+        if self.ckpt is not None:
+            self.state.step = self.ckpt.resume(self.state)
+        logger = MetricsLogger(cfg.run_dir, enabled=rt.is_main, total_steps=t.max_steps,
+                               start_step=self.state.step, jsonl=cfg.logging.jsonl,
+                               tensorboard=cfg.logging.tensorboard, progress_bar=t.progress_bar)
+        tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        started = time.monotonic()
+        try:
+            while self.state.step < t.max_steps:
+                if hasattr(self.model, "reset_comm_stats"):
+                    self.model.reset_comm_stats()
+                tic = time.perf_counter()
+                metrics = self.train_step()
+                step_time = time.perf_counter() - tic
+                self.state.step += 1
+                step = self.state.step
+                metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
+                               peak_memory_gib=peak_memory_gib(rt.device))
+                achieved = self.flops_per_token * tokens_per_step / step_time / rt.world_size / 1e12
+                metrics["tflops_per_device"] = achieved
+                if self.peak_tflops:
+                    metrics["mfu"] = achieved / self.peak_tflops
+                comm = self.comm_stats()
+                if comm:
+                    metrics["exposed_comm_s"] = comm.get("exposed_comm_s")
+                    metrics["comm_bytes"] = comm.get("allgather_bytes", 0) + comm.get("reduce_scatter_bytes", 0) \
+                        + comm.get("allreduce_bytes", 0)
+                if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
+                    metrics["val_loss"] = self.evaluate()
+                    logger.write(f"step {step}: val_loss {metrics['val_loss']:.4f}")
+                if step % t.log_interval == 0 or step == t.max_steps:
+                    logger.log(step, metrics)
+                logger.progress({"loss": metrics["loss"], "tok/s": round(metrics["tokens_per_s"]),
+                                 "step_s": round(step_time, 3)})
+                if self.ckpt is not None:
+                    if self.ckpt.should_stop(step, started):
+                        self.ckpt.save(self.state)
+                        return self.ckpt.exit_status
+                    if self.ckpt.should_save(step):
+                        self.ckpt.save(self.state)
+            if self.ckpt is not None:
+                self.ckpt.finish(self.state)
+            if t.sample_tokens and self.data.tokenizer is not None:
+                text = self.sample(t.sample_tokens)
+                if rt.is_main:
+                    logger.write("--- sample ---\n" + text + "\n--------------")
+        finally:
+            logger.close()
+            if self.ckpt is not None:
+                self.ckpt.close()
+        return 0
+
+    @torch.no_grad()
+    def sample(self, n_tokens: int, prompt: str = "def ") -> str:
+        """Text generated from `prompt` by top-k sampling. Every rank runs the same forwards (the
+        sharded model needs them all) with the same seeded generator, so all agree on each token."""
+        self.model.eval()
+        tok = self.data.tokenizer
+        ids = tok.encode(prompt)
+        gen = torch.Generator().manual_seed(self.cfg.trainer.seed)
+        window = self.cfg.data.seq_len
+        for _ in range(n_tokens):
+            logits = self.model(torch.tensor([ids[-window:]], device=self.rt.device))[0, -1].float().cpu()
+            top = torch.topk(logits / 0.8, k=20)
+            choice = torch.multinomial(F.softmax(top.values, -1), 1, generator=gen)
+            ids.append(int(top.indices[choice]))
+        self.model.train()
+        return tok.decode(ids)
+
+
+def _full_model_bytes(model_cfg) -> int:
+    from framework.models import build_model as _build
+
+    return 4 * _build(model_cfg, "meta").num_params()
+
+
+def run(cfg: Config) -> int:
+    """One rank's whole job: join the process group, train, leave. Returns the exit status."""
+    rt = init_distributed(cfg.trainer.device)
+    try:
+        return Trainer(cfg, rt).fit()
+    except TrainingDiverged as exc:
+        if rt.is_main:
+            print(f"error: {exc}", flush=True)
+        return EXIT_DIVERGED
+    finally:
+        shutdown()

@@ -1,0 +1,40 @@
+"""Entry point: compose the config, validate it, then train (or prepare data) on every rank.
+
+    python main.py                              # the main job: a small GPT on 2 local ranks
+    python main.py model=debug data=synthetic trainer.max_steps=10
+    torchrun --nproc_per_node=4 main.py parallelism.tp=2
+"""
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config import register_schema
+from framework.launch import EXIT_BAD_CONFIG, fix_run_dir_under_torchrun, start
+
+register_schema()
+_started = False  # set once the task runs: an exit before that is a refused config
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(dict_cfg: DictConfig) -> int:
+    global _started
+    _started = True
+    code = start(dict_cfg, HydraConfig.get().runtime.output_dir)
+    if code:
+        sys.exit(code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.argv = fix_run_dir_under_torchrun(sys.argv)
+    try:
+        main()
+    except SystemExit as exc:
+        # Hydra exits 1 when it refuses a composition (a typo, a wrong type, an unknown group
+        # option); report that as bad input, like every other config error.
+        if exc.code == 1 and not _started and os.environ.get("RANK", "0") == "0":
+            raise SystemExit(EXIT_BAD_CONFIG)
+        raise
