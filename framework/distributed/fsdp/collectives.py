@@ -1,0 +1,122 @@
+"""Every collective of the engine, as free functions over an explicit process group.
+
+Each issuing function returns a small NamedTuple holding the work handle and the buffers it
+writes; `wait()` on it is the only place the engine blocks on communication, and it adds the time
+spent blocked to `CommStats.exposed_comm_s` (the exposed-communication counter, see
+ENGINE_NOTES.md section 4). Byte counters follow the theory of section 5: an all-gather counts the
+bytes this rank *receives* ((N-1) x shard bytes), a reduce-scatter or all-to-all the bytes it
+*sends* ((N-1) x shard bytes), an all-reduce the ring volume 2 (N-1)/N x tensor bytes.
+
+gloo in this torch deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
+`all_gather_single` / `reduce_scatter_single`; we use the latter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass
+class CommStats:
+    """Counters of one unit; `comm_stats()` on a module sums them over its units."""
+
+    allgather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    allreduce_bytes: int = 0
+    alltoall_bytes: int = 0
+    num_collectives: int = 0
+    exposed_comm_s: float = 0.0
+
+    def reset(self) -> None:
+        self.allgather_bytes = self.reduce_scatter_bytes = self.allreduce_bytes = 0
+        self.alltoall_bytes = self.num_collectives = 0
+        self.exposed_comm_s = 0.0
+
+
+class Pending(NamedTuple):
+    """An issued collective: wait on `work`, then read `output`."""
+
+    work: Any  # dist.Work or None when the group has one rank (nothing to wait for)
+    output: torch.Tensor
+    stats: CommStats
+
+
+def wait(p: Optional[Pending]) -> Optional[torch.Tensor]:
+    """Block until `p` is done; the blocked time counts as exposed communication."""
+    if p is None:
+        return None
+    if p.work is not None:
+        t0 = time.perf_counter()
+        p.work.wait()
+        p.stats.exposed_comm_s += time.perf_counter() - t0
+    return p.output
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
+    """Async all-gather of equal `shard`s into `output` (rank-major, N x shard)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return Pending(None, output, stats)
+    stats.allgather_bytes += (n - 1) * shard.numel() * shard.element_size()
+    stats.num_collectives += 1
+    work = dist.all_gather_single(output, shard, group=group, async_op=True)
+    return Pending(work, output, stats)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
+    """Async sum-reduce-scatter of `full` (N x shard, rank-major) into `output` (one shard)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        if output.data_ptr() != full.data_ptr():
+            output.copy_(full)
+        return Pending(None, output, stats)
+    stats.reduce_scatter_bytes += (n - 1) * output.numel() * full.element_size()
+    stats.num_collectives += 1
+    work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, output, stats)
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
+    """Async in-place sum all-reduce (the replicate dimension of hybrid sharding, NO_SHARD)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return Pending(None, tensor, stats)
+    stats.allreduce_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+    stats.num_collectives += 1
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, tensor, stats)
+
+
+def all_to_all(output: torch.Tensor, chunks: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
+    """Async all-to-all of N equal rank-major chunks (quantized gradient reduction)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        output.copy_(chunks)
+        return Pending(None, output, stats)
+    stats.alltoall_bytes += (n - 1) * chunks.numel() // n * chunks.element_size()
+    stats.num_collectives += 1
+    work = dist.all_to_all_single(output, chunks, group=group, async_op=True)
+    return Pending(work, output, stats)
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Blocking global sum, for small scalars (grad-norm); not counted in the step's stats."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_gather_object_free(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Blocking all-gather used by state-dict redistribution (outside the step; not counted)."""
+    if dist.get_world_size(group) == 1:
+        output.copy_(shard)
+    else:
+        dist.all_gather_single(output, shard, group=group)
+    return output

@@ -1,0 +1,119 @@
+"""Flat per-unit storage: where each parameter of a unit lives in the unit's flat buffers.
+
+[Note: flat storage]
+A unit's parameters are laid out one after the other in a flat buffer of T elements, padded to
+N x S (S = ceil(T / N), rounded up to the quantization block when int8 communication is on). Rank
+r owns the contiguous slice [r S, (r+1) S). Consequences, all deliberate:
+  * the all-gather output *is* the concatenation of the full parameters, so every full parameter
+    is a view into it (no copy-out), and the gathered buffer is the all-gather receive buffer;
+  * the reduce-scatter input is one flat gradient buffer with the same layout (one copy-in of the
+    gradients that autograd produced, no rank-major interleave);
+  * a parameter's local piece (what the optimizer sees) is the 1-D intersection of its range with
+    this rank's slice, a view of the fp32 shard buffer; it may be empty;
+  * a parameter's per-parameter Shard(0) chunk (what checkpoints need) generally lives on other
+    ranks, so `state_dict()` and the optimizer state dict redistribute (one all-gather per unit
+    and state key), only at checkpoint time. Measured in bench/RESULTS.md against FSDP2's
+    per-parameter dim-0 layout, which pays a copy on every gather and every reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class FlatEntry:
+    """One distinct parameter of a unit (tied parameters appear once, with several users)."""
+
+    users: List[Tuple[nn.Module, str, str]]  # (owning submodule, attribute name, FQN relative to the unit module)
+    shape: torch.Size
+    offset: int  # start in the unsharded flat buffer
+    numel: int
+    requires_grad: bool
+    local_lo: int = 0  # intersection of [offset, offset+numel) with this rank's slice, in flat coordinates
+    local_hi: int = 0
+
+    @property
+    def local_numel(self) -> int:
+        return self.local_hi - self.local_lo
+
+
+@dataclass
+class FlatLayout:
+    entries: List[FlatEntry]
+    total: int  # T: elements of real parameters
+    shard_numel: int  # S: elements each rank owns (padded)
+    world: int  # N: ranks in the shard group
+    rank: int
+    padded_total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.padded_total = self.shard_numel * self.world
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        for e in self.entries:
+            e.local_lo = min(max(e.offset, lo), hi)
+            e.local_hi = max(min(e.offset + e.numel, hi), e.local_lo)
+
+    @property
+    def shard_start(self) -> int:
+        return self.rank * self.shard_numel
+
+    def shard_slice(self, e: FlatEntry) -> slice:
+        """Where `e`'s local piece lives in this rank's shard buffer."""
+        return slice(e.local_lo - self.shard_start, e.local_hi - self.shard_start)
+
+    def piece_slice(self, e: FlatEntry) -> slice:
+        """Where `e`'s local piece lives inside the flattened full parameter."""
+        return slice(e.local_lo - e.offset, e.local_hi - e.offset)
+
+
+def build_layout(entries: List[FlatEntry], world: int, rank: int, align: int = 1) -> FlatLayout:
+    offset = 0
+    for e in entries:
+        e.offset = offset
+        offset += e.numel
+    total = offset
+    shard = max(1, -(-total // world))
+    shard = -(-shard // align) * align
+    return FlatLayout(entries, total, shard, world, rank)
+
+
+def dim0_chunk(shape: torch.Size, world: int, rank: int) -> Tuple[int, int]:
+    """Rows [lo, hi) of dim 0 that rank `rank` owns under torch.chunk semantics (DTensor Shard(0))."""
+    rows = shape[0]
+    per = -(-rows // world) if rows else 0
+    lo = min(rank * per, rows)
+    return lo, min(lo + per, rows)
+
+
+# ---- int8 block quantization (ZeRO++ qwZ/qgZ) -------------------------------------------------
+# A packed block-quantized buffer of n values (n a multiple of the block) is a uint8 tensor of
+# n + 4 n / block bytes: n int8 values, then n / block fp32 scales (absmax / 127).
+
+
+def packed_nbytes(n: int, block: int) -> int:
+    return n + 4 * (n // block)
+
+
+def quantize_into(x: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """Quantize flat `x` (n values) into the packed uint8 buffer `out`."""
+    n = x.numel()
+    xb = x.reshape(-1, block).float()
+    scale = xb.abs().amax(dim=1).clamp_min_(1e-30).div_(127.0)
+    q = torch.round(xb / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    out[:n].copy_(q.view(-1).view(torch.uint8))
+    out[n:].copy_(scale.view(torch.uint8))
+
+
+def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """Inverse of `quantize_into`, writing n values into `out` (any float dtype)."""
+    n = out.numel()
+    q = packed[:n].view(torch.int8).view(-1, block)
+    scale = packed[n:].view(torch.float32)
+    torch.mul(q, scale[:, None], out=out.view(-1, block)) if out.dtype == torch.float32 else out.view(
+        -1, block
+    ).copy_(q.float() * scale[:, None])

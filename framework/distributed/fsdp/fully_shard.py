@@ -1,0 +1,196 @@
+"""`fully_shard(module, ...)`: turn a module's not-yet-owned parameters into one sharded unit.
+
+Applied bottom-up (each block, then the root), like FSDP2. The module's class is swapped for a
+subclass that adds the FSDP2-style methods (`set_requires_gradient_sync`, `reshard`, `unshard`)
+and ours (`comm_stats`, `reset_comm_stats`, `sharded_tensor_bytes`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from . import hooks
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy
+from .flat import FlatEntry, build_layout
+from .state_dict import register_state_dict_hooks
+from .unit import ShardUnit
+
+_DEFAULT_MESH: Dict[str, DeviceMesh] = {}
+
+
+class ShardedModule:
+    """Methods added to every module that `fully_shard` was applied to."""
+
+    def _units(self) -> List[ShardUnit]:
+        return [m._fsdp_unit for m in self.modules() if getattr(m, "_fsdp_unit", None) is not None]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False for gradient-accumulation micro-steps: gradients accumulate unsharded, no communication."""
+        for u in self._units() if recurse else [self._fsdp_unit]:
+            u.requires_grad_sync = requires_gradient_sync
+
+    def comm_stats(self) -> dict:
+        """Communication since `reset_comm_stats()`, summed over the units at and below this module."""
+        keys = ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes", "num_collectives", "exposed_comm_s")
+        out = {k: 0 for k in keys}
+        for u in self._units():
+            for k in keys:
+                out[k] += getattr(u.stats, k)
+        return out
+
+    def reset_comm_stats(self) -> None:
+        for u in self._units():
+            u.stats.reset()
+
+    def sharded_tensor_bytes(self) -> dict:
+        """Bytes held by the engine per rank: shards, grad shards, unsharded storage, buffers."""
+        out: dict = {}
+        for u in self._units():
+            for k, v in u.tensor_bytes().items():
+                out[k] = out.get(k, 0) + v
+        root = self._fsdp_unit
+        out["grad_pool"] = root.ctx.pool_bytes() if root.ctx is not None else 0
+        return out
+
+    def unshard(self) -> None:
+        self._fsdp_unit.wait_unshard()
+
+    def reshard(self) -> None:
+        self._fsdp_unit.reshard()
+
+
+_CLASS_CACHE: Dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    return _CLASS_CACHE[cls]
+
+
+def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device):
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialised process group: call torch.distributed.init_process_group first")
+    world = dist.get_world_size()
+    if mesh is None:
+        if device.type not in _DEFAULT_MESH:
+            _DEFAULT_MESH[device.type] = init_device_mesh(device.type, (world,))
+        mesh = _DEFAULT_MESH[device.type]
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard: mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (shard) or a "
+            f"2-D mesh (replicate, shard) for hybrid sharding, e.g. mesh['dp_replicate', 'dp_shard']"
+        )
+    if world % mesh.size() != 0:
+        raise ValueError(f"fully_shard: mesh size {mesh.size()} does not divide world size {world}; build the mesh over all ranks")
+    if mesh.size() != world:
+        raise NotImplementedError(
+            f"fully_shard: a mesh over {mesh.size()} of {world} ranks (e.g. data parallel composed with tensor "
+            f"parallel) is not supported yet; pass a mesh over all ranks"
+        )
+    if mesh.ndim == 1:
+        return mesh, mesh.get_group(0), None
+    return mesh, mesh.get_group(1), mesh.get_group(0)
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Union[bool, int] = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: Optional[CPUOffloadPolicy] = None,
+    comm_policy: Optional[QuantizedCommPolicy] = None,
+) -> nn.Module:
+    """Shard `module`'s parameters that no sub-unit owns yet into one unit (ZeRO-3 by default).
+
+    reshard_after_forward: True = free the gathered parameters after forward (ZeRO-3); False = keep
+        them until backward ends (ZeRO-2); an int equal to the shard-group size means True, 1 means
+        False, other ints (hpZ secondary sharding) raise NotImplementedError.
+    comm_policy: QuantizedCommPolicy for int8 all-gather / all-to-all gradient reduction (ZeRO++).
+    """
+    if getattr(module, "_fsdp_unit", None) is not None:
+        raise ValueError(
+            f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module, bottom-up"
+        )
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward!r}; use True, False or an int")
+    if offload_policy is not None and comm_policy is not None:
+        raise NotImplementedError("fully_shard: CPUOffloadPolicy together with QuantizedCommPolicy is not supported; drop one")
+    # Collect the distinct parameters not owned by a sub-unit, with every (module, name) using them.
+    by_id: Dict[int, FlatEntry] = {}
+    params: Dict[int, nn.Parameter] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            if p is None or getattr(p, "_fsdp_sharded", False):
+                continue
+            claimed = getattr(p, "_fsdp_claimed_by", None)
+            if claimed is not None:
+                raise ValueError(
+                    f"fully_shard: parameter {mod_name}.{name} is tied to a parameter of the already-sharded "
+                    f"{claimed}, which is used outside it; tied parameters must belong to one unit: shard "
+                    f"the module that contains all their users (e.g. only the root) instead"
+                )
+            if isinstance(p, torch.distributed.tensor.DTensor):
+                raise NotImplementedError(
+                    "fully_shard: DTensor parameters (tensor parallel composed with the sharded engine) are not "
+                    "supported yet; apply tensor parallel without fully_shard, or fully_shard without tensor parallel"
+                )
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            if id(p) not in by_id:
+                by_id[id(p)] = FlatEntry([], p.shape, 0, p.numel(), p.requires_grad)
+                params[id(p)] = p
+            by_id[id(p)].users.append((mod, name, fqn))
+    entries = list(by_id.values())
+    originals = [params[i] for i in by_id]
+    if not entries:
+        device = torch.device("cpu")
+    else:
+        device = originals[0].device
+        dtypes = {p.dtype for p in originals}
+        if len(dtypes) > 1:
+            raise NotImplementedError(f"fully_shard: one unit with several parameter dtypes {dtypes} is not supported; cast the model first")
+    mesh, shard_group, replicate_group = _resolve_mesh(mesh, device)
+    n_shard = dist.get_world_size(shard_group)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        if reshard_after_forward == n_shard:
+            reshard_after_forward = True
+        elif reshard_after_forward == 1:
+            reshard_after_forward = False
+        else:
+            raise NotImplementedError(
+                f"fully_shard: reshard_after_forward={reshard_after_forward} (hpZ: reshard to a smaller group after "
+                f"forward) is not implemented; use True (ZeRO-3, shard over {n_shard}) or False (ZeRO-2)"
+            )
+    align = comm_policy.block_size if comm_policy is not None else 1
+    layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align)
+    shard_dtype = originals[0].dtype if originals else torch.float32
+    unit = ShardUnit(
+        module, entries, layout, shard_group, replicate_group, mesh, bool(reshard_after_forward),
+        mp_policy, offload_policy is not None, comm_policy, device, shard_dtype,
+    )
+    # Copy this rank's slice of the original parameters into the shard buffer, then replace every
+    # registration of each original parameter by its sharded piece (a view of the shard buffer).
+    with torch.no_grad():
+        for e, p in zip(entries, originals):
+            if e.local_numel:
+                unit.shard[layout.shard_slice(e)].copy_(p.detach().reshape(-1)[layout.piece_slice(e)])
+    for e, p in zip(entries, originals):
+        sp = nn.Parameter(unit.shard[layout.shard_slice(e)], requires_grad=e.requires_grad)
+        sp._fsdp_sharded = True
+        sp._fsdp_unit_ref = unit
+        unit.sharded_params.append(sp)
+        for mod, name, _ in e.users:
+            mod._parameters[name] = sp
+        p._fsdp_claimed_by = f"{type(module).__name__} unit"
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # release the unsharded original
+    module._fsdp_unit = unit
+    module.__class__ = _sharded_class(type(module))
+    hooks.register(unit)
+    register_state_dict_hooks(unit)
+    return module

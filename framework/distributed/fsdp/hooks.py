@@ -1,0 +1,125 @@
+"""Module and autograd hooks that drive the units through a training step.
+
+forward pre-hook   : (root) lazy init, phase FORWARD; wait for this unit's gather, prefetch the
+                     next unit's gather (order recorded on the first step), cast inputs.
+forward post-hook  : reshard (ZeRO-3) or keep (ZeRO-2, root); hook the outputs for pre-backward.
+pre-backward       : (a grad hook on the unit's outputs) re-gather, prefetch the unit backward
+                     reaches next (reverse forward order); the root queues the final callback.
+post-accumulate    : per full parameter; the unit's last one issues the reduce-scatter and
+                     reshards, so the reduce-scatter overlaps the backward of earlier units.
+final callback     : ShardContext.finish_backward: wait for all reductions before optimizer.step().
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from .api import TrainingPhase, UnitState
+from .state import ShardContext
+from .unit import ShardUnit
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj: Any) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    _map_tensors(obj, lambda t: out.append(t) or t)
+    return out
+
+
+def _lazy_init(unit: ShardUnit) -> None:
+    """The first unit to run forward without a context is the root of its model."""
+    units = [m._fsdp_unit for m in unit.module.modules() if getattr(m, "_fsdp_unit", None) is not None]
+    for u in units:
+        assert u.ctx is None, (
+            f"[rank {u.rank}] unit {u.name} already belongs to a sharded model rooted at "
+            f"{u.ctx.root.name}; call forward on the root module"
+        )
+    unit.reshard_after_forward = False  # backward needs the root first; keep it (as FSDP2 does)
+    ShardContext(unit, units)
+
+
+def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
+    if unit.ctx is None:
+        _lazy_init(unit)
+    ctx = unit.ctx
+    if unit is ctx.root:
+        ctx.set_phase(TrainingPhase.FORWARD)
+    if not ctx.order_frozen and torch.is_grad_enabled():
+        ctx.order.append(unit)
+    unit.wait_unshard()
+    if ctx.order_frozen:
+        i = ctx.order.index(unit) if unit in ctx.order else -1
+        if 0 <= i < len(ctx.order) - 1:
+            ctx.order[i + 1].unshard()
+    if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
+        dt = unit.mp.param_dtype
+        cast = lambda t: t.to(dt) if torch.is_floating_point(t) else t
+        return _map_tensors(args, cast), _map_tensors(kwargs, cast)
+    return None
+
+
+def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    ctx = unit.ctx
+    grad = torch.is_grad_enabled()
+    if unit is ctx.root:
+        ctx.order_frozen = ctx.order_frozen or grad
+        if not grad:
+            ctx.reshard_all()
+            ctx.set_phase(TrainingPhase.IDLE)
+    elif unit.reshard_after_forward or not grad:
+        unit.reshard()
+    if grad:
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(lambda g, u=unit: _pre_backward(u, g))
+    if unit.mp.output_dtype is not None:
+        dt = unit.mp.output_dtype
+        output = _map_tensors(output, lambda t: t.to(dt) if torch.is_floating_point(t) else t)
+    return output
+
+
+def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
+    ctx = unit.ctx
+    if ctx.phase == TrainingPhase.FORWARD:
+        ctx.set_phase(TrainingPhase.PRE_BACKWARD)
+    if not ctx.callback_queued:
+        ctx.callback_queued = True
+        Variable._execution_engine.queue_callback(ctx.finish_backward)
+    if unit._reduce_issued:
+        return  # a late hook on an output whose unit already finished its backward
+    unit.wait_unshard()
+    i = ctx.order.index(unit) if unit in ctx.order else -1
+    if i > 0 and ctx.order[i - 1].state == UnitState.SHARDED:
+        ctx.order[i - 1].unshard()
+
+
+def post_accumulate_grad(unit: ShardUnit, full: torch.Tensor) -> None:
+    unit.assert_state(UnitState.UNSHARDED, what="post-accumulate-grad")
+    unit.on_grad()
+
+
+def register(unit: ShardUnit) -> None:
+    unit.module.register_forward_pre_hook(
+        lambda m, a, k, u=unit: pre_forward(u, m, a, k), prepend=True, with_kwargs=True
+    )
+    unit.module.register_forward_hook(
+        lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True
+    )
+    for e, full in zip(unit.entries, unit.full_params):
+        if e.requires_grad:
+            full.register_post_accumulate_grad_hook(lambda t, u=unit: post_accumulate_grad(u, t))

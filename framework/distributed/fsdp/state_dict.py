@@ -1,0 +1,198 @@
+"""Checkpoint views of a sharded model: per-parameter Shard(0) DTensors built on demand.
+
+The engine stores flat per-unit slices (see [Note: flat storage] in flat.py); checkpoints want
+one DTensor per parameter, split on dim 0 in torch.chunk order, so DCP can reshard across world
+sizes and so our files and torch `fully_shard` files are interchangeable. The redistribution is an
+all-gather of the unit's flat slice (one unit in memory at a time) followed by local slicing; it
+runs only inside `state_dict()` / `load_state_dict()` / `get_state_dicts` / `set_state_dicts`, all
+of which are therefore collective: call them on every rank.
+
+`get_state_dicts(model, optim)` / `set_state_dicts(model, optim, model_sd, optim_sd)` produce and
+accept exactly the format of torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict
+for a model sharded with torch's fully_shard: original FQN keys, DTensor values, optimizer state
+keyed by FQN with FQN lists in param_groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import collectives as C
+from .flat import FlatEntry, dim0_chunk
+
+if TYPE_CHECKING:
+    from .unit import ShardUnit
+
+
+def _placements(unit: "ShardUnit", ndim: int) -> list:
+    inner = Shard(0) if ndim > 0 else Replicate()
+    return [Replicate(), inner] if unit.mesh.ndim == 2 else [inner]
+
+
+def _gather_flat(unit: "ShardUnit", local: torch.Tensor) -> torch.Tensor:
+    """All-gather one shard-sized fp32 flat slice into the unit's full flat layout."""
+    full = torch.empty(unit.layout.padded_total, dtype=local.dtype, device=local.device)
+    return C.all_gather_object_free(full, local.contiguous(), unit.shard_group)
+
+
+def _to_dtensor(unit: "ShardUnit", e: FlatEntry, full_flat: torch.Tensor) -> DTensor:
+    full = full_flat[e.offset:e.offset + e.numel].view(e.shape)
+    if full.dim() == 0:
+        local = full.clone()
+    else:
+        lo, hi = dim0_chunk(e.shape, unit.N, unit.layout.rank)
+        local = full[lo:hi].clone()
+    return DTensor.from_local(local, unit.mesh, _placements(unit, full.dim()), shape=full.shape, stride=full.stride())
+
+
+def _full_value(v) -> torch.Tensor:
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+def _local_piece(unit: "ShardUnit", e: FlatEntry, full: torch.Tensor) -> torch.Tensor:
+    if full.numel() != e.numel:
+        raise ValueError(
+            f"load: value of shape {tuple(full.shape)} for a parameter of shape {tuple(e.shape)}; "
+            f"the checkpoint belongs to a different model"
+        )
+    return full.reshape(-1)[unit.layout.piece_slice(e)].to(unit.shard.device).clone()
+
+
+def register_state_dict_hooks(unit: "ShardUnit") -> None:
+    def post_state_dict(module, state_dict, prefix, local_metadata):
+        full_flat = _gather_flat(unit, unit.shard)
+        for e in unit.entries:
+            dt = _to_dtensor(unit, e, full_flat)
+            for _, _, fqn in e.users:
+                if prefix + fqn in state_dict:
+                    state_dict[prefix + fqn] = dt
+
+    def pre_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for e in unit.entries:
+            done: Optional[torch.Tensor] = None
+            for _, _, fqn in e.users:
+                key = prefix + fqn
+                if key in state_dict:
+                    if done is None:
+                        done = _local_piece(unit, e, _full_value(state_dict[key]))
+                    state_dict[key] = done
+
+    unit.module.register_state_dict_post_hook(post_state_dict)
+    unit.module.register_load_state_dict_pre_hook(pre_load)
+
+
+# ------------------------------------------------------------------ optimizer
+def _units(model: nn.Module) -> List["ShardUnit"]:
+    return [m._fsdp_unit for m in model.modules() if getattr(m, "_fsdp_unit", None) is not None]
+
+
+def _init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state with a zero-lr step on zero grads (so DCP has a template)."""
+    saved = []
+    for g in optim.param_groups:
+        saved.append(g["lr"])
+        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+        for p in g["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optim.step()
+    for g, lr in zip(optim.param_groups, saved):
+        g["lr"] = lr
+    optim.zero_grad(set_to_none=True)
+
+
+def _param_ids(optim: torch.optim.Optimizer) -> Dict[int, int]:
+    ids, i = {}, 0
+    for g in optim.param_groups:
+        for p in g["params"]:
+            ids[id(p)] = i
+            i += 1
+    return ids
+
+
+def _sharded_keys(states: List[dict], params: List[torch.Tensor]) -> List[str]:
+    keys = set()
+    for st, p in zip(states, params):
+        for k, v in st.items():
+            if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == p.shape:
+                keys.add(k)
+    return sorted(keys)
+
+
+def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[dict, dict]:
+    """(model_sd, optim_sd) in the format of torch's `get_state_dict` for a `fully_shard`-ed model. Collective."""
+    model_sd = model.state_dict()
+    if not optimizer.state:
+        _init_optimizer_state(optimizer)
+    fqn_of = {}
+    for name, p in model.named_parameters():
+        fqn_of.setdefault(id(p), name)
+    state: Dict[str, dict] = {}
+    handled = set()
+    for unit in _units(model):
+        entries = [(e, sp) for e, sp in zip(unit.entries, unit.sharded_params) if e.requires_grad]
+        sts = [optimizer.state.get(sp, {}) for _, sp in entries]
+        for k in _sharded_keys(sts, [sp for _, sp in entries]):
+            local = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=unit.shard.device)
+            for (e, sp), st in zip(entries, sts):
+                if k in st:
+                    local[unit.layout.shard_slice(e)] = st[k]
+            full_flat = _gather_flat(unit, local)
+            for (e, sp), st in zip(entries, sts):
+                if k in st:
+                    state.setdefault(fqn_of[id(sp)], {})[k] = _to_dtensor(unit, e, full_flat).to(st[k].dtype)
+        for (e, sp), st in zip(entries, sts):
+            handled.add(id(sp))
+            for k, v in st.items():
+                if k not in state.get(fqn_of[id(sp)], {}):
+                    state.setdefault(fqn_of[id(sp)], {})[k] = v
+    for g in optimizer.param_groups:  # parameters outside the engine pass through
+        for p in g["params"]:
+            if id(p) not in handled and p in optimizer.state:
+                state[fqn_of[id(p)]] = dict(optimizer.state[p])
+    groups = []
+    for g in optimizer.param_groups:
+        gg = {k: v for k, v in g.items() if k != "params"}
+        gg["params"] = [fqn_of[id(p)] for p in g["params"]]
+        groups.append(gg)
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """Load what `get_state_dicts` (ours or torch's, any world size) produced. Collective."""
+    model.load_state_dict(model_sd)
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    fqns_of: Dict[int, List[str]] = {}
+    for name, p in by_name.items():
+        fqns_of.setdefault(id(p), []).append(name)
+    ids = _param_ids(optimizer)
+    src = optim_sd["state"]
+    new_state: Dict[int, dict] = {}
+    handled = set()
+    for unit in _units(model):
+        for e, sp in zip(unit.entries, unit.sharded_params):
+            fqn = next((f for f in fqns_of.get(id(sp), []) if f in src), None)
+            if fqn is None or id(sp) not in ids:
+                continue
+            st = {}
+            for k, v in sorted(src[fqn].items()):
+                if k != "step" and isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == e.numel:
+                    st[k] = _local_piece(unit, e, _full_value(v))
+                else:
+                    st[k] = v
+            new_state[ids[id(sp)]] = st
+            handled.add(id(sp))
+    for fqn, st in src.items():
+        p = by_name.get(fqn)
+        if p is not None and id(p) not in handled and id(p) in ids:
+            new_state[ids[id(p)]] = {k: _full_value(v) for k, v in st.items()}
+    groups = []
+    for g, sg in zip(optimizer.param_groups, optim_sd["param_groups"]):
+        gg = {k: v for k, v in sg.items() if k != "params"}
+        gg["params"] = [ids[id(p)] for p in g["params"]]
+        groups.append(gg)
+    optimizer.load_state_dict({"state": new_state, "param_groups": groups})

@@ -1,0 +1,335 @@
+"""One unit: the parameters gathered and reduced together (one `fully_shard` call).
+
+Owns the fp32 shard buffer (the optimizer's parameters are views into it), the fp32 gradient
+shard buffer (their `.grad` views), the unsharded storage that the modules compute with, and the
+unit's part of the step: unshard, reshard, reduce gradients, finish the reduction.
+See [Note: flat storage] in flat.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import collectives as C
+from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
+from .flat import FlatEntry, FlatLayout, dequantize_into, packed_nbytes, quantize_into
+
+if TYPE_CHECKING:
+    from .state import ShardContext
+
+# [Note: unsharded storage keeps its identity]
+# Autograd saves the full parameters (and views of them, e.g. `weight.t()` inside linear) for
+# backward. So a unit's unsharded parameters are created once, as tensors over one untyped storage
+# per unit, and stay the same objects for the life of the model. Resharding releases the memory
+# with `storage.resize_(0)`; unsharding resizes it back and gathers into it, so every saved tensor
+# and view sees the re-gathered values. Nothing else allocates on the gather path: the caching
+# allocator (CUDA) or glibc's free lists (CPU) hand the same block back from step 2 on.
+# With one rank in the shard group and no dtype change (NO_SHARD fp32), the unsharded storage *is*
+# the shard buffer: no gather, no copy, never released.
+
+
+class ShardUnit:
+    def __init__(
+        self,
+        module: nn.Module,
+        entries: List[FlatEntry],
+        layout: FlatLayout,
+        shard_group: dist.ProcessGroup,
+        replicate_group: Optional[dist.ProcessGroup],
+        mesh,
+        reshard_after_forward: bool,
+        mp: MixedPrecisionPolicy,
+        offload: bool,
+        comm: Optional[QuantizedCommPolicy],
+        compute_device: torch.device,
+        shard_dtype: torch.dtype,
+    ) -> None:
+        self.module = module
+        self.name = type(module).__name__
+        self.entries = entries
+        self.layout = layout
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.mp = mp
+        self.comm = comm
+        self.compute_device = compute_device
+        self.offload = offload
+        self.N = layout.world
+        self.R = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.dp = self.N * self.R
+        self.rank = dist.get_rank()
+        self.param_dtype = mp.param_dtype or shard_dtype
+        self.reduce_dtype = mp.reduce_dtype or self.param_dtype
+        self.shard_dtype = shard_dtype
+        self.state = UnitState.SHARDED
+        self.ctx: Optional["ShardContext"] = None
+        self.stats = C.CommStats()
+        self.requires_grad_sync = True
+        self.trainable = [e for e in entries if e.requires_grad]
+        shard_device = torch.device("cpu") if offload else compute_device
+        pin = offload and compute_device.type == "cuda"
+        S = layout.shard_numel
+        self.shard = torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin)
+        self.grad_shard = torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin) if self.trainable else None
+        self.sharded_params: List[nn.Parameter] = []
+        self.full_params: List[torch.Tensor] = []
+        self._accum: Optional[torch.Tensor] = None  # unsharded grads kept across no-sync micro-steps
+        self._accum_valid = False
+        self._grads_seen = 0
+        self._reduce_issued = False
+        self._pending: Optional[tuple] = None  # (Pending, rs_input_buffer, output_is_grad_shard, fresh)
+        self._send: Optional[torch.Tensor] = None
+        self._recv_packed: Optional[torch.Tensor] = None
+        self._gather: Optional[C.Pending] = None
+        self._build_full_storage()
+
+    # ---------------------------------------------------------------- construction
+    def _zero_copy(self) -> bool:
+        return self.N == 1 and self.param_dtype == self.shard_dtype and not self.offload
+
+    def _build_full_storage(self) -> None:
+        L = self.layout
+        if self._zero_copy():
+            self.full_flat = self.shard
+            self.storage = None
+        else:
+            self.full_flat = torch.empty(L.padded_total, dtype=self.param_dtype, device=self.compute_device)
+            self.storage = self.full_flat.untyped_storage()
+            self.storage.resize_(0)
+        base = self.full_flat.untyped_storage()
+        for e in self.entries:
+            t = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
+            with torch.no_grad():
+                t.set_(base, e.offset, e.shape, _contiguous_stride(e.shape))
+            t.requires_grad_(e.requires_grad)
+            self.full_params.append(t)
+
+    def assert_state(self, *allowed: UnitState, what: str) -> None:
+        assert self.state in allowed, (
+            f"[rank {self.rank}] unit {self.name}: {what} needs state in "
+            f"{[s.value for s in allowed]} but it is {self.state.value}"
+        )
+
+    def set_state(self, new: UnitState) -> None:
+        legal = {
+            UnitState.SHARDED: (UnitState.UNSHARDING, UnitState.UNSHARDED),
+            UnitState.UNSHARDING: (UnitState.UNSHARDED,),
+            UnitState.UNSHARDED: (UnitState.SHARDED,),
+        }
+        assert new in legal[self.state], (
+            f"[rank {self.rank}] unit {self.name}: illegal transition {self.state.value} -> {new.value}"
+        )
+        self.state = new
+
+    # ---------------------------------------------------------------- gather
+    def unshard(self) -> None:
+        """Issue the all-gather (async); `wait_unshard` exposes the result."""
+        if self.state != UnitState.SHARDED:
+            return
+        if self._zero_copy():
+            self.set_state(UnitState.UNSHARDED)
+            self._expose()
+            return
+        L = self.layout
+        self.storage.resize_(L.padded_total * self.full_flat.element_size())
+        qp = self.comm is not None and self.comm.params and self.N > 1
+        if qp:
+            nb = packed_nbytes(L.shard_numel, self.comm.block_size)
+            if self._send is None:
+                self._send = torch.empty(nb, dtype=torch.uint8, device=self.compute_device)
+                self._recv_packed = torch.empty(nb * self.N, dtype=torch.uint8, device=self.compute_device)
+            quantize_into(self.shard, self._send, self.comm.block_size)
+            self._gather = C.all_gather(self._recv_packed, self._send, self.shard_group, self.stats)
+        else:
+            src = self.shard
+            if self.param_dtype != self.shard_dtype or self.shard.device != self.compute_device:
+                if self._send is None:
+                    self._send = torch.empty(L.shard_numel, dtype=self.param_dtype, device=self.compute_device)
+                self._send.copy_(self.shard, non_blocking=True)
+                src = self._send
+            self._gather = C.all_gather(self.full_flat, src, self.shard_group, self.stats)
+        self.set_state(UnitState.UNSHARDING)
+
+    def wait_unshard(self) -> None:
+        if self.state == UnitState.SHARDED:
+            self.unshard()
+        if self.state == UnitState.UNSHARDED:
+            return
+        C.wait(self._gather)
+        self._gather = None
+        if self.comm is not None and self.comm.params and self.N > 1:
+            S, nb = self.layout.shard_numel, packed_nbytes(self.layout.shard_numel, self.comm.block_size)
+            for r in range(self.N):
+                dequantize_into(self._recv_packed[r * nb:(r + 1) * nb], self.full_flat[r * S:(r + 1) * S], self.comm.block_size)
+        self.set_state(UnitState.UNSHARDED)
+        self._expose()
+
+    def _expose(self) -> None:
+        # The modules read the full parameter through the instance __dict__, which Python consults
+        # before nn.Module.__getattr__ (and so before _parameters, which keeps the sharded piece
+        # that named_parameters() and the optimizer see).
+        for e, full in zip(self.entries, self.full_params):
+            for mod, attr, _ in e.users:
+                mod.__dict__[attr] = full
+
+    def _hide(self) -> None:
+        for e in self.entries:
+            for mod, attr, _ in e.users:
+                mod.__dict__.pop(attr, None)
+
+    def reshard(self) -> None:
+        if self.state == UnitState.UNSHARDING:
+            self.wait_unshard()
+        if self.state == UnitState.SHARDED:
+            return
+        self._hide()
+        if self.storage is not None:
+            self.storage.resize_(0)
+        self.set_state(UnitState.SHARDED)
+
+    # ---------------------------------------------------------------- gradients
+    def on_grad(self) -> None:
+        """Post-accumulate-grad of one trainable full parameter; the last one reduces the unit."""
+        self._grads_seen += 1
+        if self._grads_seen == len(self.trainable):
+            self.reduce_grads()
+
+    def reduce_grads(self) -> None:
+        """Copy the unit's full grads into a flat buffer and issue the reduce-scatter (async)."""
+        if self._reduce_issued or not self.trainable:
+            return
+        self._reduce_issued = True
+        L = self.layout
+        if not self.requires_grad_sync:
+            if self._accum is None:
+                self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
+            self._write_grads(self._accum, accumulate=self._accum_valid)
+            self._accum_valid = True
+            if self.reshard_after_forward or True:
+                self.reshard()
+            return
+        if self._accum_valid:
+            self._write_grads(self._accum, accumulate=True)
+            buf = self._accum
+            pooled = False
+        else:
+            buf = self.ctx.acquire_grad_buffer(L.padded_total, self.reduce_dtype, self.compute_device)
+            self._write_grads(buf, accumulate=False)
+            pooled = True
+        low_precision = self.reduce_dtype in (torch.float16, torch.bfloat16)
+        if low_precision:
+            buf.div_(self.dp)  # pre-divide so a 16-bit sum cannot overflow
+        fresh = all(p.grad is None for p in self._trainable_sharded())
+        direct = fresh and buf.dtype == self.shard_dtype and self.grad_shard.device == buf.device
+        quant = self.comm is not None and self.comm.grads and self.N > 1
+        if quant:
+            out = self.ctx.acquire_grad_buffer(L.shard_numel, torch.float32, self.compute_device, tag="q")
+            pending = self._issue_quantized_reduce(buf, out)
+            direct = False
+        else:
+            out = self.grad_shard if direct else self.ctx.acquire_grad_buffer(
+                L.shard_numel, self.reduce_dtype, self.compute_device, tag="out"
+            )
+            pending = C.reduce_scatter(out, buf, self.shard_group, self.stats)
+        self._pending = (pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out)
+        self.ctx.pending_units.append(self)
+        self.reshard()
+
+    def _write_grads(self, buf: torch.Tensor, accumulate: bool) -> None:
+        L = self.layout
+        with torch.no_grad():
+            for e, full in zip(self.entries, self.full_params):
+                dst = buf[e.offset:e.offset + e.numel]
+                g = full.grad if e.requires_grad else None
+                if g is None:
+                    if not accumulate:
+                        dst.zero_()
+                else:
+                    dst.add_(g.view(-1)) if accumulate else dst.copy_(g.view(-1))
+                    full.grad = None
+            if not accumulate and L.padded_total > L.total:
+                buf[L.total:].zero_()
+
+    def _issue_quantized_reduce(self, buf: torch.Tensor, out: torch.Tensor) -> C.Pending:
+        """qgZ: quantize all N chunks, all-to-all them, sum the dequantized chunks in finish_reduce."""
+        b = self.comm.block_size
+        nb = packed_nbytes(self.layout.shard_numel, b)
+        if getattr(self, "_q_send", None) is None:
+            self._q_send = torch.empty(nb * self.N, dtype=torch.uint8, device=self.compute_device)
+            self._q_recv = torch.empty(nb * self.N, dtype=torch.uint8, device=self.compute_device)
+        S = self.layout.shard_numel
+        for r in range(self.N):
+            quantize_into(buf[r * S:(r + 1) * S], self._q_send[r * nb:(r + 1) * nb], b)
+        return C.all_to_all(self._q_recv, self._q_send, self.shard_group, self.stats)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
+        if self._pending is None:
+            return
+        pending, buf, direct, fresh, pre_divided, out = self._pending
+        self._pending = None
+        C.wait(pending)
+        if self.comm is not None and self.comm.grads and self.N > 1:
+            b, S = self.comm.block_size, self.layout.shard_numel
+            nb = packed_nbytes(S, b)
+            tmp = torch.empty(S, dtype=torch.float32, device=out.device)
+            for r in range(self.N):
+                dequantize_into(self._q_recv[r * nb:(r + 1) * nb], tmp, b)
+                out.copy_(tmp) if r == 0 else out.add_(tmp)
+        if buf is not None:
+            self.ctx.release_grad_buffer(buf)
+        if self._accum_valid:
+            self._accum_valid = False  # the accumulated grads went into this reduction
+        reduced = self.grad_shard if direct else out
+        if self.R > 1:
+            C.wait(C.all_reduce(reduced, self.replicate_group, self.stats))
+        if not pre_divided:
+            reduced.div_(self.dp)
+        params = self._trainable_sharded()
+        with torch.no_grad():
+            if fresh:
+                if not direct:
+                    self.grad_shard.copy_(reduced, non_blocking=True)
+                for p, e in zip(params, self.trainable):
+                    p.grad = self.grad_shard[self.layout.shard_slice(e)]
+            else:
+                for p, e in zip(params, self.trainable):
+                    piece = reduced[self.layout.shard_slice(e)].to(p.dtype)
+                    if p.grad is None:
+                        p.grad = piece.clone()
+                    else:
+                        p.grad.add_(piece)
+        if out is not None and out is not self.grad_shard:
+            self.ctx.release_grad_buffer(out)
+
+    def _trainable_sharded(self) -> List[nn.Parameter]:
+        return [p for p, e in zip(self.sharded_params, self.entries) if e.requires_grad]
+
+    def reset_backward(self) -> None:
+        self._grads_seen = 0
+        self._reduce_issued = False
+
+    # ---------------------------------------------------------------- accounting
+    def tensor_bytes(self) -> dict:
+        """Bytes held by this unit's persistent tensors (for tests and the benchmark)."""
+        nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()
+        return {
+            "shard": nbytes(self.shard),
+            "grad_shard": nbytes(self.grad_shard),
+            "unsharded": 0 if self.storage is None else self.storage.nbytes(),
+            "accum": nbytes(self._accum),
+        }
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for d in reversed(list(shape)):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))

@@ -1,0 +1,97 @@
+"""Spawn N gloo ranks on this machine, run one picklable function per rank, return the results.
+
+Usage::
+
+    from tests.distributed.harness import run_ranks
+    results = run_ranks(my_fn, world_size=2, args=(cfg,), timeout_s=120)
+    # results[r] is what my_fn(rank, world_size, *args) returned on rank r
+
+`my_fn` must be defined at module level (it is pickled for the child processes). The process
+group is initialised before `my_fn` runs and destroyed after. A failure on any rank raises
+`RankFailure` here with that rank's traceback; a rank that does not finish within `timeout_s`
+makes every rank get killed and `TimeoutError` raised, so a deadlocked collective never hangs
+the test suite. Each rank runs with one compute thread (as torchrun does) so gloo's
+communication threads get a core.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int) -> None:
+    try:
+        torch.set_num_threads(threads)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    timeout_s: float = 120.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads_per_rank), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout_s}s"
+                )
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check for ranks that died without reporting
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise RankFailure(f"rank(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                continue
+            if not ok:
+                raise RankFailure(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [results[r] for r in range(world_size)]
