@@ -16,6 +16,7 @@ from framework.config.validate import parallel_dims_of
 from framework.data import build_data
 from framework.distributed.parallelize import clip_grad_norm, parallelize
 from framework.distributed.runtime import Runtime, init_distributed, shutdown
+from framework.distributed.tensor_parallel import full, loss_context
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
 from framework.models import build_model
 from framework.optim import build_optimizer, build_scheduler
@@ -80,9 +81,10 @@ class Trainer:
         for micro in range(accum):
             model.set_requires_gradient_sync(micro == accum - 1)
             inputs, labels = self.data.train.next_batch()
-            loss = loss_fn(model(inputs.to(self.rt.device)), labels.to(self.rt.device)) / accum
-            loss.backward()
-            total += loss.detach()
+            with loss_context(model):  # tensor parallel: the loss on vocabulary-sharded logits
+                loss = loss_fn(model(inputs.to(self.rt.device)), labels.to(self.rt.device)) / accum
+                loss.backward()
+            total += full(loss.detach())
         grad_norm = clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm, self.cfg.parallelism.engine)
         dist.all_reduce(total, group=self.dp_group)  # the global batch's mean loss
         loss_value = total.item() / self.dims.dp
@@ -102,7 +104,8 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device)
         for _ in range(self.cfg.trainer.eval_iters):
             inputs, labels = self.data.valid.next_batch()
-            total += loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device))
+            with loss_context(self.model):
+                total += full(loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device)))
         dist.all_reduce(total, group=self.dp_group)
         self.model.train()
         return total.item() / (self.cfg.trainer.eval_iters * self.dims.dp)
@@ -175,7 +178,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.trainer.seed)
         window = self.cfg.data.seq_len
         for _ in range(n_tokens):
-            logits = self.model(torch.tensor([ids[-window:]], device=self.rt.device))[0, -1].float().cpu()
+            logits = full(self.model(torch.tensor([ids[-window:]], device=self.rt.device)))[0, -1].float().cpu()
             top = torch.topk(logits / 0.8, k=20)
             choice = torch.multinomial(F.softmax(top.values, -1), 1, generator=gen)
             ids.append(int(top.indices[choice]))

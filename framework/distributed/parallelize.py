@@ -78,5 +78,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float, engine: Engine) -> torch.T
         from framework.distributed.fsdp import clip_grad_norm_
 
         return clip_grad_norm_(params, limit)
-    norm = torch.nn.utils.clip_grad_norm_(params, limit)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    # Tensor parallel leaves DTensor gradients on two meshes (tp-split weights on (dp, tp), plain
+    # weights such as the norms' on dp only), which one foreach norm cannot mix: norm per mesh, then
+    # combine the global per-mesh norms.
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], 2.0) for group in by_mesh.values()]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, limit, norm)
+    return norm

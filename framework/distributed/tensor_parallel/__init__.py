@@ -1,0 +1,98 @@
+"""Tensor parallelism with torch's DTensor styles: the generic applier and the loss around it.
+
+    apply_tensor_parallel(model, mesh["tp"], cfg)    # once, before activation checkpointing / sharding
+    with loss_context(model):                        # forward loss AND backward
+        loss = loss_fn(model(x), y); loss.backward()
+    full(loss)                                        # a plain tensor whatever the layout
+
+Each model family keeps its plan next to its definition, as `tp_plan(model, sequence_parallel)`
+in `<family package>/parallelize.py` (the Llama one: `framework/models/llama/parallelize.py`); this
+module finds it from the model's class and never imports a model itself.
+
+[Note: the logits stay sharded on the vocabulary]
+The output head leaves its logits as a DTensor sharded on the last dim. Cross-entropy on it runs
+under `torch.distributed.tensor.parallel.loss_parallel`, which computes the log-softmax from
+per-rank maxima and sums (two small all-reduces over (batch, seq)) instead of gathering
+(batch, seq, vocab). The context must also cover `backward()`, whose first op is that loss's
+gradient. Anything that wants plain logits (sampling, tools) calls `full`.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Callable, ContextManager, Dict, List
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+__all__ = ["apply_tensor_parallel", "plan_of", "loss_context", "full", "is_tensor_parallel"]
+
+_TP_ATTR = "_framework_tp_degree"
+
+
+def plan_of(model: nn.Module) -> Callable[[nn.Module, bool], Dict]:
+    """The `tp_plan` function of the model's family (`<package of its class>/parallelize.py`)."""
+    package = type(model).__module__.rpartition(".")[0]
+    try:
+        module = importlib.import_module(f"{package}.parallelize")
+    except ModuleNotFoundError as exc:
+        raise NotImplementedError(f"parallelism.tp > 1 with model class {type(model).__name__}: its "
+                                  f"family has no tensor-parallel plan ({package}.parallelize.tp_plan); "
+                                  "write one or set parallelism.tp=1") from exc
+    return module.tp_plan
+
+
+def _tied_names(model: nn.Module) -> List[List[str]]:
+    """Groups of parameter names that share one tensor (e.g. tied embedding and output head)."""
+    by_id: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _set_param(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, param)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
+    """Split `model`'s layers over the 1-D `tp_mesh` by its family's plan, in place.
+
+    `cfg` is the `ParallelismConfig` (`sequence_parallel` is read). Parameters the plan touches
+    become DTensors on `tp_mesh`; the sharding engine then shards their local pieces over the
+    data-parallel dims. Parameters tied before (same tensor under two names) are tied again.
+    """
+    tied = _tied_names(model)
+    plan = plan_of(model)(model, cfg.sequence_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    for names in tied:
+        # Each style distributes the parameter it owns; both ends of a tie get the same
+        # placement (the plan must make sure of it), so keep the first and point the others at it.
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            other = model.get_parameter(name)
+            if isinstance(first, DTensor) and isinstance(other, DTensor):
+                assert first.placements == other.placements, (
+                    f"tied parameters {names} got different placements {first.placements} and "
+                    f"{other.placements} from the tensor-parallel plan")
+            _set_param(model, name, first)
+    setattr(model, _TP_ATTR, tp_mesh.size())
+    return model
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    return getattr(model, _TP_ATTR, 1) > 1
+
+
+def loss_context(model: nn.Module) -> ContextManager:
+    """`loss_parallel()` for a tensor-parallel model (see [Note: the logits stay sharded on the
+    vocabulary]), a no-op otherwise."""
+    return loss_parallel() if is_tensor_parallel(model) else contextlib.nullcontext()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain, whole tensor: a DTensor (the loss, vocabulary-sharded logits) gathered, a plain
+    tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
