@@ -1,0 +1,118 @@
+"""What every cluster type shares: the job's paths, the training command line, shell quoting.
+
+Renderers are pure: they take the typed config, the training overrides and a `Job` (names and
+paths as the job will see them) and return text or a dict. Nothing here reads the clock, the
+environment or the disk, so the same inputs give byte-identical output (golden files).
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Iterable, List, Sequence, Tuple
+
+from framework.config import Config, Stage
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # the job directory's basename: rendezvous id, Kubernetes name
+    job_dir: str  # the job directory, absolute, as the job sees it (logs, run dir)
+    repo_dir: str  # where main.py lives, as the job sees it (the image's workdir in a container)
+    python: str  # the interpreter that runs main.py, as the job sees it
+    overrides: Tuple[str, ...]  # training overrides, passed to main.py unchanged
+
+
+class Raw(str):
+    """A fragment written into a shell script as it is (a variable expansion we wrote ourselves).
+
+    Only the renderers create these, from constants; a value from the config never is one.
+    """
+
+
+def quote(arg: str) -> str:
+    return arg if isinstance(arg, Raw) else shlex.quote(arg)
+
+
+def shell_line(args: Sequence[str]) -> str:
+    """One command on one line, every argument quoted."""
+    return " ".join(quote(a) for a in args)
+
+
+def shell_command(*groups: Sequence[str], indent: str = "    ") -> str:
+    """One command over continuation lines: a line per group (the program and its options, the
+    container, torchrun, main.py) and a line per main.py override, every argument quoted."""
+    lines = [shell_line(g) for g in groups if g]
+    return f" \\\n{indent}".join(lines)
+
+
+def stages_of(cfg: Config) -> List[Stage]:
+    """The stages this job runs, in order: cluster.stages, or the one `stage`."""
+    return [Stage(s) for s in cfg.cluster.stages] or [cfg.stage]
+
+
+def run_dir(job: Job, stage: Stage) -> str:
+    """Where main.py writes (hydra.run.dir): fixed per job, so every rank and every requeue shares it."""
+    return f"{job.job_dir}/run" if stage == Stage.training else f"{job.job_dir}/{stage.value}"
+
+
+def main_args(cfg: Config, job: Job, stage: Stage) -> List[str]:
+    """`main.py` and its overrides: the user's unchanged, then the launcher's own."""
+    args = [f"{job.repo_dir}/main.py", *job.overrides]
+    if cfg.cluster.stages:
+        args.append(f"stage={stage.value}")
+    args.append(f"hydra.run.dir={run_dir(job, stage)}")
+    return args
+
+
+def arg_groups(args: Sequence[str]) -> List[List[str]]:
+    """main.py's arguments for `shell_command`: the script, then one override per line."""
+    return [[a] for a in args]
+
+
+def torchrun_args(cfg: Config, job: Job, endpoint: str, rdzv_id: str) -> List[str]:
+    """torchrun (as `python -m torch.distributed.run`, which needs no PATH entry) with c10d rendezvous."""
+    c = cfg.cluster
+    return [job.python, "-m", "torch.distributed.run", f"--nnodes={c.nodes}",
+            f"--nproc-per-node={c.nproc_per_node}", "--rdzv-backend=c10d",
+            Raw(f"--rdzv-endpoint={endpoint}") if isinstance(endpoint, Raw) else f"--rdzv-endpoint={endpoint}",
+            Raw(f"--rdzv-id={rdzv_id}") if isinstance(rdzv_id, Raw) else f"--rdzv-id={rdzv_id}",
+            "--max-restarts=0"]
+
+
+def env_lines(cfg: Config) -> List[str]:
+    """`export` lines for cluster.nccl_env and cluster.env; secrets by reference only.
+
+    A secret is never written: `secret_env.VAR=SRC` becomes `export VAR="${SRC:?...}"`, so the value
+    comes from the submitting environment at run time (Slurm copies it into the job).
+    """
+    lines: List[str] = []
+    for key, value in sorted(cfg.cluster.nccl_env.items()) + sorted(cfg.cluster.env.items()):
+        lines.append(f"export {key}={shlex.quote(str(value))}")
+    for key, source in sorted(cfg.cluster.secret_env.items()):
+        ref = source if source and _is_env_name(source) else key
+        message = f"set {ref} in the environment you submit from"
+        if ref == key:
+            lines.append(f': "${{{key}:?{message}}}"')
+            lines.append(f"export {key}")
+        else:
+            lines.append(f'export {key}="${{{ref}:?{message}}}"')
+    return lines
+
+
+def env_names(cfg: Config) -> List[str]:
+    """Every variable the job sets (for `docker run -e NAME`, which copies the value, never writes it)."""
+    c = cfg.cluster
+    return sorted(c.nccl_env) + sorted(c.env) + sorted(c.secret_env)
+
+
+def _is_env_name(text: str) -> bool:
+    return text.replace("_", "a").isalnum() and not text[0].isdigit()
+
+
+def script_header(what: str) -> List[str]:
+    return ["#!/usr/bin/env bash", f"# {what}", "# Written by launcher_scripts/main.py; re-run the launcher "
+            "rather than editing it.", ""]
+
+
+def join_lines(lines: Iterable[str]) -> str:
+    return "\n".join(lines).rstrip("\n") + "\n"

@@ -1,0 +1,81 @@
+"""This machine: torchrun directly, inside `docker run` / `podman run` / `apptainer exec`, or as
+cluster.nodes torchrun agents that meet by c10d rendezvous on 127.0.0.1 (a multi-node job on one
+machine, so rendezvous across nodes is exercised for real without a cluster).
+"""
+from __future__ import annotations
+
+from typing import List
+
+from framework.config import Config, ContainerRuntime, Stage
+from launcher_scripts.job import (Job, arg_groups, env_lines, env_names, join_lines, main_args, run_dir,
+                                  script_header, shell_command, shell_line, stages_of, torchrun_args)
+
+
+def container_prefix(cfg: Config, job: Job) -> List[str]:
+    """The container runtime's command before the one it runs (empty for runtime=none)."""
+    k, c = cfg.container, cfg.cluster
+    mounts = [f"{job.job_dir}:{job.job_dir}", *k.mounts]
+    if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
+        args = [k.runtime.value, "run", "--rm", "--network=host", "--ipc=host", "--workdir", k.workdir]
+        if c.gpus_per_node:
+            args += ["--gpus", "all"] if k.runtime == ContainerRuntime.docker else ["--device", "nvidia.com/gpu=all"]
+        for mount in mounts:
+            args += ["--volume", mount]
+        for name in env_names(cfg):
+            args += ["--env", name]  # the name only: the value is copied from this shell's environment
+        return args + [k.image]
+    if k.runtime == ContainerRuntime.apptainer:
+        nv = ["--nv"] if c.gpus_per_node else []
+        return ["apptainer", "exec", *nv, "--bind", ",".join(mounts), "--pwd", k.workdir, k.image]
+    return []
+
+
+def _agent_groups(cfg: Config, job: Job, stage: Stage) -> List[List[List[str]]]:
+    """Per torchrun agent (one per cluster.nodes), its command as groups of arguments."""
+    prefix = container_prefix(cfg, job)
+    args = arg_groups(main_args(cfg, job, stage))
+    if stage != Stage.training:  # data preparation: one plain process
+        return [[prefix, [job.python], *args]]
+    c = cfg.cluster
+    if c.nodes == 1:
+        # --standalone: a private rendezvous on a free port; nothing else to agree on.
+        torchrun = [job.python, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={c.nproc_per_node}", "--max-restarts=0"]
+        return [[prefix, torchrun, *args]]
+    torchrun = torchrun_args(cfg, job, f"127.0.0.1:{c.rdzv_port}", job.name)
+    return [[prefix, torchrun, *args] for _ in range(c.nodes)]
+
+
+def render_local_commands(cfg: Config, job: Job, stage: Stage = Stage.training) -> List[List[str]]:
+    """One argv per torchrun agent (one per cluster.nodes); data preparation is one plain process."""
+    return [[a for group in groups for a in group] for groups in _agent_groups(cfg, job, stage)]
+
+
+def render_local(cfg: Config, job: Job) -> str:
+    """submit.sh for this machine: every stage in order, agents of a multi-node stage side by side."""
+    lines = script_header(f"{job.name}: runs on this machine; agents 1.. of a multi-node run log to logs/.")
+    lines += ["set -uo pipefail"]
+    if cfg.container.runtime == ContainerRuntime.none:
+        lines.append(f"cd {shell_line([job.repo_dir])} || exit 1")
+    lines.append("")
+    env = env_lines(cfg)
+    if env:
+        lines += ["# Environment (secrets by reference only).", *env, ""]
+    for stage in stages_of(cfg):
+        agents = _agent_groups(cfg, job, stage)
+        lines.append(f"# Stage: {stage.value}")
+        lines.append(f"mkdir -p {shell_line([run_dir(job, stage), job.job_dir + '/logs'])}")
+        if len(agents) == 1:
+            lines += [shell_command(*agents[0]), "status=$?"]
+        else:
+            lines.append("pids=()")
+            # The agents start side by side; agent 0 writes to this script's output.
+            for node in range(len(agents) - 1, -1, -1):
+                log = f"{job.job_dir}/logs/{stage.value}-node{node}.log"
+                redirect = f" \\\n    > {shell_line([log])} 2>&1 &" if node else " &"
+                lines += [f"# agent {node} of {len(agents)}", shell_command(*agents[node]) + redirect,
+                          'pids+=("$!")']
+            lines += ["status=0", 'for pid in "${pids[@]}"; do', '    wait "$pid" || status=$?', "done"]
+        lines += ['if [ "$status" != 0 ]; then', f'    echo "stage {stage.value} failed ($status)" >&2',
+                  '    exit "$status"', "fi", ""]
+    return join_lines(lines)

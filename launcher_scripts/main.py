@@ -1,0 +1,92 @@
+"""Launch a training job on this machine, on Slurm or on Kubernetes from the composed config.
+
+    python launcher_scripts/main.py cluster=slurm cluster.nodes=4 model=llama_7b parallelism.tp=2 \\
+        container.runtime=pyxis container.image=registry.example/org/train:1.0
+
+Composes and validates the config exactly as main.py would (world size = cluster.nodes x
+cluster.nproc_per_node) and refuses a job that cannot start (each problem on one line, exit 2,
+nothing written). Otherwise writes the job's directory under cluster.jobs_dir (scripts or
+manifest, config.yaml, submit.sh: the exact submit command) and runs submit.sh, unless
+dry_run=true. The last line on stdout is the job's directory.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run as a script, this folder is sys.path[0]: put the repository there instead, so `framework` and
+# `launcher_scripts` import and our module names (job, local, ...) shadow nothing.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, REPO)
+
+from launcher_scripts.plan import Plan, Refused, make_job, plan, render_job  # noqa: E402
+
+
+def _new_job_dir(jobs_dir: str, name: str) -> str:
+    path, n = os.path.join(jobs_dir, name), 1
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            n += 1
+            path = os.path.join(jobs_dir, f"{name}-{n}")
+
+
+def write_job(p: Plan, argv: Sequence[str], now: Optional[float] = None) -> str:
+    """Create the job's directory and write every file of it; returns the directory."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    jobs_dir = os.path.abspath(p.cfg.cluster.jobs_dir)
+    job_dir = _new_job_dir(jobs_dir, f"{p.cfg.cluster.job_name}-{stamp}".lower())
+    job = make_job(p, job_dir, REPO, sys.executable)
+    files: Dict[str, str] = render_job(p, job, job_dir)
+    files["launcher.txt"] = shlex.join([sys.executable, "launcher_scripts/main.py", *argv]) + "\n"
+    os.makedirs(os.path.join(job_dir, "logs"), exist_ok=True)
+    for name, text in files.items():
+        path = os.path.join(job_dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        if name.endswith((".sh", ".sbatch")):
+            os.chmod(path, 0o755)
+    return job_dir
+
+
+def submit(p: Plan, job_dir: str) -> int:
+    """Run the job's submit.sh: sbatch, kubectl apply, or the local run itself."""
+    script = os.path.join(job_dir, "submit.sh")
+    tool = {"slurm": "sbatch", "k8s": "kubectl"}.get(p.cfg.cluster.type.value)
+    if tool and shutil.which(tool) is None:
+        print(f"{tool} not found here; the job is written: submit it with `bash {script}` where "
+              f"{tool} is available", file=sys.stderr)
+        return 1 if tool == "sbatch" else 0
+    sys.stdout.flush()
+    return subprocess.call(["bash", script])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        p = plan(argv)
+    except Refused as refused:
+        for problem in refused.problems:
+            print(f"launcher: {problem}", file=sys.stderr)
+        return 2
+    job_dir = write_job(p, argv)
+    print(f"wrote {job_dir}: {', '.join(sorted(os.listdir(job_dir)))}")
+    if p.cfg.dry_run:
+        print(f"dry run: nothing submitted; submit with `bash {job_dir}/submit.sh`")
+        rc = 0
+    else:
+        rc = submit(p, job_dir)
+    print(job_dir)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
