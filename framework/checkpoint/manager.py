@@ -1,0 +1,291 @@
+"""When and where to save, resuming, pre-emption signals, and the safetensors export/import.
+
+The trainer talks to this class only; the on-disk layout is in `layout.py` (see [Note: atomic
+checkpoints]) and the state gathering in `state.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from framework.checkpoint import layout
+from framework.checkpoint.hf import export_safetensors, import_safetensors
+from framework.checkpoint.state import (dcp_load, get_state_dicts, join_optim, read_rng, set_rng_state,
+                                        set_state_dicts, split_optim, write_rng)
+from framework.config.schema import Config
+
+# Exit status of a job that stopped early on SIGTERM/SIGUSR1 or trainer.max_time_minutes after
+# writing a checkpoint: EX_TEMPFAIL from sysexits.h ("try again later"). The launcher requeues on
+# it; the next start with checkpoint.resume=auto continues from that checkpoint.
+EXIT_REQUEUE = 75
+EXIT_BAD_CHECKPOINT = 2  # the same status as any other bad input
+
+
+def _git_revision() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, timeout=10).returncode
+        return rev + ("-dirty" if dirty else "") if rev else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for package in ("torch", "megatron-core", "tokenizers", "safetensors", "hydra-core", "omegaconf"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+class CheckpointManager:
+    def __init__(self, cfg: Config, run_dir: str, rt):
+        self.cfg, self.rt = cfg, rt
+        c = cfg.checkpoint
+        self.root = c.dir if os.path.isabs(c.dir) else os.path.join(run_dir, c.dir)
+        self.engine = cfg.parallelism.engine
+        self.exit_status = EXIT_REQUEUE  # see EXIT_REQUEUE
+        self._signal: Optional[str] = None
+        self._stopping = False
+        self._last_saved = -1
+        self._pending = None  # (future, tmp_dir, step) of an async save not yet committed
+        # Async saves run their collectives in a background thread: they get their own gloo group,
+        # so they never interleave with the training loop's collectives on the default group.
+        self._io_group = dist.new_group(backend="gloo") if c.async_save else None
+        token = [os.urandom(4).hex() if rt.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        self._token = token[0]  # names this job's temp directories (the same on every rank)
+        self._previous_handlers = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        if rt.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            self._git = _git_revision()
+
+    # ---- stopping early ----
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._signal is None:
+            self._signal = signal.Signals(signum).name
+            print(f"rank {self.rt.rank}: received {self._signal}; saving a checkpoint after this step",
+                  file=sys.stderr, flush=True)
+
+    def should_stop(self, step: int, started_monotonic: float) -> bool:
+        """True on every rank when any rank got SIGTERM/SIGUSR1 or the time limit has passed. One
+        tiny all-reduce per step, so the ranks agree and all save the same step."""
+        minutes = self.cfg.trainer.max_time_minutes
+        late = bool(minutes) and time.monotonic() - started_monotonic > 60 * minutes
+        flag = torch.tensor([1.0 if (self._signal or late) else 0.0], device=self.rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and step < self.cfg.trainer.max_steps:
+            self._stopping = True
+            if self.rt.is_main:
+                why = f"signal {self._signal}" if self._signal else \
+                    (f"trainer.max_time_minutes={minutes} reached" if late else "a signal on another rank")
+                print(f"stopping at step {step} ({why}): checkpoint, then exit {self.exit_status} "
+                      "for a requeue; the next start with checkpoint.resume=auto continues from it",
+                      file=sys.stderr, flush=True)
+            return True
+        return False
+
+    def should_save(self, step: int) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return bool(interval) and step % interval == 0
+
+    # ---- saving ----
+
+    def save(self, state) -> None:
+        """Write a checkpoint of `state` (every rank its shards); asynchronously if
+        checkpoint.async_save, except when stopping early. See [Note: atomic checkpoints]."""
+        step = state.step
+        if step == self._last_saved:
+            return
+        self._finalize_pending()
+        tmp = os.path.join(self.root, f"{layout.step_dir_name(step)}.tmp-{self._token}")
+        os.makedirs(tmp, exist_ok=True)
+        model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        optim_tensors, groups = split_optim(optim_sd)
+        app = {"model": model_sd, "optim": optim_tensors}
+        write_rng(tmp, self.rt.rank)
+        if self.rt.is_main:
+            layout.write_json_atomic(os.path.join(tmp, layout.TRAIN_STATE), {
+                "step": step, "scheduler": state.scheduler.state_dict(),
+                "train_loader": state.train_loader.state_dict(), "optimizer_param_groups": groups})
+        if self.cfg.checkpoint.async_save and not self._stopping:
+            # Snapshot first: training goes on mutating the live tensors while the thread writes.
+            app = _detached_copy(app)
+            future = dcp.async_save(app, checkpoint_id=tmp, process_group=self._io_group)
+            self._pending = (future, tmp, step)
+        else:
+            dcp.save(app, checkpoint_id=tmp)
+            self._commit(tmp, step)
+        self._last_saved = step
+
+    def _finalize_pending(self) -> None:
+        if self._pending is None:
+            return
+        future, tmp, step = self._pending
+        self._pending = None
+        result = future.result() if hasattr(future, "result") else future.upload_completion.result()
+        del result
+        self._commit(tmp, step)
+
+    def _commit(self, tmp: str, step: int) -> None:
+        """Every rank checksums a share of the files; rank 0 writes the manifest and commits."""
+        dist.barrier()
+        names = layout.files_of(tmp)
+        mine = {}
+        for name in names[self.rt.rank::self.rt.world_size]:
+            path = os.path.join(tmp, name)
+            layout.fsync_file(path)
+            mine[name] = {"sha256": layout.sha256_of(path), "bytes": os.path.getsize(path)}
+        shares = [None] * self.rt.world_size
+        dist.all_gather_object(shares, mine)
+        if self.rt.is_main:
+            files = {k: v for share in shares for k, v in share.items()}
+            layout.commit(tmp, os.path.join(self.root, layout.step_dir_name(step)), self._manifest(step, files))
+            layout.prune(self.root, self.cfg.checkpoint.keep_last)
+            print(f"saved checkpoint {os.path.join(self.root, layout.step_dir_name(step))}",
+                  file=sys.stderr, flush=True)
+        dist.barrier()
+
+    def _manifest(self, step: int, files: dict) -> dict:
+        from framework.config.validate import parallel_dims_of
+
+        dims = parallel_dims_of(self.cfg, self.rt.world_size)
+        p = self.cfg.parallelism
+        return {
+            "format": layout.FORMAT_VERSION, "step": step, "complete": True,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "world": {"world_size": self.rt.world_size, "dp_replicate": dims.dp_replicate,
+                      "dp_shard": dims.dp_shard, "tp": dims.tp, "engine": p.engine.value,
+                      "strategy": p.strategy.value, "device": self.rt.device.type},
+            "config": dataclasses.asdict(self.cfg), "versions": _versions(), "git": self._git,
+            "files": files,
+        }
+
+    # ---- resuming ----
+
+    def resume(self, state) -> int:
+        """Restore `state` from the checkpoint checkpoint.resume names (auto: the latest complete
+        one); import checkpoint.init_from on a fresh start. Returns the step to continue from."""
+        c = self.cfg.checkpoint
+        if c.resume == "auto":
+            path = layout.latest_checkpoint(self.root)
+        elif c.resume in ("none", ""):
+            path = None
+        else:
+            path = c.resume
+        try:
+            if path is None:
+                if c.init_from:
+                    self.import_weights(state, c.init_from)
+                return 0
+            return self.load(state, path)
+        except (layout.CheckpointError, ValueError) as exc:
+            if self.rt.is_main:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_BAD_CHECKPOINT) from None
+
+    def load(self, state, path: str) -> int:
+        path = os.path.abspath(path)
+        manifest = layout.read_manifest(path)
+        expected = manifest["files"]
+        mine = sorted(expected)[self.rt.rank::self.rt.world_size]
+        problems = [None] * self.rt.world_size
+        dist.all_gather_object(problems, layout.verify_files(path, expected, mine))
+        problems = [p for share in problems for p in share]
+        if problems:
+            raise layout.CheckpointError(layout.integrity_message(path, problems))
+        model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        optim_tensors, _ = split_optim(optim_sd)
+        app = {"model": model_sd, "optim": optim_tensors}
+        dcp_load(app, path)
+        with open(os.path.join(path, layout.TRAIN_STATE)) as f:
+            saved = json.load(f)
+        set_state_dicts(state.model, state.optimizer, app["model"],
+                        join_optim(app["optim"], saved["optimizer_param_groups"]), self.engine)
+        state.scheduler.load_state_dict(saved["scheduler"])
+        state.train_loader.load_state_dict(saved["train_loader"])
+        set_rng_state(read_rng(path, self.rt.rank))
+        self._last_saved = saved["step"]
+        if self.rt.is_main:
+            w = manifest["world"]
+            print(f"resumed from {path} at step {saved['step']} (saved by {w['world_size']} ranks, "
+                  f"engine={w['engine']}; now {self.rt.world_size} ranks, engine={self.engine.value})",
+                  file=sys.stderr, flush=True)
+        return int(saved["step"])
+
+    # ---- Hugging Face export / import ----
+
+    def export(self, state, out_dir: Optional[str] = None) -> Optional[str]:
+        """model.safetensors + config.json under `<checkpoint.dir>/export` (every rank calls it)."""
+        out_dir = out_dir or os.path.join(self.root, "export")
+        model_sd, _ = get_state_dicts(state.model, state.optimizer, self.engine)
+        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg))
+        path = export_safetensors(model_sd, model_cfg, out_dir, self.rt.rank)
+        dist.barrier()
+        if path:
+            print(f"exported {path}", file=sys.stderr, flush=True)
+        return path
+
+    def import_weights(self, state, directory: str) -> None:
+        model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg))
+        loaded, count = import_safetensors(directory, model_sd, model_cfg)
+        set_state_dicts(state.model, state.optimizer, loaded, optim_sd, self.engine)
+        if self.rt.is_main:
+            print(f"initialised {count} tensors from {directory}", file=sys.stderr, flush=True)
+
+    # ---- the end ----
+
+    def finish(self, state) -> None:
+        c = self.cfg.checkpoint
+        if c.save_final:
+            self.save(state)
+        self._finalize_pending()
+        if c.export_safetensors:
+            self.export(state)
+
+    def close(self) -> None:
+        """Restore the signal handlers. An async save still in flight here means training failed
+        before finish(): let its thread end, but do not commit it (its temp dir is pruned later)."""
+        if self._pending is not None:
+            future = self._pending[0]
+            try:
+                (future.result() if hasattr(future, "result") else future.upload_completion.result())
+            except Exception:  # noqa: BLE001 - the run is already failing; keep its first error
+                pass
+            self._pending = None
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers = {}
+
+
+def _vocab_of(model_sd: dict, cfg: Config) -> int:
+    emb = model_sd.get("tok_embeddings.weight")
+    return int(emb.shape[0]) if emb is not None else cfg.model.vocab_size
+
+
+def _detached_copy(tree):
+    if isinstance(tree, dict):
+        return {k: _detached_copy(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    return tree

@@ -1,0 +1,122 @@
+"""What goes into a checkpoint, and getting it out of / back into a running job.
+
+Model and optimizer state are sharded DTensor state dicts in the format of
+`torch.distributed.checkpoint.state_dict.get_state_dict` (fully-qualified parameter names), for
+either engine, so DCP can reshard them on load: a checkpoint saved on 2 ranks loads on 1 or 4,
+and one saved by the torch engine loads into the native engine and back.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from framework.config.schema import Engine
+
+
+def get_state_dicts(model, optimizer, engine: Engine) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(model_sd, optim_sd): sharded, keyed by parameter name; the same format for both engines."""
+    if engine == Engine.native:
+        from framework.distributed.fsdp import get_state_dicts as native_get
+
+        return native_get(model, optimizer)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer)
+
+
+def set_state_dicts(model, optimizer, model_sd, optim_sd, engine: Engine) -> None:
+    if engine == Engine.native:
+        from framework.distributed.fsdp import set_state_dicts as native_set
+
+        native_set(model, optimizer, model_sd, optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor entries with `weights_only=False`, which can run
+    code stored in a file. We keep every non-tensor value out of DCP (it goes to JSON), so a
+    pickled entry in the shards means the files are not ours: refuse it."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; this "
+                         "framework writes tensors only and does not unpickle checkpoint data")
+
+
+def split_optim(optim_sd: Dict[str, Any]) -> Tuple[Dict[str, Any], list]:
+    """(tensor state for DCP, param_groups as plain JSON data)."""
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+              for g in optim_sd.get("param_groups", [])]
+    return {"state": optim_sd.get("state", {})}, groups
+
+
+def join_optim(tensors: Dict[str, Any], groups: list) -> Dict[str, Any]:
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    return {"state": tensors["state"], "param_groups": groups}
+
+
+def dcp_load(state: Dict[str, Any], path: str) -> None:
+    """Load sharded tensors into `state` in place, resharding to this job's layout."""
+    dcp.load(state, checkpoint_id=path, planner=TensorsOnlyLoadPlanner())
+
+
+# ---- RNG: every rank's generators, as JSON (no pickle) ----
+
+def _bytes(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _tensor(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    out = {"python": [version, list(internal), gauss], "torch": _bytes(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        out["cuda"] = [_bytes(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        states = [_tensor(s) for s in state["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+def rng_path(ckpt: str, rank: int) -> str:
+    return os.path.join(ckpt, "rng", f"rank_{rank:05d}.json")
+
+
+def write_rng(ckpt: str, rank: int) -> str:
+    path = rng_path(ckpt, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rng_state(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def read_rng(ckpt: str, rank: int) -> dict:
+    """This rank's RNG states; a rank the saving job did not have takes rank 0's (resume at a
+    larger world size), so its streams are defined, though not those of any earlier rank."""
+    path = rng_path(ckpt, rank)
+    if not os.path.isfile(path):
+        path = rng_path(ckpt, 0)
+    with open(path) as f:
+        return json.load(f)
