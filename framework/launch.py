@@ -31,7 +31,7 @@ def _refuse(problems: List[str], run_dir: str) -> int:
             print(f"error: {problem}", file=sys.stderr)
     # Hydra created the run directory before calling us; leave no trace of a refused job.
     try:
-        os.rmdir(run_dir)
+        os.removedirs(run_dir)  # removes only empty directories, walking up while they are empty
     except OSError:
         pass
     return EXIT_BAD_CONFIG

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -53,12 +54,14 @@ class MetricsLogger:
     def log(self, step: int, values: Dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: v for k, v in values.items() if v is not None}}
+        # Non-finite numbers become null: NaN is not JSON, and strict readers refuse it.
+        record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                   for k, v in values.items() if v is not None}}
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
                     self._tb.add_scalar(key, value, step)
 
     def progress(self, values: Dict[str, float]) -> None:

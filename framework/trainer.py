@@ -100,15 +100,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over the same validation samples every time: `eval_iters` global batches
+        from the start of the validation set, split over the data-parallel ranks like training."""
         self.model.eval()
+        valid = self.data.valid
+        valid.load_state_dict({"consumed_samples": 0})
         total = torch.zeros((), device=self.rt.device)
-        for _ in range(self.cfg.trainer.eval_iters):
-            inputs, labels = self.data.valid.next_batch()
-            with loss_context(self.model):
-                total += full(loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device)))
+        batches = self.cfg.trainer.eval_iters * valid.accum_steps
+        for _ in range(batches):
+            inputs, labels = valid.next_batch()
+            total += loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device))
         dist.all_reduce(total, group=self.dp_group)
         self.model.train()
-        return total.item() / (self.cfg.trainer.eval_iters * self.dims.dp)
+        return total.item() / (batches * self.dims.dp)
 
     def comm_stats(self) -> Optional[Dict[str, float]]:
         stats = getattr(self.model, "comm_stats", None)

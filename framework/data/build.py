@@ -22,7 +22,7 @@ def build_data(cfg: DataConfig, *, vocab_size: int, micro_batch_size: int, globa
     def loaders(train, valid):
         kw = dict(micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         return (GlobalBatchLoader(train, global_batch_size=global_batch_size, **kw),
-                GlobalBatchLoader(valid, global_batch_size=micro_batch_size * dp_size, **kw))
+                GlobalBatchLoader(valid, global_batch_size=global_batch_size, **kw))
 
     if cfg.name == DataName.synthetic:
         if vocab_size <= 0:

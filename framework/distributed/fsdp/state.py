@@ -58,7 +58,7 @@ class ShardContext:
             fits = [b for b in free if b.numel() >= numel]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
-                free.remove(buf)
+                del free[next(i for i, b in enumerate(free) if b is buf)]
                 return buf[:numel] if buf.numel() != numel else buf
             if len(self.pending_units) >= MAX_IN_FLIGHT:
                 self.pending_units.pop(0).finish_reduce()
