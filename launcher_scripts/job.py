@@ -110,8 +110,9 @@ def _is_env_name(text: str) -> bool:
 
 
 def script_header(what: str) -> List[str]:
-    return ["#!/usr/bin/env bash", f"# {what}", "# Written by launcher_scripts/main.py; re-run the launcher "
-            "rather than editing it.", ""]
+    # SC2016: a `$(...)` inside a user's value is single-quoted on purpose; it must never expand.
+    return ["#!/usr/bin/env bash", "# shellcheck disable=SC2016", f"# {what}",
+            "# Written by launcher_scripts/main.py; re-run the launcher rather than editing it.", ""]
 
 
 def join_lines(lines: Iterable[str]) -> str:

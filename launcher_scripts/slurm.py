@@ -73,7 +73,7 @@ def render_sbatch(cfg: Config, job: Job, stage: Stage = Stage.training) -> str:
     training = stage == Stage.training
     lines = script_header(f"{job.name}: {stage.value} on Slurm")
     lines[0] = "#!/bin/bash"
-    lines[4:4] = _sbatch_options(cfg, job, stage) + [""]
+    lines[5:5] = _sbatch_options(cfg, job, stage) + [""]
     lines += ["set -uo pipefail", ""]
     env = env_lines(cfg)
     if env:

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2016
+# train-golden: runs on this machine; agents 1.. of a multi-node run log to logs/.
+# Written by launcher_scripts/main.py; re-run the launcher rather than editing it.
+
+set -uo pipefail
+cd /opt/repo || exit 1
+
+# Stage: training
+mkdir -p /shared/jobs/train-golden/run /shared/jobs/train-golden/logs
+pids=()
+# agent 1 of 2
+/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --max-restarts=0 \
+    /opt/repo/main.py \
+    cluster=local \
+    cluster.nodes=2 \
+    cluster.nproc_per_node=1 \
+    model=debug \
+    data=synthetic \
+    trainer.progress_bar=false \
+    logging.tensorboard=false \
+    trainer.sample_tokens=0 \
+    trainer.max_steps=4 \
+    cluster.rdzv_port=29400 \
+    hydra.run.dir=/shared/jobs/train-golden/run \
+    > /shared/jobs/train-golden/logs/training-node1.log 2>&1 &
+pids+=("$!")
+# agent 0 of 2
+/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --max-restarts=0 \
+    /opt/repo/main.py \
+    cluster=local \
+    cluster.nodes=2 \
+    cluster.nproc_per_node=1 \
+    model=debug \
+    data=synthetic \
+    trainer.progress_bar=false \
+    logging.tensorboard=false \
+    trainer.sample_tokens=0 \
+    trainer.max_steps=4 \
+    cluster.rdzv_port=29400 \
+    hydra.run.dir=/shared/jobs/train-golden/run &
+pids+=("$!")
+status=0
+for pid in "${pids[@]}"; do
+    wait "$pid" || status=$?
+done
+if [ "$status" != 0 ]; then
+    echo "stage training failed ($status)" >&2
+    exit "$status"
+fi

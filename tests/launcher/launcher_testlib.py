@@ -1,0 +1,113 @@
+"""Shared by the launcher tests: the rendered cases, fake cluster commands, running the launcher."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from launcher_scripts.plan import Plan, make_job, plan, render_job  # noqa: E402
+
+GOLDEN = REPO / "tests" / "golden" / "launcher"
+# Fixed paths for golden files: what the job would see, never this machine's.
+JOB_DIR = "/shared/jobs/train-golden"
+REPO_DIR = "/opt/repo"
+PYTHON = "/opt/venv/bin/python"
+# A Hydra-quoted string that would run commands if it were ever unquoted in a shell.
+INJECTION = "checkpoint.dir='x; rm -rf ~; touch PWNED $(touch PWNED2) `touch PWNED3`'"
+INJECTED_VALUE = "x; rm -rf ~; touch PWNED $(touch PWNED2) `touch PWNED3`"
+TINY = ["model=debug", "data=synthetic", "trainer.progress_bar=false", "logging.tensorboard=false",
+        "trainer.sample_tokens=0"]
+
+# name -> the launcher command line. Each is rendered with the fixed paths above and compared with
+# tests/golden/launcher/<name>/<file> (config.yaml excluded: it is checked by loading it instead).
+CASES: Dict[str, List[str]] = {
+    "slurm_pyxis": [
+        "cluster=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8", "model=llama_7b", "parallelism.tp=2",
+        "cluster.derive_mesh=true", "container.runtime=pyxis", "container.image=registry.example/org/train:1.0",
+        "container.mounts=[/lustre/data:/data:ro]", "cluster.partition=batch", "cluster.account=llm",
+        "cluster.exclusive=true", "cluster.chain=2", "cluster.time_limit=04:00:00",
+        "trainer.global_batch_size=128", "trainer.micro_batch_size=1", "data.seq_len=128",
+        "+cluster.nccl_env.NCCL_DEBUG=WARN", "+cluster.nccl_env.NCCL_IB_HCA=mlx5",
+        "+cluster.secret_env.WANDB_API_KEY=WANDB_API_KEY", INJECTION],
+    "slurm_apptainer": [
+        "cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=8", "model=llama_1b",
+        "container.runtime=apptainer", "container.image=/shared/images/train.sif",
+        "cluster.stages=[data_preparation,training]", "data=indexed",
+        "data.paths=[/shared/data/corpus_text_document]", "trainer.global_batch_size=64",
+        "trainer.micro_batch_size=2", "data.seq_len=128", "cluster.qos=high", "cluster.signal_seconds=300",
+        "+cluster.env.HF_HOME=/shared/hf", "+cluster.secret_env.HF_TOKEN=MY_HF_TOKEN"],
+    "slurm_none": [
+        "cluster=slurm", "container.runtime=none", "cluster.nodes=1", "cluster.nproc_per_node=2",
+        "cluster.gpus_per_node=0", "cluster.cpus_per_task=2", "cluster.requeue=false", *TINY,
+        "trainer.max_steps=4", INJECTION],
+    "k8s": [
+        "cluster=k8s", "cluster.nodes=3", "model=llama_1b", "container.image=registry.example/org/train:1.0",
+        "cluster.image_pull_secrets=[regcred]", "cluster.data_volume=datasets",
+        "cluster.checkpoint_volume=checkpoints", "cluster.namespace=research", "trainer.global_batch_size=96",
+        "trainer.micro_batch_size=4", "data.seq_len=128", "+cluster.nccl_env.NCCL_DEBUG=WARN",
+        "+cluster.secret_env.HF_TOKEN=hf-credentials/token", "checkpoint.dir='$(HOME)/ckpt; rm -rf ~'"],
+    "local": ["cluster=local", *TINY, "trainer.max_steps=4", INJECTION],
+    "local_two_node": ["cluster=local", "cluster.nodes=2", "cluster.nproc_per_node=1", *TINY,
+                       "trainer.max_steps=4", "cluster.rdzv_port=29400"],
+    "local_docker": ["cluster=local", "container.runtime=docker", "container.image=registry.example/org/train:1.0",
+                     "cluster.gpus_per_node=2", "container.mounts=[/data:/data]",
+                     "+cluster.secret_env.HF_TOKEN=MY_HF_TOKEN", *TINY],
+}
+
+
+def plan_of(overrides: List[str]) -> Plan:
+    return plan(overrides)
+
+
+def render_case(name: str, job_dir: str = JOB_DIR, repo_dir: str = REPO_DIR,
+                python: str = PYTHON) -> Dict[str, str]:
+    """The files of a case, rendered with fixed paths (config.yaml left out)."""
+    p = plan(CASES[name])
+    job = make_job(p, job_dir, repo_dir, python)
+    files = render_job(p, job, job_dir)
+    files.pop("config.yaml")
+    return files
+
+
+def shellcheck() -> Optional[str]:
+    exe = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    return exe if os.path.exists(exe) else None
+
+
+def write_exe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+# A stand-in for a program: records its argv (one JSON list per line) in $FAKE_LOG/<name>.jsonl.
+RECORDER = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.path.join(os.environ["FAKE_LOG"], os.path.basename(sys.argv[0]) + ".jsonl"), "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_launcher(args: List[str], cwd: Path, env: Optional[Dict[str, str]] = None,
+                 timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python launcher_scripts/main.py args...` as a user runs it."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)
+    return subprocess.run([sys.executable, str(REPO / "launcher_scripts" / "main.py"), *args], cwd=cwd,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)

