@@ -109,6 +109,14 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", torch.empty(cfg.max_seq_len, cfg.dim // cfg.n_heads), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # Moving between device types (e.g. `to_empty` from meta) builds new Parameter objects per
+        # module, which would silently untie a shared embedding/head: tie them again afterwards.
+        result = super()._apply(fn, recurse)
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return result
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:

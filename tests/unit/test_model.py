@@ -1,0 +1,71 @@
+"""The Llama model family: shapes, meta-device construction, and the published sizes."""
+import resource
+
+import pytest
+import torch
+
+from framework.config import compose_config, to_config
+from framework.models import build_model
+
+
+def model_cfg(name, **overrides):
+    cfg = to_config(compose_config([f"model={name}"])).model
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("name, billions", [("llama_7b", 6.74), ("llama_13b", 13.02), ("llama_70b", 68.98),
+                                            ("llama_1b", 1.24)])
+def test_published_sizes(name, billions):
+    model = build_model(model_cfg(name), "meta")
+    assert model.num_params() / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_70b_on_meta_allocates_nothing_and_shards():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model = build_model(model_cfg("llama_70b"), "meta")
+    assert all(p.is_meta for p in model.parameters())
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1) \
+        if not dist.is_initialized() else None
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert all(p.is_meta for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
+    assert grown_gib < 1.0, f"building a 70B model on meta grew the peak RSS by {grown_gib:.1f} GiB"
+
+
+def test_forward_shapes_gqa_and_causality():
+    cfg = model_cfg("debug")
+    model = build_model(cfg)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, cfg.vocab_size)
+    assert model.layers[0].attention.wk.weight.shape == (cfg.n_kv_heads * cfg.dim // cfg.n_heads, cfg.dim)
+    # Changing a later token must not change earlier positions' logits.
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % cfg.vocab_size
+    assert torch.allclose(model(changed)[:, :10], logits[:, :10], atol=1e-6)
+    assert not torch.allclose(model(changed)[:, 10:], logits[:, 10:])
+
+
+def test_init_is_reproducible_and_meta_init_after_to_empty():
+    cfg = model_cfg("debug", tie_embeddings=True)
+    a, b = build_model(cfg), build_model(cfg, "meta")
+    a.init_weights(seed=3)
+    b.to_empty(device="cpu")
+    b.init_weights(seed=3)
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+    assert a.output.weight is a.tok_embeddings.weight
+    assert torch.equal(a.rope, b.rope) and a.rope.abs().sum() > 0
