@@ -90,3 +90,23 @@ def test_multirun_sweep_runs_each_job(tmp_path):
         assert [r["step"] for r in read_metrics(tmp_path / "sweep" / job)] == [1, 2]
     saved = (tmp_path / "sweep" / "1" / "config.yaml").read_text()
     assert "name: sgd" in saved
+
+
+def test_default_job_end_to_end_on_a_tiny_budget(tmp_path):
+    """`python main.py` as `make run` runs it (stdlib corpus, small model, 2 ranks, our engine),
+    cut to a few steps."""
+    run = tmp_path / "run"
+    out = run_main(["trainer.max_steps=40", "trainer.eval_interval=20", "trainer.sample_tokens=24",
+                    "optimizer.warmup_steps=5", "checkpoint.save_final=false", f"hydra.run.dir={run}"],
+                   tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, 41))
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert last < first - 1.5, (first, last)  # from ~log(vocab)=7.6 towards real text statistics
+    assert records[19]["val_loss"] > records[-1]["val_loss"]
+    for key in ("grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_gib", "exposed_comm_s",
+                "comm_bytes", "tflops_per_device"):
+        assert key in records[-1], key
+    assert "--- sample ---" in out.stderr and "def " in out.stderr
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
