@@ -1,0 +1,204 @@
+"""The generated scripts run (with stand-ins for srun, sbatch, kubectl, python) and the launcher's
+command line: refusal, dry run, submission, the last line of its output.
+
+The stand-ins record their argv, so what a shell hands to a program is checked exactly: an
+override full of shell syntax must arrive as one unchanged argument and run nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from launcher_testlib import (INJECTED_VALUE, INJECTION, RECORDER, TINY, render_case, run_launcher,
+                              write_exe)
+
+from framework.config import Config, to_config
+
+
+def _fake_bin(tmp_path: Path, *names: str, extra: dict = None) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in names:
+        write_exe(bin_dir / name, RECORDER)
+    for name, text in (extra or {}).items():
+        write_exe(bin_dir / name, text)
+    return bin_dir
+
+
+def _calls(log_dir: Path, name: str):
+    path = log_dir / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _env(tmp_path: Path, bin_dir: Path, **extra) -> dict:
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path), **extra}
+    return env
+
+
+SCONTROL = """#!/usr/bin/env bash
+if [ "$1" = show ]; then echo node-a; echo node-b; exit 0; fi
+echo "$@" >> "$FAKE_LOG/scontrol.calls"
+"""
+
+
+def test_sbatch_script_hands_the_injection_to_main_py_as_one_argument(tmp_path):
+    job_dir = str(tmp_path / "job")
+    script = tmp_path / "training.sbatch"
+    script.write_text(render_case("slurm_none", job_dir=job_dir)["training.sbatch"])
+    bin_dir = _fake_bin(tmp_path, "srun", extra={"scontrol": SCONTROL})
+    env = _env(tmp_path, bin_dir, SLURM_JOB_ID="77", SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_NUM_NODES="1")
+    out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    (argv,) = _calls(tmp_path, "srun")
+    assert f"checkpoint.dir={INJECTED_VALUE[:0]}'{INJECTED_VALUE}'" in argv  # verbatim, one argument
+    assert "--rdzv-endpoint=node-a:29500" in argv and "--rdzv-id=77" in argv
+    assert argv[-1] == f"hydra.run.dir={job_dir}/run"
+    assert not list(tmp_path.glob("PWNED*")), "a quoted override ran a command"
+    assert os.path.isdir(f"{job_dir}/run")
+
+
+def test_local_script_hands_the_injection_to_python_as_one_argument(tmp_path):
+    python = write_exe(tmp_path / "python", RECORDER)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    text = render_case("local", job_dir=str(tmp_path / "job"), repo_dir=str(repo), python=str(python))
+    script = tmp_path / "submit.sh"
+    script.write_text(text["submit.sh"])
+    out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=_env(tmp_path, tmp_path),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    (argv,) = _calls(tmp_path, "python")
+    assert argv[:3] == ["-m", "torch.distributed.run", "--standalone"]
+    assert INJECTION in argv
+    assert not list(tmp_path.glob("PWNED*")) and not list(repo.glob("PWNED*"))
+
+
+def test_preemption_saves_then_requeues(tmp_path):
+    """USR1 to the batch shell -> SIGTERM to the step (via scancel) -> step exits -> scontrol requeue."""
+    job_dir = str(tmp_path / "job")
+    text = render_case("slurm_pyxis", job_dir=job_dir)["training.sbatch"]
+    script = tmp_path / "training.sbatch"
+    script.write_text(text)
+    # srun: a step that runs until SIGTERM, then exits as a trainer does after saving.
+    srun = """#!/usr/bin/env bash
+echo $$ > "$FAKE_LOG/srun.pid"
+trap 'echo saved > "$FAKE_LOG/saved"; exit 143' TERM
+while true; do sleep 0.05; done
+"""
+    scancel = """#!/usr/bin/env bash
+echo "$@" >> "$FAKE_LOG/scancel.calls"
+kill -TERM "$(cat "$FAKE_LOG/srun.pid")"
+"""
+    bin_dir = _fake_bin(tmp_path, extra={"srun": srun, "scancel": scancel, "scontrol": SCONTROL})
+    env = _env(tmp_path, bin_dir, SLURM_JOB_ID="91", SLURM_JOB_NODELIST="node-a", SLURM_JOB_NUM_NODES="4",
+               WANDB_API_KEY="from-the-submitting-shell")
+    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 20
+    while not (tmp_path / "srun.pid").exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 delivers
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, err  # the step's status
+    assert (tmp_path / "saved").exists()
+    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "91"]
+    assert (tmp_path / "scontrol.calls").read_text().split() == ["requeue", "91"]
+
+
+def test_sbatch_script_refuses_to_start_without_its_secret(tmp_path):
+    text = render_case("slurm_pyxis", job_dir=str(tmp_path / "job"))["training.sbatch"]
+    (tmp_path / "t.sbatch").write_text(text)
+    bin_dir = _fake_bin(tmp_path, "srun", extra={"scontrol": SCONTROL})
+    env = _env(tmp_path, bin_dir, SLURM_JOB_ID="5", SLURM_JOB_NODELIST="n", SLURM_JOB_NUM_NODES="4")
+    env.pop("WANDB_API_KEY", None)
+    out = subprocess.run(["bash", str(tmp_path / "t.sbatch")], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "set WANDB_API_KEY in the environment you submit from" in out.stderr
+    assert not _calls(tmp_path, "srun")
+
+
+def test_refused_config_exits_2_and_writes_nothing(tmp_path):
+    jobs = tmp_path / "jobs"
+    out = run_launcher(["cluster=slurm", *TINY, "parallelism.tp=3", f"cluster.jobs_dir={jobs}"], cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines and all(line.startswith("launcher: ") for line in lines)
+    assert any("parallelism.tp=3" in line and "choose a tp that divides" in line for line in lines), lines
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    assert not jobs.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, field", [
+    (["cluster=k8s"], "container.image"),
+    (["cluster=slurm", "container.runtime=docker", "container.image=x:1"], "container.runtime=docker"),
+    (["cluster=slurm", "container.runtime=pyxis"], "container.image"),
+    (["cluster=local", "cluster.chain=2"], "cluster.chain=2"),
+    (["cluster=slurm", "cluster.time_limit=soon"], "cluster.time_limit"),
+    (["cluster=slurm", "cluster.partition=a b"], "cluster.partition"),
+    (["cluster=k8s", "container.image=x:1", "cluster.job_name=Train_1"], "cluster.job_name"),
+    (["cluster=slurm", "trainer.no_such_key=1"], "trainer.no_such_key"),
+    (["cluster=slurm", "cluster.nproc_per_node=8", "cluster.gpus_per_node=4"], "cluster.nproc_per_node=8"),
+])
+def test_launcher_refusals_name_the_field(args, field):
+    from launcher_scripts.plan import Refused, plan
+    with pytest.raises(Refused) as refused:
+        plan([*args, "model=debug", "data=synthetic"])
+    assert any(field in p for p in refused.value.problems), refused.value.problems
+    assert all("\n" not in p for p in refused.value.problems)
+
+
+SBATCH = RECORDER + """print(f"{100 + sum(1 for _ in open(os.path.join(os.environ['FAKE_LOG'], 'sbatch.jsonl')))};cluster-a")
+"""
+
+
+def test_dry_run_writes_everything_and_submits_nothing(tmp_path):
+    bin_dir = _fake_bin(tmp_path, extra={"sbatch": SBATCH})
+    jobs = tmp_path / "jobs"
+    args = ["cluster=slurm", "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", *TINY,
+            f"cluster.jobs_dir={jobs}", "cluster.chain=1"]
+    out = run_launcher([*args, "dry_run=true"], cwd=tmp_path, env={"PATH": f"{bin_dir}:{os.environ['PATH']}",
+                                                                    "FAKE_LOG": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    job_dir = Path(out.stdout.strip().splitlines()[-1])
+    assert job_dir.parent == jobs
+    assert {p.name for p in job_dir.iterdir()} >= {"config.yaml", "training.sbatch", "submit.sh", "launcher.txt"}
+    assert _calls(tmp_path, "sbatch") == []
+    # config.yaml is the job's full config: it loads back into the same typed config.
+    cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(job_dir / "config.yaml")))
+    assert (cfg.cluster.type.value, cfg.model.name, cfg.checkpoint.resume) == ("slurm", "debug", "auto")
+
+    # The same job, submitted: submit.sh calls sbatch for the job and its chained copy.
+    out = run_launcher(args, cwd=tmp_path, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    job_dir = Path(out.stdout.strip().splitlines()[-1])
+    calls = _calls(tmp_path, "sbatch")
+    assert [c[-1] for c in calls] == [str(job_dir / "training.sbatch")] * 2
+    assert calls[1][1] == "--dependency=afterany:101"  # the id without sbatch's ";cluster"
+    assert (job_dir / "job_ids").read_text().split() == ["101", "102"]
+    assert "training: 101" in out.stdout
+
+
+def test_k8s_without_kubectl_writes_the_manifest_for_the_user(tmp_path):
+    out = run_launcher(["cluster=k8s", "container.image=registry.example/org/train:1.0", *TINY,
+                        "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", f"cluster.jobs_dir={tmp_path}/jobs"],
+                       cwd=tmp_path, env={"PATH": str(Path(sys.executable).parent)})  # no kubectl there
+    assert out.returncode == 0, out.stderr
+    job_dir = Path(out.stdout.strip().splitlines()[-1])
+    assert (job_dir / "pytorchjob.yaml").exists()
+    assert "kubectl not found" in out.stderr and str(job_dir / "submit.sh") in out.stderr
+
+    bin_dir = _fake_bin(tmp_path, "kubectl")
+    out = run_launcher(["cluster=k8s", "container.image=registry.example/org/train:1.0", *TINY,
+                        "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", f"cluster.jobs_dir={tmp_path}/jobs"],
+                       cwd=tmp_path, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path)})
+    job_dir = Path(out.stdout.strip().splitlines()[-1])
+    assert _calls(tmp_path, "kubectl") == [["apply", "-f", str(job_dir / "pytorchjob.yaml")]]
