@@ -1,0 +1,28 @@
+# The training image: the official PyTorch CUDA runtime (torch comes from it, pinned by the tag),
+# this project and its pinned dependencies (requirements.lock) at /workspace, run as a non-root user.
+#   docker build -t registry.example/org/train:1.0 .
+# launcher_scripts/ runs it with container.image=<that tag> (container.workdir=/workspace).
+FROM pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /workspace
+RUN useradd --create-home --uid 1000 --shell /bin/bash trainer \
+    && chown trainer:trainer /workspace
+
+# Dependencies first, so a code change does not reinstall them. torch is not in the lock file:
+# the base image's build (with its CUDA libraries) is the one used.
+COPY requirements.lock ./
+RUN pip install --no-cache-dir -r requirements.lock
+
+COPY --chown=trainer:trainer . .
+# --no-deps: everything is installed above; never let pip replace the base image's torch.
+RUN pip install --no-cache-dir --no-deps . \
+    && rm -rf build ./*.egg-info
+
+USER 1000:1000
+
+# The default job; launcher_scripts/ replaces the command with torchrun and the job's overrides.
+CMD ["python", "main.py"]
