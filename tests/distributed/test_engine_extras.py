@@ -1,0 +1,239 @@
+"""Per-rank checks that run inside the spawned groups of test_engine_parity.py (this file holds
+no tests itself: one spawn per world size keeps the suite fast, so the assertions live there).
+
+Each function takes (rank, world_size, ckpt_dir) and returns {name: result}.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import test_engine_models as M
+
+CONT = 3  # steps before the checkpoint; the same number after it
+
+
+def _ours(kind="gpt", reshard=True, **kw):
+    return M.shard_model(M.make_model(kind), kind, "ours", None, reshard, **kw)
+
+
+def _continue_and_compare(model, opt, rank, ws, engine):
+    ref_losses, ref_params = M.reference("gpt", "adamw", 2 * CONT, M_GB, clip=None)
+    losses = M.train_steps("gpt", model, opt, CONT, M_GB, rank, ws, start=CONT, engine=engine)
+    fp = M.full_params(model)
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses[CONT:])),
+        "param_diff": max((fp[k] - ref_params[k]).abs().max().item() for k in ref_params),
+    }
+
+
+M_GB = 8
+
+
+def _load_ours(path, rank, ws):
+    from framework.distributed.fsdp import get_state_dicts, set_state_dicts
+
+    model = _ours()
+    opt = M.make_optimizer("adamw", model)
+    msd, osd = get_state_dicts(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dicts(model, opt, sd["model"], sd["optim"])
+    return _continue_and_compare(model, opt, rank, ws, "ours")
+
+
+def _load_torch(path, rank, ws):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = M.shard_model(M.make_model("gpt"), "gpt", "torch", None, True)
+    opt = M.make_optimizer("adamw", model)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return _continue_and_compare(model, opt, rank, ws, "torch")
+
+
+def dcp_save_2(rank, ws, d):
+    """Save with both engines at 2 ranks, then load each into the other (and ours into ours)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from framework.distributed.fsdp import get_state_dicts
+
+    out = {}
+    for engine in ("ours", "torch"):
+        model = M.shard_model(M.make_model("gpt"), "gpt", engine, None, True)
+        opt = M.make_optimizer("adamw", model)
+        M.train_steps("gpt", model, opt, CONT, M_GB, rank, ws, engine=engine)
+        msd, osd = (get_state_dicts if engine == "ours" else get_state_dict)(model, opt)
+        if engine == "ours":
+            out["sd_format"] = {
+                "model_types": sorted({type(v).__name__ for v in msd.values()}),
+                "optim_keys": sorted(osd["state"]["blocks.0.fc.weight"].keys()),
+                "group_params": osd["param_groups"][0]["params"][:3],
+                "placements": str(msd["blocks.0.fc.weight"].placements),
+                "shape": tuple(msd["blocks.0.fc.weight"].shape),
+            }
+        else:
+            out["torch_sd_format"] = {
+                "optim_keys": sorted(osd["state"]["blocks.0.fc.weight"].keys()),
+                "group_params": osd["param_groups"][0]["params"][:3],
+            }
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(d, engine))
+    out["dcp_ours_to_ours_2"] = _load_ours(os.path.join(d, "ours"), rank, ws)
+    out["dcp_ours_to_torch_2"] = _load_torch(os.path.join(d, "ours"), rank, ws)
+    out["dcp_torch_to_ours_2"] = _load_ours(os.path.join(d, "torch"), rank, ws)
+    return out
+
+
+def dcp_load_4(rank, ws, d):
+    return {"dcp_ours_to_ours_4": _load_ours(os.path.join(d, "ours"), rank, ws)}
+
+
+def dcp_load_1(rank, ws, d):
+    return {"dcp_ours_to_ours_1": _load_ours(os.path.join(d, "ours"), rank, ws)}
+
+
+def _units(model):
+    return [m._fsdp_unit for m in model.modules() if getattr(m, "_fsdp_unit", None) is not None]
+
+
+def bytes_and_memory(rank, ws, d):
+    """Counters against the theory; per-rank tensor bytes against the sharded formula."""
+    out = {}
+    for reshard in (True, False):
+        model = _ours(reshard=reshard)
+        opt = M.make_optimizer("sgd", model)
+        M.train_steps("gpt", model, opt, 2, M_GB, rank, ws)
+        pool_before = sorted(id(b) for bufs in model._fsdp_unit.ctx._pool.values() for b in bufs)
+        model.reset_comm_stats()
+        M.train_steps("gpt", model, opt, 3, M_GB, rank, ws, start=2)
+        pool_after = sorted(id(b) for bufs in model._fsdp_unit.ctx._pool.values() for b in bufs)
+        st = model.comm_stats()
+        units = _units(model)
+        N = ws
+        gathers = lambda u: 1 if (u is model._fsdp_unit or not reshard) else 2
+        exp_ag = 3 * sum((N - 1) * u.layout.shard_numel * 4 * gathers(u) for u in units)
+        exp_rs = 3 * sum((N - 1) * u.layout.shard_numel * 4 for u in units)
+        # memory between steps: one more step without zero_grad so grads exist
+        x, y = M.make_batch("gpt", 9, M_GB)
+        per = M_GB // ws
+        M.loss_fn("gpt", model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        owned = sum(max(0, min(u.layout.shard_numel, u.layout.total - u.layout.rank * u.layout.shard_numel)) for u in units)
+        trainable = sum(e.local_numel for u in units for e in u.trainable)
+        total = sum(u.layout.total for u in units)
+        out[f"counters_reshard={reshard}"] = {
+            "ag": st["allgather_bytes"], "exp_ag": exp_ag, "rs": st["reduce_scatter_bytes"], "exp_rs": exp_rs,
+            "ar": st["allreduce_bytes"], "exposed": st["exposed_comm_s"], "n": st["num_collectives"],
+            "exp_n": 3 * sum(gathers(u) + 1 for u in units), "pool_stable": pool_before == pool_after,
+        }
+        out[f"memory_reshard={reshard}"] = {
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
+            "optim_bytes": sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                               if isinstance(v, torch.Tensor)),
+            "exp_param_bytes": owned * 4, "exp_trainable_bytes": trainable * 4,
+            "owned": owned, "bound": -(-total // ws) + len(units),
+            "unsharded_bytes": sum(u.tensor_bytes()["unsharded"] for u in units),
+        }
+    return out
+
+
+def errors(rank, ws, d):
+    """Each bad input must raise the named error with a message that says the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+
+    from framework.distributed.fsdp import CPUOffloadPolicy, QuantizedCommPolicy, fully_shard
+
+    cases = {}
+
+    def expect(name, exc, words, fn):
+        try:
+            fn()
+            cases[name] = f"no error raised"
+        except exc as e:  # noqa: PERF203
+            msg = str(e)
+            cases[name] = "ok" if all(w in msg for w in words) else f"message lacks {words}: {msg}"
+        except Exception as e:  # noqa: BLE001
+            cases[name] = f"wrong type {type(e).__name__}: {e}"
+
+    def twice():
+        m = M.make_model("mlp")
+        fully_shard(m)
+        fully_shard(m)
+
+    def tied_split():
+        m = M.make_model("gpt")
+        fully_shard(m.head)
+        fully_shard(m)
+
+    def dtensor_param():
+        m = torch.nn.Linear(4, 4)
+        mesh = init_device_mesh("cpu", (ws,))
+        m.weight = torch.nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(0)]))
+        fully_shard(m)
+
+    expect("sharded_twice", ValueError, ["already sharded", "once per module"], twice)
+    expect("mesh_3d", ValueError, ["1-D", "2-D"], lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (1, 1, ws))))
+    expect("submesh", NotImplementedError, ["mesh over all ranks"],
+           lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("a", "b"))["b"]))
+    expect("hpz_int", NotImplementedError, ["hpZ", "reshard_after_forward"],
+           lambda: fully_shard(M.make_model("mlp"), reshard_after_forward=ws + 1))
+    expect("offload_and_quant", NotImplementedError, ["CPUOffloadPolicy", "QuantizedCommPolicy"],
+           lambda: fully_shard(M.make_model("mlp"), offload_policy=CPUOffloadPolicy(), comm_policy=QuantizedCommPolicy()))
+    expect("tied_across_units", ValueError, ["tied", "one unit"], tied_split)
+    expect("tensor_parallel", NotImplementedError, ["tensor parallel"], dtensor_param)
+    expect("bad_block", ValueError, ["block_size"], lambda: QuantizedCommPolicy(block_size=3))
+    return {"errors": cases}
+
+
+def quantized(rank, ws, d):
+    """int8 all-gather + all-to-all gradient reduction: loss stays near the fp32 run; bytes shrink."""
+    from framework.distributed.fsdp import QuantizedCommPolicy
+
+    res = {}
+    losses = {}
+    for q in (False, True):
+        kw = {"comm_policy": QuantizedCommPolicy()} if q else {}
+        model = _ours(**kw)
+        opt = M.make_optimizer("adamw", model)
+        model.reset_comm_stats()
+        losses[q] = M.train_steps("gpt", model, opt, 10, M_GB, rank, ws)
+        st = model.comm_stats()
+        if q:
+            units = _units(model)
+            gathers = sum((1 if u is model._fsdp_unit else 2) for u in units)
+            bf16_ag = 10 * sum((ws - 1) * u.layout.shard_numel * 2 * (1 if u is model._fsdp_unit else 2) for u in units)
+            bf16_rs = 10 * sum((ws - 1) * u.layout.shard_numel * 2 for u in units)
+            res["ag_ratio_vs_bf16"] = st["allgather_bytes"] / bf16_ag
+            res["grad_ratio_vs_bf16"] = (st["alltoall_bytes"] + st["reduce_scatter_bytes"]) / bf16_rs
+    res["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses[True], losses[False]))
+    res["final_loss"] = (losses[False][-1], losses[True][-1])
+    return {"quantized": res}
+
+
+def mixed_precision(rank, ws, d):
+    """bf16 compute, fp32 reduce: ours vs torch's fully_shard with the same policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    from framework.distributed.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    for engine, mp in (("ours", MixedPrecisionPolicy(torch.bfloat16, torch.float32)), ("torch", TorchMP(torch.bfloat16, torch.float32))):
+        model = M.shard_model(M.make_model("gpt"), "gpt", engine, None, True, mp_policy=mp)
+        opt = M.make_optimizer("sgd", model)
+        out[engine] = M.train_steps("gpt", model, opt, 5, M_GB, rank, ws, engine=engine)
+        out[engine + "_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    out["max_diff"] = max(abs(a - b) for a, b in zip(out["ours"], out["torch"]))
+    return {"mixed_precision": out}
+
+
+EXTRAS_2 = [dcp_save_2, bytes_and_memory, errors, quantized, mixed_precision]
+EXTRAS_4 = [dcp_load_4, bytes_and_memory]
+EXTRAS_1 = [dcp_load_1]
