@@ -1,0 +1,192 @@
+"""Per-rank training runs for the tensor-parallel tests, and their single-process reference.
+
+No tests in here: `test_tp_training.py` spawns gloo ranks (tests/distributed/harness.py) that run
+`rank_main`, several layouts per spawn, and compares what rank 0 returns with `reference()`.
+
+Every run starts from the same weights (the debug Llama, `init_weights(seed=SEED)`) and sees the
+same global batches; a data-parallel rank takes its contiguous slice of each global batch, so
+the mean of the dp ranks' losses is the reference's loss on the whole batch. SGD with momentum
+(not Adam, whose normalisation would hide a gradient scaled by t or dp), gradient clipping on.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from framework.config.schema import Engine, ModelConfig, ParallelismConfig
+from framework.distributed.parallel_dims import ParallelDims
+from framework.distributed.parallelize import clip_grad_norm, parallelize
+from framework.distributed.tensor_parallel import full, loss_context
+from framework.models.llama import build_llama
+from framework.trainer import loss_fn
+
+SEED = 1234
+STEPS = 10
+GLOBAL_BATCH = 4
+SEQ = 16  # divisible by tp (sequence parallel shards it)
+LR, MOMENTUM, MAX_NORM = 0.5, 0.9, 1.0  # large lr: 10 steps move the weights visibly
+MODEL = ModelConfig(name="debug", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_dim=176, max_seq_len=SEQ)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_shard: int
+    tp: int
+    sequence_parallel: bool = False
+    engine: str = "torch"
+
+    @property
+    def name(self) -> str:
+        sp = "-sp" if self.sequence_parallel else ""
+        return f"dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """Train `layout` from `first_step` to `STEPS`; load the checkpoint `load` first (if given),
+    save one to `save` after `save_at` steps (if given)."""
+    layout: Layout
+    first_step: int = 0
+    load: Optional[str] = None
+    save: Optional[str] = None
+    save_at: int = 0
+
+
+def batches() -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(SEED + 1)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(MODEL.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def reference() -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """Losses of each step and the final parameters of a plain single-process run."""
+    torch.manual_seed(SEED)
+    model = build_llama(MODEL)
+    model.init_weights(seed=SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for inputs, labels in batches():
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class NativeLacksDTensor(Exception):
+    pass
+
+
+def _build(layout: Layout, world: int):
+    dims = ParallelDims(1, layout.dp_shard, layout.tp, world)
+    mesh = dims.build_mesh("cpu")
+    torch.manual_seed(SEED)
+    model = build_llama(MODEL)
+    model.init_weights(seed=SEED)
+    cfg = ParallelismConfig(engine=Engine(layout.engine), dp_shard=layout.dp_shard, tp=layout.tp,
+                            sequence_parallel=layout.sequence_parallel)
+    try:
+        model = parallelize(model, dims, mesh, cfg)
+    except NotImplementedError as exc:
+        if "DTensor" in str(exc):
+            raise NativeLacksDTensor(str(exc)) from exc
+        raise
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    return model, opt, mesh, cfg
+
+
+def _state_dicts(model, opt, engine: str):
+    if engine == "native":
+        from framework.distributed.fsdp import get_state_dicts
+
+        return get_state_dicts(model, opt)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, opt)
+
+
+def _set_state_dicts(model, opt, engine: str, model_sd, optim_sd) -> None:
+    if engine == "native":
+        from framework.distributed.fsdp import set_state_dicts
+
+        set_state_dicts(model, opt, model_sd, optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _save(model, opt, engine: str, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model_sd, optim_sd = _state_dicts(model, opt, engine)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def _load(model, opt, engine: str, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    # The target layout's own state dicts say which piece of each tensor this rank wants; DCP
+    # reads exactly that out of the files written by another layout.
+    model_sd, optim_sd = _state_dicts(model, opt, engine)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    _set_state_dicts(model, opt, engine, state["model"], state["optim"])
+
+
+def run_job(job: Job, world: int) -> dict:
+    """One layout's run on this rank: the dp-mean loss of each step and (rank 0) full parameters."""
+    layout = job.layout
+    model, opt, mesh, cfg = _build(layout, world)
+    if job.load:
+        _load(model, opt, layout.engine, job.load)
+    dp_group = mesh["dp_shard"].get_group()
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    per_rank = GLOBAL_BATCH // layout.dp_shard
+    losses = []
+    for step, (inputs, labels) in enumerate(batches()[job.first_step:], start=job.first_step):
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        with loss_context(model):
+            loss = loss_fn(model(inputs[rows]), labels[rows])
+            loss.backward()
+        value = full(loss.detach()).clone()
+        dist.all_reduce(value, group=dp_group)
+        losses.append(value.item() / layout.dp_shard)
+        clip_grad_norm(model, MAX_NORM, cfg.engine)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if job.save and step + 1 == job.save_at:
+            _save(model, opt, layout.engine, job.save)
+    # numpy, not tensors: torch's multiprocessing queue shares tensors through shared memory that
+    # the exiting rank would take with it.
+    params = {k: full(v).detach().numpy().copy() for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": params if dist.get_rank() == 0 else None}
+
+
+def rank_main(rank: int, world: int, jobs: List[Job]) -> Dict[str, dict]:
+    """Every job in turn on this rank (one spawn, many layouts). A native-engine job that the engine
+    refuses (no DTensor parameters yet) reports the engine's message instead of results."""
+    out = {}
+    for job in jobs:
+        key = job_key(job)
+        try:
+            out[key] = run_job(job, world)
+        except NativeLacksDTensor as exc:
+            out[key] = {"skip": str(exc)}
+        dist.barrier()
+    return out
+
+
+def job_key(job: Job) -> str:
+    source = f"<-{os.path.basename(job.load)}" if job.load else ""
+    return job.layout.name + source
