@@ -7,6 +7,7 @@ step and a complete checkpoint behind the `latest` pointer, in the fixed run dir
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -69,5 +70,47 @@ def test_slurm_job_trains_and_checkpoints(tmp_path):
         assert (job_dir / "logs" / f"train-{job_id}.out").exists()
         # The job ran with the config the launcher validated, resume=auto for requeues.
         assert "resume: auto" in (job_dir / "run" / "config.yaml").read_text()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(240)
+def test_slurm_preemption_saves_requeues_and_resumes(tmp_path):
+    """The pre-emption warning (what --signal=B:USR1 sends) mid-run: the ranks save, the job
+    requeues itself under the same id, and the second start resumes from that checkpoint."""
+    why = slurm_cluster.missing()
+    if why:
+        pytest.skip(f"no Slurm here: {why}")
+    steps = 60
+    cluster = slurm_cluster.start(str(tmp_path / "slurm"), cpus=2)
+    try:
+        out = run_launcher(["cluster=slurm", "container.runtime=none", "cluster.nodes=1",
+                            "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", *TINY,
+                            f"trainer.max_steps={steps}", "trainer.eval_interval=0",
+                            f"cluster.rdzv_port={free_port()}", "cluster.time_limit=10",
+                            "+cluster.env.OMP_NUM_THREADS=1", f"cluster.jobs_dir={tmp_path}/jobs"],
+                           cwd=tmp_path, env=cluster.env, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        job_dir = Path(out.stdout.strip().splitlines()[-1])
+        (job_id,) = (job_dir / "job_ids").read_text().split()
+        metrics = job_dir / "run" / "metrics.jsonl"
+        deadline = time.time() + 90
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.time() < deadline, f"no training progress\n{_tail(job_dir)}\n{cluster.logs()}"
+            assert cluster.job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), _tail(job_dir)
+            time.sleep(0.2)
+        cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+        state = cluster.wait_job(job_id, timeout=180)
+        assert state == "COMPLETED", f"job {job_id} {state}\n{_tail(job_dir)}\n{cluster.logs()}"
+        info = cluster.run("scontrol", "show", "job", "-o", job_id)
+        assert "Restarts=1" in info, info
+        err = (job_dir / "logs" / f"train-{job_id}.err").read_text()
+        assert "requeueing job" in err and "resumed from" in err, err[-3000:]
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        steps_seen = [r["step"] for r in records if "loss" in r]
+        # Every step once: the second start continued after the pre-emption checkpoint.
+        assert steps_seen == list(range(1, steps + 1)), steps_seen
+        checkpoints = sorted(p.name for p in (job_dir / "run" / "checkpoints").glob("step_*"))
+        assert len(checkpoints) == 2 and checkpoints[-1] == f"step_{steps:08d}", checkpoints
     finally:
         cluster.stop()
