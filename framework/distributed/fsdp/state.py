@@ -17,7 +17,10 @@ from .unit import ShardUnit
 
 # [Note: the gradient buffer pool]
 # A unit's reduce-scatter input (its full gradients, flat) is needed only from the unit's last
-# gradient until its reduce-scatter completes. The pool hands out buffers by (dtype, device, size)
+# gradient until its reduce-scatter completes. Usually it is the unit's own gathered storage
+# (see [Note: gradients reuse the gathered storage] in unit.py) and no pool buffer is used; the
+# pool serves units with frozen parameters, a reduce dtype different from the param dtype, or
+# int8 reduction outputs. The pool hands out buffers by (dtype, device, size)
 # and gets them back in `finish_reduce`; when none is free and two reductions are in flight it
 # first finishes the oldest, so at most ~3 buffers exist and, because every step asks for the same
 # sizes in the same order, nothing is allocated after step 1.
@@ -66,6 +69,12 @@ class ShardContext:
             buf = torch.empty(numel, dtype=dtype, device=device)
             buf._pool_key = key
             return buf
+
+    def add_pending(self, unit: ShardUnit) -> None:
+        """Track an issued reduction; finish the oldest ones so at most MAX_IN_FLIGHT hold memory."""
+        self.pending_units.append(unit)
+        while len(self.pending_units) > MAX_IN_FLIGHT:
+            self.pending_units.pop(0).finish_reduce()
 
     def release_grad_buffer(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base

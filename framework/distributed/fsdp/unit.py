@@ -31,6 +31,15 @@ if TYPE_CHECKING:
 # With one rank in the shard group and no dtype change (NO_SHARD fp32), the unsharded storage *is*
 # the shard buffer: no gather, no copy, never released.
 
+#
+# [Note: gradients reuse the gathered storage]
+# When a unit's last trainable parameter has accumulated its gradient, autograd has finished
+# every use of the unit's (all-trainable) gathered parameters, so the gradients are copied into
+# the unit's own unsharded storage, which then is the reduce-scatter input; the storage is
+# released when the reduce-scatter finishes (at most MAX_IN_FLIGHT units wait, see state.py).
+# No separate gradient buffer exists, so the peak during backward is one unit lower than with a
+# dedicated buffer, and between steps the engine holds only shards.
+
 
 class ShardUnit:
     def __init__(
@@ -211,13 +220,16 @@ class ShardUnit:
                 self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
             self._write_grads(self._accum, accumulate=self._accum_valid)
             self._accum_valid = True
-            if self.reshard_after_forward or True:
-                self.reshard()
+            self.reshard()
             return
+        in_place = False
         if self._accum_valid:
             self._write_grads(self._accum, accumulate=True)
-            buf = self._accum
-            pooled = False
+            buf, pooled = self._accum, False
+        elif self._can_reduce_in_place():
+            # [Note: gradients reuse the gathered storage]
+            buf, pooled, in_place = self.full_flat, False, True
+            self._write_grads(buf, accumulate=False)
         else:
             buf = self.ctx.acquire_grad_buffer(L.padded_total, self.reduce_dtype, self.compute_device)
             self._write_grads(buf, accumulate=False)
@@ -237,9 +249,22 @@ class ShardUnit:
                 L.shard_numel, self.reduce_dtype, self.compute_device, tag="out"
             )
             pending = C.reduce_scatter(out, buf, self.shard_group, self.stats)
-        self._pending = (pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out)
-        self.ctx.pending_units.append(self)
-        self.reshard()
+        self._pending = (pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out, in_place)
+        if in_place:
+            self._hide()  # the storage now holds gradients; resharded when the reduction finishes
+        else:
+            self.reshard()
+        self.ctx.add_pending(self)
+
+    def _can_reduce_in_place(self) -> bool:
+        """All params trainable and same dtype: once the last grad arrived, backward no longer reads
+        the gathered params, so the gathered storage can be the reduce-scatter input."""
+        return (
+            self.storage is not None
+            and self.reduce_dtype == self.param_dtype
+            and len(self.trainable) == len(self.entries)
+            and self.state == UnitState.UNSHARDED
+        )
 
     def _write_grads(self, buf: torch.Tensor, accumulate: bool) -> None:
         L = self.layout
@@ -272,9 +297,11 @@ class ShardUnit:
         """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
         if self._pending is None:
             return
-        pending, buf, direct, fresh, pre_divided, out = self._pending
+        pending, buf, direct, fresh, pre_divided, out, in_place = self._pending
         self._pending = None
         C.wait(pending)
+        if in_place:
+            self.reshard()
         if self.comm is not None and self.comm.grads and self.N > 1:
             b, S = self.comm.block_size, self.layout.shard_numel
             nb = packed_nbytes(S, b)

@@ -1,0 +1,264 @@
+"""Side-by-side step time, memory and traffic: our sharded engine vs torch FSDP2 vs torch DDP.
+
+    .venv/bin/python bench/engine.py                       # ~25M GPT, 2 gloo ranks, CPU, fp32
+    .venv/bin/python bench/engine.py --steps 4 --model-size tiny
+
+Phase 1 (timing): one 2-rank group builds the three engines from the same initial weights and
+runs their steps interleaved (round r runs one step of each, in rotating order, after a barrier),
+so background load hits all three alike; we report medians. Phase 2 (memory): one short 2-rank
+run per engine in its own processes, with the peak RSS (VmHWM) reset after warm-up, so each
+engine's high-water mark is its own. Tensor accounting = bytes of parameters + gradients +
+optimizer state + engine-held buffers between steps. Traffic: ours from `comm_stats()`; FSDP2
+counted by wrapping torch.distributed's collective functions in this process; DDP from theory
+(its reducer calls gloo from C++): all-reduce of every gradient, 2 (N-1)/N x bytes.
+Writes a table to stdout and JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
+    "tiny": (1024, 128, 2, 4, 64, 4),
+    "25m": (16384, 512, 6, 8, 256, 4),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, d, layers, heads, seq):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+# ------------------------------------------------------------------ traffic counting for FSDP2
+_COUNT = {"bytes": 0}
+
+
+def _wrap_collectives() -> None:
+    import inspect
+
+    def wrap(name, nbytes):
+        orig = getattr(dist, name)
+        sig = inspect.signature(orig)
+
+        def f(*a, **k):
+            b = sig.bind(*a, **k)
+            args = list(b.arguments.values())
+            n = dist.get_world_size(b.arguments.get("group"))
+            _COUNT["bytes"] += nbytes(args[0], args[1], n)
+            return orig(*a, **k)
+
+        setattr(dist, name, f)
+
+    for name in ("all_gather_into_tensor", "all_gather_single"):  # bytes received
+        wrap(name, lambda out, inp, n: (n - 1) * inp.numel() * inp.element_size())
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # bytes sent
+        wrap(name, lambda out, inp, n: (n - 1) * out.numel() * inp.element_size())
+
+
+# ------------------------------------------------------------------ engines
+def build(engine: str, size: str, rank: int):
+    vocab, d, layers, heads, seq, _ = SIZES[size]
+    torch.manual_seed(0)
+    model = GPT(vocab, d, layers, heads, seq)
+    if engine == "ours":
+        from framework.distributed.fsdp import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+    elif engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    return model, opt
+
+
+def step(engine, model, opt, size, s, rank):
+    vocab, d, layers, heads, seq, mb = SIZES[size]
+    g = torch.Generator().manual_seed(s * 100 + rank)
+    idx = torch.randint(0, vocab, (mb, seq + 1), generator=g)
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = model(idx[:, :-1])
+    loss = F.cross_entropy(out.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0, loss.item()
+
+
+def tensor_bytes(engine, model, opt) -> int:
+    def local(t):
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    params = {id(p): p for p in model.parameters()}
+    b = sum(local(p).numel() * local(p).element_size() for p in params.values())
+    b += sum(local(p.grad).numel() * local(p.grad).element_size() for p in params.values() if p.grad is not None)
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                b += local(v).numel() * local(v).element_size()
+    if engine == "ours":
+        sb = model.sharded_tensor_bytes()
+        b += sb["unsharded"] + sb["accum"] + sb["grad_pool"]
+    return b
+
+
+def _rss_hwm_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_hwm() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def timing_worker(rank, ws, size, steps, warmup):
+    _wrap_collectives()
+    engines = ["ours", "fsdp2", "ddp"]
+    built = {e: build(e, size, rank) for e in engines}
+    times = {e: [] for e in engines}
+    traffic = {e: [] for e in engines}
+    exposed = []
+    for r in range(warmup + steps):
+        order = engines[r % 3:] + engines[: r % 3]
+        for e in order:
+            model, opt = built[e]
+            if e == "ours":
+                model.reset_comm_stats()
+            _COUNT["bytes"] = 0
+            t, _ = step(e, model, opt, size, r, rank)
+            if r >= warmup:
+                times[e].append(t)
+                if e == "ours":
+                    st = model.comm_stats()
+                    traffic[e].append(st["allgather_bytes"] + st["reduce_scatter_bytes"] + st["allreduce_bytes"])
+                    exposed.append(st["exposed_comm_s"])
+                elif e == "fsdp2":
+                    traffic[e].append(_COUNT["bytes"])
+    grad_bytes = sum(p.numel() * 4 for p in built["ddp"][0].parameters())
+    traffic["ddp"] = [2 * (ws - 1) * grad_bytes // ws]
+    tb = {}
+    for e in engines:  # one more step without zero_grad so gradients count in the accounting
+        model, opt = built[e]
+        vocab, *_ , seq, mb = SIZES[size]
+        idx = torch.randint(0, vocab, (mb, seq + 1))
+        F.cross_entropy(model(idx[:, :-1]).reshape(-1, vocab), idx[:, 1:].reshape(-1)).backward()
+        opt.step()
+        tb[e] = tensor_bytes(e, model, opt)
+    return {"times": times, "traffic": traffic, "exposed": exposed, "tensor_bytes": tb,
+            "params": sum(p.numel() for p in built["ddp"][0].parameters())}
+
+
+def memory_worker(rank, ws, engine, size):
+    model, opt = build(engine, size, rank)
+    for s in range(2):
+        step(engine, model, opt, size, s, rank)
+    _reset_hwm()
+    base = _rss_hwm_kb()
+    for s in range(2, 4):
+        step(engine, model, opt, size, s, rank)
+    return {"rss_peak_mb": _rss_hwm_kb() / 1024, "rss_after_warmup_mb": base / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per engine (after 2 warm-up)")
+    ap.add_argument("--model-size", default="25m", choices=sorted(SIZES))
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--out", default="bench/engine_results.json")
+    ap.add_argument("--skip-memory", action="store_true")
+    args = ap.parse_args()
+    from tests.distributed.harness import run_ranks
+
+    t0 = time.time()
+    res = run_ranks(timing_worker, args.ranks, args=(args.model_size, args.steps, 2), timeout_s=1800)
+    mem = {}
+    if not args.skip_memory:
+        for e in ("ours", "fsdp2", "ddp"):
+            mem[e] = run_ranks(memory_worker, args.ranks, args=(e, args.model_size), timeout_s=900)
+    r0 = res[0]
+    med = {e: statistics.median(max(r["times"][e][i] for r in res) for i in range(args.steps)) for e in r0["times"]}
+    rows = {}
+    for e in ("ours", "fsdp2", "ddp"):
+        rows[e] = {
+            "median_step_s": med[e],
+            "ratio_to_fsdp2": med[e] / med["fsdp2"],
+            "ratio_to_ddp": med[e] / med["ddp"],
+            "tensor_bytes_mb": max(r["tensor_bytes"][e] for r in res) / 2**20,
+            "rss_peak_mb": max(m["rss_peak_mb"] for m in mem[e]) if mem else None,
+            "comm_mb_per_step": statistics.median(r0["traffic"][e]) / 2**20 if r0["traffic"][e] else None,
+            "exposed_comm_s": statistics.median(r0["exposed"]) if e == "ours" else None,
+        }
+    hdr = f"{'engine':8} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} {'comm MB/step':>13} {'exposed s':>10}"
+    print(f"\nGPT {args.model_size} ({r0['params'] / 1e6:.1f}M params), {args.ranks} gloo ranks, CPU fp32, "
+          f"{args.steps} interleaved steps, medians; total {time.time() - t0:.0f}s")
+    print(hdr)
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)
+    for e, r in rows.items():
+        print(f"{e:8} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
+              f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} {fmt(r['comm_mb_per_step'], '13.1f'):>13} "
+              f"{fmt(r['exposed_comm_s'], '10.3f'):>10}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "params": r0["params"], "rows": rows, "raw": res, "memory": mem}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
