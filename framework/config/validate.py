@@ -4,6 +4,7 @@ Each problem is one line naming the field and the fix; `main.py` prints them all
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import List, Optional
 
@@ -37,6 +38,22 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
             if value % p.tp:
                 errors.append(f"model.{name}={value} is not divisible by parallelism.tp={p.tp}; "
                               "choose a tp that divides it")
+    if p.tp > 1:
+        vocab = _vocab_known_before_start(cfg)
+        if vocab and vocab % p.tp:
+            # Not refused: DTensor shards the embedding table and the output head unevenly
+            # (torch.chunk sizes: ceil(vocab / tp) rows, the last rank fewer; its collectives pad
+            # the short shard) and the numbers are exact (tests/tp). Said, because the work is
+            # unbalanced and an even size is one config value away.
+            per_rank = -(-vocab // p.tp)
+            _advise(f"vocabulary size {vocab} is not divisible by parallelism.tp={p.tp}: the embedding and "
+                    f"output head are split unevenly (at most {per_rank} rows per rank, the short shards "
+                    f"padded in communication); for even shards pad model.vocab_size to "
+                    f"{per_rank * p.tp}")
+        if p.tp > cfg.cluster.nproc_per_node or (cfg.cluster.nodes > 1 and cfg.cluster.nproc_per_node % p.tp):
+            _advise(f"parallelism.tp={p.tp} with cluster.nproc_per_node={cfg.cluster.nproc_per_node}: "
+                    "tensor-parallel groups span nodes, and their per-layer all-reduces over the "
+                    "inter-node network are slow; keep tp <= nproc_per_node (and dividing it)")
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
 
@@ -71,6 +88,21 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         except ImportError:  # the launcher's environment may lack torch; the job checks again
             pass
     return errors
+
+
+def _vocab_known_before_start(cfg: Config) -> int:
+    """The model's vocabulary size if the config fixes it (0 when a tokenizer decides at start)."""
+    if cfg.model.vocab_size > 0:
+        return cfg.model.vocab_size
+    if cfg.data.name == DataName.stdlib and not cfg.data.tokenizer:
+        return cfg.data.vocab_size
+    return 0
+
+
+def _advise(message: str) -> None:
+    """A warning for a job that can start but may not be what the user wants (rank 0 only)."""
+    if os.environ.get("RANK", "0") == "0":
+        logging.getLogger("framework.config").warning(message)
 
 
 def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
