@@ -115,10 +115,10 @@ def plan(argv: Sequence[str]) -> Plan:
         extra += derive_mesh(composed, keys)
     stages = list(composed.cluster.stages) or [composed.stage]
     remote = composed.cluster.type in ("slurm", "k8s")
-    requeues = composed.cluster.type == "k8s" or (composed.cluster.type == "slurm" and
-                                                  (composed.cluster.requeue or composed.cluster.chain))
-    if requeues and "training" in stages and composed.checkpoint.resume == "none":
-        extra.append("checkpoint.resume=auto")  # a requeued or chained job picks up where it stopped
+    # A requeued, chained, restarted or re-submitted job picks up where it stopped; on a first start
+    # there is nothing to resume and training begins at step 0. An explicit choice is kept.
+    if "training" in stages and "checkpoint.resume" not in keys and composed.checkpoint.resume == "none":
+        extra.append("checkpoint.resume=auto")
     for override in extra:
         key, value = override.split("=", 1)
         OmegaConf.update(composed, key, yaml.safe_load(value), merge=False)

@@ -18,6 +18,7 @@ mkdir -p /shared/jobs/train-golden/run /shared/jobs/train-golden/logs
     trainer.sample_tokens=0 \
     trainer.max_steps=4 \
     'checkpoint.dir='"'"'x; rm -rf ~; touch PWNED $(touch PWNED2) `touch PWNED3`'"'"'' \
+    checkpoint.resume=auto \
     hydra.run.dir=/shared/jobs/train-golden/run
 status=$?
 if [ "$status" != 0 ]; then

@@ -24,6 +24,7 @@ docker run --rm --network=host --ipc=host --workdir /workspace --gpus all --volu
     trainer.progress_bar=false \
     logging.tensorboard=false \
     trainer.sample_tokens=0 \
+    checkpoint.resume=auto \
     hydra.run.dir=/shared/jobs/train-golden/run
 status=$?
 if [ "$status" != 0 ]; then

@@ -22,6 +22,7 @@ pids=()
     trainer.sample_tokens=0 \
     trainer.max_steps=4 \
     cluster.rdzv_port=29400 \
+    checkpoint.resume=auto \
     hydra.run.dir=/shared/jobs/train-golden/run \
     > /shared/jobs/train-golden/logs/training-node1.log 2>&1 &
 pids+=("$!")
@@ -38,6 +39,7 @@ pids+=("$!")
     trainer.sample_tokens=0 \
     trainer.max_steps=4 \
     cluster.rdzv_port=29400 \
+    checkpoint.resume=auto \
     hydra.run.dir=/shared/jobs/train-golden/run &
 pids+=("$!")
 status=0
