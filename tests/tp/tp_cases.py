@@ -10,6 +10,7 @@ the mean of the dp ranks' losses is the reference's loss on the whole batch. SGD
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -39,11 +40,13 @@ class Layout:
     tp: int
     sequence_parallel: bool = False
     engine: str = "torch"
+    vocab: int = MODEL.vocab_size  # 255: uneven vocabulary shards at tp=2
 
     @property
     def name(self) -> str:
         sp = "-sp" if self.sequence_parallel else ""
-        return f"dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}"
+        vocab = "" if self.vocab == MODEL.vocab_size else f"-vocab{self.vocab}"
+        return f"dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}{vocab}"
 
 
 @dataclass(frozen=True)
@@ -57,23 +60,27 @@ class Job:
     save_at: int = 0
 
 
-def batches() -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def model_cfg(vocab: int) -> ModelConfig:
+    return dataclasses.replace(MODEL, vocab_size=vocab)
+
+
+def batches(vocab: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(SEED + 1)
     out = []
     for _ in range(STEPS):
-        tokens = torch.randint(MODEL.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+        tokens = torch.randint(vocab, (GLOBAL_BATCH, SEQ + 1), generator=gen)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
 
 
-def reference() -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def reference(vocab: int = MODEL.vocab_size) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """Losses of each step and the final parameters of a plain single-process run."""
     torch.manual_seed(SEED)
-    model = build_llama(MODEL)
+    model = build_llama(model_cfg(vocab))
     model.init_weights(seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
-    for inputs, labels in batches():
+    for inputs, labels in batches(vocab):
         loss = loss_fn(model(inputs), labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -91,7 +98,7 @@ def _build(layout: Layout, world: int):
     dims = ParallelDims(1, layout.dp_shard, layout.tp, world)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(SEED)
-    model = build_llama(MODEL)
+    model = build_llama(model_cfg(layout.vocab))
     model.init_weights(seed=SEED)
     cfg = ParallelismConfig(engine=Engine(layout.engine), dp_shard=layout.dp_shard, tp=layout.tp,
                             sequence_parallel=layout.sequence_parallel)
@@ -154,7 +161,7 @@ def run_job(job: Job, world: int) -> dict:
     dp_rank = mesh["dp_shard"].get_local_rank()
     per_rank = GLOBAL_BATCH // layout.dp_shard
     losses = []
-    for step, (inputs, labels) in enumerate(batches()[job.first_step:], start=job.first_step):
+    for step, (inputs, labels) in enumerate(batches(layout.vocab)[job.first_step:], start=job.first_step):
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         with loss_context(model):
             loss = loss_fn(model(inputs[rows]), labels[rows])
