@@ -109,7 +109,8 @@ class Trainer:
         batches = self.cfg.trainer.eval_iters * valid.accum_steps
         for _ in range(batches):
             inputs, labels = valid.next_batch()
-            total += loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device))
+            with loss_context(self.model):  # tensor parallel: the loss on vocabulary-sharded logits
+                total += full(loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device)))
         dist.all_reduce(total, group=self.dp_group)
         self.model.train()
         return total.item() / (batches * self.dims.dp)
