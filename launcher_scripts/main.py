@@ -11,6 +11,7 @@ dry_run=true. The last line on stdout is the job's directory.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
@@ -71,6 +72,8 @@ def submit(p: Plan, job_dir: str) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Advice from the config checks (a job that can start but may not be what you want).
+    logging.basicConfig(format="launcher: warning: %(message)s", level=logging.WARNING, stream=sys.stderr)
     try:
         p = plan(argv)
     except Refused as refused:

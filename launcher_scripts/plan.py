@@ -136,7 +136,7 @@ def plan(argv: Sequence[str]) -> Plan:
         problems = [p for p in problems if "does not exist; prepare it with stage=data_preparation" not in p]
     problems += launcher_problems(cfg)
     if problems:
-        raise Refused(problems)
+        raise Refused([" ".join(p.split()) for p in problems])  # one line each
     dropped = set(LAUNCHER_KEYS) | ({"stage"} if cfg.cluster.stages else set())
     passthrough = [o for o, k in zip(user, keys) if k not in dropped]
     return Plan(cfg=cfg, resolved=composed, overrides=passthrough + extra)

@@ -136,11 +136,13 @@ def test_overrides_pass_through_unchanged():
             "trainer.max_steps=4", "checkpoint.dir='a b'"]
     p = plan_of(argv)
     assert p.overrides == ["cluster=local", "model=debug", "data=synthetic", "trainer.max_steps=4",
-                           "checkpoint.dir='a b'"]
+                           "checkpoint.dir='a b'", "checkpoint.resume=auto"]
     job = make_job(p, JOB_DIR, "/opt/repo", "/opt/venv/bin/python")
     from launcher_scripts.local import render_local_commands
     (argv_,) = render_local_commands(p.cfg, job)
-    assert argv_[-6:] == [*p.overrides, f"hydra.run.dir={JOB_DIR}/run"]
+    assert argv_[-7:] == [*p.overrides, f"hydra.run.dir={JOB_DIR}/run"]
+    # An explicit choice is kept.
+    assert plan_of([*argv, "checkpoint.resume=none"]).overrides[-1] == "checkpoint.resume=none"
 
 
 def test_stages_chain_with_dependencies():
