@@ -30,4 +30,34 @@ def build_data(cfg: DataConfig, *, vocab_size: int, micro_batch_size: int, globa
         train = SyntheticSource(vocab_size, cfg.seq_len, seed)
         valid = SyntheticSource(vocab_size, cfg.seq_len, seed + 1)
         return DataBundle(*loaders(train, valid), vocab_size=vocab_size)
-    raise NotImplementedError(f"data={cfg.name.value} is not available in this build")
+    return _build_indexed_data(cfg, loaders, vocab_size=vocab_size, seed=seed)
+
+
+def _build_indexed_data(cfg: DataConfig, loaders, *, vocab_size: int, seed: int) -> DataBundle:
+    """data=indexed (files named by data.paths) and data=stdlib (prepared once, then the same)."""
+    import torch.distributed as dist
+
+    from framework.data.indexed import MegatronTokenizerInfo, build_indexed, resolve_tokenizer
+
+    distributed = dist.is_available() and dist.is_initialized()
+    barrier = dist.barrier if distributed else (lambda: None)
+    if cfg.name == DataName.stdlib:
+        from framework.data.stdlib import ensure_stdlib
+
+        is_main = not distributed or dist.get_rank() == 0
+        paths, weights = [ensure_stdlib(cfg.cache_dir, cfg.vocab_size, cfg.workers, is_main=is_main,
+                                        barrier=barrier)], []
+    else:
+        paths, weights = list(cfg.paths), list(cfg.weights)
+    tokenizer = resolve_tokenizer(cfg.tokenizer, paths)
+    if tokenizer is not None:
+        vocab_size = tokenizer.vocab_size
+        info = tokenizer
+    elif vocab_size > 0:
+        info = MegatronTokenizerInfo(vocab_size, eod=vocab_size - 1)
+    else:
+        raise ValueError(f"data.tokenizer is empty and no {paths[0]}.tokenizer.json exists, so the vocabulary "
+                         "size is unknown: set data.tokenizer=<tokenizer.json> or model.vocab_size")
+    train, valid = build_indexed(paths, weights, split=cfg.split, seq_len=cfg.seq_len, seed=seed,
+                                 tokenizer=info, cache_dir=cfg.cache_dir)
+    return DataBundle(*loaders(train, valid), vocab_size=vocab_size, tokenizer=tokenizer)

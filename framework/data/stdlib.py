@@ -1,0 +1,82 @@
+"""`data=stdlib`, the main job's embedded corpus: this Python's own standard-library sources.
+
+The corpus is the top-level `*.py` files of `sysconfig.get_paths()['stdlib']` in name order, up
+to STDLIB_BYTES (about half of them: it prepares in seconds, yet is enough text for a small GPT).
+It is prepared once through the same path as `stage=data_preparation` into
+`<data.cache_dir>/stdlib-<python version>-<vocab>/` and reused by every later run: rank 0
+prepares while the others wait at a barrier, and the finished directory appears by one rename.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import sysconfig
+from typing import List
+
+STDLIB_BYTES = 2_000_000
+DOC_CHARS = 4_000  # characters per document, at most (roughly)
+
+
+def stdlib_files(limit: int = STDLIB_BYTES) -> List[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files, total = [], 0
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.endswith(".py") or not os.path.isfile(path):
+            continue
+        size = os.path.getsize(path)
+        if total + size > limit and files:
+            break
+        files.append(path)
+        total += size
+    return files
+
+
+def write_documents(files: List[str], out_path: str, max_chars: int = DOC_CHARS) -> None:
+    """The files as JSONL documents of at most ~`max_chars`, cut at line boundaries: whole files
+    (73 of them) are too few documents for a 98/1/1 train/valid/test split."""
+    with open(out_path, "w", encoding="utf-8") as out:
+        for path in files:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.readlines()
+            chunk: List[str] = []
+            size = 0
+            for line in lines + [None]:
+                if line is None or (size + len(line) > max_chars and chunk):
+                    if chunk:
+                        out.write(json.dumps({"text": "".join(chunk)}) + "\n")
+                    chunk, size = [], 0
+                if line is not None:
+                    chunk.append(line)
+                    size += len(line)
+
+
+def stdlib_prefix(cache_dir: str, vocab_size: int) -> str:
+    version = "%d.%d" % sys.version_info[:2]
+    return os.path.join(os.path.abspath(cache_dir), f"stdlib-py{version}-v{vocab_size}", "stdlib")
+
+
+def ensure_stdlib(cache_dir: str, vocab_size: int, workers: int, *, is_main: bool, barrier) -> str:
+    """The prefix of the prepared stdlib corpus, preparing it first (rank 0) if needed."""
+    from framework.data.prepare import prepare
+
+    prefix = stdlib_prefix(cache_dir, vocab_size)
+    final = os.path.dirname(prefix)
+    if is_main and not os.path.isfile(prefix + ".idx"):
+        tmp = f"{final}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"preparing the stdlib corpus once into {final}", file=sys.stderr, flush=True)
+        os.makedirs(tmp)
+        corpus = os.path.join(tmp, "corpus.jsonl")
+        write_documents(stdlib_files(), corpus)
+        prepare([corpus], os.path.join(tmp, "stdlib"), vocab_size=vocab_size, workers=workers,
+                progress=False)
+        os.remove(corpus)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another job finished first: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    return prefix
