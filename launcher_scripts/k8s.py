@@ -66,7 +66,8 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
         container["env"] = env
     if c.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": c.gpus_per_node}}
-    spec: Dict[str, Any] = {"containers": [container], "volumes": volumes}
+    # fsGroup: the volumes are writable by the image's user (uid/gid 1000 in our Dockerfile).
+    spec: Dict[str, Any] = {"containers": [container], "volumes": volumes, "securityContext": {"fsGroup": 1000}}
     if c.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in c.image_pull_secrets]
     labels = {"app.kubernetes.io/name": c.job_name, "app.kubernetes.io/instance": job.name,

@@ -5,6 +5,7 @@ Nothing here writes or submits; `main.py` does both with what `plan()` returns.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ def launcher_problems(cfg: Config) -> List[str]:
         problems.append(f"container.runtime={runtime} needs container.image "
                         "(e.g. container.image=registry.example/org/train:1.0)")
     if c.type == ClusterType.slurm:
+        limit = slurm_seconds(c.time_limit)
+        if c.requeue and c.signal_seconds and limit <= c.signal_seconds:
+            problems.append(f"cluster.signal_seconds={c.signal_seconds} is not shorter than cluster.time_limit="
+                            f"{c.time_limit} ({limit}s); lower signal_seconds or raise the time limit")
         if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
             problems.append(f"container.runtime={runtime} runs containers on this machine only; with "
                             "cluster=slurm choose container.runtime=pyxis, apptainer or none")
@@ -91,12 +96,37 @@ def launcher_problems(cfg: Config) -> List[str]:
         if len(stages_of(cfg)) > 1:
             problems.append("cluster.stages with cluster=k8s: submit one stage per job "
                             "(stage=data_preparation, then stage=training)")
-        if not K8S_NAME.fullmatch(c.job_name) or len(c.job_name) > 40:
+        # <job_name>-YYYYmmdd-HHMMSS[-n]-worker-<i> names a pod's service: at most 63 characters.
+        if not K8S_NAME.fullmatch(c.job_name) or len(c.job_name) > 30:
             problems.append(f"cluster.job_name={c.job_name!r}: Kubernetes names are lowercase letters, "
-                            "digits and '-', at most 40 characters here")
+                            "digits and '-', at most 30 characters here")
     if c.type != ClusterType.slurm and c.chain:
         problems.append(f"cluster.chain={c.chain} chains Slurm jobs; set cluster.chain=0 with cluster={c.type.value}")
     return problems
+
+
+def slurm_seconds(limit: str) -> int:
+    """Slurm's time formats in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days, _, rest = limit.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        h, m, sec = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
+def advice(cfg: Config) -> List[str]:
+    """Jobs that can start but may not be what the user wants (printed as warnings)."""
+    c = cfg.cluster
+    notes = []
+    if c.type == ClusterType.slurm and not c.cpus_per_task and not c.exclusive and c.nproc_per_node > 1:
+        notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {c.nproc_per_node} ranks share "
+                     "the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or cluster.exclusive=true")
+    return notes
 
 
 def plan(argv: Sequence[str]) -> Plan:
@@ -137,6 +167,8 @@ def plan(argv: Sequence[str]) -> Plan:
     problems += launcher_problems(cfg)
     if problems:
         raise Refused([" ".join(p.split()) for p in problems])  # one line each
+    for note in advice(cfg):
+        logging.getLogger("launcher").warning(note)
     dropped = set(LAUNCHER_KEYS) | ({"stage"} if cfg.cluster.stages else set())
     passthrough = [o for o, k in zip(user, keys) if k not in dropped]
     return Plan(cfg=cfg, resolved=composed, overrides=passthrough + extra)

@@ -157,3 +157,21 @@ def test_stages_chain_with_dependencies():
     assert chained.count('dep=(--dependency="afterany:${id}")') == 2  # cluster.chain=2
     assert "--signal=B:USR1@120" in render_case("slurm_pyxis")["training.sbatch"]
 
+
+
+@pytest.mark.parametrize("limit, seconds", [("5", 300), ("1:30", 90), ("04:00:00", 14400), ("1-0", 86400),
+                                            ("1-02:03", 93780), ("2-00:00:10", 172810)])
+def test_slurm_time_formats(limit, seconds):
+    from launcher_scripts.plan import slurm_seconds
+    assert slurm_seconds(limit) == seconds
+
+
+def test_slurm_cpu_advice(caplog):
+    with caplog.at_level("WARNING", logger="launcher"):
+        plan_of(["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0", "cluster.nproc_per_node=2"])
+    assert any("cluster.cpus_per_task" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="launcher"):
+        plan_of(["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0",
+                 "cluster.nproc_per_node=2", "cluster.cpus_per_task=2"])
+    assert not [r for r in caplog.records if r.name == "launcher"]

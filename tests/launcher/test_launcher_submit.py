@@ -148,6 +148,11 @@ def test_refused_config_exits_2_and_writes_nothing(tmp_path):
     (["cluster=k8s", "container.image=x:1", "cluster.job_name=Train_1"], "cluster.job_name"),
     (["cluster=slurm", "trainer.no_such_key=1"], "trainer.no_such_key"),
     (["cluster=slurm", "cluster.nproc_per_node=8", "cluster.gpus_per_node=4"], "cluster.nproc_per_node=8"),
+    (["cluster=slurm", "cluster.time_limit=2"], "cluster.signal_seconds=120"),
+    (["cluster=slurm", "cluster.nodes=0"], "cluster.nodes=0"),
+    (["cluster=slurm", "+cluster.secret_env.bad-name=x"], "cluster.secret_env.bad-name"),
+    (["cluster=local", "container.runtime=pyxis", "container.image=x:1"], "container.runtime=pyxis"),
+    (["cluster=slurm", "cluster.stages=[training,evaluate]"], "cluster.stages"),
 ])
 def test_launcher_refusals_name_the_field(args, field):
     from launcher_scripts.plan import Refused, plan
