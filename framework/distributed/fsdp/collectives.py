@@ -8,14 +8,24 @@ bytes this rank *receives* ((N-1) x shard bytes), a reduce-scatter or all-to-all
 *sends* ((N-1) x shard bytes), an all-reduce the ring volume 2 (N-1)/N x tensor bytes.
 
 gloo in this torch deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
-`all_gather_single` / `reduce_scatter_single`; we use the latter.
+`all_gather_single` / `reduce_scatter_single`; we use the latter on other backends (NCCL).
+
+[Note: gloo collectives built from in-place primitives]
+On gloo, `all_gather_single` gathers into a temporary and copies every chunk out, and
+`reduce_scatter_single` clones the whole input, all-reduces it (twice the reduce-scatter traffic)
+and copies the chunk out: two full-size copies and a full-size allocation per call (seen in the
+profiler as aten::copy_ of unit size). On gloo we therefore build them from primitives that work
+in place: the all-gather is one broadcast per rank straight into its slice of the output (only
+this rank's own shard is copied in), and the reduce-scatter is an all-to-all that sends every
+other rank its chunk and receives theirs, summed locally into the output (traffic (N-1) x shard,
+as the theory says). Both still count as ONE collective in `num_collectives` (logical ops).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,9 +52,10 @@ class CommStats:
 class Pending(NamedTuple):
     """An issued collective: wait on `work`, then read `output`."""
 
-    work: Any  # dist.Work or None when the group has one rank (nothing to wait for)
+    work: Any  # dist.Work, a list of them, or None when there is nothing to wait for
     output: torch.Tensor
     stats: CommStats
+    finish: Optional[Callable[[], None]] = None  # local work after the wait (e.g. summing chunks)
 
 
 def wait(p: Optional[Pending]) -> Optional[torch.Tensor]:
@@ -53,9 +64,25 @@ def wait(p: Optional[Pending]) -> Optional[torch.Tensor]:
         return None
     if p.work is not None:
         t0 = time.perf_counter()
-        p.work.wait()
+        for w in p.work if isinstance(p.work, list) else [p.work]:
+            w.wait()
         p.stats.exposed_comm_s += time.perf_counter() - t0
+    if p.finish is not None:
+        p.finish()
     return p.output
+
+
+def _gloo(group: ProcessGroup) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter_scratch_numel(group: ProcessGroup, shard_numel: int) -> int:
+    """Elements of receive scratch `reduce_scatter` needs on this backend and rank (0 = none)."""
+    n = dist.get_world_size(group)
+    if n == 1 or not _gloo(group):
+        return 0
+    r = dist.get_rank(group)
+    return (n - 1) * shard_numel if r in (0, n - 1) else n * shard_numel
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
@@ -67,12 +94,28 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, s
         return Pending(None, output, stats)
     stats.allgather_bytes += (n - 1) * shard.numel() * shard.element_size()
     stats.num_collectives += 1
-    work = dist.all_gather_single(output, shard, group=group, async_op=True)
-    return Pending(work, output, stats)
+    if not _gloo(group):
+        return Pending(dist.all_gather_single(output, shard, group=group, async_op=True), output, stats)
+    S, r = shard.numel(), dist.get_rank(group)
+    own = output[r * S:(r + 1) * S]
+    if own.data_ptr() != shard.data_ptr():
+        own.copy_(shard)
+    works = [dist.broadcast(output[j * S:(j + 1) * S], group=group, group_src=j, async_op=True) for j in range(n)]
+    return Pending(works, output, stats)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
-    """Async sum-reduce-scatter of `full` (N x shard, rank-major) into `output` (one shard)."""
+def reduce_scatter(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: ProcessGroup,
+    stats: CommStats,
+    scratch: Optional[torch.Tensor] = None,
+) -> Pending:
+    """Async sum-reduce-scatter of `full` (N x shard, rank-major) into `output` (one shard).
+
+    On gloo `scratch` must hold `reduce_scatter_scratch_numel` elements; it and `full` must stay
+    untouched until `wait` returns.
+    """
     n = dist.get_world_size(group)
     if n == 1:
         if output.data_ptr() != full.data_ptr():
@@ -80,8 +123,30 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup
         return Pending(None, output, stats)
     stats.reduce_scatter_bytes += (n - 1) * output.numel() * full.element_size()
     stats.num_collectives += 1
-    work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(work, output, stats)
+    if not _gloo(group):
+        work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return Pending(work, output, stats)
+    S, r = output.numel(), dist.get_rank(group)
+    own = full[r * S:(r + 1) * S]
+    if r in (0, n - 1):  # own chunk at one end: exchange only the other chunks
+        send = full[S:] if r == 0 else full[: (n - 1) * S]
+        splits = [0 if j == r else S for j in range(n)]
+        recv = scratch[: (n - 1) * S]
+        work = dist.all_to_all_single(recv, send, splits, splits, group=group, async_op=True)
+
+        def finish() -> None:
+            parts = recv.view(n - 1, S)
+            torch.add(own, parts[0], out=output)
+            for k in range(1, n - 1):
+                output.add_(parts[k])
+    else:
+        recv = scratch[: n * S]
+        work = dist.all_to_all_single(recv, full, group=group, async_op=True)
+
+        def finish() -> None:
+            torch.sum(recv.view(n, S), dim=0, out=output)
+
+    return Pending(work, output, stats, finish)
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:

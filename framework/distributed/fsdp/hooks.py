@@ -120,6 +120,7 @@ def register(unit: ShardUnit) -> None:
     unit.module.register_forward_hook(
         lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True
     )
-    for e, full in zip(unit.entries, unit.full_params):
+    for i, (e, full) in enumerate(zip(unit.entries, unit.full_params)):
         if e.requires_grad:
+            full.register_hook(lambda g, u=unit, i=i: u.pre_accumulate(i, g))
             full.register_post_accumulate_grad_hook(lambda t, u=unit: post_accumulate_grad(u, t))

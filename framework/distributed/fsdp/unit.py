@@ -92,6 +92,7 @@ class ShardUnit:
         self._accum_valid = False
         self._grads_seen = 0
         self._reduce_issued = False
+        self._written = [False] * len(entries)  # grad already written in place this backward
         self._pending: Optional[tuple] = None  # (Pending, rs_input_buffer, output_is_grad_shard, fresh)
         self._send: Optional[torch.Tensor] = None
         self._recv_packed: Optional[torch.Tensor] = None
@@ -203,6 +204,26 @@ class ShardUnit:
         self.set_state(UnitState.SHARDED)
 
     # ---------------------------------------------------------------- gradients
+    def _in_place_this_backward(self) -> bool:
+        return self.requires_grad_sync and not self._accum_valid and self._can_reduce_in_place()
+
+    def pre_accumulate(self, idx: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Leaf hook, before autograd stores the full parameter's gradient.
+
+        With in-place reduction (see [Note: gradients reuse the gathered storage]) the gradient is
+        written straight into the parameter's own slot of the gathered storage, and that slot is
+        handed to autograd to store: one copy, which also fixes the layout of transposed weight
+        gradients (which autograd would otherwise clone into the parameter's layout first).
+        """
+        if not self._in_place_this_backward() or self._written[idx]:
+            return None
+        e = self.entries[idx]
+        dst = self.full_flat[e.offset:e.offset + e.numel].view(e.shape)
+        with torch.no_grad():
+            dst.copy_(grad)
+        self._written[idx] = True
+        return dst
+
     def on_grad(self) -> None:
         """Post-accumulate-grad of one trainable full parameter; the last one reduces the unit."""
         self._grads_seen += 1
@@ -210,7 +231,7 @@ class ShardUnit:
             self.reduce_grads()
 
     def reduce_grads(self) -> None:
-        """Copy the unit's full grads into a flat buffer and issue the reduce-scatter (async)."""
+        """Put the unit's full grads in one flat buffer and issue the reduce-scatter (async)."""
         if self._reduce_issued or not self.trainable:
             return
         self._reduce_issued = True
@@ -227,7 +248,6 @@ class ShardUnit:
             self._write_grads(self._accum, accumulate=True)
             buf, pooled = self._accum, False
         elif self._can_reduce_in_place():
-            # [Note: gradients reuse the gathered storage]
             buf, pooled, in_place = self.full_flat, False, True
             self._write_grads(buf, accumulate=False)
         else:
@@ -240,6 +260,7 @@ class ShardUnit:
         fresh = all(p.grad is None for p in self._trainable_sharded())
         direct = fresh and buf.dtype == self.shard_dtype and self.grad_shard.device == buf.device
         quant = self.comm is not None and self.comm.grads and self.N > 1
+        scratch = None
         if quant:
             out = self.ctx.acquire_grad_buffer(L.shard_numel, torch.float32, self.compute_device, tag="q")
             pending = self._issue_quantized_reduce(buf, out)
@@ -248,8 +269,10 @@ class ShardUnit:
             out = self.grad_shard if direct else self.ctx.acquire_grad_buffer(
                 L.shard_numel, self.reduce_dtype, self.compute_device, tag="out"
             )
-            pending = C.reduce_scatter(out, buf, self.shard_group, self.stats)
-        self._pending = (pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out, in_place)
+            k = C.reduce_scatter_scratch_numel(self.shard_group, L.shard_numel)
+            scratch = self.ctx.acquire_grad_buffer(k, buf.dtype, self.compute_device, tag="rs") if k else None
+            pending = C.reduce_scatter(out, buf, self.shard_group, self.stats, scratch)
+        self._pending = (pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out, in_place, scratch)
         if in_place:
             self._hide()  # the storage now holds gradients; resharded when the reduction finishes
         else:
@@ -269,14 +292,17 @@ class ShardUnit:
     def _write_grads(self, buf: torch.Tensor, accumulate: bool) -> None:
         L = self.layout
         with torch.no_grad():
-            for e, full in zip(self.entries, self.full_params):
-                dst = buf[e.offset:e.offset + e.numel]
+            for i, (e, full) in enumerate(zip(self.entries, self.full_params)):
                 g = full.grad if e.requires_grad else None
+                if self._written[i]:  # already in place (pre_accumulate)
+                    full.grad = None
+                    continue
+                dst = buf[e.offset:e.offset + e.numel]
                 if g is None:
                     if not accumulate:
                         dst.zero_()
                 else:
-                    dst.add_(g.view(-1)) if accumulate else dst.copy_(g.view(-1))
+                    dst.add_(g.view(-1)) if accumulate else dst.copy_(g.reshape(-1))
                     full.grad = None
             if not accumulate and L.padded_total > L.total:
                 buf[L.total:].zero_()
@@ -297,11 +323,13 @@ class ShardUnit:
         """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
         if self._pending is None:
             return
-        pending, buf, direct, fresh, pre_divided, out, in_place = self._pending
+        pending, buf, direct, fresh, pre_divided, out, in_place, scratch = self._pending
         self._pending = None
         C.wait(pending)
         if in_place:
             self.reshard()
+        if scratch is not None:
+            self.ctx.release_grad_buffer(scratch)
         if self.comm is not None and self.comm.grads and self.N > 1:
             b, S = self.comm.block_size, self.layout.shard_numel
             nb = packed_nbytes(S, b)
@@ -341,6 +369,7 @@ class ShardUnit:
     def reset_backward(self) -> None:
         self._grads_seen = 0
         self._reduce_issued = False
+        self._written = [False] * len(self.entries)
 
     # ---------------------------------------------------------------- accounting
     def tensor_bytes(self) -> dict:
