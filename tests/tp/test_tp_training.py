@@ -21,6 +21,7 @@ losses by 1e-3 or more from the first step on.
 """
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,11 @@ def ref():
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tp_ckpt") / "step5"
+def ckpt_dir() -> Path:
+    # Not tmp_path_factory: a concurrent pytest session prunes old base temp dirs (see
+    # test_tp_checkpoint.py).
+    with tempfile.TemporaryDirectory(prefix="tp_ckpt_") as tmp:
+        yield Path(tmp) / "step5"
 
 
 @pytest.fixture(scope="module")
