@@ -43,6 +43,8 @@ def _daemon(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
+# cred_expire: a requeued job may start again only this many seconds after it ended (default 120;
+# Slurm's minimum is 5); kept short so the pre-emption test's requeue runs promptly.
 SLURM_CONF = """\
 ClusterName=launchertest
 SlurmctldHost={host}(127.0.0.1)
@@ -52,7 +54,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket},cred_expire=10
+AuthInfo=socket={munge_socket},cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
