@@ -143,6 +143,15 @@ def plan(argv: Sequence[str]) -> Plan:
     extra: List[str] = []
     if composed.cluster.derive_mesh:
         extra += derive_mesh(composed, keys)
+    runtime_chosen = "container.runtime" in keys or "container" in keys
+    if composed.container.image and composed.container.runtime == "none" and not runtime_chosen:
+        # An image without a runtime: run it the usual way for the cluster (k8s always runs the image).
+        default = {"slurm": "pyxis", "local": "docker"}.get(str(composed.cluster.type.value))
+        if default:
+            logging.getLogger("launcher").warning(
+                f"container.image given without container.runtime: running it with {default} "
+                "(set container.runtime to choose apptainer, podman or none)")
+            extra.append(f"container.runtime={default}")
     stages = list(composed.cluster.stages) or [composed.stage]
     remote = composed.cluster.type in ("slurm", "k8s")
     # A requeued, chained, restarted or re-submitted job picks up where it stopped; on a first start

@@ -175,3 +175,12 @@ def test_slurm_cpu_advice(caplog):
         plan_of(["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0",
                  "cluster.nproc_per_node=2", "cluster.cpus_per_task=2"])
     assert not [r for r in caplog.records if r.name == "launcher"]
+
+
+def test_an_image_without_a_runtime_runs_with_the_clusters_usual_one():
+    image = ["model=debug", "data=synthetic", "container.image=registry.example/org/train:1.0"]
+    p = plan_of(["cluster=slurm", "cluster.gpus_per_node=0", "cluster.nproc_per_node=2", *image])
+    assert p.cfg.container.runtime.value == "pyxis" and "container.runtime=pyxis" in p.overrides
+    assert plan_of(["cluster=local", *image]).cfg.container.runtime.value == "docker"
+    # An explicit choice is kept.
+    assert plan_of(["cluster=local", "container.runtime=none", *image]).cfg.container.runtime.value == "none"
