@@ -70,13 +70,16 @@ def arg_groups(args: Sequence[str]) -> List[List[str]]:
 
 
 def torchrun_args(cfg: Config, job: Job, endpoint: str, rdzv_id: str) -> List[str]:
-    """torchrun (as `python -m torch.distributed.run`, which needs no PATH entry) with c10d rendezvous."""
+    """torchrun (as `python -m torch.distributed.run`, which needs no PATH entry) with c10d rendezvous.
+
+    `endpoint` and `rdzv_id` may be `Raw` shell expansions (Slurm's head node and job id)."""
+    def option(name: str, value: str) -> str:
+        return Raw(f"--{name}={value}") if isinstance(value, Raw) else f"--{name}={value}"
+
     c = cfg.cluster
     return [job.python, "-m", "torch.distributed.run", f"--nnodes={c.nodes}",
-            f"--nproc-per-node={c.nproc_per_node}", "--rdzv-backend=c10d",
-            Raw(f"--rdzv-endpoint={endpoint}") if isinstance(endpoint, Raw) else f"--rdzv-endpoint={endpoint}",
-            Raw(f"--rdzv-id={rdzv_id}") if isinstance(rdzv_id, Raw) else f"--rdzv-id={rdzv_id}",
-            "--max-restarts=0"]
+            f"--nproc-per-node={c.nproc_per_node}", "--rdzv-backend=c10d", option("rdzv-endpoint", endpoint),
+            option("rdzv-id", rdzv_id), "--max-restarts=0"]
 
 
 def env_lines(cfg: Config) -> List[str]:
@@ -89,7 +92,7 @@ def env_lines(cfg: Config) -> List[str]:
     for key, value in sorted(cfg.cluster.nccl_env.items()) + sorted(cfg.cluster.env.items()):
         lines.append(f"export {key}={shlex.quote(str(value))}")
     for key, source in sorted(cfg.cluster.secret_env.items()):
-        ref = source if source and _is_env_name(source) else key
+        ref = source or key  # plan.py checked it is a variable name
         message = f"set {ref} in the environment you submit from"
         if ref == key:
             lines.append(f': "${{{key}:?{message}}}"')
@@ -103,10 +106,6 @@ def env_names(cfg: Config) -> List[str]:
     """Every variable the job sets (for `docker run -e NAME`, which copies the value, never writes it)."""
     c = cfg.cluster
     return sorted(c.nccl_env) + sorted(c.env) + sorted(c.secret_env)
-
-
-def _is_env_name(text: str) -> bool:
-    return text.replace("_", "a").isalnum() and not text[0].isdigit()
 
 
 def script_header(what: str) -> List[str]:

@@ -25,6 +25,8 @@ MESH_KEYS = ("parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.st
 # #SBATCH lines are not parsed by a shell: a path there must need no quoting.
 SBATCH_SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
 K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+K8S_SECRET_REF = re.compile(r"[a-z0-9]([-.a-z0-9]*[a-z0-9])?(/[-._A-Za-z0-9]+)?")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Refused(Exception):
@@ -100,6 +102,13 @@ def launcher_problems(cfg: Config) -> List[str]:
         if not K8S_NAME.fullmatch(c.job_name) or len(c.job_name) > 30:
             problems.append(f"cluster.job_name={c.job_name!r}: Kubernetes names are lowercase letters, "
                             "digits and '-', at most 30 characters here")
+    for key, ref in sorted(c.secret_env.items()):
+        if c.type == ClusterType.k8s and not K8S_SECRET_REF.fullmatch(ref):
+            problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster=k8s give a Secret as "
+                            "'secret-name/key' (or 'secret-name' for the key named like the variable)")
+        if c.type != ClusterType.k8s and ref and not ENV_NAME.fullmatch(ref):
+            problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name of a "
+                            "variable in the environment you submit from (or leave it empty for the same name)")
     if c.type != ClusterType.slurm and c.chain:
         problems.append(f"cluster.chain={c.chain} chains Slurm jobs; set cluster.chain=0 with cluster={c.type.value}")
     return problems

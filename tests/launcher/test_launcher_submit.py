@@ -153,6 +153,8 @@ def test_refused_config_exits_2_and_writes_nothing(tmp_path):
     (["cluster=slurm", "+cluster.secret_env.bad-name=x"], "cluster.secret_env.bad-name"),
     (["cluster=local", "container.runtime=pyxis", "container.image=x:1"], "container.runtime=pyxis"),
     (["cluster=slurm", "cluster.stages=[training,evaluate]"], "cluster.stages"),
+    (["cluster=slurm", "+cluster.secret_env.HF_TOKEN=hf/token"], "cluster.secret_env.HF_TOKEN"),
+    (["cluster=k8s", "container.image=x:1", "+cluster.secret_env.HF_TOKEN=Bad Name"], "cluster.secret_env.HF_TOKEN"),
 ])
 def test_launcher_refusals_name_the_field(args, field):
     from launcher_scripts.plan import Refused, plan
