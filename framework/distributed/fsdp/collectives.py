@@ -79,8 +79,8 @@ def _gloo(group: ProcessGroup) -> bool:
 def reduce_scatter_scratch_numel(group: ProcessGroup, shard_numel: int) -> int:
     """Elements of receive scratch `reduce_scatter` needs on this backend and rank (0 = none)."""
     n = dist.get_world_size(group)
-    if n == 1 or not _gloo(group):
-        return 0
+    if n <= 2 or not _gloo(group):
+        return 0  # two ranks receive straight into the output
     r = dist.get_rank(group)
     return (n - 1) * shard_numel if r in (0, n - 1) else n * shard_numel
 
@@ -131,10 +131,13 @@ def reduce_scatter(
     if r in (0, n - 1):  # own chunk at one end: exchange only the other chunks
         send = full[S:] if r == 0 else full[: (n - 1) * S]
         splits = [0 if j == r else S for j in range(n)]
-        recv = scratch[: (n - 1) * S]
+        recv = output if n == 2 else scratch[: (n - 1) * S]
         work = dist.all_to_all_single(recv, send, splits, splits, group=group, async_op=True)
 
         def finish() -> None:
+            if n == 2:
+                output.add_(own)
+                return
             parts = recv.view(n - 1, S)
             torch.add(own, parts[0], out=output)
             for k in range(1, n - 1):
