@@ -135,6 +135,17 @@ class SlurmCluster:
         raise TimeoutError(f"Slurm job {job_id} still {state} after {timeout:.0f}s\n{self.logs()}")
 
     def stop(self) -> None:
+        """Cancel what is left of the test's jobs (their steps too), then stop the daemons."""
+        if self.procs and self.procs[-1].poll() is None:
+            try:
+                jobs = self.run("squeue", "-h", "-o", "%i", check=False).split()
+                for job_id in jobs:
+                    self.run("scancel", job_id, check=False)
+                deadline = time.time() + 20
+                while jobs and self.run("squeue", "-h", "-o", "%i", check=False).split() and time.time() < deadline:
+                    time.sleep(0.5)
+            except (OSError, subprocess.SubprocessError):
+                pass
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
