@@ -41,12 +41,14 @@ class Layout:
     sequence_parallel: bool = False
     engine: str = "torch"
     vocab: int = MODEL.vocab_size  # 255: uneven vocabulary shards at tp=2
+    tie: bool = False  # output head tied to the embedding table
 
     @property
     def name(self) -> str:
         sp = "-sp" if self.sequence_parallel else ""
         vocab = "" if self.vocab == MODEL.vocab_size else f"-vocab{self.vocab}"
-        return f"dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}{vocab}"
+        tie = "-tied" if self.tie else ""
+        return f"dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}{vocab}{tie}"
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,8 @@ class Job:
     save_at: int = 0
 
 
-def model_cfg(vocab: int) -> ModelConfig:
-    return dataclasses.replace(MODEL, vocab_size=vocab)
+def model_cfg(vocab: int, tie: bool = False) -> ModelConfig:
+    return dataclasses.replace(MODEL, vocab_size=vocab, tie_embeddings=tie)
 
 
 def batches(vocab: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -73,10 +75,11 @@ def batches(vocab: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def reference(vocab: int = MODEL.vocab_size) -> Tuple[List[float], Dict[str, torch.Tensor]]:
-    """Losses of each step and the final parameters of a plain single-process run."""
+def reference(vocab: int = MODEL.vocab_size, tie: bool = False) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """Losses of each step, the final parameters and (key "logits") the final model's logits on
+    the first batch, of a plain single-process run."""
     torch.manual_seed(SEED)
-    model = build_llama(model_cfg(vocab))
+    model = build_llama(model_cfg(vocab, tie))
     model.init_weights(seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
@@ -87,7 +90,10 @@ def reference(vocab: int = MODEL.vocab_size) -> Tuple[List[float], Dict[str, tor
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        final["logits"] = model.eval()(batches(vocab)[0][0])
+    return losses, final
 
 
 class NativeLacksDTensor(Exception):
@@ -98,7 +104,7 @@ def _build(layout: Layout, world: int):
     dims = ParallelDims(1, layout.dp_shard, layout.tp, world)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(SEED)
-    model = build_llama(model_cfg(layout.vocab))
+    model = build_llama(model_cfg(layout.vocab, layout.tie))
     model.init_weights(seed=SEED)
     cfg = ParallelismConfig(engine=Engine(layout.engine), dp_shard=layout.dp_shard, tp=layout.tp,
                             sequence_parallel=layout.sequence_parallel)
@@ -177,6 +183,8 @@ def run_job(job: Job, world: int) -> dict:
     # numpy, not tensors: torch's multiprocessing queue shares tensors through shared memory that
     # the exiting rank would take with it.
     params = {k: full(v).detach().numpy().copy() for k, v in model.state_dict().items()}
+    with torch.no_grad():  # whole-vocabulary logits, as sampling and evaluation tools see them
+        params["logits"] = full(model.eval()(batches(layout.vocab)[0][0])).numpy().copy()
     return {"losses": losses, "params": params if dist.get_rank() == 0 else None}
 
 
