@@ -223,6 +223,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--out", default="bench/engine_results.json")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--tp", action="store_true",
+                    help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)")
     args = ap.parse_args()
     from tests.distributed.harness import run_ranks
 
@@ -258,6 +260,10 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "params": r0["params"], "rows": rows, "raw": res, "memory": mem}, f, indent=1)
     print(f"wrote {args.out}")
+    if args.tp:
+        from bench.tp import run as run_tp
+
+        run_tp(args.ranks, args.steps, ["torch", "native"], os.path.splitext(args.out)[0] + "_tp.json")
 
 
 if __name__ == "__main__":
