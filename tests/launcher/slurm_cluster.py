@@ -2,7 +2,7 @@
 
 Starts munged, slurmctld and slurmd (Debian's slurm-wlm) as root with every file in a temporary
 directory: its own munge socket, state and spool directories, and a slurm.conf naming this host
-(`hostname -s`) as the only node. `SLURM_CONF` in the returned environment points the client
+(`hostname -s`) as the only node, or several nodes, each its own slurmd on this machine. `SLURM_CONF` in the returned environment points the client
 commands (sbatch, squeue, sacct, scontrol) at it.
 """
 from __future__ import annotations
@@ -49,18 +49,17 @@ SLURM_CONF = """\
 ClusterName=launchertest
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket},cred_expire=5
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -77,9 +76,12 @@ InactiveLimit=0
 MinJobAge=300
 KillWait=10
 Waittime=0
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
 """
+# Every node is a slurmd on this machine (NodeAddr 127.0.0.1, its own port); a node's name must
+# resolve here, since torchrun's rendezvous endpoint is the first node's name.
+NODE_LINE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} State=UNKNOWN"
 
 
 @dataclass
@@ -96,23 +98,22 @@ class SlurmCluster:
 
     def logs(self) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log", "munged.log"):
-            path = os.path.join(self.root, name)
-            if os.path.exists(path):
-                with open(path) as f:
+        for name in sorted(os.listdir(self.root)):
+            if name.endswith(".log"):
+                with open(os.path.join(self.root, name)) as f:
                     parts.append(f"--- {name}\n" + f.read()[-3000:])
         return "\n".join(parts)
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        """Until the node is schedulable."""
+    def wait_idle(self, nodes: int, timeout: float = 30.0) -> None:
+        """Until every node is schedulable."""
         deadline = time.time() + timeout
-        state = ""
+        states: List[str] = []
         while time.time() < deadline:
-            state = self.run("sinfo", "-h", "-o", "%t", check=False).strip()
-            if state in ("idle", "mix", "alloc"):
+            states = self.run("sinfo", "-h", "-N", "-o", "%t", check=False).split()
+            if len(states) == nodes and all(s == "idle" for s in states):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the Slurm node never became idle (state {state!r})\n{self.logs()}")
+        raise RuntimeError(f"the Slurm nodes never became idle (states {states})\n{self.logs()}")
 
     def job_state(self, job_id: str) -> str:
         """The job's state from scontrol (kept for MinJobAge after it ends)."""
@@ -157,16 +158,32 @@ class SlurmCluster:
                 proc.wait()
 
 
-def start(root: str, cpus: int = 2) -> SlurmCluster:
-    """Start munged, slurmctld and slurmd in the foreground (children of this process) under root."""
-    host = socket.gethostname().split(".")[0]
-    for sub in ("state", "spool", "munge"):
+def local_host() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+def unresolvable(names: List[str]) -> Optional[str]:
+    for name in names:
+        try:
+            socket.gethostbyname(name)
+        except OSError:
+            return f"node name {name!r} does not resolve on this machine"
+    return None
+
+
+def start(root: str, cpus: int = 2, nodes: Optional[List[str]] = None) -> SlurmCluster:
+    """Start munged, slurmctld and one slurmd per node, in the foreground (children of this
+    process), every file under `root`. `nodes` defaults to this host's short name alone."""
+    host = local_host()
+    nodes = nodes or [host]
+    for sub in ("state", "munge", *(f"spool-{n}" for n in nodes)):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     munge_socket = os.path.join(root, "munge", "munge.socket")
     conf = os.path.join(root, "slurm.conf")
+    node_lines = "\n".join(NODE_LINE.format(name=n, host=host, port=_free_port(), cpus=cpus) for n in nodes)
     with open(conf, "w") as f:
-        f.write(SLURM_CONF.format(host=host, root=root, cpus=cpus, munge_socket=munge_socket,
-                                  ctld_port=_free_port(), slurmd_port=_free_port()))
+        f.write(SLURM_CONF.format(host=host, root=root, munge_socket=munge_socket, ctld_port=_free_port(),
+                                  node_lines=node_lines, node_list=",".join(nodes)))
     env = dict(os.environ, SLURM_CONF=conf)
     cluster = SlurmCluster(root=root, env=env)
     try:
@@ -182,9 +199,10 @@ def start(root: str, cpus: int = 2) -> SlurmCluster:
             time.sleep(0.1)
         cluster.procs.append(subprocess.Popen([_daemon("slurmctld"), "-D", "-i", "-f", conf], env=env,
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        cluster.procs.append(subprocess.Popen([_daemon("slurmd"), "-D", "-f", conf, "-N", host], env=env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        cluster.wait_idle()
+        for name in nodes:
+            cluster.procs.append(subprocess.Popen([_daemon("slurmd"), "-D", "-f", conf, "-N", name], env=env,
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        cluster.wait_idle(len(nodes))
     except Exception:
         cluster.stop()
         raise

@@ -75,6 +75,34 @@ def test_slurm_job_trains_and_checkpoints(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_slurm_two_node_job(tmp_path):
+    """cluster.nodes=2 on two slurmd of this machine (this host's name and `localhost`): srun starts
+    one torchrun per node, and they meet by c10d rendezvous on the first node of the allocation."""
+    nodes = [slurm_cluster.local_host(), "localhost"]
+    why = slurm_cluster.missing() or slurm_cluster.unresolvable(nodes)
+    if why:
+        pytest.skip(f"no two-node Slurm here: {why}")
+    cluster = slurm_cluster.start(str(tmp_path / "slurm"), cpus=1, nodes=nodes)
+    try:
+        out = run_launcher(["cluster=slurm", "container.runtime=none", "cluster.nodes=2",
+                            "cluster.nproc_per_node=1", "cluster.gpus_per_node=0", "cluster.cpus_per_task=1",
+                            *TINY, f"trainer.max_steps={STEPS}", f"cluster.rdzv_port={free_port()}",
+                            "cluster.time_limit=10", "+cluster.env.OMP_NUM_THREADS=1",
+                            f"cluster.jobs_dir={tmp_path}/jobs"], cwd=tmp_path, env=cluster.env, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        job_dir = Path(out.stdout.strip().splitlines()[-1])
+        (job_id,) = (job_dir / "job_ids").read_text().split()
+        state = cluster.wait_job(job_id, timeout=150)
+        assert state == "COMPLETED", f"job {job_id} {state}\n{_tail(job_dir)}\n{cluster.logs()}"
+        _check_trained(job_dir)
+        info = cluster.run("scontrol", "show", "job", "-o", job_id)
+        assert "NumNodes=2" in info, info
+        assert "nodes: 2" in (job_dir / "run" / "config.yaml").read_text()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(240)
 def test_slurm_preemption_saves_requeues_and_resumes(tmp_path):
     """The pre-emption warning (what --signal=B:USR1 sends) mid-run: the ranks save, the job
     requeues itself under the same id, and the second start resumes from that checkpoint."""
