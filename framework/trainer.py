@@ -52,7 +52,8 @@ class Trainer:
         # Small models are materialised identically on every rank (same seed, then sharded), so a
         # run's numbers do not depend on its layout; large ones are built on the meta device and
         # initialised shard by shard after sharding, never whole on one rank.
-        meta = _full_model_bytes(model_cfg) > 4 * 2**30
+        self.num_params = build_model(model_cfg, "meta").num_params()
+        meta = 4 * self.num_params > 4 * 2**30  # fp32 bytes of the whole model
         model = build_model(model_cfg, "meta" if meta else "cpu")
         if not meta:
             model.init_weights(seed=t.seed)
@@ -127,6 +128,14 @@ class Trainer:
                                start_step=self.state.step, jsonl=cfg.logging.jsonl,
                                tensorboard=cfg.logging.tensorboard, progress_bar=t.progress_bar)
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        d = self.dims
+        logger.write(f"model={cfg.model.name} ({self.num_params / 1e6:.1f}M parameters) on {rt.world_size} "
+                     f"rank(s) of {rt.device.type}: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
+                     f"tp={d.tp}, engine={cfg.parallelism.engine.value}, strategy={cfg.parallelism.strategy.value}, "
+                     f"{tokens_per_step} tokens/step ({t.micro_batch_size} micro x {d.dp} dp x "
+                     f"{self.data.train.accum_steps} accumulation x {cfg.data.seq_len} seq); run dir {cfg.run_dir}")
+        if self.state.step:
+            logger.write(f"resumed at step {self.state.step}")
         started = time.monotonic()
         try:
             while self.state.step < t.max_steps:
@@ -189,12 +198,6 @@ class Trainer:
             ids.append(int(top.indices[choice]))
         self.model.train()
         return tok.decode(ids)
-
-
-def _full_model_bytes(model_cfg) -> int:
-    from framework.models import build_model as _build
-
-    return 4 * _build(model_cfg, "meta").num_params()
 
 
 def run(cfg: Config) -> int:
