@@ -6,6 +6,7 @@ Each function takes (rank, world_size, ckpt_dir) and returns {name: result}.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -188,7 +189,7 @@ def errors(rank, ws, d):
     expect("offload_and_quant", NotImplementedError, ["CPUOffloadPolicy", "QuantizedCommPolicy"],
            lambda: fully_shard(M.make_model("mlp"), offload_policy=CPUOffloadPolicy(), comm_policy=QuantizedCommPolicy()))
     expect("tied_across_units", ValueError, ["tied", "one unit"], tied_split)
-    expect("tensor_parallel", NotImplementedError, ["tensor parallel"], dtensor_param)
+    expect("tp_mesh_size_mismatch", ValueError, ["tp mesh size", "world size"], dtensor_param)
     expect("bad_block", ValueError, ["block_size"], lambda: QuantizedCommPolicy(block_size=3))
     return {"errors": cases}
 
@@ -234,6 +235,102 @@ def mixed_precision(rank, ws, d):
     return {"mixed_precision": out}
 
 
+
+
+# ---------------------------------------------------------------- tensor parallel composition
+class _TPBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, 18)  # ColwiseParallel: weight Shard(0), bias Shard(0)
+        self.fc2 = torch.nn.Linear(18, 12)  # RowwiseParallel: weight Shard(1), bias Replicate
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _TPNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 12)
+        self.blocks = torch.nn.ModuleList(_TPBlock() for _ in range(2))
+        self.ln = torch.nn.LayerNorm(12)
+        self.out = torch.nn.Linear(12, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(self.ln(h))
+
+
+def _tp_batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _tp_train(model, opt, steps, start, dp_rank, dp, dp_group, clip, engine_clip):
+    losses = []
+    per = 8 // dp
+    for s in range(start, start + steps):
+        x, y = _tp_batch(s)
+        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        engine_clip(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t = loss.detach().reshape(1).double()
+        if dp_group is not None:
+            dist.all_reduce(t, group=dp_group)
+        losses.append(float(t) / dp)
+    return losses
+
+
+def tp_compose_4(rank, ws, d):
+    """tp=2 x dp=2: TP-parallelized blocks, then fully_shard over dp; vs a single-process reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from framework.distributed.fsdp import clip_grad_norm_, fully_shard, get_state_dicts, set_state_dicts
+
+    torch.manual_seed(0)
+    ref = _TPNet()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_losses = _tp_train(ref, ref_opt, 8, 0, 0, 1, None, 0.5, torch.nn.utils.clip_grad_norm_)
+    world = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    for b in model.blocks:
+        parallelize_module(b, world["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(b, mesh=world["dp"])
+    fully_shard(model, mesh=world["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dp_rank, dp_group = world["dp"].get_local_rank(), world["dp"].get_group()
+    losses = _tp_train(model, opt, 5, 0, dp_rank, 2, dp_group, 0.5, clip_grad_norm_)
+    msd, osd = get_state_dicts(model, opt)
+    saved = {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in msd.items()}
+    saved_opt = {k: {kk: vv.to_local().clone() if isinstance(vv, DTensor) else vv for kk, vv in st.items()} for k, st in osd["state"].items()}
+    losses += _tp_train(model, opt, 3, 5, dp_rank, 2, dp_group, 0.5, clip_grad_norm_)
+    sd = model.state_dict()
+    full = {k: v.full_tensor() for k, v in sd.items()}
+    out = {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "param_diff": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
+        "placements": {k: (str(v.placements), v.device_mesh.mesh_dim_names) for k, v in sd.items() if k.startswith("blocks.0.") or k == "ln.weight"},
+    }
+    # reload the step-5 state (in place into fresh DTensors) and replay steps 5..7: same losses
+    for k, v in msd.items():
+        v.to_local().copy_(saved[k])
+    for k, st in osd["state"].items():
+        for kk, vv in st.items():
+            if isinstance(vv, DTensor):
+                vv.to_local().copy_(saved_opt[k][kk])
+    set_state_dicts(model, opt, msd, osd)
+    replay = _tp_train(model, opt, 3, 5, dp_rank, 2, dp_group, 0.5, clip_grad_norm_)
+    out["replay_diff"] = max(abs(a - b) for a, b in zip(replay, losses[5:]))
+    return {"tp": out}
+
+
 EXTRAS_2 = [dcp_save_2, bytes_and_memory, errors, quantized, mixed_precision]
-EXTRAS_4 = [dcp_load_4, bytes_and_memory]
+EXTRAS_4 = [dcp_load_4, bytes_and_memory, tp_compose_4]
 EXTRAS_1 = [dcp_load_1]

@@ -206,3 +206,15 @@ def test_mixed_precision_matches_torch(results2):
     assert mp["ours_dtypes"] == ["torch.float32"]  # fp32 master shards
     # same bf16 math on both engines; 1e-2 allows a differently-ordered bf16 sum (bf16 eps is 8e-3)
     assert mp["max_diff"] < 1e-2 * max(abs(x) for x in mp["torch"]), mp
+
+
+# ---------------------------------------------------------------- tensor parallel composition
+def test_tensor_parallel_tp2_dp2_matches_reference(results4):
+    tp = results4["tp"]
+    assert tp["loss_diff"] < TOL and tp["param_diff"] < TOL, tp
+    assert tp["replay_diff"] < TOL, tp  # get_state_dicts -> set_state_dicts restores the exact state
+    pl = tp["placements"]
+    assert pl["blocks.0.fc1.weight"] == ("(Shard(dim=0), Shard(dim=0))", ("dp", "tp")), pl
+    assert pl["blocks.0.fc2.weight"] == ("(Shard(dim=0), Shard(dim=1))", ("dp", "tp")), pl
+    assert pl["blocks.0.fc2.bias"] == ("(Shard(dim=0), Replicate())", ("dp", "tp")), pl
+    assert pl["ln.weight"] == ("(Shard(dim=0),)", ("dp",)), pl  # not TP-parallelized: dp mesh only

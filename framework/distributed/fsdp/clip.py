@@ -18,8 +18,9 @@ def clip_grad_norm_(
     Use this instead of `torch.nn.utils.clip_grad_norm_`: the optimizer's parameters are this
     rank's local shards, so torch's version would compute a per-rank norm and clip each rank
     differently. Here every rank sums the `norm_type`-th powers of its local shard gradients
-    (dividing by the replicate degree, since replicas hold identical shards, and by the world size
-    for parameters the engine does not shard), one all-reduce adds them up, and every rank scales
+    (dividing by the number of identical copies of each piece in the world: the replicate degree,
+    times the tensor-parallel degree for pieces not split by TP; the world size for parameters the
+    engine does not shard), one all-reduce adds them up, and every rank scales
     its shards by the same factor. Returns the global total norm (same value on every rank).
     Collective: call it on every rank.
     """
@@ -32,14 +33,13 @@ def clip_grad_norm_(
     acc = torch.zeros((), dtype=torch.float64, device=device)
     inf = norm_type == float("inf")
     for p in params:
-        unit = getattr(p, "_fsdp_unit_ref", None)
         g = p.grad.detach()
         if g.numel() == 0:
             continue
         if inf:
             acc = torch.maximum(acc, g.abs().max().double())
         else:
-            share = unit.R if unit is not None else world
+            share = getattr(p, "_fsdp_norm_share", world)
             acc += torch.linalg.vector_norm(g, norm_type).double().pow(norm_type) / share
     if world > 1:
         if inf:

@@ -19,10 +19,20 @@ r owns the contiguous slice [r S, (r+1) S). Consequences, all deliberate:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """A parameter that arrived as a tensor-parallel DTensor: what the forward must see again."""
+
+    mesh: Any  # the 1-D tp DeviceMesh
+    placements: tuple
+    shape: torch.Size  # global (full) shape
+    stride: tuple
 
 
 @dataclass
@@ -34,12 +44,17 @@ class FlatEntry:
     offset: int  # start in the unsharded flat buffer
     numel: int
     requires_grad: bool
+    tp: Optional[TPSpec] = None  # set when the parameter is a TP DTensor; shape is then its TP-local shape
     local_lo: int = 0  # intersection of [offset, offset+numel) with this rank's slice, in flat coordinates
     local_hi: int = 0
 
     @property
     def local_numel(self) -> int:
         return self.local_hi - self.local_lo
+
+    @property
+    def global_shape(self) -> torch.Size:
+        return self.tp.shape if self.tp is not None else self.shape
 
 
 @dataclass

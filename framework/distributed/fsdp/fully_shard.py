@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from . import hooks
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy
-from .flat import FlatEntry, build_layout
+from .flat import FlatEntry, TPSpec, build_layout
 from .state_dict import register_state_dict_hooks
 from .unit import ShardUnit
 
@@ -73,7 +74,29 @@ def _sharded_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
-def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device):
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    return (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+
+
+_TP_OF_DP: Dict[tuple, DeviceMesh] = {}  # dp mesh -> the tp mesh seen with it (bottom-up: blocks first)
+_STATE_MESH: Dict[tuple, DeviceMesh] = {}
+
+
+def _dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
+    """The 2-D (dp, tp) mesh for checkpoint DTensors, built from the existing groups (collective once)."""
+    key = _mesh_key(dp) + _mesh_key(tp)
+    if key not in _STATE_MESH:
+        coords = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (dp.get_local_rank(0), tp.get_local_rank(0)))
+        grid = torch.empty(dp.size(), tp.size(), dtype=torch.int64)
+        for rank, (i, j) in enumerate(coords):
+            grid[i, j] = rank
+        names = ((dp.mesh_dim_names or ("dp",))[0], (tp.mesh_dim_names or ("tp",))[0])
+        _STATE_MESH[key] = DeviceMesh.from_group([dp.get_group(0), tp.get_group(0)], dp.device_type, mesh=grid, mesh_dim_names=names)
+    return _STATE_MESH[key]
+
+
+def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Optional[DeviceMesh] = None):
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised process group: call torch.distributed.init_process_group first")
     world = dist.get_world_size()
@@ -88,14 +111,28 @@ def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device):
         )
     if world % mesh.size() != 0:
         raise ValueError(f"fully_shard: mesh size {mesh.size()} does not divide world size {world}; build the mesh over all ranks")
-    if mesh.size() != world:
-        raise NotImplementedError(
-            f"fully_shard: a mesh over {mesh.size()} of {world} ranks (e.g. data parallel composed with tensor "
-            f"parallel) is not supported yet; pass a mesh over all ranks"
-        )
+    if tp_mesh is not None:
+        if mesh.ndim != 1:
+            raise NotImplementedError(
+                "fully_shard: tensor parallel together with hybrid sharding (2-D dp mesh) is not supported; "
+                "use a 1-D dp mesh with tensor parallel, or hybrid sharding without it"
+            )
+        if mesh.size() * tp_mesh.size() != world:
+            raise ValueError(
+                f"fully_shard: dp mesh size {mesh.size()} x tp mesh size {tp_mesh.size()} != world size {world}; "
+                f"pass the dp dimension of the same mesh the tensor parallel plan used"
+            )
+        _TP_OF_DP[_mesh_key(mesh)] = tp_mesh
+    elif mesh.size() != world:
+        tp_mesh = _TP_OF_DP.get(_mesh_key(mesh))
+        if tp_mesh is None or mesh.size() * tp_mesh.size() != world:
+            raise NotImplementedError(
+                f"fully_shard: a mesh over {mesh.size()} of {world} ranks is only supported together with tensor "
+                f"parallel (shard the TP-parallelized blocks first); otherwise pass a mesh over all ranks"
+            )
     if mesh.ndim == 1:
-        return mesh, mesh.get_group(0), None
-    return mesh, mesh.get_group(1), mesh.get_group(0)
+        return mesh, mesh.get_group(0), None, tp_mesh
+    return mesh, mesh.get_group(1), mesh.get_group(0), tp_mesh
 
 
 def fully_shard(
@@ -124,7 +161,8 @@ def fully_shard(
         raise NotImplementedError("fully_shard: CPUOffloadPolicy together with QuantizedCommPolicy is not supported; drop one")
     # Collect the distinct parameters not owned by a sub-unit, with every (module, name) using them.
     by_id: Dict[int, FlatEntry] = {}
-    params: Dict[int, nn.Parameter] = {}
+    params: Dict[int, torch.Tensor] = {}  # the values to shard (a DTensor's TP-local tensor)
+    owners: Dict[int, nn.Parameter] = {}  # the registered parameter objects
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
             if p is None or getattr(p, "_fsdp_sharded", False):
@@ -136,15 +174,20 @@ def fully_shard(
                     f"{claimed}, which is used outside it; tied parameters must belong to one unit: shard "
                     f"the module that contains all their users (e.g. only the root) instead"
                 )
-            if isinstance(p, torch.distributed.tensor.DTensor):
-                raise NotImplementedError(
-                    "fully_shard: DTensor parameters (tensor parallel composed with the sharded engine) are not "
-                    "supported yet; apply tensor parallel without fully_shard, or fully_shard without tensor parallel"
-                )
             fqn = f"{mod_name}.{name}" if mod_name else name
             if id(p) not in by_id:
-                by_id[id(p)] = FlatEntry([], p.shape, 0, p.numel(), p.requires_grad)
-                params[id(p)] = p
+                tp, src = None, p
+                if isinstance(p, DTensor):
+                    if p.device_mesh.ndim != 1:
+                        raise NotImplementedError(
+                            f"fully_shard: parameter {fqn} is a DTensor on a {p.device_mesh.ndim}-D mesh; tensor "
+                            f"parallel composition supports a 1-D tp mesh only"
+                        )
+                    tp = TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+                    src = p._local_tensor
+                by_id[id(p)] = FlatEntry([], src.shape, 0, src.numel(), p.requires_grad, tp)
+                params[id(p)] = src
+                owners[id(p)] = p
             by_id[id(p)].users.append((mod, name, fqn))
     entries = list(by_id.values())
     originals = [params[i] for i in by_id]
@@ -155,7 +198,11 @@ def fully_shard(
         dtypes = {p.dtype for p in originals}
         if len(dtypes) > 1:
             raise NotImplementedError(f"fully_shard: one unit with several parameter dtypes {dtypes} is not supported; cast the model first")
-    mesh, shard_group, replicate_group = _resolve_mesh(mesh, device)
+    tp_meshes = {id(e.tp.mesh): e.tp.mesh for e in entries if e.tp is not None}
+    if len(tp_meshes) > 1:
+        raise NotImplementedError("fully_shard: parameters on several tensor parallel meshes in one unit are not supported")
+    tp_mesh = next(iter(tp_meshes.values()), None)
+    mesh, shard_group, replicate_group, tp_mesh = _resolve_mesh(mesh, device, tp_mesh)
     n_shard = dist.get_world_size(shard_group)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         if reshard_after_forward == n_shard:
@@ -174,21 +221,28 @@ def fully_shard(
         module, entries, layout, shard_group, replicate_group, mesh, bool(reshard_after_forward),
         mp_policy, offload_policy is not None, comm_policy, device, shard_dtype,
     )
+    if tp_mesh is not None:
+        unit.tp_size = tp_mesh.size()
+        if any(e.tp is not None for e in entries):
+            unit.state_mesh = _dp_tp_mesh(mesh, tp_mesh)
     # Copy this rank's slice of the original parameters into the shard buffer, then replace every
     # registration of each original parameter by its sharded piece (a view of the shard buffer).
     with torch.no_grad():
         for e, p in zip(entries, originals):
             if e.local_numel:
                 unit.shard[layout.shard_slice(e)].copy_(p.detach().reshape(-1)[layout.piece_slice(e)])
-    for e, p in zip(entries, originals):
+    for e, p in zip(entries, [owners[i] for i in by_id]):
         sp = nn.Parameter(unit.shard[layout.shard_slice(e)], requires_grad=e.requires_grad)
         sp._fsdp_sharded = True
         sp._fsdp_unit_ref = unit
+        tp_sharded = e.tp is not None and any(not pl.is_replicate() for pl in e.tp.placements)
+        sp._fsdp_norm_share = unit.R * (1 if tp_sharded else unit.tp_size)  # copies of this piece in the world
         unit.sharded_params.append(sp)
         for mod, name, _ in e.users:
             mod._parameters[name] = sp
         p._fsdp_claimed_by = f"{type(module).__name__} unit"
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # release the unsharded original
+        if not isinstance(p, DTensor):
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # release the unsharded original
     module._fsdp_unit = unit
     module.__class__ = _sharded_class(type(module))
     hooks.register(unit)

@@ -15,11 +15,12 @@ keyed by FQN with FQN lists in param_groups.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import collectives as C
 from .flat import FlatEntry, dim0_chunk
@@ -41,6 +42,16 @@ def _gather_flat(unit: "ShardUnit", local: torch.Tensor) -> torch.Tensor:
 
 def _to_dtensor(unit: "ShardUnit", e: FlatEntry, full_flat: torch.Tensor) -> DTensor:
     full = full_flat[e.offset:e.offset + e.numel].view(e.shape)
+    if unit.state_mesh is not unit.mesh:
+        # Tensor parallel composition: (Shard(0) over dp, the TP placement over tp) on the 2-D mesh.
+        # Built from the global value so nested sharding of one dim follows DTensor's own order.
+        if e.tp is not None:
+            glob = DTensor.from_local(full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride).full_tensor()
+            tp_placement = e.tp.placements[0]
+        else:
+            glob, tp_placement = full, Replicate()
+        dp_placement = Shard(0) if glob.dim() > 0 else Replicate()
+        return distribute_tensor(glob, unit.state_mesh, [dp_placement, tp_placement], src_data_rank=None)
     if full.dim() == 0:
         local = full.clone()
     else:
@@ -54,6 +65,8 @@ def _full_value(v) -> torch.Tensor:
 
 
 def _local_piece(unit: "ShardUnit", e: FlatEntry, full: torch.Tensor) -> torch.Tensor:
+    if e.tp is not None:  # the global value -> this rank's TP-local tensor, which the engine shards
+        full = distribute_tensor(full, e.tp.mesh, e.tp.placements, src_data_rank=None).to_local()
     if full.numel() != e.numel:
         raise ValueError(
             f"load: value of shape {tuple(full.shape)} for a parameter of shape {tuple(e.shape)}; "
@@ -180,7 +193,7 @@ def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
                 continue
             st = {}
             for k, v in sorted(src[fqn].items()):
-                if k != "step" and isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == e.numel:
+                if k != "step" and isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == math.prod(e.global_shape):
                     st[k] = _local_piece(unit, e, _full_value(v))
                 else:
                     st[k] = v

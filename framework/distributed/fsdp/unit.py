@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import collectives as C
 from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
@@ -77,6 +78,8 @@ class ShardUnit:
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
         self.shard_dtype = shard_dtype
         self.state = UnitState.SHARDED
+        self.state_mesh = mesh  # checkpoint DTensors live here (the 2-D (dp, tp) mesh under TP)
+        self.tp_size = 1
         self.ctx: Optional["ShardContext"] = None
         self.stats = C.CommStats()
         self.requires_grad_sync = True
@@ -185,6 +188,12 @@ class ShardUnit:
         # before nn.Module.__getattr__ (and so before _parameters, which keeps the sharded piece
         # that named_parameters() and the optimizer see).
         for e, full in zip(self.entries, self.full_params):
+            if e.tp is not None:
+                # [Note: tensor parallel composition] the engine shards the TP-local tensor over
+                # the dp mesh; the module gets back the full-over-dp, still TP-sharded DTensor, made
+                # fresh each time with the differentiable from_local, so gradients arrive as local
+                # tensors on `full` and take the same reduce-scatter path as plain parameters.
+                full = DTensor.from_local(full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride)
             for mod, attr, _ in e.users:
                 mod.__dict__[attr] = full
 
