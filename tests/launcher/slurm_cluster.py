@@ -65,6 +65,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# Poll often: a requeued job waits for its BeginTime, and only a scheduling pass notices it passed.
+SchedulerParameters=bf_interval=1,sched_interval=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
