@@ -145,6 +145,21 @@ def bytes_and_memory(rank, ws, d):
     return out
 
 
+def no_sync_is_silent(rank, ws, d):
+    """Micro-steps under set_requires_gradient_sync(False) issue no gradient communication."""
+    model = _ours()
+    x, y = M.make_batch("gpt", 0, M_GB)
+    model.set_requires_gradient_sync(False)
+    model.reset_comm_stats()
+    M.loss_fn("gpt", model, x, y).backward()
+    micro = model.comm_stats()
+    model.set_requires_gradient_sync(True)
+    model.reset_comm_stats()
+    M.loss_fn("gpt", model, x, y).backward()
+    sync = model.comm_stats()
+    return {"no_sync": {"micro_rs": micro["reduce_scatter_bytes"] + micro["allreduce_bytes"], "sync_rs": sync["reduce_scatter_bytes"]}}
+
+
 def errors(rank, ws, d):
     """Each bad input must raise the named error with a message that says the fix."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -331,6 +346,6 @@ def tp_compose_4(rank, ws, d):
     return {"tp": out}
 
 
-EXTRAS_2 = [dcp_save_2, bytes_and_memory, errors, quantized, mixed_precision]
+EXTRAS_2 = [dcp_save_2, bytes_and_memory, no_sync_is_silent, errors, quantized, mixed_precision]
 EXTRAS_4 = [dcp_load_4, bytes_and_memory, tp_compose_4]
 EXTRAS_1 = [dcp_load_1]

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
+    checkpoint = False  # activation checkpointing of the block's body (set per test)
+
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -30,6 +32,13 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
         q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))

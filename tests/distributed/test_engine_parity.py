@@ -43,12 +43,14 @@ def _compare(rank, ws, cfg):
     kind, opt_name = cfg["model"], cfg["opt"]
     clip, accum = cfg.get("clip"), cfg.get("accum", 1)
     ref_losses, ref_params = M.reference(kind, opt_name, STEPS, GB, clip=clip)
+    M.Block.checkpoint = False
     out = {}
     engines = ["ours", "torch"] if cfg.get("torch") else ["ours"]
     for engine in engines:
         from framework.distributed.fsdp import CPUOffloadPolicy
 
         kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if cfg.get("offload") else {}
+        M.Block.checkpoint = bool(cfg.get("ac"))
         model = M.shard_model(M.make_model(kind), kind, engine, _mesh(cfg.get("mesh", "full"), ws), cfg.get("reshard", True), **kw)
         opt = M.make_optimizer(opt_name, model)
         losses = M.train_steps(kind, model, opt, STEPS, GB, rank, ws, clip=clip, accum=accum, engine=engine)
@@ -73,6 +75,7 @@ CONFIGS_2 = {
     "gpt_sgd_zero3": dict(model="gpt", opt="sgd"),
     "gpt_adamw_zero3_clip_vs_torch": dict(model="gpt", opt="adamw", clip=0.5, torch=True),
     "gpt_sgd_zero2": dict(model="gpt", opt="sgd", reshard=False),
+    "gpt_sgd_zero3_activation_checkpointing": dict(model="gpt", opt="sgd", ac=True),
     "gpt_sgd_accum2_vs_torch": dict(model="gpt", opt="sgd", accum=2, torch=True),
     "gpt_adamw_noshard": dict(model="gpt", opt="adamw", mesh="noshard"),
     "mlp_sgd_zero3_clip": dict(model="mlp", opt="sgd", clip=0.1),
@@ -184,6 +187,11 @@ def test_memory_is_sharded(results2, results4, ws, reshard):
     assert m["optim_bytes"] == m["exp_trainable_bytes"], m  # SGD momentum: one buffer per element
     assert m["owned"] <= m["bound"], m  # ceil(total / N) per unit
     assert m["unsharded_bytes"] == 0, m  # nothing gathered between steps
+
+
+def test_no_sync_micro_steps_do_not_communicate(results2):
+    ns = results2["no_sync"]
+    assert ns["micro_rs"] == 0 and ns["sync_rs"] > 0, ns
 
 
 # ---------------------------------------------------------------- errors, quantized, mixed precision

@@ -57,6 +57,11 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
     if unit.ctx is None:
         _lazy_init(unit)
     ctx = unit.ctx
+    if ctx.phase == TrainingPhase.PRE_BACKWARD:
+        # Recomputation under activation checkpointing: the unit is already gathered for backward;
+        # no prefetch, no phase change, and post_forward must not reshard.
+        unit.wait_unshard()
+        return None
     if unit is ctx.root:
         ctx.set_phase(TrainingPhase.FORWARD)
     if not ctx.order_frozen and torch.is_grad_enabled():
@@ -75,6 +80,8 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
 
 def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
     ctx = unit.ctx
+    if ctx.phase == TrainingPhase.PRE_BACKWARD:  # recomputation, see pre_forward
+        return output
     grad = torch.is_grad_enabled()
     if unit is ctx.root:
         ctx.order_frozen = ctx.order_frozen or grad

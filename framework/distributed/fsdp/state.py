@@ -94,6 +94,8 @@ class ShardContext:
                 u.reduce_grads()
         while self.pending_units:
             self.pending_units.pop(0).finish_reduce()
+        for dev in {u.compute_device for u in self.units if u.offload and u.compute_device.type == "cuda"}:
+            torch.cuda.current_stream(dev).synchronize()  # offloaded grad shards were copied non-blocking
         for u in self.units:
             u.reshard()
             u.reset_backward()
