@@ -190,6 +190,11 @@ class CheckpointManager:
             path = layout.latest_checkpoint(self.root)
         elif c.resume in ("none", ""):
             path = None
+        elif os.path.isdir(c.resume) and layout.step_of(c.resume) is None:
+            path = layout.latest_checkpoint(c.resume)  # a checkpoints directory: its latest
+            if path is None:
+                self._refuse(f"checkpoint.resume={c.resume}: no complete checkpoint in this directory; "
+                             "name a step_* directory, or use 'auto' or 'none'")
         else:
             path = c.resume
         try:
@@ -199,9 +204,13 @@ class CheckpointManager:
                 return 0
             return self.load(state, path)
         except (layout.CheckpointError, ValueError) as exc:
-            if self.rt.is_main:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_BAD_CHECKPOINT) from None
+            self._refuse(str(exc))
+
+    def _refuse(self, message: str) -> None:
+        """Bad checkpoint input: one line on rank 0, the bad-input status on every rank."""
+        if self.rt.is_main:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BAD_CHECKPOINT)
 
     def load(self, state, path: str) -> int:
         path = os.path.abspath(path)

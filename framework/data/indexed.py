@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence, Tuple
 
+import framework.data.megatron_quiet  # noqa: F401  (before any megatron.core import)
+
 import torch
 
 

@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+import framework.data.megatron_quiet  # noqa: F401  (before any megatron.core import)
+
 JSONL_SUFFIXES = (".jsonl", ".json")
 _BATCH = 64  # documents per task handed to a worker
 

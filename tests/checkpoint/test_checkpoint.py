@@ -43,10 +43,12 @@ def _ok(out: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    """The reference: 12 steps on 2 ranks, checkpoints at 6 and 12, an export at the end."""
+    """The reference: 12 steps on 2 ranks, checkpoints at 6 and 12, an export at the end. Saved
+    asynchronously: the resume tests then also show that training on while the step-6
+    checkpoint is written does not leak step-7+ values into it (the other runs save in line)."""
     root = tmp_path_factory.mktemp("ckpt_source")
     _ok(run_main(COMMON + ["parallelism.engine=torch", "checkpoint.interval=6", "checkpoint.export_safetensors=true",
-                           f"hydra.run.dir={root}/run"], root))
+                           "checkpoint.async_save=true", f"hydra.run.dir={root}/run"], root))
     return root / "run"
 
 
@@ -337,3 +339,17 @@ def test_sigterm_saves_exits_requeueable_and_the_next_start_resumes(tmp_path):
     assert steps == list(range(1, max(steps) + 1)), "a step was repeated or skipped across the restart"
     later = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert later == max(steps) > step
+
+
+def test_keep_last_prunes_old_checkpoints_and_leftover_temp_dirs(tmp_path):
+    from framework.checkpoint import layout
+
+    for step in (2, 4, 6, 8):
+        tmp = tmp_path / f"step_{step:08d}.tmp-abc"
+        tmp.mkdir()
+        (tmp / "x").write_text(str(step))
+        layout.commit(str(tmp), str(tmp_path / f"step_{step:08d}"), {"format": layout.FORMAT_VERSION})
+    (tmp_path / "step_00000010.tmp-dead").mkdir()  # a save killed mid-way
+    layout.prune(str(tmp_path), keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000006", "step_00000008"]
+    assert layout.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000008")
