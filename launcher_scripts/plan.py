@@ -14,7 +14,7 @@ from typing import Dict, List, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import (ClusterType, Config, ContainerRuntime, compose_config, to_config,
+from framework.config import (ClusterType, Config, ContainerRuntime, Stage, compose_config, to_config,
                               validate)
 from launcher_scripts import k8s, local, slurm
 from launcher_scripts.job import Job, stages_of
@@ -138,17 +138,8 @@ def advice(cfg: Config) -> List[str]:
     return notes
 
 
-def plan(argv: Sequence[str]) -> Plan:
-    """Compose and check the job the command line describes; raises `Refused` when it cannot start."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    user = list(argv)
-    keys = [override_key(o) for o in user]
-    try:
-        composed = compose_config(user)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise Refused([" ".join(str(exc).split())]) from None
+def launcher_overrides(composed: DictConfig, keys: Sequence[str]) -> List[str]:
+    """What the launcher adds after the user's overrides (see the table in README.md)."""
     extra: List[str] = []
     if composed.cluster.derive_mesh:
         extra += derive_mesh(composed, keys)
@@ -161,13 +152,27 @@ def plan(argv: Sequence[str]) -> Plan:
                 f"container.image given without container.runtime: running it with {default} "
                 "(set container.runtime to choose apptainer, podman or none)")
             extra.append(f"container.runtime={default}")
-    stages = list(composed.cluster.stages) or [composed.stage]
-    remote = composed.cluster.type in ("slurm", "k8s")
     # A requeued, chained, restarted or re-submitted job picks up where it stopped; on a first start
     # there is nothing to resume and training begins at step 0. An explicit choice is kept.
+    stages = list(composed.cluster.stages) or [composed.stage]
     if "training" in stages and "checkpoint.resume" not in keys and composed.checkpoint.resume == "none":
         extra.append("checkpoint.resume=auto")
-    for override in extra:
+    return extra
+
+
+def plan(argv: Sequence[str]) -> Plan:
+    """Compose and check the job the command line describes; raises `Refused` when it cannot start."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    user = list(argv)
+    keys = [override_key(o) for o in user]
+    try:
+        composed = compose_config(user)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise Refused([" ".join(str(exc).split())]) from None
+    extra = launcher_overrides(composed, keys)
+    for override in extra:  # the same values main.py will get, so validation sees the job's config
         key, value = override.split("=", 1)
         OmegaConf.update(composed, key, yaml.safe_load(value), merge=False)
     try:
@@ -175,12 +180,11 @@ def plan(argv: Sequence[str]) -> Plan:
     except (ValueError, NotImplementedError, OmegaConfBaseException) as exc:
         raise Refused([" ".join(str(exc).split())]) from None
 
-    world = cfg.cluster.nodes * cfg.cluster.nproc_per_node
     checked = cfg
-    if remote:  # the job's machines have the GPUs, not this one; the job checks the device again
+    if cfg.cluster.type != ClusterType.local:  # the job's machines have the GPUs; the job checks again
         checked = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device="auto"))
-    problems = validate(checked, world)
-    if "data_preparation" in stages:  # this job writes the datasets the check looks for
+    problems = validate(checked, cfg.cluster.nodes * cfg.cluster.nproc_per_node)
+    if Stage.data_preparation in stages_of(cfg):  # this job writes the datasets the check looks for
         problems = [p for p in problems if "does not exist; prepare it with stage=data_preparation" not in p]
     problems += launcher_problems(cfg)
     if problems:
@@ -220,4 +224,5 @@ def render_job(p: Plan, job: Job, script_dir: str) -> Dict[str, str]:
     return files
 
 
-__all__ = ["Plan", "Refused", "plan", "make_job", "render_job", "launcher_problems", "derive_mesh"]
+__all__ = ["Plan", "Refused", "plan", "make_job", "render_job", "launcher_problems", "launcher_overrides",
+           "derive_mesh"]
