@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from framework.config import Config
-from launcher_scripts.job import Job, join_lines, main_args, script_header, shell_line, stages_of, torchrun_args
+from launcher_scripts.job import (Job, join_lines, main_args, script_header, shell_line, stages_of,
+                                  torchrun_args)
 
 API_VERSION = "kubeflow.org/v1"
 DATA_MOUNT = "/data"
@@ -46,7 +47,8 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
     command = torchrun_args(cfg, job, "$(MASTER_ADDR):$(MASTER_PORT)", job.name)
     command += [_escape(a) for a in main_args(cfg, job, stages_of(cfg)[0])]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes: List[Dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}}]
+    volumes: List[Dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}}]
     for name, claim, path in (("data", c.data_volume, DATA_MOUNT),
                               ("checkpoints", c.checkpoint_volume, CHECKPOINT_MOUNT)):
         if claim:
@@ -67,7 +69,8 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
     if c.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": c.gpus_per_node}}
     # fsGroup: the volumes are writable by the image's user (uid/gid 1000 in our Dockerfile).
-    spec: Dict[str, Any] = {"containers": [container], "volumes": volumes, "securityContext": {"fsGroup": 1000}}
+    spec: Dict[str, Any] = {"containers": [container], "volumes": volumes,
+                            "securityContext": {"fsGroup": 1000}}
     if c.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in c.image_pull_secrets]
     labels = {"app.kubernetes.io/name": c.job_name, "app.kubernetes.io/instance": job.name,
@@ -79,7 +82,8 @@ def render_pytorchjob(cfg: Config, job: Job) -> Dict[str, Any]:
     """The PyTorchJob manifest as a dict (pure: same inputs, same dict)."""
     c = cfg.cluster
     replicas: Dict[str, Any] = {
-        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": _pod_template(cfg, job, "Master")},
+        "Master": {"replicas": 1, "restartPolicy": "OnFailure",
+                   "template": _pod_template(cfg, job, "Master")},
     }
     if c.nodes > 1:
         replicas["Worker"] = {"replicas": c.nodes - 1, "restartPolicy": "OnFailure",

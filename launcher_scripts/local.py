@@ -18,7 +18,8 @@ def container_prefix(cfg: Config, job: Job) -> List[str]:
     if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
         args = [k.runtime.value, "run", "--rm", "--network=host", "--ipc=host", "--workdir", k.workdir]
         if c.gpus_per_node:
-            args += ["--gpus", "all"] if k.runtime == ContainerRuntime.docker else ["--device", "nvidia.com/gpu=all"]
+            docker = k.runtime == ContainerRuntime.docker
+            args += ["--gpus", "all"] if docker else ["--device", "nvidia.com/gpu=all"]  # podman: CDI
         for mount in mounts:
             args += ["--volume", mount]
         for name in env_names(cfg):

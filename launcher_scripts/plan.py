@@ -76,8 +76,9 @@ def launcher_problems(cfg: Config) -> List[str]:
     if c.type == ClusterType.slurm:
         limit = slurm_seconds(c.time_limit)
         if c.requeue and c.signal_seconds and limit <= c.signal_seconds:
-            problems.append(f"cluster.signal_seconds={c.signal_seconds} is not shorter than cluster.time_limit="
-                            f"{c.time_limit} ({limit}s); lower signal_seconds or raise the time limit")
+            problems.append(f"cluster.signal_seconds={c.signal_seconds} is not shorter than "
+                            f"cluster.time_limit={c.time_limit} ({limit}s); lower signal_seconds or raise "
+                            "the time limit")
         if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
             problems.append(f"container.runtime={runtime} runs containers on this machine only; with "
                             "cluster=slurm choose container.runtime=pyxis, apptainer or none")
@@ -107,10 +108,12 @@ def launcher_problems(cfg: Config) -> List[str]:
             problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster=k8s give a Secret as "
                             "'secret-name/key' (or 'secret-name' for the key named like the variable)")
         if c.type != ClusterType.k8s and ref and not ENV_NAME.fullmatch(ref):
-            problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name of a "
-                            "variable in the environment you submit from (or leave it empty for the same name)")
+            problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name "
+                            "of a variable in the environment you submit from (or leave it empty for the "
+                            "same name)")
     if c.type != ClusterType.slurm and c.chain:
-        problems.append(f"cluster.chain={c.chain} chains Slurm jobs; set cluster.chain=0 with cluster={c.type.value}")
+        problems.append(f"cluster.chain={c.chain} chains Slurm jobs; set cluster.chain=0 with "
+                        f"cluster={c.type.value}")
     return problems
 
 
@@ -133,8 +136,9 @@ def advice(cfg: Config) -> List[str]:
     c = cfg.cluster
     notes = []
     if c.type == ClusterType.slurm and not c.cpus_per_task and not c.exclusive and c.nproc_per_node > 1:
-        notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {c.nproc_per_node} ranks share "
-                     "the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or cluster.exclusive=true")
+        notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {c.nproc_per_node} ranks "
+                     "share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
+                     "cluster.exclusive=true")
     return notes
 
 

@@ -93,13 +93,15 @@ def render_sbatch(cfg: Config, job: Job, stage: Stage = Stage.training) -> str:
         lines += [
             "# c10d rendezvous on the first node of the allocation; the job id names it.",
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f'echo "job ${{SLURM_JOB_ID}}: ${{SLURM_JOB_NUM_NODES}} node(s), rendezvous on ${{head_node}}:{c.rdzv_port}"',
+            'echo "job ${SLURM_JOB_ID}: ${SLURM_JOB_NUM_NODES} node(s), rendezvous on '
+            f'${{head_node}}:{c.rdzv_port}"',
             "",
         ]
         program = torchrun_args(cfg, job, Raw(f'"${{head_node}}:{c.rdzv_port}"'), Raw('"${SLURM_JOB_ID}"'))
     else:
         program = [job.python]
-    step = shell_command(srun_opts, container_args(cfg, job), program, *arg_groups(main_args(cfg, job, stage)))
+    step = shell_command(srun_opts, container_args(cfg, job), program,
+                         *arg_groups(main_args(cfg, job, stage)))
     if training and c.requeue:
         lines += [
             "# [Note: pre-emption] in launcher_scripts/slurm.py: save, then requeue with the same job id.",

@@ -32,7 +32,8 @@ TINY = ["model=debug", "data=synthetic", "trainer.progress_bar=false", "logging.
 CASES: Dict[str, List[str]] = {
     "slurm_pyxis": [
         "cluster=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8", "model=llama_7b", "parallelism.tp=2",
-        "cluster.derive_mesh=true", "container.runtime=pyxis", "container.image=registry.example/org/train:1.0",
+        "cluster.derive_mesh=true", "container.runtime=pyxis",
+        "container.image=registry.example/org/train:1.0",
         "container.mounts=[/lustre/data:/data:ro]", "cluster.partition=batch", "cluster.account=llm",
         "cluster.exclusive=true", "cluster.chain=2", "cluster.time_limit=04:00:00",
         "trainer.global_batch_size=128", "trainer.micro_batch_size=1", "data.seq_len=128",
@@ -58,7 +59,8 @@ CASES: Dict[str, List[str]] = {
     "local": ["cluster=local", *TINY, "trainer.max_steps=4", INJECTION],
     "local_two_node": ["cluster=local", "cluster.nodes=2", "cluster.nproc_per_node=1", *TINY,
                        "trainer.max_steps=4", "cluster.rdzv_port=29400"],
-    "local_docker": ["cluster=local", "container.runtime=docker", "container.image=registry.example/org/train:1.0",
+    "local_docker": ["cluster=local", "container.runtime=docker",
+                     "container.image=registry.example/org/train:1.0",
                      "cluster.gpus_per_node=2", "container.mounts=[/data:/data]",
                      "+cluster.secret_env.HF_TOKEN=MY_HF_TOKEN", *TINY],
 }

@@ -2,8 +2,8 @@
 
 Starts munged, slurmctld and slurmd (Debian's slurm-wlm) as root with every file in a temporary
 directory: its own munge socket, state and spool directories, and a slurm.conf naming this host
-(`hostname -s`) as the only node, or several nodes, each its own slurmd on this machine. `SLURM_CONF` in the returned environment points the client
-commands (sbatch, squeue, sacct, scontrol) at it.
+(`hostname -s`) as the only node, or several nodes, each its own slurmd on this machine.
+`SLURM_CONF` in the returned environment points the client commands (sbatch, squeue, sacct, scontrol) at it.
 """
 from __future__ import annotations
 
@@ -145,7 +145,8 @@ class SlurmCluster:
                 for job_id in jobs:
                     self.run("scancel", job_id, check=False)
                 deadline = time.time() + 20
-                while jobs and self.run("squeue", "-h", "-o", "%i", check=False).split() and time.time() < deadline:
+                while jobs and time.time() < deadline:
+                    jobs = self.run("squeue", "-h", "-o", "%i", check=False).split()
                     time.sleep(0.5)
             except (OSError, subprocess.SubprocessError):
                 pass

@@ -56,7 +56,8 @@ def test_slurm_job_trains_and_checkpoints(tmp_path):
     cluster = slurm_cluster.start(str(tmp_path / "slurm"), cpus=2)
     try:
         out = run_launcher(["cluster=slurm", "container.runtime=none", "cluster.nodes=1",
-                            "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", "cluster.cpus_per_task=2", *TINY,
+                            "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", "cluster.cpus_per_task=2",
+                            *TINY,
                             f"trainer.max_steps={STEPS}", f"cluster.rdzv_port={free_port()}",
                             "cluster.time_limit=10", "+cluster.env.OMP_NUM_THREADS=1",
                             f"cluster.jobs_dir={tmp_path}/jobs"], cwd=tmp_path, env=cluster.env, timeout=60)
@@ -113,7 +114,8 @@ def test_slurm_preemption_saves_requeues_and_resumes(tmp_path):
     cluster = slurm_cluster.start(str(tmp_path / "slurm"), cpus=2)
     try:
         out = run_launcher(["cluster=slurm", "container.runtime=none", "cluster.nodes=1",
-                            "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", "cluster.cpus_per_task=2", *TINY,
+                            "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", "cluster.cpus_per_task=2",
+                            *TINY,
                             f"trainer.max_steps={steps}", "trainer.eval_interval=0",
                             f"cluster.rdzv_port={free_port()}", "cluster.time_limit=10",
                             "+cluster.env.OMP_NUM_THREADS=1", f"cluster.jobs_dir={tmp_path}/jobs"],

@@ -89,7 +89,8 @@ def test_pytorchjob_shape():
     assert "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in container["command"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
+              if "persistentVolumeClaim" in v}
     assert claims == {"datasets", "checkpoints"}
     assert spec["imagePullSecrets"] == [{"name": "regcred"}]
     # Kubernetes would expand $(HOME) in a command: the override is escaped so main.py gets it verbatim.
@@ -106,7 +107,8 @@ def test_secrets_are_references_never_values(monkeypatch):
         for name, text in render_case(case).items():
             assert "secret-value" not in text, f"{case}/{name} holds a secret's value"
     env = _pod_docs("k8s")[0]["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}} in env
+    reference = {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}
+    assert {"name": "HF_TOKEN", "valueFrom": reference} in env
     assert all("value" not in e for e in env if e["name"] == "HF_TOKEN")
     sbatch = render_case("slurm_apptainer")["training.sbatch"]
     assert 'export HF_TOKEN="${MY_HF_TOKEN:?' in sbatch
@@ -168,7 +170,8 @@ def test_slurm_time_formats(limit, seconds):
 
 def test_slurm_cpu_advice(caplog):
     with caplog.at_level("WARNING", logger="launcher"):
-        plan_of(["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0", "cluster.nproc_per_node=2"])
+        plan_of(["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0",
+                 "cluster.nproc_per_node=2"])
     assert any("cluster.cpus_per_task" in r.message for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="launcher"):

@@ -38,8 +38,12 @@ def _calls(log_dir: Path, name: str):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _fake_path(tmp_path: Path, bin_dir: Path) -> dict:
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path)}
+
+
 def _env(tmp_path: Path, bin_dir: Path, **extra) -> dict:
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path), **extra}
+    env = {**os.environ, **_fake_path(tmp_path, bin_dir), **extra}
     return env
 
 
@@ -121,7 +125,8 @@ def test_sbatch_script_refuses_to_start_without_its_secret(tmp_path):
     bin_dir = _fake_bin(tmp_path, "srun", extra={"scontrol": SCONTROL})
     env = _env(tmp_path, bin_dir, SLURM_JOB_ID="5", SLURM_JOB_NODELIST="n", SLURM_JOB_NUM_NODES="4")
     env.pop("WANDB_API_KEY", None)
-    out = subprocess.run(["bash", str(tmp_path / "t.sbatch")], env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["bash", str(tmp_path / "t.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=30)
     assert out.returncode != 0 and "set WANDB_API_KEY in the environment you submit from" in out.stderr
     assert not _calls(tmp_path, "srun")
 
@@ -154,7 +159,8 @@ def test_refused_config_exits_2_and_writes_nothing(tmp_path):
     (["cluster=local", "container.runtime=pyxis", "container.image=x:1"], "container.runtime=pyxis"),
     (["cluster=slurm", "cluster.stages=[training,evaluate]"], "cluster.stages"),
     (["cluster=slurm", "+cluster.secret_env.HF_TOKEN=hf/token"], "cluster.secret_env.HF_TOKEN"),
-    (["cluster=k8s", "container.image=x:1", "+cluster.secret_env.HF_TOKEN=Bad Name"], "cluster.secret_env.HF_TOKEN"),
+    (["cluster=k8s", "container.image=x:1", "+cluster.secret_env.HF_TOKEN=Bad Name"],
+     "cluster.secret_env.HF_TOKEN"),
 ])
 def test_launcher_refusals_name_the_field(args, field):
     from launcher_scripts.plan import Refused, plan
@@ -164,7 +170,9 @@ def test_launcher_refusals_name_the_field(args, field):
     assert all("\n" not in p for p in refused.value.problems)
 
 
-SBATCH = RECORDER + """print(f"{100 + sum(1 for _ in open(os.path.join(os.environ['FAKE_LOG'], 'sbatch.jsonl')))};cluster-a")
+# sbatch --parsable: prints "<id>;<cluster>", ids 101, 102, ... in the order of submission.
+SBATCH = RECORDER + """calls = open(os.path.join(os.environ["FAKE_LOG"], "sbatch.jsonl")).read().splitlines()
+print(f"{100 + len(calls)};cluster-a")
 """
 
 
@@ -173,19 +181,19 @@ def test_dry_run_writes_everything_and_submits_nothing(tmp_path):
     jobs = tmp_path / "jobs"
     args = ["cluster=slurm", "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", *TINY,
             f"cluster.jobs_dir={jobs}", "cluster.chain=1"]
-    out = run_launcher([*args, "dry_run=true"], cwd=tmp_path, env={"PATH": f"{bin_dir}:{os.environ['PATH']}",
-                                                                    "FAKE_LOG": str(tmp_path)})
+    out = run_launcher([*args, "dry_run=true"], cwd=tmp_path, env=_fake_path(tmp_path, bin_dir))
     assert out.returncode == 0, out.stderr
     job_dir = Path(out.stdout.strip().splitlines()[-1])
     assert job_dir.parent == jobs
-    assert {p.name for p in job_dir.iterdir()} >= {"config.yaml", "training.sbatch", "submit.sh", "launcher.txt"}
+    names = {p.name for p in job_dir.iterdir()}
+    assert names >= {"config.yaml", "training.sbatch", "submit.sh", "launcher.txt"}
     assert _calls(tmp_path, "sbatch") == []
     # config.yaml is the job's full config: it loads back into the same typed config.
     cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(job_dir / "config.yaml")))
     assert (cfg.cluster.type.value, cfg.model.name, cfg.checkpoint.resume) == ("slurm", "debug", "auto")
 
     # The same job, submitted: submit.sh calls sbatch for the job and its chained copy.
-    out = run_launcher(args, cwd=tmp_path, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path)})
+    out = run_launcher(args, cwd=tmp_path, env=_fake_path(tmp_path, bin_dir))
     assert out.returncode == 0, out.stderr
     job_dir = Path(out.stdout.strip().splitlines()[-1])
     calls = _calls(tmp_path, "sbatch")
@@ -197,7 +205,8 @@ def test_dry_run_writes_everything_and_submits_nothing(tmp_path):
 
 def test_k8s_without_kubectl_writes_the_manifest_for_the_user(tmp_path):
     out = run_launcher(["cluster=k8s", "container.image=registry.example/org/train:1.0", *TINY,
-                        "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", f"cluster.jobs_dir={tmp_path}/jobs"],
+                        "cluster.nproc_per_node=2", "cluster.gpus_per_node=0",
+                        f"cluster.jobs_dir={tmp_path}/jobs"],
                        cwd=tmp_path, env={"PATH": str(Path(sys.executable).parent)})  # no kubectl there
     assert out.returncode == 0, out.stderr
     job_dir = Path(out.stdout.strip().splitlines()[-1])
@@ -206,7 +215,8 @@ def test_k8s_without_kubectl_writes_the_manifest_for_the_user(tmp_path):
 
     bin_dir = _fake_bin(tmp_path, "kubectl")
     out = run_launcher(["cluster=k8s", "container.image=registry.example/org/train:1.0", *TINY,
-                        "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", f"cluster.jobs_dir={tmp_path}/jobs"],
-                       cwd=tmp_path, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path)})
+                        "cluster.nproc_per_node=2", "cluster.gpus_per_node=0",
+                        f"cluster.jobs_dir={tmp_path}/jobs"],
+                       cwd=tmp_path, env=_fake_path(tmp_path, bin_dir))
     job_dir = Path(out.stdout.strip().splitlines()[-1])
     assert _calls(tmp_path, "kubectl") == [["apply", "-f", str(job_dir / "pytorchjob.yaml")]]
