@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
     "tiny": (1024, 128, 2, 4, 64, 4),
-    "25m": (16384, 512, 6, 8, 256, 4),
+    "25m": (16384, 512, 6, 8, 128, 2),
 }
 
 
@@ -148,7 +148,7 @@ def tensor_bytes(engine, model, opt) -> int:
                 b += local(v).numel() * local(v).element_size()
     if engine == "ours":
         sb = model.sharded_tensor_bytes()
-        b += sb["unsharded"] + sb["accum"] + sb["grad_pool"]
+        b += sb["unsharded"] + sb["accum"] + sb["secondary"] + sb["grad_pool"]
     return b
 
 

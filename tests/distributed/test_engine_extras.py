@@ -106,7 +106,7 @@ def _units(model):
 def bytes_and_memory(rank, ws, d):
     """Counters against the theory; per-rank tensor bytes against the sharded formula."""
     out = {}
-    for reshard in (True, False):
+    for reshard in (True, False) + ((2,) if ws == 4 else ()):
         model = _ours(reshard=reshard)
         opt = M.make_optimizer("sgd", model)
         M.train_steps("gpt", model, opt, 2, M_GB, rank, ws)
@@ -118,7 +118,13 @@ def bytes_and_memory(rank, ws, d):
         units = _units(model)
         N = ws
         gathers = lambda u: 1 if (u is model._fsdp_unit or not reshard) else 2
-        exp_ag = 3 * sum((N - 1) * u.layout.shard_numel * 4 * gathers(u) for u in units)
+        if reshard is True or reshard is False:
+            exp_ag = 3 * sum((N - 1) * u.layout.shard_numel * 4 * gathers(u) for u in units)
+        else:  # hpZ: forward over N ranks, backward over k ranks from the N S / k secondary shard
+            k = reshard
+            exp_ag = 3 * sum((N - 1) * u.layout.shard_numel * 4 for u in units) + 3 * sum(
+                (k - 1) * (u.layout.padded_total // k) * 4 for u in units if u is not model._fsdp_unit
+            )
         exp_rs = 3 * sum((N - 1) * u.layout.shard_numel * 4 for u in units)
         # memory between steps: one more step without zero_grad so grads exist
         x, y = M.make_batch("gpt", 9, M_GB)
@@ -140,7 +146,7 @@ def bytes_and_memory(rank, ws, d):
                                if isinstance(v, torch.Tensor)),
             "exp_param_bytes": owned * 4, "exp_trainable_bytes": trainable * 4,
             "owned": owned, "bound": -(-total // ws) + len(units),
-            "unsharded_bytes": sum(u.tensor_bytes()["unsharded"] for u in units),
+            "unsharded_bytes": sum(u.tensor_bytes()["unsharded"] + u.tensor_bytes()["secondary"] for u in units),
         }
     return out
 
@@ -199,7 +205,7 @@ def errors(rank, ws, d):
     expect("mesh_3d", ValueError, ["1-D", "2-D"], lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (1, 1, ws))))
     expect("submesh", NotImplementedError, ["mesh over all ranks"],
            lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("a", "b"))["b"]))
-    expect("hpz_int", NotImplementedError, ["hpZ", "reshard_after_forward"],
+    expect("hpz_int_not_dividing", ValueError, ["reshard_after_forward", "divide"],
            lambda: fully_shard(M.make_model("mlp"), reshard_after_forward=ws + 1))
     expect("offload_and_quant", NotImplementedError, ["CPUOffloadPolicy", "QuantizedCommPolicy"],
            lambda: fully_shard(M.make_model("mlp"), offload_policy=CPUOffloadPolicy(), comm_policy=QuantizedCommPolicy()))

@@ -87,6 +87,7 @@ CONFIGS_4 = {
     "gpt_adamw_hybrid_clip": dict(model="gpt", opt="adamw", mesh="hybrid", clip=0.5),
     "gpt_sgd_hybrid_accum2": dict(model="gpt", opt="sgd", mesh="hybrid", accum=2),
     "gpt_sgd_noshard": dict(model="gpt", opt="sgd", mesh="noshard"),
+    "gpt_adamw_hpz2_clip": dict(model="gpt", opt="adamw", reshard=2, clip=0.5),
     "mlp_sgd_zero3_vs_torch": dict(model="mlp", opt="sgd", torch=True),
     "mlp_adamw_zero2_clip": dict(model="mlp", opt="adamw", reshard=False, clip=0.1),
 }
@@ -168,8 +169,7 @@ def test_state_dict_format_matches_torch(results2):
 
 
 # ---------------------------------------------------------------- counters and memory
-@pytest.mark.parametrize("ws", [2, 4])
-@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("ws,reshard", [(2, True), (2, False), (4, True), (4, False), (4, 2)])
 def test_comm_counters_equal_theory(results2, results4, ws, reshard):
     c = (results2 if ws == 2 else results4)[f"counters_reshard={reshard}"]
     assert c["ag"] == c["exp_ag"] and c["rs"] == c["exp_rs"] and c["ar"] == 0, c
@@ -178,8 +178,7 @@ def test_comm_counters_equal_theory(results2, results4, ws, reshard):
     assert c["pool_stable"], "gradient buffers were reallocated after the first step"
 
 
-@pytest.mark.parametrize("ws", [2, 4])
-@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("ws,reshard", [(2, True), (2, False), (4, True), (4, False), (4, 2)])
 def test_memory_is_sharded(results2, results4, ws, reshard):
     m = (results2 if ws == 2 else results4)[f"memory_reshard={reshard}"]
     assert m["param_bytes"] == m["exp_param_bytes"], m

@@ -96,6 +96,28 @@ def _dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     return _STATE_MESH[key]
 
 
+_SECONDARY: Dict[tuple, dist.ProcessGroup] = {}
+
+
+def _secondary_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup, k: int):
+    """hpZ: the group of k consecutive ranks of this rank's shard group, and this rank's index in it.
+
+    Every rank must create every group in the same order, so all shard groups of the mesh (one per
+    replica row for a 2-D mesh) are enumerated and cut into blocks of k; created once per k.
+    """
+    rows = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+    me = dist.get_rank()
+    mine = None
+    for row in rows:
+        for i in range(0, len(row), k):
+            ranks = tuple(row[i:i + k])
+            if ranks not in _SECONDARY:
+                _SECONDARY[ranks] = dist.new_group(list(ranks))
+            if me in ranks:
+                mine = (_SECONDARY[ranks], k, ranks.index(me))
+    return mine
+
+
 def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Optional[DeviceMesh] = None):
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised process group: call torch.distributed.init_process_group first")
@@ -147,8 +169,9 @@ def fully_shard(
     """Shard `module`'s parameters that no sub-unit owns yet into one unit (ZeRO-3 by default).
 
     reshard_after_forward: True = free the gathered parameters after forward (ZeRO-3); False = keep
-        them until backward ends (ZeRO-2); an int equal to the shard-group size means True, 1 means
-        False, other ints (hpZ secondary sharding) raise NotImplementedError.
+        them until backward ends (ZeRO-2); an int k = hpZ: keep a secondary shard over groups of k
+        consecutive ranks after forward so backward all-gathers over k ranks only (k must divide the
+        shard-group size; k equal to it means True, 1 means False).
     comm_policy: QuantizedCommPolicy for int8 all-gather / all-to-all gradient reduction (ZeRO++).
     """
     if getattr(module, "_fsdp_unit", None) is not None:
@@ -204,15 +227,25 @@ def fully_shard(
     tp_mesh = next(iter(tp_meshes.values()), None)
     mesh, shard_group, replicate_group, tp_mesh = _resolve_mesh(mesh, device, tp_mesh)
     n_shard = dist.get_world_size(shard_group)
+    hpz = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        if reshard_after_forward == n_shard:
+        k = reshard_after_forward
+        if k == n_shard:
             reshard_after_forward = True
-        elif reshard_after_forward == 1:
+        elif k == 1:
             reshard_after_forward = False
+        elif 1 < k < n_shard and n_shard % k == 0:
+            if comm_policy is not None or offload_policy is not None:
+                raise NotImplementedError(
+                    "fully_shard: reshard_after_forward=<int> (hpZ) together with QuantizedCommPolicy or "
+                    "CPUOffloadPolicy is not supported; drop one"
+                )
+            hpz = _secondary_group(mesh, shard_group, k)
+            reshard_after_forward = True
         else:
-            raise NotImplementedError(
-                f"fully_shard: reshard_after_forward={reshard_after_forward} (hpZ: reshard to a smaller group after "
-                f"forward) is not implemented; use True (ZeRO-3, shard over {n_shard}) or False (ZeRO-2)"
+            raise ValueError(
+                f"fully_shard: reshard_after_forward={k}: an int must divide the shard-group size {n_shard} "
+                f"(hpZ: keep a secondary shard over groups of that many ranks after forward)"
             )
     align = comm_policy.block_size if comm_policy is not None else 1
     layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align)
@@ -221,6 +254,8 @@ def fully_shard(
         module, entries, layout, shard_group, replicate_group, mesh, bool(reshard_after_forward),
         mp_policy, offload_policy is not None, comm_policy, device, shard_dtype,
     )
+    if hpz is not None:
+        unit.set_secondary(*hpz)
     if tp_mesh is not None:
         unit.tp_size = tp_mesh.size()
         if any(e.tp is not None for e in entries):

@@ -88,8 +88,10 @@ def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, 
         if not grad:
             ctx.reshard_all()
             ctx.set_phase(TrainingPhase.IDLE)
-    elif unit.reshard_after_forward or not grad:
+    elif not grad:
         unit.reshard()
+    elif unit.reshard_after_forward:
+        unit.reshard_after_forward_step()
     if grad:
         for t in _tensors(output):
             if t.requires_grad:

@@ -100,6 +100,10 @@ class ShardUnit:
         self._send: Optional[torch.Tensor] = None
         self._recv_packed: Optional[torch.Tensor] = None
         self._gather: Optional[C.Pending] = None
+        self._gather_quantized = False
+        self._hpz: Optional[tuple] = None  # (group, k, index) for hpZ, see [Note: hpZ secondary shards]
+        self._secondary: Optional[torch.Tensor] = None
+        self._secondary_valid = False
         self._build_full_storage()
 
     # ---------------------------------------------------------------- construction
@@ -151,7 +155,13 @@ class ShardUnit:
             return
         L = self.layout
         self.storage.resize_(L.padded_total * self.full_flat.element_size())
+        if self._secondary_valid:  # hpZ: backward gathers from the secondary shards, within k ranks
+            self._gather_quantized = False
+            self._gather = C.all_gather(self.full_flat, self._secondary, self._hpz[0], self.stats)
+            self.set_state(UnitState.UNSHARDING)
+            return
         qp = self.comm is not None and self.comm.params and self.N > 1
+        self._gather_quantized = qp
         if qp:
             nb = packed_nbytes(L.shard_numel, self.comm.block_size)
             if self._send is None:
@@ -176,7 +186,7 @@ class ShardUnit:
             return
         C.wait(self._gather)
         self._gather = None
-        if self.comm is not None and self.comm.params and self.N > 1:
+        if self._gather_quantized:
             S, nb = self.layout.shard_numel, packed_nbytes(self.layout.shard_numel, self.comm.block_size)
             for r in range(self.N):
                 dequantize_into(self._recv_packed[r * nb:(r + 1) * nb], self.full_flat[r * S:(r + 1) * S], self.comm.block_size)
@@ -201,6 +211,33 @@ class ShardUnit:
         for e in self.entries:
             for mod, attr, _ in e.users:
                 mod.__dict__.pop(attr, None)
+
+    # [Note: hpZ secondary shards]
+    # With reshard_after_forward=k (1 < k < N), resharding after forward keeps a secondary shard:
+    # this rank's 1/k of the gathered flat buffer (N S / k elements), so the backward re-gather is an
+    # all-gather over k ranks (intra-node in ZeRO++) instead of N. The secondary shard is dropped
+    # when backward ends; the next forward gathers from the primary (updated) shards again.
+    def set_secondary(self, group: dist.ProcessGroup, k: int, index: int) -> None:
+        self._hpz = (group, k, index)
+
+    def reshard_after_forward_step(self) -> None:
+        if self._hpz is None or self.state != UnitState.UNSHARDED:
+            self.reshard()
+            return
+        group, k, idx = self._hpz
+        M = self.layout.padded_total // k
+        if self._secondary is None:
+            self._secondary = torch.empty(M, dtype=self.param_dtype, device=self.compute_device)
+        elif self._secondary.untyped_storage().nbytes() == 0:
+            self._secondary.untyped_storage().resize_(M * self._secondary.element_size())
+        self._secondary.copy_(self.full_flat[idx * M:(idx + 1) * M])
+        self.reshard()
+        self._secondary_valid = True
+
+    def drop_secondary(self) -> None:
+        self._secondary_valid = False
+        if self._secondary is not None:
+            self._secondary.untyped_storage().resize_(0)
 
     def reshard(self) -> None:
         if self.state == UnitState.UNSHARDING:
@@ -376,6 +413,7 @@ class ShardUnit:
         return [p for p, e in zip(self.sharded_params, self.entries) if e.requires_grad]
 
     def reset_backward(self) -> None:
+        self.drop_secondary()
         self._grads_seen = 0
         self._reduce_issued = False
         self._written = [False] * len(self.entries)
@@ -389,6 +427,7 @@ class ShardUnit:
             "grad_shard": nbytes(self.grad_shard),
             "unsharded": 0 if self.storage is None else self.storage.nbytes(),
             "accum": nbytes(self._accum),
+            "secondary": nbytes(self._secondary),
         }
 
 
