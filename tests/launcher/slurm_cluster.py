@@ -30,7 +30,7 @@ def missing() -> Optional[str]:
         return "starting slurmd needs root"
     if not os.path.exists(MUNGE_KEY):
         return f"{MUNGE_KEY} missing (the munge package creates it)"
-    return None
+    return unresolvable([local_host()])
 
 
 def _free_port() -> int:

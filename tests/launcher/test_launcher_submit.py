@@ -93,9 +93,10 @@ def test_preemption_saves_then_requeues(tmp_path):
     script = tmp_path / "training.sbatch"
     script.write_text(text)
     # srun: a step that runs until SIGTERM, then exits as a trainer does after saving.
+    # The trap goes first and the pid file appears whole (mv), so the test never signals too early.
     srun = """#!/usr/bin/env bash
-echo $$ > "$FAKE_LOG/srun.pid"
 trap 'echo saved > "$FAKE_LOG/saved"; exit 143' TERM
+echo $$ > "$FAKE_LOG/srun.pid.tmp" && mv "$FAKE_LOG/srun.pid.tmp" "$FAKE_LOG/srun.pid"
 while true; do sleep 0.05; done
 """
     scancel = """#!/usr/bin/env bash
