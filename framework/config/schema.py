@@ -184,6 +184,15 @@ class DataConfig:
     def __post_init__(self) -> None:
         self.name = _choice("data", "name", self.name, DataName)
         _positive("data", seq_len=self.seq_len, vocab_size=self.vocab_size, workers=self.workers)
+        try:
+            parts = [float(x) for x in str(self.split).replace("/", ",").split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
+            raise ValueError(f"data.split={self.split!r}: give train,valid,test proportions with train and "
+                             "valid > 0, e.g. data.split=\"'98,1,1'\" (quoted: Hydra reads a bare 98,1,1 as a list)")
+        if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
+            raise ValueError(f"data.weights={list(self.weights)}: blend weights must be >= 0 with a positive sum")
         if self.weights and len(self.weights) != len(self.paths):
             raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} "
                              "data.paths: give one weight per path, or none for equal weights")
