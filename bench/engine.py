@@ -218,7 +218,7 @@ def memory_worker(rank, ws, engine, size):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8, help="measured steps per engine (after 2 warm-up)")
+    ap.add_argument("--steps", type=int, default=6, help="measured steps per engine (after 2 warm-up)")
     ap.add_argument("--model-size", default="25m", choices=sorted(SIZES))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--out", default="bench/engine_results.json")
