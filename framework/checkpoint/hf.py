@@ -17,7 +17,6 @@ import struct
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from framework.config.schema import ModelConfig
 
@@ -158,8 +157,3 @@ def import_safetensors(directory: str, model_sd: Dict[str, torch.Tensor],
             out[name] = _local_piece(full, like)
             del full
     return out, len(out)
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -130,12 +130,11 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return found[-1] if found else None
 
 
-def prune(root: str, keep_last: int, protect: Sequence[str] = ()) -> None:
+def prune(root: str, keep_last: int) -> None:
     """Delete all but the newest `keep_last` committed checkpoints, and leftover temp directories
     of saves that never finished (rank 0, right after a commit, when no save is in flight)."""
     for path in complete_checkpoints(root)[:-keep_last]:
-        if os.path.abspath(path) not in {os.path.abspath(p) for p in protect}:
-            shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(root):
         if ".tmp-" in name and step_of(name.split(".tmp-")[0]) is not None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -169,10 +168,20 @@ def verify_files(ckpt: str, expected: Dict[str, dict], names: Sequence[str]) -> 
     return problems
 
 
-def integrity_message(ckpt: str, problems: List[str]) -> str:
-    """The one-line refusal of a corrupted checkpoint, naming the previous good one to use."""
+def integrity_message(ckpt: str, problems: List[str], find_good: bool = True) -> str:
+    """The one-line refusal of a corrupted checkpoint, naming the newest earlier checkpoint that
+    passes the same check (`find_good`: verify them, on the one rank that prints the message)."""
     root = os.path.dirname(os.path.abspath(ckpt))
     older = [p for p in complete_checkpoints(root) if step_of(p) < (step_of(ckpt) or 0)]
-    hint = (f"resume from the previous checkpoint with checkpoint.resume={older[-1]} (it is verified "
-            "when loaded)" if older else "no earlier checkpoint exists there; start with checkpoint.resume=none")
+    good = None
+    for candidate in reversed(older if find_good else []):
+        try:
+            files = read_manifest(candidate)["files"]
+        except (CheckpointError, ValueError):
+            continue
+        if not verify_files(candidate, files, sorted(files)):
+            good = candidate
+            break
+    hint = (f"resume from the previous good checkpoint with checkpoint.resume={good}" if good
+            else "no earlier checkpoint there passes the check; start with checkpoint.resume=none")
     return f"checkpoint {ckpt} failed its integrity check ({'; '.join(problems[:3])}); {hint}"

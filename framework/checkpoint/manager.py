@@ -138,12 +138,12 @@ class CheckpointManager:
         self._last_saved = step
 
     def _finalize_pending(self) -> None:
+        """Wait for the async save in flight (if any) and commit it."""
         if self._pending is None:
             return
         future, tmp, step = self._pending
         self._pending = None
-        result = future.result() if hasattr(future, "result") else future.upload_completion.result()
-        del result
+        _wait(future)
         self._commit(tmp, step)
 
     def _commit(self, tmp: str, step: int) -> None:
@@ -221,7 +221,7 @@ class CheckpointManager:
         dist.all_gather_object(problems, layout.verify_files(path, expected, mine))
         problems = [p for share in problems for p in share]
         if problems:
-            raise layout.CheckpointError(layout.integrity_message(path, problems))
+            raise layout.CheckpointError(layout.integrity_message(path, problems, find_good=self.rt.is_main))
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
         optim_tensors, _ = split_optim(optim_sd)
         app = {"model": model_sd, "optim": optim_tensors}
@@ -278,13 +278,18 @@ class CheckpointManager:
         if self._pending is not None:
             future = self._pending[0]
             try:
-                (future.result() if hasattr(future, "result") else future.upload_completion.result())
+                _wait(future)
             except Exception:  # noqa: BLE001 - the run is already failing; keep its first error
                 pass
             self._pending = None
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers = {}
+
+
+def _wait(future) -> None:
+    """dcp.async_save returns a Future, or an AsyncSaveResponse with an upload future."""
+    (future.upload_completion if hasattr(future, "upload_completion") else future).result()
 
 
 def _vocab_of(model_sd: dict, cfg: Config) -> int:
