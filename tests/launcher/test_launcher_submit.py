@@ -99,9 +99,14 @@ trap 'echo saved > "$FAKE_LOG/saved"; exit 143' TERM
 echo $$ > "$FAKE_LOG/srun.pid.tmp" && mv "$FAKE_LOG/srun.pid.tmp" "$FAKE_LOG/srun.pid"
 while true; do sleep 0.05; done
 """
+    # scancel returns only once the step has ended: the step ends while the trap still runs, the
+    # case where the script must still report the step's own status.
     scancel = """#!/usr/bin/env bash
 echo "$@" >> "$FAKE_LOG/scancel.calls"
-kill -TERM "$(cat "$FAKE_LOG/srun.pid")"
+pid=$(cat "$FAKE_LOG/srun.pid")
+kill -TERM "$pid"
+while kill -0 "$pid" 2>/dev/null && ! [ -e "$FAKE_LOG/saved" ]; do sleep 0.01; done
+sleep 0.2
 """
     bin_dir = _fake_bin(tmp_path, extra={"srun": srun, "scancel": scancel, "scontrol": SCONTROL})
     env = _env(tmp_path, bin_dir, SLURM_JOB_ID="91", SLURM_JOB_NODELIST="node-a", SLURM_JOB_NUM_NODES="4",
