@@ -128,8 +128,10 @@ class CheckpointManager:
                 "step": step, "scheduler": state.scheduler.state_dict(),
                 "train_loader": state.train_loader.state_dict(), "optimizer_param_groups": groups})
         if self.cfg.checkpoint.async_save and not self._stopping:
-            # Snapshot first: training goes on mutating the live tensors while the thread writes.
-            app = _detached_copy(app)
+            # Snapshot CPU tensors first: training goes on mutating them while the thread writes.
+            # (DCP's stager copies device tensors to CPU itself; a second copy there would only
+            # cost device memory.)
+            app = _cpu_snapshot(app)
             future = dcp.async_save(app, checkpoint_id=tmp, process_group=self._io_group)
             self._pending = (future, tmp, step)
         else:
@@ -149,7 +151,9 @@ class CheckpointManager:
     def _commit(self, tmp: str, step: int) -> None:
         """Every rank checksums a share of the files; rank 0 writes the manifest and commits."""
         dist.barrier()
-        names = layout.files_of(tmp)
+        names = [layout.files_of(tmp) if self.rt.is_main else None]
+        dist.broadcast_object_list(names, src=0)  # one listing: file systems may lag between nodes
+        names = names[0]
         mine = {}
         for name in names[self.rt.rank::self.rt.world_size]:
             path = os.path.join(tmp, name)
@@ -297,9 +301,9 @@ def _vocab_of(model_sd: dict, cfg: Config) -> int:
     return int(emb.shape[0]) if emb is not None else cfg.model.vocab_size
 
 
-def _detached_copy(tree):
+def _cpu_snapshot(tree):
     if isinstance(tree, dict):
-        return {k: _detached_copy(v) for k, v in tree.items()}
-    if isinstance(tree, torch.Tensor):
+        return {k: _cpu_snapshot(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) and tree.device.type == "cpu":
         return tree.detach().clone()
     return tree
