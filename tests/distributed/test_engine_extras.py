@@ -163,7 +163,21 @@ def no_sync_is_silent(rank, ws, d):
     model.reset_comm_stats()
     M.loss_fn("gpt", model, x, y).backward()
     sync = model.comm_stats()
-    return {"no_sync": {"micro_rs": micro["reduce_scatter_bytes"] + micro["allreduce_bytes"], "sync_rs": sync["reduce_scatter_bytes"]}}
+    # eval forward under no_grad: same output as the plain model, everything resharded after it,
+    # and training continues normally afterwards
+    plain = M.make_model("gpt")
+    model.zero_grad(set_to_none=True)
+    fresh = _ours()
+    with torch.no_grad():
+        diff = (fresh(x) - plain(x)).abs().max().item()
+    units = _units(fresh)
+    resharded = all(u.state.value == "sharded" for u in units)
+    opt = M.make_optimizer("sgd", fresh)
+    after = M.train_steps("gpt", fresh, opt, 1, M_GB, rank, ws)
+    return {
+        "no_sync": {"micro_rs": micro["reduce_scatter_bytes"] + micro["allreduce_bytes"], "sync_rs": sync["reduce_scatter_bytes"]},
+        "eval": {"diff": diff, "resharded": resharded, "loss_after": after[0]},
+    }
 
 
 def errors(rank, ws, d):

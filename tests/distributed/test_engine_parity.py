@@ -193,6 +193,12 @@ def test_no_sync_micro_steps_do_not_communicate(results2):
     assert ns["micro_rs"] == 0 and ns["sync_rs"] > 0, ns
 
 
+def test_eval_forward_under_no_grad(results2):
+    ev = results2["eval"]
+    assert ev["diff"] < TOL and ev["resharded"], ev
+    assert ev["loss_after"] == ev["loss_after"]  # a training step after eval runs (not NaN)
+
+
 # ---------------------------------------------------------------- errors, quantized, mixed precision
 def test_bad_input_errors_name_the_fix(results2):
     bad = {k: v for k, v in results2["errors"].items() if v != "ok"}

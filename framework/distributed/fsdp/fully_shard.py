@@ -21,7 +21,7 @@ from .flat import FlatEntry, TPSpec, build_layout
 from .state_dict import register_state_dict_hooks
 from .unit import ShardUnit
 
-_DEFAULT_MESH: Dict[str, DeviceMesh] = {}
+_DEFAULT_MESH: Dict[tuple, DeviceMesh] = {}
 
 
 class ShardedModule:
@@ -74,8 +74,13 @@ def _sharded_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
+def _world_key() -> int:
+    """Caches below are per default process group (a re-initialised group gets fresh entries)."""
+    return id(dist.group.WORLD)
+
+
 def _mesh_key(mesh: DeviceMesh) -> tuple:
-    return (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+    return (_world_key(), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
 
 
 _TP_OF_DP: Dict[tuple, DeviceMesh] = {}  # dp mesh -> the tp mesh seen with it (bottom-up: blocks first)
@@ -111,10 +116,11 @@ def _secondary_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup, k: int):
     for row in rows:
         for i in range(0, len(row), k):
             ranks = tuple(row[i:i + k])
-            if ranks not in _SECONDARY:
-                _SECONDARY[ranks] = dist.new_group(list(ranks))
+            key = (_world_key(), ranks)
+            if key not in _SECONDARY:
+                _SECONDARY[key] = dist.new_group(list(ranks))
             if me in ranks:
-                mine = (_SECONDARY[ranks], k, ranks.index(me))
+                mine = (_SECONDARY[key], k, ranks.index(me))
     return mine
 
 
@@ -123,9 +129,10 @@ def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opt
         raise RuntimeError("fully_shard needs an initialised process group: call torch.distributed.init_process_group first")
     world = dist.get_world_size()
     if mesh is None:
-        if device.type not in _DEFAULT_MESH:
-            _DEFAULT_MESH[device.type] = init_device_mesh(device.type, (world,))
-        mesh = _DEFAULT_MESH[device.type]
+        key = (_world_key(), device.type)
+        if key not in _DEFAULT_MESH:
+            _DEFAULT_MESH[key] = init_device_mesh(device.type, (world,))
+        mesh = _DEFAULT_MESH[key]
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard: mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (shard) or a "
