@@ -131,10 +131,12 @@ def slurm_seconds(limit: str) -> int:
     return (parts[0] * 60 + parts[1]) * 60 + parts[2]
 
 
-def advice(cfg: Config) -> List[str]:
+def advice(cfg: Config, keys: Sequence[str] = ()) -> List[str]:
     """Jobs that can start but may not be what the user wants (printed as warnings)."""
     c = cfg.cluster
     notes = []
+    if "hydra.run.dir" in keys:
+        notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; your value is ignored")
     if c.type == ClusterType.slurm and not c.cpus_per_task and not c.exclusive and c.nproc_per_node > 1:
         notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {c.nproc_per_node} ranks "
                      "share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
@@ -193,7 +195,7 @@ def plan(argv: Sequence[str]) -> Plan:
     problems += launcher_problems(cfg)
     if problems:
         raise Refused([" ".join(p.split()) for p in problems])  # one line each
-    for note in advice(cfg):
+    for note in advice(cfg, keys):
         logging.getLogger("launcher").warning(note)
     dropped = set(LAUNCHER_KEYS) | ({"stage"} if cfg.cluster.stages else set())
     passthrough = [o for o, k in zip(user, keys) if k not in dropped]
