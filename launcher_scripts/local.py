@@ -76,7 +76,11 @@ def render_local(cfg: Config, job: Job) -> str:
                 redirect = f" \\\n    > {shell_line([log])} 2>&1 &" if node else " &"
                 lines += [f"# agent {node} of {len(agents)}", shell_command(*agents[node]) + redirect,
                           'pids+=("$!")']
-            lines += ["status=0", 'for pid in "${pids[@]}"; do', '    wait "$pid" || status=$?', "done"]
+            # An agent that fails leaves the others waiting in the rendezvous: stop them.
+            lines += ["status=0", 'for _ in "${pids[@]}"; do', "    wait -n", "    rc=$?",
+                      '    if [ "$rc" != 0 ] && [ "$status" = 0 ]; then', "        status=$rc",
+                      '        echo "an agent failed ($rc); stopping the others" >&2',
+                      '        kill -TERM "${pids[@]}" 2>/dev/null', "    fi", "done"]
         lines += ['if [ "$status" != 0 ]; then', f'    echo "stage {stage.value} failed ($status)" >&2',
                   '    exit "$status"', "fi", ""]
     return join_lines(lines)

@@ -226,3 +226,21 @@ def test_k8s_without_kubectl_writes_the_manifest_for_the_user(tmp_path):
                        cwd=tmp_path, env=_fake_path(tmp_path, bin_dir))
     job_dir = Path(out.stdout.strip().splitlines()[-1])
     assert _calls(tmp_path, "kubectl") == [["apply", "-f", str(job_dir / "pytorchjob.yaml")]]
+
+
+def test_local_agents_stop_when_one_fails(tmp_path):
+    """Two agents: the first to start fails at once; the other (stuck in its rendezvous) is stopped."""
+    python = write_exe(tmp_path / "python", """#!/usr/bin/env bash
+if mkdir "$FAKE_LOG/first" 2>/dev/null; then exit 3; fi
+trap 'exit 143' TERM
+for _ in $(seq 300); do sleep 0.1; done
+""")
+    text = render_case("local_two_node", job_dir=str(tmp_path / "job"), repo_dir=str(tmp_path),
+                       python=str(python))["submit.sh"]
+    (tmp_path / "submit.sh").write_text(text)
+    started = time.time()
+    out = subprocess.run(["bash", str(tmp_path / "submit.sh")], env=_env(tmp_path, tmp_path),
+                         capture_output=True, text=True, timeout=25)
+    assert out.returncode == 3, out.stderr
+    assert "stopping the others" in out.stderr
+    assert time.time() - started < 20

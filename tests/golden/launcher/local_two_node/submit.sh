@@ -43,8 +43,14 @@ pids+=("$!")
     hydra.run.dir=/shared/jobs/train-golden/run &
 pids+=("$!")
 status=0
-for pid in "${pids[@]}"; do
-    wait "$pid" || status=$?
+for _ in "${pids[@]}"; do
+    wait -n
+    rc=$?
+    if [ "$rc" != 0 ] && [ "$status" = 0 ]; then
+        status=$rc
+        echo "an agent failed ($rc); stopping the others" >&2
+        kill -TERM "${pids[@]}" 2>/dev/null
+    fi
 done
 if [ "$status" != 0 ]; then
     echo "stage training failed ($status)" >&2
