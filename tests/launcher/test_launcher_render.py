@@ -7,6 +7,7 @@ and review the diff like code.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 
 import pytest
@@ -187,3 +188,20 @@ def test_an_image_without_a_runtime_runs_with_the_clusters_usual_one():
     assert plan_of(["cluster=local", *image]).cfg.container.runtime.value == "docker"
     # An explicit choice is kept.
     assert plan_of(["cluster=local", "container.runtime=none", *image]).cfg.container.runtime.value == "none"
+
+
+def _readme_commands():
+    text = (GOLDEN.parents[2] / "launcher_scripts" / "README.md").read_text().replace("\\\n", " ")
+    prefix = ".venv/bin/python launcher_scripts/main.py "
+    return [shlex.split(line.strip()[len(prefix):]) for line in text.splitlines()
+            if line.strip().startswith(prefix)]
+
+
+def test_every_launcher_command_in_the_readme_is_accepted():
+    commands = _readme_commands()
+    assert len(commands) >= 6
+    for argv in commands:
+        try:
+            plan_of(argv)
+        except Refused as refused:
+            raise AssertionError(f"README command {argv} is refused: {refused.problems}") from None
