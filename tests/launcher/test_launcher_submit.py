@@ -244,3 +244,15 @@ for _ in $(seq 300); do sleep 0.1; done
     assert out.returncode == 3, out.stderr
     assert "stopping the others" in out.stderr
     assert time.time() - started < 20
+
+
+def test_the_launcher_never_imports_torch(tmp_path):
+    """It validates with framework.config alone: a login node without torch can submit."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from launcher_scripts.plan import plan; "
+            "plan(['cluster=slurm', 'model=debug', 'data=synthetic', 'cluster.gpus_per_node=0', "
+            "'cluster.nproc_per_node=2', 'cluster.cpus_per_task=2']); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[2])],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
