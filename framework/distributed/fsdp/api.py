@@ -27,6 +27,9 @@ class MixedPrecisionPolicy:
     reduce_dtype: Optional[torch.dtype] = None  # dtype of the gradient reduce-scatter; None = param_dtype
     output_dtype: Optional[torch.dtype] = None  # cast floating outputs of the module to this; None = leave
     cast_forward_inputs: bool = True  # cast floating inputs of the module to param_dtype
+    # ZeRO++ int8 communication with the defaults of QuantizedCommPolicy (our extension; torch's
+    # policy has no such field). Same as fully_shard(..., comm_policy=QuantizedCommPolicy()).
+    quantized_comm: bool = False
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,8 @@ def fully_shard(
         them until backward ends (ZeRO-2); an int k = hpZ: keep a secondary shard over groups of k
         consecutive ranks after forward so backward all-gathers over k ranks only (k must divide the
         shard-group size; k equal to it means True, 1 means False).
-    comm_policy: QuantizedCommPolicy for int8 all-gather / all-to-all gradient reduction (ZeRO++).
+    comm_policy: QuantizedCommPolicy for int8 all-gather / all-to-all gradient reduction (ZeRO++);
+        `MixedPrecisionPolicy(quantized_comm=True)` is the same with the default block of 256.
     """
     if getattr(module, "_fsdp_unit", None) is not None:
         raise ValueError(
@@ -187,6 +188,8 @@ def fully_shard(
         )
     if not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward!r}; use True, False or an int")
+    if comm_policy is None and mp_policy.quantized_comm:
+        comm_policy = QuantizedCommPolicy()
     if offload_policy is not None and comm_policy is not None:
         raise NotImplementedError("fully_shard: CPUOffloadPolicy together with QuantizedCommPolicy is not supported; drop one")
     # Collect the distinct parameters not owned by a sub-unit, with every (module, name) using them.
