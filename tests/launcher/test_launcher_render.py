@@ -71,6 +71,12 @@ def test_pytorchjob_pod_templates_pass_kubernetes_schema():
     assert [d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs] == ["master", "worker"]
     for doc in docs:
         kubernetes_validate.validate(doc, "1.37.0", strict=True)
+    # The templates exactly as embedded, wrapped as `v1 PodTemplate` documents.
+    manifest = yaml.safe_load(render_case("k8s")["pytorchjob.yaml"])
+    for role, spec in manifest["spec"]["pytorchReplicaSpecs"].items():
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
+                                      "metadata": {"name": f"train-golden-{role.lower()}"},
+                                      "template": spec["template"]}, "1.37.0", strict=True)
     # The validator really checks: a wrong type in the same document is refused.
     broken = docs[0]
     broken["spec"]["containers"][0]["ports"][0]["containerPort"] = "29500"
