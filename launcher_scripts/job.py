@@ -19,7 +19,8 @@ class Job:
     job_dir: str  # the job directory, absolute, as the job sees it (logs, run dir)
     repo_dir: str  # where main.py lives, as the job sees it (the image's workdir in a container)
     python: str  # the interpreter that runs main.py, as the job sees it
-    overrides: Tuple[str, ...]  # training overrides, passed to main.py unchanged
+    overrides: Tuple[str, ...]  # the user's overrides, passed to main.py unchanged, then the launcher's
+    training_only: Tuple[str, ...] = ()  # the launcher's overrides for the training stage alone
 
 
 class Raw(str):
@@ -58,6 +59,8 @@ def run_dir(job: Job, stage: Stage) -> str:
 def main_args(cfg: Config, job: Job, stage: Stage) -> List[str]:
     """`main.py` and its overrides: the user's unchanged, then the launcher's own."""
     args = [f"{job.repo_dir}/main.py", *job.overrides]
+    if stage == Stage.training:
+        args += job.training_only
     if cfg.cluster.stages:
         args.append(f"stage={stage.value}")
     args.append(f"hydra.run.dir={run_dir(job, stage)}")

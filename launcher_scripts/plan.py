@@ -9,7 +9,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -42,6 +42,7 @@ class Plan:
     cfg: Config  # typed and validated
     resolved: DictConfig  # the composed config after the launcher's own settings (config.yaml)
     overrides: List[str]  # what main.py gets: the user's overrides unchanged, then the launcher's
+    training_only: List[str]  # what the training stage gets after those (checkpoint.resume=auto)
 
 
 def override_key(override: str) -> str:
@@ -144,8 +145,9 @@ def advice(cfg: Config, keys: Sequence[str] = ()) -> List[str]:
     return notes
 
 
-def launcher_overrides(composed: DictConfig, keys: Sequence[str]) -> List[str]:
-    """What the launcher adds after the user's overrides (see the table in README.md)."""
+def launcher_overrides(composed: DictConfig, keys: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """What the launcher adds after the user's overrides (see the table in README.md): for every
+    stage, and for the training stage alone."""
     extra: List[str] = []
     if composed.cluster.derive_mesh:
         extra += derive_mesh(composed, keys)
@@ -161,9 +163,10 @@ def launcher_overrides(composed: DictConfig, keys: Sequence[str]) -> List[str]:
     # A requeued, chained, restarted or re-submitted job picks up where it stopped; on a first start
     # there is nothing to resume and training begins at step 0. An explicit choice is kept.
     stages = list(composed.cluster.stages) or [composed.stage]
+    training: List[str] = []
     if "training" in stages and "checkpoint.resume" not in keys and composed.checkpoint.resume == "none":
-        extra.append("checkpoint.resume=auto")
-    return extra
+        training.append("checkpoint.resume=auto")
+    return extra, training
 
 
 def plan(argv: Sequence[str]) -> Plan:
@@ -177,8 +180,8 @@ def plan(argv: Sequence[str]) -> Plan:
         composed = compose_config(user)
     except (HydraException, OmegaConfBaseException) as exc:
         raise Refused([" ".join(str(exc).split())]) from None
-    extra = launcher_overrides(composed, keys)
-    for override in extra:  # the same values main.py will get, so validation sees the job's config
+    extra, training_only = launcher_overrides(composed, keys)
+    for override in extra + training_only:  # the same values main.py will get, so validation sees the job's config
         key, value = override.split("=", 1)
         OmegaConf.update(composed, key, yaml.safe_load(value), merge=False)
     try:
@@ -199,7 +202,7 @@ def plan(argv: Sequence[str]) -> Plan:
         logging.getLogger("launcher").warning(note)
     dropped = set(LAUNCHER_KEYS) | ({"stage"} if cfg.cluster.stages else set())
     passthrough = [o for o, k in zip(user, keys) if k not in dropped]
-    return Plan(cfg=cfg, resolved=composed, overrides=passthrough + extra)
+    return Plan(cfg=cfg, resolved=composed, overrides=passthrough + extra, training_only=training_only)
 
 
 def make_job(p: Plan, job_dir: str, repo_dir: str, python: str) -> Job:
@@ -208,10 +211,11 @@ def make_job(p: Plan, job_dir: str, repo_dir: str, python: str) -> Job:
     cfg = p.cfg
     if cfg.cluster.type == ClusterType.k8s:
         return Job(name=name, job_dir=k8s.k8s_job_dir(cfg, name), repo_dir=cfg.container.workdir,
-                   python="python", overrides=tuple(p.overrides))
+                   python="python", overrides=tuple(p.overrides), training_only=tuple(p.training_only))
     if cfg.container.runtime != ContainerRuntime.none:
         repo_dir, python = cfg.container.workdir, "python"
-    return Job(name=name, job_dir=job_dir, repo_dir=repo_dir, python=python, overrides=tuple(p.overrides))
+    return Job(name=name, job_dir=job_dir, repo_dir=repo_dir, python=python, overrides=tuple(p.overrides),
+               training_only=tuple(p.training_only))
 
 
 def render_job(p: Plan, job: Job, script_dir: str) -> Dict[str, str]:

@@ -133,8 +133,9 @@ def test_derive_mesh_from_cluster_shape():
     p = plan_of(CASES["slurm_pyxis"])
     par = p.cfg.parallelism
     assert (par.dp_replicate, par.dp_shard, par.tp, par.strategy.value) == (4, 4, 2, "hybrid")
-    assert p.overrides[-4:] == ["parallelism.dp_replicate=4", "parallelism.dp_shard=4",
-                                "parallelism.strategy=hybrid", "checkpoint.resume=auto"]
+    assert p.overrides[-3:] == ["parallelism.dp_replicate=4", "parallelism.dp_shard=4",
+                                "parallelism.strategy=hybrid"]
+    assert p.training_only == ["checkpoint.resume=auto"]
     with pytest.raises(Refused) as refused:
         plan_of(["cluster=slurm", "cluster.derive_mesh=true", "parallelism.dp_shard=2"])
     assert "parallelism.dp_shard" in refused.value.problems[0]
@@ -145,13 +146,15 @@ def test_overrides_pass_through_unchanged():
             "trainer.max_steps=4", "checkpoint.dir='a b'"]
     p = plan_of(argv)
     assert p.overrides == ["cluster=local", "model=debug", "data=synthetic", "trainer.max_steps=4",
-                           "checkpoint.dir='a b'", "checkpoint.resume=auto"]
+                           "checkpoint.dir='a b'"]
+    assert p.training_only == ["checkpoint.resume=auto"]
     job = make_job(p, JOB_DIR, "/opt/repo", "/opt/venv/bin/python")
     from launcher_scripts.local import render_local_commands
     (argv_,) = render_local_commands(p.cfg, job)
-    assert argv_[-7:] == [*p.overrides, f"hydra.run.dir={JOB_DIR}/run"]
+    assert argv_[-7:] == [*p.overrides, "checkpoint.resume=auto", f"hydra.run.dir={JOB_DIR}/run"]
     # An explicit choice is kept.
-    assert plan_of([*argv, "checkpoint.resume=none"]).overrides[-1] == "checkpoint.resume=none"
+    explicit = plan_of([*argv, "checkpoint.resume=none"])
+    assert explicit.overrides[-1] == "checkpoint.resume=none" and explicit.training_only == []
 
 
 def test_stages_chain_with_dependencies():
@@ -162,6 +165,7 @@ def test_stages_chain_with_dependencies():
     prep = files["data_preparation.sbatch"]
     assert "stage=data_preparation" in prep and "--ntasks=1" in prep and "torch.distributed.run" not in prep
     assert "stage=training" in files["training.sbatch"]
+    assert "checkpoint.resume=auto" in files["training.sbatch"] and "checkpoint.resume" not in prep
     chained = render_case("slurm_pyxis")["submit.sh"]
     assert chained.count('dep=(--dependency="afterany:${id}")') == 2  # cluster.chain=2
     assert "--signal=B:USR1@120" in render_case("slurm_pyxis")["training.sbatch"]

@@ -19,7 +19,6 @@ mkdir -p /shared/jobs/train-golden/data_preparation /shared/jobs/train-golden/lo
     model=debug \
     data.seq_len=64 \
     trainer.max_steps=4 \
-    checkpoint.resume=auto \
     stage=data_preparation \
     hydra.run.dir=/shared/jobs/train-golden/data_preparation
 status=$?
