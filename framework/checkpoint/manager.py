@@ -226,6 +226,7 @@ class CheckpointManager:
         problems = [p for share in problems for p in share]
         if problems:
             raise layout.CheckpointError(layout.integrity_message(path, problems, find_good=self.rt.is_main))
+        self._check_same_model(path, manifest)
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
         optim_tensors, _ = split_optim(optim_sd)
         app = {"model": model_sd, "optim": optim_tensors}
@@ -244,6 +245,16 @@ class CheckpointManager:
                   f"engine={w['engine']}; now {self.rt.world_size} ranks, engine={self.engine.value})",
                   file=sys.stderr, flush=True)
         return int(saved["step"])
+
+    def _check_same_model(self, path: str, manifest: dict) -> None:
+        saved = manifest.get("config", {}).get("model", {})
+        now = dataclasses.asdict(self.cfg.model)
+        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+        differ = [f"model.{k}={saved[k]} there, {now[k]} here" for k in keys if k in saved and saved[k] != now[k]]
+        if differ:
+            raise layout.CheckpointError(
+                f"checkpoint.resume: {path} holds another model ({'; '.join(differ)}); resume it with "
+                f"model={saved.get('name', '?')} and its settings, or start this model with checkpoint.resume=none")
 
     # ---- Hugging Face export / import ----
 

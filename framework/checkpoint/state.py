@@ -66,8 +66,16 @@ def join_optim(tensors: Dict[str, Any], groups: list) -> Dict[str, Any]:
 
 
 def dcp_load(state: Dict[str, Any], path: str) -> None:
-    """Load sharded tensors into `state` in place, resharding to this job's layout."""
-    dcp.load(state, checkpoint_id=path, planner=TensorsOnlyLoadPlanner())
+    """Load sharded tensors into `state` in place, resharding to this job's layout. DCP's failure
+    (a BaseException carrying every rank's traceback) becomes one line: the first rank's error."""
+    from framework.checkpoint.layout import CheckpointError
+
+    try:
+        dcp.load(state, checkpoint_id=path, planner=TensorsOnlyLoadPlanner())
+    except dcp.CheckpointException as exc:
+        errors = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+        first = next((str(e).strip().splitlines()[0] for e in errors if str(e).strip()), "unknown error")
+        raise CheckpointError(f"{path} cannot be loaded into this job: {first}") from None
 
 
 # ---- RNG: every rank's generators, as JSON (no pickle) ----

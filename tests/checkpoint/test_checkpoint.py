@@ -353,3 +353,26 @@ def test_keep_last_prunes_old_checkpoints_and_leftover_temp_dirs(tmp_path):
     layout.prune(str(tmp_path), keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000006", "step_00000008"]
     assert layout.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000008")
+
+
+def test_loading_refuses_pickled_entries(tmp_path):
+    """Nothing in a checkpoint is unpickled: a DCP file holding a non-tensor object (which DCP's
+    default planner would load with weights_only=False) is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    from framework.checkpoint.state import dcp_load
+
+    dcp.save({"w": torch.ones(3), "extra": {"note": "pickled"}}, checkpoint_id=str(tmp_path), no_dist=True)
+    target = {"w": torch.zeros(3), "extra": {"note": ""}}
+    from framework.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="extra.note is a pickled object"):
+        dcp_load(target, str(tmp_path))
+
+
+def test_resume_with_another_model_is_one_line(source, tmp_path):
+    out = run_main(COMMON + ["parallelism.engine=torch", "cluster.nproc_per_node=1", "model.n_layers=3",
+                             f"checkpoint.resume={_ckpt(source, 6)}", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: checkpoint.resume:" in out.stderr and "model.n_layers=2 there, 3 here" in out.stderr
+    assert "Traceback" not in out.stderr
