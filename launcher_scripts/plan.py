@@ -137,7 +137,8 @@ def advice(cfg: Config, keys: Sequence[str] = ()) -> List[str]:
     c = cfg.cluster
     notes = []
     if "hydra.run.dir" in keys:
-        notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; your value is ignored")
+        notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; "
+                     "your value is ignored")
     if c.type == ClusterType.slurm and not c.cpus_per_task and not c.exclusive and c.nproc_per_node > 1:
         notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {c.nproc_per_node} ranks "
                      "share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
@@ -181,7 +182,8 @@ def plan(argv: Sequence[str]) -> Plan:
     except (HydraException, OmegaConfBaseException) as exc:
         raise Refused([" ".join(str(exc).split())]) from None
     extra, training_only = launcher_overrides(composed, keys)
-    for override in extra + training_only:  # the same values main.py will get, so validation sees the job's config
+    # The values main.py will get, so validation sees the job's own config.
+    for override in extra + training_only:
         key, value = override.split("=", 1)
         OmegaConf.update(composed, key, yaml.safe_load(value), merge=False)
     try:
