@@ -231,7 +231,7 @@ def fully_shard(
         dtypes = {p.dtype for p in originals}
         if len(dtypes) > 1:
             raise NotImplementedError(f"fully_shard: one unit with several parameter dtypes {dtypes} is not supported; cast the model first")
-    tp_meshes = {id(e.tp.mesh): e.tp.mesh for e in entries if e.tp is not None}
+    tp_meshes = {_mesh_key(e.tp.mesh): e.tp.mesh for e in entries if e.tp is not None}
     if len(tp_meshes) > 1:
         raise NotImplementedError("fully_shard: parameters on several tensor parallel meshes in one unit are not supported")
     tp_mesh = next(iter(tp_meshes.values()), None)
