@@ -42,6 +42,8 @@ def clip_grad_norm_(
             share = getattr(p, "_fsdp_norm_share", world)
             acc += torch.linalg.vector_norm(g, norm_type).double().pow(norm_type) / share
     if world > 1:
+        if dist.get_backend() == "nccl" and acc.device.type != "cuda":  # e.g. CPU-offloaded grads
+            acc = acc.to(torch.device("cuda", torch.cuda.current_device()))
         if inf:
             dist.all_reduce(acc, op=dist.ReduceOp.MAX)
         else:
@@ -50,5 +52,5 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
     return total.float()

@@ -36,6 +36,7 @@ def _placements(unit: "ShardUnit", ndim: int) -> list:
 
 def _gather_flat(unit: "ShardUnit", local: torch.Tensor) -> torch.Tensor:
     """All-gather one shard-sized fp32 flat slice into the unit's full flat layout."""
+    local = local.to(unit.compute_device)  # CPU-offloaded shards travel via the compute device
     full = torch.empty(unit.layout.padded_total, dtype=local.dtype, device=local.device)
     return C.all_gather_object_free(full, local.contiguous(), unit.shard_group)
 
