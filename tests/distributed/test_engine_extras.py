@@ -369,3 +369,31 @@ def tp_compose_4(rank, ws, d):
 EXTRAS_2 = [dcp_save_2, bytes_and_memory, no_sync_is_silent, errors, quantized, mixed_precision]
 EXTRAS_4 = [dcp_load_4, bytes_and_memory, tp_compose_4]
 EXTRAS_1 = [dcp_load_1]
+
+
+def move_and_meta(rank, ws, d):
+    """`.to()` after sharding keeps training right; a model sharded on the meta device, then
+    `to_empty` + `load_state_dict` of plain full weights, trains like the reference."""
+    ref_losses, ref_params = M.reference("gpt", "sgd", 4, M_GB)
+    out = {}
+    model = _ours()
+    model.to(torch.float64).to(torch.float32)  # rebinds twice; values survive the round trip
+    opt = M.make_optimizer("sgd", model)
+    losses = M.train_steps("gpt", model, opt, 4, M_GB, rank, ws)
+    out["moved_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        meta = M.TinyGPT()
+    M.shard_model(meta, "gpt", "ours", None, True)
+    meta.to_empty(device="cpu")
+    plain = M.make_model("gpt")
+    meta.load_state_dict(plain.state_dict())
+    opt = M.make_optimizer("sgd", meta)
+    losses = M.train_steps("gpt", meta, opt, 4, M_GB, rank, ws)
+    fp = M.full_params(meta)
+    out["meta_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    out["meta_param_diff"] = max((fp[k] - ref_params[k]).abs().max().item() for k in ref_params)
+    return {"move_meta": out}
+
+
+EXTRAS_2.append(move_and_meta)

@@ -193,6 +193,12 @@ def test_no_sync_micro_steps_do_not_communicate(results2):
     assert ns["micro_rs"] == 0 and ns["sync_rs"] > 0, ns
 
 
+def test_move_after_sharding_and_meta_init(results2):
+    mm = results2["move_meta"]
+    assert mm["moved_loss_diff"] < TOL, mm  # model.to(...) after fully_shard rebinds the shards
+    assert mm["meta_loss_diff"] < TOL and mm["meta_param_diff"] < TOL, mm  # meta -> to_empty -> load
+
+
 def test_eval_forward_under_no_grad(results2):
     ev = results2["eval"]
     assert ev["diff"] < TOL and ev["resharded"], ev

@@ -58,6 +58,13 @@ class ShardedModule:
         out["grad_pool"] = root.ctx.pool_bytes() if root.ctx is not None else 0
         return out
 
+    def _apply(self, fn, recurse=True):
+        # `.to(device)`, `.to_empty(device=...)`, `.double()` replace the parameters' data; the
+        # children (their own units) rebind in their own _apply, this unit after its parameters.
+        result = super()._apply(fn, recurse)
+        self._fsdp_unit.rebind_after_apply()
+        return result
+
     def unshard(self) -> None:
         self._fsdp_unit.wait_unshard()
 
@@ -129,6 +136,8 @@ def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opt
         raise RuntimeError("fully_shard needs an initialised process group: call torch.distributed.init_process_group first")
     world = dist.get_world_size()
     if mesh is None:
+        if device.type == "meta":  # built on meta, materialised later with to_empty
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         key = (_world_key(), device.type)
         if key not in _DEFAULT_MESH:
             _DEFAULT_MESH[key] = init_device_mesh(device.type, (world,))

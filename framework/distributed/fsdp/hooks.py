@@ -129,6 +129,11 @@ def register(unit: ShardUnit) -> None:
     unit.module.register_forward_hook(
         lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True
     )
+    register_param_hooks(unit)
+
+
+def register_param_hooks(unit: ShardUnit) -> None:
+    """Gradient hooks on the unit's (persistent) unsharded parameters."""
     for i, (e, full) in enumerate(zip(unit.entries, unit.full_params)):
         if e.requires_grad:
             full.register_hook(lambda g, u=unit, i=i: u.pre_accumulate(i, g))

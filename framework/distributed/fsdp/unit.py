@@ -120,12 +120,56 @@ class ShardUnit:
             self.storage = self.full_flat.untyped_storage()
             self.storage.resize_(0)
         base = self.full_flat.untyped_storage()
+        self.full_params = []
         for e in self.entries:
             t = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
             with torch.no_grad():
                 t.set_(base, e.offset, e.shape, _contiguous_stride(e.shape))
             t.requires_grad_(e.requires_grad)
             self.full_params.append(t)
+
+    def rebind_after_apply(self) -> None:
+        """After `module.to(...)` / `to_empty(...)` / `.double()` replaced the sharded parameters'
+        data: rebuild the shard buffers on the new device/dtype from the parameters' new values,
+        make the parameters views into them again, and rebuild the unsharded storage.
+
+        Call between steps only (no gather or reduction in flight).
+        """
+        assert self.state == UnitState.SHARDED and self._pending is None, (
+            f"[rank {self.rank}] unit {self.name}: moved while {self.state.value}; move the model between steps"
+        )
+        params = [e.users[0][0]._parameters[e.users[0][1]] for e in self.entries]
+        if not params:
+            return
+        device, dtype = params[0].device, params[0].dtype
+        self.compute_device = device
+        shard_device = torch.device("cpu") if self.offload else device
+        pin = self.offload and device.type == "cuda"
+        if self.mp.param_dtype is None:
+            self.param_dtype = dtype
+        if self.mp.reduce_dtype is None:
+            self.reduce_dtype = self.param_dtype
+        self.shard_dtype = dtype
+        S = self.layout.shard_numel
+        self.shard = torch.zeros(S, dtype=dtype, device=shard_device, pin_memory=pin)
+        self.grad_shard = torch.zeros(S, dtype=dtype, device=shard_device, pin_memory=pin) if self.trainable else None
+        with torch.no_grad():
+            for i, (e, sp) in enumerate(zip(self.entries, params)):
+                view = self.shard[self.layout.shard_slice(e)]
+                view.copy_(sp.detach().reshape(-1))
+                sp.data = view
+                sp.grad = None
+                for mod, name, _ in e.users:
+                    mod._parameters[name] = sp
+                self.sharded_params[i] = sp
+        self._send = self._recv_packed = self._secondary = self._accum = None
+        self._accum_valid = self._secondary_valid = False
+        if getattr(self, "_q_send", None) is not None:
+            self._q_send = self._q_recv = None
+        self._build_full_storage()
+        from .hooks import register_param_hooks  # hooks imports unit; resolved at call time
+
+        register_param_hooks(self)
 
     def assert_state(self, *allowed: UnitState, what: str) -> None:
         assert self.state in allowed, (
