@@ -7,6 +7,8 @@ step and a complete checkpoint behind the `latest` pointer, in the fixed run dir
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -46,6 +48,11 @@ def test_local_two_node_rendezvous(tmp_path):
     assert (job_dir / "logs" / "training-node1.log").exists()
     config = (job_dir / "run" / "config.yaml").read_text()
     assert "nodes: 2" in config
+    # Running the job again resumes from its last checkpoint: the run is complete, nothing repeats.
+    again = subprocess.run(["bash", str(job_dir / "submit.sh")], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:] + _tail(job_dir)
+    _check_trained(job_dir)
 
 
 @pytest.mark.timeout(240)
