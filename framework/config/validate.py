@@ -8,7 +8,7 @@ import logging
 import os
 from typing import List, Optional
 
-from framework.config.schema import Config, DataName
+from framework.config.schema import Config, DataName, Stage
 from framework.distributed.parallel_dims import ParallelDims, resolve_parallel_dims
 
 
@@ -21,6 +21,9 @@ def world_size_of(cfg: Config) -> int:
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
     """Return every cross-field problem of `cfg` (empty when the job can start)."""
+    if cfg.stage == Stage.data_preparation:
+        # Only the data section matters to this stage (it creates the files training will check).
+        return _validate_data_preparation(cfg)
     errors: List[str] = []
     world = world_size if world_size is not None else world_size_of(cfg)
     p, m, t = cfg.parallelism, cfg.model, cfg.trainer
@@ -109,3 +112,16 @@ def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
     p = cfg.parallelism
     return resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world_size,
                                  cfg.cluster.nproc_per_node)
+
+
+def _validate_data_preparation(cfg: Config) -> List[str]:
+    errors = []
+    if not cfg.data.raw_inputs:
+        errors.append("stage=data_preparation needs data.raw_inputs (text/JSONL files or directories), "
+                      "e.g. 'data.raw_inputs=[/data/raw]'")
+    if not cfg.data.output_prefix:
+        errors.append("stage=data_preparation needs data.output_prefix (where <prefix>.bin/.idx go)")
+    for path in cfg.data.raw_inputs:
+        if not os.path.exists(path):
+            errors.append(f"data.raw_inputs: {path} does not exist")
+    return errors

@@ -81,3 +81,17 @@ def test_degrees_are_inferred_per_strategy():
     assert (hybrid.dp_replicate, hybrid.dp_shard) == (2, 4)
     none = parallel_dims_of(cfg_of("parallelism.strategy=no_shard"), 4)
     assert (none.dp_replicate, none.dp_shard) == (4, 1)
+
+
+def test_data_preparation_is_checked_for_its_own_inputs_only(tmp_path):
+    (tmp_path / "raw").mkdir()
+    prefix = str(tmp_path / "out" / "corpus")
+    # The files training will read do not exist yet: this stage is what creates them.
+    cfg = cfg_of("stage=data_preparation", "data=indexed", f"data.paths=[{prefix}]",
+                 f"data.raw_inputs=[{tmp_path / 'raw'}]", f"data.output_prefix={prefix}")
+    assert validate(cfg, world_size=2) == []
+    training = cfg_of("data=indexed", f"data.paths=[{prefix}]", "model=debug", "data.seq_len=64")
+    assert validate(training, world_size=2) == [
+        f"data.paths: {prefix}.idx does not exist; prepare it with stage=data_preparation"]
+    missing = validate(cfg_of("stage=data_preparation"), world_size=2)
+    assert [p.split(" needs ")[1].split(" ")[0] for p in missing] == ["data.raw_inputs", "data.output_prefix"]
