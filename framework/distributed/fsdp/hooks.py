@@ -66,11 +66,14 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
         ctx.set_phase(TrainingPhase.FORWARD)
     if not ctx.order_frozen and torch.is_grad_enabled():
         ctx.order.append(unit)
-    unit.wait_unshard()
+    # Issue this unit's gather (if no prefetch did), then the next unit's, and only then wait:
+    # the next gather overlaps this unit's wait and compute.
+    unit.unshard()
     if ctx.order_frozen:
         i = ctx.order.index(unit) if unit in ctx.order else -1
         if 0 <= i < len(ctx.order) - 1:
             ctx.order[i + 1].unshard()
+    unit.wait_unshard()
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
         dt = unit.mp.param_dtype
         cast = lambda t: t.to(dt) if torch.is_floating_point(t) else t
@@ -111,10 +114,11 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
         Variable._execution_engine.queue_callback(ctx.finish_backward)
     if unit._reduce_issued:
         return  # a late hook on an output whose unit already finished its backward
-    unit.wait_unshard()
+    unit.unshard()
     i = ctx.order.index(unit) if unit in ctx.order else -1
     if i > 0 and ctx.order[i - 1].state == UnitState.SHARDED:
         ctx.order[i - 1].unshard()
+    unit.wait_unshard()
 
 
 def post_accumulate_grad(unit: ShardUnit, full: torch.Tensor) -> None:
