@@ -8,7 +8,7 @@ See [Note: flat storage] in flat.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,24 +22,42 @@ from .flat import FlatEntry, FlatLayout, dequantize_into, packed_nbytes, quantiz
 if TYPE_CHECKING:
     from .state import ShardContext
 
+
+class _Reduction(NamedTuple):
+    """A unit's gradient reduction in flight (issued by reduce_grads, drained by finish_reduce)."""
+
+    pending: C.Pending
+    pooled_input: Optional[torch.Tensor]  # reduce-scatter input to give back to the pool
+    direct: bool  # the output is the grad shard itself
+    fresh: bool  # the sharded params had no .grad: assign views instead of accumulating
+    pre_divided: bool  # 16-bit reduce: divided by dp before the sum
+    out: Optional[torch.Tensor]  # pooled output buffer when not direct
+    in_place: bool  # the input is the unit's gathered storage: reshard when done
+    scratch: Optional[torch.Tensor]  # reduce-scatter receive scratch to give back
+
 # [Note: unsharded storage keeps its identity]
 # Autograd saves the full parameters (and views of them, e.g. `weight.t()` inside linear) for
 # backward. So a unit's unsharded parameters are created once, as tensors over one untyped storage
 # per unit, and stay the same objects for the life of the model. Resharding releases the memory
 # with `storage.resize_(0)`; unsharding resizes it back and gathers into it, so every saved tensor
-# and view sees the re-gathered values. Nothing else allocates on the gather path: the caching
-# allocator (CUDA) or glibc's free lists (CPU) hand the same block back from step 2 on.
+# and view sees the re-gathered values. This per-unit block is the one allocation on the gather
+# path: the caching allocator (CUDA) hands the same block back from step 2 on; on CPU glibc may
+# return large blocks to the OS, so a re-gather can page-fault (measured: ~40K minor faults per
+# step on the 27M bench model, about what DDP shows), which is the price of freeing memory at all.
+# Send buffers (casts, int8 packing) and reduce-scatter scratch are allocated once and reused.
 # With one rank in the shard group and no dtype change (NO_SHARD fp32), the unsharded storage *is*
 # the shard buffer: no gather, no copy, never released.
 
 #
 # [Note: gradients reuse the gathered storage]
-# When a unit's last trainable parameter has accumulated its gradient, autograd has finished
-# every use of the unit's (all-trainable) gathered parameters, so the gradients are copied into
-# the unit's own unsharded storage, which then is the reduce-scatter input; the storage is
-# released when the reduce-scatter finishes (at most MAX_IN_FLIGHT units wait, see state.py).
-# No separate gradient buffer exists, so the peak during backward is one unit lower than with a
-# dedicated buffer, and between steps the engine holds only shards.
+# Once a parameter's gradient is complete (summed over all its uses), backward never reads that
+# parameter again. So a leaf hook copies each gradient into the parameter's own slot of the
+# unit's gathered storage (pre_accumulate), and when the unit's last gradient is in, that storage
+# is the reduce-scatter input; it is released when the reduce-scatter finishes (at most
+# MAX_IN_FLIGHT units wait, see state.py). No separate gradient buffer exists, the peak during
+# backward is one unit lower than with one, and between steps the engine holds only shards.
+# Units with frozen parameters (which later backward ops may still read) or a reduce dtype that
+# differs from the param dtype use a pooled buffer instead ([Note: the gradient buffer pool]).
 
 
 class ShardUnit:
@@ -96,7 +114,7 @@ class ShardUnit:
         self._grads_seen = 0
         self._reduce_issued = False
         self._written = [False] * len(entries)  # grad already written in place this backward
-        self._pending: Optional[tuple] = None  # (Pending, rs_input_buffer, output_is_grad_shard, fresh)
+        self._pending: Optional[_Reduction] = None
         self._send: Optional[torch.Tensor] = None
         self._recv_packed: Optional[torch.Tensor] = None
         self._gather: Optional[C.Pending] = None
@@ -362,7 +380,7 @@ class ShardUnit:
             k = C.reduce_scatter_scratch_numel(self.shard_group, L.shard_numel)
             scratch = self.ctx.acquire_grad_buffer(k, buf.dtype, self.compute_device, tag="rs") if k else None
             pending = C.reduce_scatter(out, buf, self.shard_group, self.stats, scratch)
-        self._pending = (pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out, in_place, scratch)
+        self._pending = _Reduction(pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out, in_place, scratch)
         if in_place:
             self._hide()  # the storage now holds gradients; resharded when the reduction finishes
         else:
