@@ -21,6 +21,9 @@ from tests.distributed.harness import run_ranks
 
 import test_engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 
+# The spawned groups have their own deadlines (run_ranks timeout_s); this is the outer bound.
+pytestmark = pytest.mark.timeout(900)
+
 TOL = 1e-5
 STEPS = 10
 GB = 8  # global batch: 8 sequences (gpt) / 8 rows (mlp), split evenly over 1, 2 or 4 ranks
