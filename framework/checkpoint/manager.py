@@ -91,13 +91,14 @@ class CheckpointManager:
         tiny all-reduce per step, so the ranks agree and all save the same step."""
         minutes = self.cfg.trainer.max_time_minutes
         late = bool(minutes) and time.monotonic() - started_monotonic > 60 * minutes
-        flag = torch.tensor([1.0 if (self._signal or late) else 0.0], device=self.rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0 and step < self.cfg.trainer.max_steps:
+        flags = torch.tensor([1.0 if self._signal else 0.0, 1.0 if late else 0.0], device=self.rt.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, late = (bool(f) for f in flags.tolist())
+        if (signalled or late) and step < self.cfg.trainer.max_steps:
             self._stopping = True
             if self.rt.is_main:
-                why = f"signal {self._signal}" if self._signal else \
-                    (f"trainer.max_time_minutes={minutes} reached" if late else "a signal on another rank")
+                why = (f"signal {self._signal}" if self._signal else "a signal on another rank") if signalled \
+                    else f"trainer.max_time_minutes={minutes} reached"
                 print(f"stopping at step {step} ({why}): checkpoint, then exit {self.exit_status} "
                       "for a requeue; the next start with checkpoint.resume=auto continues from it",
                       file=sys.stderr, flush=True)

@@ -320,13 +320,16 @@ def test_sigterm_saves_exits_requeueable_and_the_next_start_resumes(tmp_path):
             time.sleep(0.2)
         ranks = _rank_pids(proc.pid)
         assert len(ranks) == 2, ranks
-        os.kill(ranks[1], signal.SIGTERM)  # one rank only: the ranks must agree to stop together
+        # SIGTERM on one rank and Slurm's SIGUSR1 on the other (each alone would do: the ranks agree
+        # to stop together); either signal's default action would kill its rank instead.
+        os.kill(ranks[1], signal.SIGTERM)
+        os.kill(ranks[0], signal.SIGUSR1)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_REQUEUE, err[-3000:]
-    assert "received SIGTERM" in err
+    assert "rank 1: received SIGTERM" in err and "rank 0: received SIGUSR1" in err
     step = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert 3 <= step < 100000
     assert max(_losses(run)) == step, "the checkpoint must be of the last step trained"
