@@ -23,6 +23,7 @@ from framework.checkpoint.hf import export_safetensors, import_safetensors
 from framework.checkpoint.state import (dcp_load, get_state_dicts, join_optim, read_rng, set_rng_state,
                                         set_state_dicts, split_optim, write_rng)
 from framework.config.schema import Config
+from framework.distributed.runtime import Runtime
 
 # Exit status of a job that stopped early on SIGTERM/SIGUSR1 or trainer.max_time_minutes after
 # writing a checkpoint: EX_TEMPFAIL from sysexits.h ("try again later"). The launcher requeues on
@@ -55,7 +56,7 @@ def _versions() -> dict:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: Config, run_dir: str, rt):
+    def __init__(self, cfg: Config, run_dir: str, rt: Runtime):
         self.cfg, self.rt = cfg, rt
         c = cfg.checkpoint
         self.root = c.dir if os.path.isabs(c.dir) else os.path.join(run_dir, c.dir)
@@ -83,8 +84,11 @@ class CheckpointManager:
     def _on_signal(self, signum, frame) -> None:
         if self._signal is None:
             self._signal = signal.Signals(signum).name
-            print(f"rank {self.rt.rank}: received {self._signal}; saving a checkpoint after this step",
-                  file=sys.stderr, flush=True)
+            try:
+                print(f"rank {self.rt.rank}: received {self._signal}; saving a checkpoint after this step",
+                      file=sys.stderr, flush=True)
+            except RuntimeError:  # the signal interrupted another write to stderr (reentrant call)
+                pass
 
     def should_stop(self, step: int, started_monotonic: float) -> bool:
         """True on every rank when any rank got SIGTERM/SIGUSR1 or the time limit has passed. One
