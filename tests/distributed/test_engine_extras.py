@@ -255,19 +255,22 @@ def quantized(rank, ws, d):
 
 
 def mixed_precision(rank, ws, d):
-    """bf16 compute, fp32 reduce: ours vs torch's fully_shard with the same policy."""
+    """bf16 compute with fp32 and with bf16 reduction: ours vs torch's fully_shard, same policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
     from framework.distributed.fsdp import MixedPrecisionPolicy
 
-    out = {}
-    for engine, mp in (("ours", MixedPrecisionPolicy(torch.bfloat16, torch.float32)), ("torch", TorchMP(torch.bfloat16, torch.float32))):
-        model = M.shard_model(M.make_model("gpt"), "gpt", engine, None, True, mp_policy=mp)
-        opt = M.make_optimizer("sgd", model)
-        out[engine] = M.train_steps("gpt", model, opt, 5, M_GB, rank, ws, engine=engine)
-        out[engine + "_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
-    out["max_diff"] = max(abs(a - b) for a, b in zip(out["ours"], out["torch"]))
-    return {"mixed_precision": out}
+    res = {}
+    for reduce in (torch.float32, torch.bfloat16):
+        out = {}
+        for engine, mp in (("ours", MixedPrecisionPolicy(torch.bfloat16, reduce)), ("torch", TorchMP(torch.bfloat16, reduce))):
+            model = M.shard_model(M.make_model("gpt"), "gpt", engine, None, True, mp_policy=mp)
+            opt = M.make_optimizer("sgd", model)
+            out[engine] = M.train_steps("gpt", model, opt, 5, M_GB, rank, ws, engine=engine)
+            out[engine + "_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+        out["max_diff"] = max(abs(a - b) for a, b in zip(out["ours"], out["torch"]))
+        res[str(reduce)] = out
+    return {"mixed_precision": res}
 
 
 

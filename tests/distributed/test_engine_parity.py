@@ -223,10 +223,12 @@ def test_quantized_comm_bytes_and_loss_bound(results2):
     assert abs(q["final_loss"][0] - q["final_loss"][1]) < 0.01 * q["final_loss"][0], q
 
 
-def test_mixed_precision_matches_torch(results2):
-    mp = results2["mixed_precision"]
+@pytest.mark.parametrize("reduce", ["torch.float32", "torch.bfloat16"])
+def test_mixed_precision_matches_torch(results2, reduce):
+    mp = results2["mixed_precision"][reduce]
     assert mp["ours_dtypes"] == ["torch.float32"]  # fp32 master shards
-    # same bf16 math on both engines; 1e-2 allows a differently-ordered bf16 sum (bf16 eps is 8e-3)
+    # same bf16 math on both engines; 1e-2 relative allows a differently-ordered bf16 sum (bf16
+    # keeps 8 bits of mantissa: eps 7.8e-3)
     assert mp["max_diff"] < 1e-2 * max(abs(x) for x in mp["torch"]), mp
 
 
