@@ -63,6 +63,7 @@ class ShardedModule:
         # children (their own units) rebind in their own _apply, this unit after its parameters.
         result = super()._apply(fn, recurse)
         self._fsdp_unit.rebind_after_apply()
+        hooks.register_param_hooks(self._fsdp_unit)
         return result
 
     def unshard(self) -> None:

@@ -184,10 +184,7 @@ class ShardUnit:
         self._accum_valid = self._secondary_valid = False
         if getattr(self, "_q_send", None) is not None:
             self._q_send = self._q_recv = None
-        self._build_full_storage()
-        from .hooks import register_param_hooks  # hooks imports unit; resolved at call time
-
-        register_param_hooks(self)
+        self._build_full_storage()  # new unsharded params: the caller re-registers their hooks
 
     def assert_state(self, *allowed: UnitState, what: str) -> None:
         assert self.state in allowed, (
