@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import Dict, Optional
 
@@ -209,5 +210,11 @@ def run(cfg: Config) -> int:
         if rt.is_main:
             print(f"error: {exc}", flush=True)
         return EXIT_DIVERGED
+    except (ValueError, NotImplementedError) as exc:
+        # Bad input found only once the job runs (a dataset, a checkpoint that does not fit):
+        # one line, the bad-input status, as for a refused config.
+        if rt.is_main:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         shutdown()

@@ -72,17 +72,34 @@ def _local_rank_entry(local_rank: int, fn: Callable[[Any], int], arg: Any, nproc
 
 
 def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
-    """Run `fn(arg)` on `nprocs` local ranks; return the first non-zero exit status (0 if none)."""
+    """Run `fn(arg)` on `nprocs` local ranks; return the first non-zero exit status (0 if none).
+
+    SIGTERM and SIGUSR1 sent to this process (a scheduler's pre-emption notice, `kill`) are passed
+    on to every rank, which save a checkpoint and exit with the requeue status. When one rank
+    fails, the others get a few seconds to notice and exit before they are stopped.
+    """
+    import signal
+
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_local_rank_entry, args=(fn, arg, nprocs, free_port()), nprocs=nprocs,
                              join=False, start_method="spawn")
+
+    def forward(signum, _frame):
+        for process in ctx.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     status = 0
     try:
-        while not ctx.join():
+        while not ctx.join(grace_period=5):
             pass
     except mp.ProcessExitedException as exc:
         status = exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1
     except mp.ProcessRaisedException:
         status = 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return status

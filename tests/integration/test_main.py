@@ -102,11 +102,45 @@ def test_default_job_end_to_end_on_a_tiny_budget(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(1, 41))
-    first, last = records[0]["loss"], records[-1]["loss"]
-    assert last < first - 1.5, (first, last)  # from ~log(vocab)=7.6 towards real text statistics
+    first = records[0]["loss"]
+    last = sum(r["loss"] for r in records[-5:]) / 5  # one batch per step is noisy: average five
+    # From log(vocab) = 7.6 at initialisation to below the corpus's unigram entropy (6.34 nats):
+    # within 40 steps the model has learned at least the token frequencies.
+    assert last < first - 1.0 and last < 6.7, (first, last)
     assert records[19]["val_loss"] > records[-1]["val_loss"]
     for key in ("grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_gib", "exposed_comm_s",
                 "comm_bytes", "tflops_per_device"):
         assert key in records[-1], key
     assert "--- sample ---" in out.stderr and "def " in out.stderr
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_sigterm_to_main_reaches_the_local_ranks(tmp_path):
+    """`kill <main.py>` (what a scheduler or a user does) is passed on to the ranks main.py started:
+    they save a checkpoint and exit with the requeue status."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "main.py"), *TINY, "trainer.max_steps=100000",
+                             "checkpoint.interval=0", f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.split("_")[1]) == read_metrics(run)[-1]["step"]
