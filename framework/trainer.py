@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -201,9 +202,7 @@ class Trainer:
         return tok.decode(ids)
 
 
-def run(cfg: Config) -> int:
-    """One rank's whole job: join the process group, train, leave. Returns the exit status."""
-    rt = init_distributed(cfg.trainer.device)
+def _train(cfg: Config, rt: Runtime) -> int:
     try:
         return Trainer(cfg, rt).fit()
     except TrainingDiverged as exc:
@@ -216,5 +215,17 @@ def run(cfg: Config) -> int:
         if rt.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    finally:
-        shutdown()
+
+
+def run(cfg: Config) -> int:
+    """One rank's whole job: join the process group, train, leave. Returns the exit status."""
+    rt = init_distributed(cfg.trainer.device)
+    code = _train(cfg, rt)
+    # [Note: nothing outlives the process group]
+    # The trainer (model, optimizer, the engine's buffers and pending work) must be gone before the
+    # process group is destroyed: an exception's traceback keeps its frames alive, and objects freed
+    # only at interpreter exit, after the group, abort the process ("terminate called without an
+    # active exception"). Hence _train returns a status, dropping everything, before shutdown.
+    gc.collect()
+    shutdown()
+    return code
