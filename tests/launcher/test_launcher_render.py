@@ -201,7 +201,7 @@ def test_an_image_without_a_runtime_runs_with_the_clusters_usual_one():
 
 
 def _readme_commands():
-    text = (GOLDEN.parents[2] / "launcher_scripts" / "README.md").read_text().replace("\\\n", " ")
+    text = (GOLDEN.parents[2] / "README.md").read_text().replace("\\\n", " ")
     prefix = ".venv/bin/python launcher_scripts/main.py "
     return [shlex.split(line.strip()[len(prefix):]) for line in text.splitlines()
             if line.strip().startswith(prefix)]
