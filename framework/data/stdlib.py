@@ -16,6 +16,7 @@ import sysconfig
 from typing import List
 
 STDLIB_BYTES = 2_000_000
+CORPUS_REVISION = 2  # part of the cache directory's name: bump it when the selection changes
 DOC_CHARS = 4_000  # characters per document, at most (roughly)
 
 
@@ -24,7 +25,8 @@ def stdlib_files(limit: int = STDLIB_BYTES) -> List[str]:
     files, total = [], 0
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if not name.endswith(".py") or not os.path.isfile(path):
+        # Private modules are skipped: some are generated tables (_sysconfigdata_*), not code.
+        if not name.endswith(".py") or name.startswith("_") or not os.path.isfile(path):
             continue
         size = os.path.getsize(path)
         if total + size > limit and files:
@@ -55,7 +57,7 @@ def write_documents(files: List[str], out_path: str, max_chars: int = DOC_CHARS)
 
 def stdlib_prefix(cache_dir: str, vocab_size: int) -> str:
     version = "%d.%d" % sys.version_info[:2]
-    return os.path.join(os.path.abspath(cache_dir), f"stdlib-py{version}-v{vocab_size}", "stdlib")
+    return os.path.join(os.path.abspath(cache_dir), f"stdlib-r{CORPUS_REVISION}-py{version}-v{vocab_size}", "stdlib")
 
 
 def ensure_stdlib(cache_dir: str, vocab_size: int, workers: int, *, is_main: bool, barrier) -> str:
