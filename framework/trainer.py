@@ -7,13 +7,13 @@ import math
 import os
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from framework.config.schema import Config, Engine
+from framework.config.schema import Config
 from framework.config.validate import parallel_dims_of
 from framework.data import build_data
 from framework.distributed.parallelize import clip_grad_norm, parallelize
@@ -41,10 +41,9 @@ class Trainer:
         t = cfg.trainer
         self.dims = parallel_dims_of(cfg, rt.world_size)
         self.mesh = self.dims.build_mesh(rt.device.type)
-        dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.dims.dp_replicate > 1 \
-            else self.mesh["dp_shard"]
-        self.dp_group = dp_mesh.get_group()
-        self.dp_rank = dist.get_rank(self.dp_group)
+        # This rank's position among the data-parallel ranks (replicate-major, as the mesh is laid out).
+        self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard
+                        + self.mesh.get_local_rank("dp_shard"))
         torch.manual_seed(t.seed)
 
         self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, micro_batch_size=t.micro_batch_size,
@@ -55,14 +54,17 @@ class Trainer:
         # run's numbers do not depend on its layout; large ones are built on the meta device and
         # initialised shard by shard after sharding, never whole on one rank.
         self.num_params = build_model(model_cfg, "meta").num_params()
-        meta = 4 * self.num_params > 4 * 2**30  # fp32 bytes of the whole model
+        meta = cfg.model.meta_init if cfg.model.meta_init is not None \
+            else 4 * self.num_params > 4 * 2**30  # fp32 bytes of the whole model
         model = build_model(model_cfg, "meta" if meta else "cpu")
         if not meta:
             model.init_weights(seed=t.seed)
         self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism)
         if meta:
             self.model.to_empty(device=rt.device)
+            torch.manual_seed(t.seed + rt.rank)  # each rank draws its own shards' values
             self.model.init_weights()
+            torch.manual_seed(t.seed)
         elif rt.device.type != "cpu":
             self.model.to(rt.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -89,8 +91,7 @@ class Trainer:
                 loss.backward()
             total += full(loss.detach())
         grad_norm = clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm, self.cfg.parallelism.engine)
-        dist.all_reduce(total, group=self.dp_group)  # the global batch's mean loss
-        loss_value = total.item() / self.dims.dp
+        loss_value = _world_mean(total)  # the global batch's mean loss
         if not math.isfinite(loss_value):
             raise TrainingDiverged(f"loss is {loss_value} at step {self.state.step + 1}; stopping "
                                    "before the optimizer step (no checkpoint of this state is written). "
@@ -114,13 +115,18 @@ class Trainer:
             inputs, labels = valid.next_batch()
             with loss_context(self.model):  # tensor parallel: the loss on vocabulary-sharded logits
                 total += full(loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device)))
-        dist.all_reduce(total, group=self.dp_group)
         self.model.train()
-        return total.item() / (batches * self.dims.dp)
+        return _world_mean(total) / batches
 
-    def comm_stats(self) -> Optional[Dict[str, float]]:
+    def comm_metrics(self) -> Dict[str, float]:
+        """The engine's counters for the last step (our engine only; torch's has none)."""
         stats = getattr(self.model, "comm_stats", None)
-        return stats() if callable(stats) else None
+        if not callable(stats):
+            return {}
+        comm = stats()
+        moved = sum(comm.get(k, 0) for k in ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes",
+                                             "alltoall_bytes"))
+        return {"exposed_comm_s": comm.get("exposed_comm_s"), "comm_bytes": moved}
 
     def fit(self) -> int:
         cfg, t, rt = self.cfg, self.cfg.trainer, self.rt
@@ -154,11 +160,7 @@ class Trainer:
                 metrics["tflops_per_device"] = achieved
                 if self.peak_tflops:
                     metrics["mfu"] = achieved / self.peak_tflops
-                comm = self.comm_stats()
-                if comm:
-                    metrics["exposed_comm_s"] = comm.get("exposed_comm_s")
-                    metrics["comm_bytes"] = comm.get("allgather_bytes", 0) + comm.get("reduce_scatter_bytes", 0) \
-                        + comm.get("allreduce_bytes", 0)
+                metrics.update(self.comm_metrics())
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                     metrics["val_loss"] = self.evaluate()
                     logger.write(f"step {step}: val_loss {metrics['val_loss']:.4f}")
@@ -200,6 +202,13 @@ class Trainer:
             ids.append(int(top.indices[choice]))
         self.model.train()
         return tok.decode(ids)
+
+
+def _world_mean(value: torch.Tensor) -> float:
+    """Mean over all ranks. Tensor-parallel ranks hold the same loss, so this is the mean over the
+    data-parallel ranks, without a separate data-parallel group."""
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
 
 
 def _train(cfg: Config, rt: Runtime) -> int:

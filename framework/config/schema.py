@@ -96,6 +96,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False  # share the token embedding with the output head
     init_std: float = 0.02
+    # Build on the meta device and initialise each rank's shards after sharding (never the whole
+    # model on one rank). null: only when the fp32 model exceeds 4 GiB. Small models are otherwise
+    # built whole with the seed, so their numbers do not depend on the layout.
+    meta_init: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.vocab_size != -1:

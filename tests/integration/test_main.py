@@ -144,3 +144,18 @@ def test_sigterm_to_main_reaches_the_local_ranks(tmp_path):
     assert proc.returncode == 75, err[-3000:]
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert int(latest.split("_")[1]) == read_metrics(run)[-1]["step"]
+
+
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_meta_init_after_sharding_trains(tmp_path, engine):
+    """model.meta_init=true: built on the meta device, each rank initialises only its shards."""
+    run = tmp_path / "run"
+    out = run_main(TINY + [f"parallelism.engine={engine}", "model.meta_init=true", "trainer.max_steps=12",
+                           "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+                           "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "checkpoint.save_final=false",
+                           f"hydra.run.dir={run}"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [r["loss"] for r in read_metrics(run)]
+    # Small initial weights give near-uniform logits: the first loss is ln(vocab) = ln(256).
+    assert losses[0] == pytest.approx(math.log(256), abs=0.05)
+    assert losses[-1] < losses[0] - 0.3
