@@ -159,3 +159,33 @@ def test_meta_init_after_sharding_trains(tmp_path, engine):
     # Small initial weights give near-uniform logits: the first loss is ln(vocab) = ln(256).
     assert losses[0] == pytest.approx(math.log(256), abs=0.05)
     assert losses[-1] < losses[0] - 0.3
+
+
+def test_activation_checkpointing_recomputes_exactly(tmp_path):
+    """Recomputing blocks in backward gives the same numbers as keeping their activations."""
+    base = TINY + ["cluster.nproc_per_node=2", "trainer.max_steps=4", "trainer.global_batch_size=8",
+                   "trainer.micro_batch_size=2", "checkpoint.save_final=false"]
+    runs = {}
+    for mode in ("none", "full", "selective"):
+        out = run_main(base + [f"parallelism.activation_checkpointing={mode}", f"hydra.run.dir={tmp_path / mode}"],
+                       tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[mode] = [r["loss"] for r in read_metrics(tmp_path / mode)]
+    assert runs["full"] == runs["none"] and runs["selective"] == runs["none"]
+
+
+def test_torchrun_ranks_share_one_run_directory(tmp_path):
+    """Under torchrun every rank composes its own config; they must still agree on one run dir."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "main.py"), *TINY, "trainer.max_steps=3", "checkpoint.save_final=false"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = list((tmp_path / "outputs" / "torchrun").iterdir())
+    assert len(runs) == 1, runs
+    assert [r["step"] for r in read_metrics(runs[0])] == [1, 2, 3]
