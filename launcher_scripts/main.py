@@ -73,7 +73,7 @@ def submit(p: Plan, job_dir: str) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nSee the README section "Launcher".")
+        print(__doc__.strip() + "\n\nSee the README section 'Launcher'.")
         return 0
     # Advice from the config checks (a job that can start but may not be what you want).
     logging.basicConfig(format="launcher: warning: %(message)s", level=logging.WARNING, stream=sys.stderr)
