@@ -2,8 +2,9 @@
 reshard across layouts.
 
 Two spawns for the whole module (a spawn costs seconds, a layout's 10 steps a fraction of it):
-    4 ranks: dp_shard=2 x tp=2, +-sequence parallel, both engines; also writes a checkpoint after
-             5 steps (dp2 x tp2 + sequence parallel, torch engine)
+    4 ranks: dp_shard=2 x tp=2, +-sequence parallel, both engines; hybrid dp_replicate=2 x
+             dp_shard=1 x tp=2, both engines (native also with sequence parallel); also writes a
+             checkpoint after 5 steps (dp2 x tp2 + sequence parallel, torch engine)
     2 ranks: tp=2, +-sequence parallel, both engines; a vocabulary tp does not divide (255 rows:
              uneven shards); tied embeddings; and the checkpoint loaded at tp=1 x dp=2 and at tp=2 x dp=1, trained
              on to step 10
@@ -38,6 +39,8 @@ SAVE_AT = 5
 ENGINES = ["torch", "native"]
 
 FOUR_RANK = [Layout(2, 2, sp, engine) for engine in ENGINES for sp in (False, True)]
+# Hybrid sharding composed with tp: replicate 2 x shard 1 x tp 2.
+HYBRID = [Layout(1, 2, False, "torch", dp_replicate=2)] + [Layout(1, 2, sp, "native", dp_replicate=2) for sp in (False, True)]
 TWO_RANK = [Layout(1, 2, sp, engine) for engine in ENGINES for sp in (False, True)]
 UNEVEN_VOCAB = [Layout(1, 2, sp, "torch", vocab=255) for sp in (False, True)]
 TIED = [Layout(1, 2, True, "torch", tie=True)]
@@ -64,7 +67,7 @@ def ckpt_dir() -> Path:
 @pytest.fixture(scope="module")
 def four_rank(ckpt_dir):
     jobs = [Job(layout, save=str(ckpt_dir) if layout == SOURCE else None, save_at=SAVE_AT)
-            for layout in FOUR_RANK]
+            for layout in FOUR_RANK + HYBRID]
     return run_ranks(rank_main, 4, args=(jobs,), timeout_s=240)[0]
 
 
@@ -93,6 +96,13 @@ def _check(result: dict, ref, first_step: int = 0) -> None:
 
 @pytest.mark.parametrize("layout", FOUR_RANK, ids=lambda l: l.name)
 def test_dp2_tp2_matches_single_process(four_rank, ref, layout):
+    _check(four_rank[job_key(Job(layout))], ref)
+
+
+@pytest.mark.parametrize("layout", HYBRID, ids=lambda l: l.name)
+def test_hybrid_rep2_dp1_tp2_matches_single_process(four_rank, ref, layout):
+    """Gradients reduce-scattered over dp_shard, then all-reduced over dp_replicate, of TP-local
+    tensors: the same numbers as one process."""
     _check(four_rank[job_key(Job(layout))], ref)
 
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from framework.config.schema import Engine, ModelConfig, ParallelismConfig
+from framework.config.schema import Engine, ModelConfig, ParallelismConfig, Strategy
 from framework.distributed.parallel_dims import ParallelDims
 from framework.distributed.parallelize import clip_grad_norm, parallelize
 from framework.distributed.tensor_parallel import full, loss_context
@@ -42,13 +42,19 @@ class Layout:
     engine: str = "torch"
     vocab: int = MODEL.vocab_size  # 255: uneven vocabulary shards at tp=2
     tie: bool = False  # output head tied to the embedding table
+    dp_replicate: int = 1  # > 1: hybrid sharding (replicate x shard) composed with tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
 
     @property
     def name(self) -> str:
         sp = "-sp" if self.sequence_parallel else ""
         vocab = "" if self.vocab == MODEL.vocab_size else f"-vocab{self.vocab}"
         tie = "-tied" if self.tie else ""
-        return f"dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}{vocab}{tie}"
+        rep = f"rep{self.dp_replicate}x" if self.dp_replicate > 1 else ""
+        return f"{rep}dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}{vocab}{tie}"
 
 
 @dataclass(frozen=True)
@@ -101,13 +107,14 @@ class EngineRefused(Exception):
 
 
 def _build(layout: Layout, world: int):
-    dims = ParallelDims(1, layout.dp_shard, layout.tp, world)
+    dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, world)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(SEED)
     model = build_llama(model_cfg(layout.vocab, layout.tie))
     model.init_weights(seed=SEED)
-    cfg = ParallelismConfig(engine=Engine(layout.engine), dp_shard=layout.dp_shard, tp=layout.tp,
-                            sequence_parallel=layout.sequence_parallel)
+    strategy = Strategy.hybrid if layout.dp_replicate > 1 else Strategy.full
+    cfg = ParallelismConfig(engine=Engine(layout.engine), strategy=strategy, dp_replicate=layout.dp_replicate,
+                            dp_shard=layout.dp_shard, tp=layout.tp, sequence_parallel=layout.sequence_parallel)
     try:
         model = parallelize(model, dims, mesh, cfg)
     except NotImplementedError as exc:
@@ -163,9 +170,12 @@ def run_job(job: Job, world: int) -> dict:
     model, opt, mesh, cfg = _build(layout, world)
     if job.load:
         _load(model, opt, layout.engine, job.load)
-    dp_group = mesh["dp_shard"].get_group()
-    dp_rank = mesh["dp_shard"].get_local_rank()
-    per_rank = GLOBAL_BATCH // layout.dp_shard
+    # A data-parallel rank's index over (dp_replicate, dp_shard), replicate-major like the trainer's.
+    dp_groups = [mesh["dp_shard"].get_group()]
+    if layout.dp_replicate > 1:
+        dp_groups.append(mesh["dp_replicate"].get_group())
+    dp_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
+    per_rank = GLOBAL_BATCH // layout.dp
     losses = []
     for step, (inputs, labels) in enumerate(batches(layout.vocab)[job.first_step:], start=job.first_step):
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
@@ -173,8 +183,9 @@ def run_job(job: Job, world: int) -> dict:
             loss = loss_fn(model(inputs[rows]), labels[rows])
             loss.backward()
         value = full(loss.detach()).clone()
-        dist.all_reduce(value, group=dp_group)
-        losses.append(value.item() / layout.dp_shard)
+        for group in dp_groups:
+            dist.all_reduce(value, group=group)
+        losses.append(value.item() / layout.dp)
         clip_grad_norm(model, MAX_NORM, cfg.engine)
         opt.step()
         opt.zero_grad(set_to_none=True)

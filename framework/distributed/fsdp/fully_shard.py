@@ -96,16 +96,22 @@ _STATE_MESH: Dict[tuple, DeviceMesh] = {}
 
 
 def _dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
-    """The 2-D (dp, tp) mesh for checkpoint DTensors, built from the existing groups (collective once)."""
+    """The (dp..., tp) mesh for checkpoint DTensors, built from the existing groups (collective once).
+
+    2-D (dp_shard, tp) for a 1-D dp mesh, 3-D (dp_replicate, dp_shard, tp) for hybrid sharding.
+    """
     key = _mesh_key(dp) + _mesh_key(tp)
     if key not in _STATE_MESH:
         coords = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, (dp.get_local_rank(0), tp.get_local_rank(0)))
-        grid = torch.empty(dp.size(), tp.size(), dtype=torch.int64)
-        for rank, (i, j) in enumerate(coords):
-            grid[i, j] = rank
-        names = ((dp.mesh_dim_names or ("dp",))[0], (tp.mesh_dim_names or ("tp",))[0])
-        _STATE_MESH[key] = DeviceMesh.from_group([dp.get_group(0), tp.get_group(0)], dp.device_type, mesh=grid, mesh_dim_names=names)
+        mine = tuple(dp.get_local_rank(d) for d in range(dp.ndim)) + (tp.get_local_rank(0),)
+        dist.all_gather_object(coords, mine)
+        grid = torch.empty(*dp.mesh.shape, tp.size(), dtype=torch.int64)
+        for rank, c in enumerate(coords):
+            grid[c] = rank
+        dp_names = dp.mesh_dim_names or (("dp",) if dp.ndim == 1 else ("dp_replicate", "dp_shard"))
+        names = tuple(dp_names) + ((tp.mesh_dim_names or ("tp",))[0],)
+        groups = [dp.get_group(d) for d in range(dp.ndim)] + [tp.get_group(0)]
+        _STATE_MESH[key] = DeviceMesh.from_group(groups, dp.device_type, mesh=grid, mesh_dim_names=names)
     return _STATE_MESH[key]
 
 
@@ -151,11 +157,9 @@ def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opt
     if world % mesh.size() != 0:
         raise ValueError(f"fully_shard: mesh size {mesh.size()} does not divide world size {world}; build the mesh over all ranks")
     if tp_mesh is not None:
-        if mesh.ndim != 1:
-            raise NotImplementedError(
-                "fully_shard: tensor parallel together with hybrid sharding (2-D dp mesh) is not supported; "
-                "use a 1-D dp mesh with tensor parallel, or hybrid sharding without it"
-            )
+        # [Note: tensor parallel composition] holds for a 2-D (replicate, shard) dp mesh as for a
+        # 1-D one: the TP-local tensors are sharded over the shard dim, their gradients
+        # reduce-scattered there and all-reduced over the replicate dim like plain parameters.
         if mesh.size() * tp_mesh.size() != world:
             raise ValueError(
                 f"fully_shard: dp mesh size {mesh.size()} x tp mesh size {tp_mesh.size()} != world size {world}; "

@@ -44,15 +44,16 @@ def _gather_flat(unit: "ShardUnit", local: torch.Tensor) -> torch.Tensor:
 def _to_dtensor(unit: "ShardUnit", e: FlatEntry, full_flat: torch.Tensor) -> DTensor:
     full = full_flat[e.offset:e.offset + e.numel].view(e.shape)
     if unit.state_mesh is not unit.mesh:
-        # Tensor parallel composition: (Shard(0) over dp, the TP placement over tp) on the 2-D mesh.
-        # Built from the global value so nested sharding of one dim follows DTensor's own order.
+        # Tensor parallel composition: ([Replicate() over dp_replicate,] Shard(0) over dp_shard, the
+        # TP placement over tp) on the 2-D or 3-D state mesh. Built from the global value so nested
+        # sharding of one dim follows DTensor's own order.
         if e.tp is not None:
             glob = DTensor.from_local(full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride).full_tensor()
             tp_placement = e.tp.placements[0]
         else:
             glob, tp_placement = full, Replicate()
-        dp_placement = Shard(0) if glob.dim() > 0 else Replicate()
-        return distribute_tensor(glob, unit.state_mesh, [dp_placement, tp_placement], src_data_rank=None)
+        dp_placements = _placements(unit, glob.dim())
+        return distribute_tensor(glob, unit.state_mesh, [*dp_placements, tp_placement], src_data_rank=None)
     if full.dim() == 0:
         local = full.clone()
     else:

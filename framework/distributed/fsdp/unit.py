@@ -96,7 +96,7 @@ class ShardUnit:
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
         self.shard_dtype = shard_dtype
         self.state = UnitState.SHARDED
-        self.state_mesh = mesh  # checkpoint DTensors live here (the 2-D (dp, tp) mesh under TP)
+        self.state_mesh = mesh  # checkpoint DTensors live here (the (dp..., tp) mesh under TP)
         self.tp_size = 1
         self.ctx: Optional["ShardContext"] = None
         self.stats = C.CommStats()
