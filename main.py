@@ -9,7 +9,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from framework.config import register_schema
 from framework.launch import EXIT_BAD_CONFIG, fix_run_dir_under_torchrun, start

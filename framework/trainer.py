@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import os
 import sys
 import time
 from typing import Dict
@@ -80,7 +79,7 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
 
     def train_step(self) -> Dict[str, float]:
-        t, model = self.cfg.trainer, self.model
+        model = self.model
         accum = self.data.train.accum_steps
         total = torch.zeros((), device=self.rt.device)
         for micro in range(accum):

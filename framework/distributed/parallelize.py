@@ -52,15 +52,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
             block.compile()
 
     fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine_api(cfg.engine)
-    kwargs = {"mesh": dp_mesh_of(mesh, dims),
-              "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
-                                                reduce_dtype=_DTYPES[cfg.reduce_dtype])}
+    precision = {"param_dtype": _DTYPES[cfg.param_dtype], "reduce_dtype": _DTYPES[cfg.reduce_dtype]}
+    if cfg.quantized_comm:  # our engine only; the config refuses it with engine=torch
+        precision["quantized_comm"] = True
+    kwargs = {"mesh": dp_mesh_of(mesh, dims), "mp_policy": MixedPrecisionPolicy(**precision)}
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    if cfg.quantized_comm:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype],
-                                                   reduce_dtype=_DTYPES[cfg.reduce_dtype],
-                                                   quantized_comm=True)
     reshard = cfg.strategy != Strategy.grad_op
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)

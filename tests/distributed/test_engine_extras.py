@@ -244,7 +244,6 @@ def quantized(rank, ws, d):
         st = model.comm_stats()
         if q:
             units = _units(model)
-            gathers = sum((1 if u is model._fsdp_unit else 2) for u in units)
             bf16_ag = 10 * sum((ws - 1) * u.layout.shard_numel * 2 * (1 if u is model._fsdp_unit else 2) for u in units)
             bf16_rs = 10 * sum((ws - 1) * u.layout.shard_numel * 2 for u in units)
             res["ag_ratio_vs_bf16"] = st["allgather_bytes"] / bf16_ag

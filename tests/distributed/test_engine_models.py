@@ -8,7 +8,6 @@ engine only.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.distributed as dist

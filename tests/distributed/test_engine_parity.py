@@ -11,11 +11,8 @@ summed shard by shard), so results differ by fp32 rounding: ~1e-7 relative per s
 
 from __future__ import annotations
 
-import os
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from tests.distributed.harness import run_ranks
 

@@ -1,6 +1,5 @@
 """Config composition and validation, in-process through Hydra's compose()."""
 import pytest
-from omegaconf.errors import ConfigKeyError, ValidationError
 from hydra.errors import ConfigCompositionException
 
 from framework.config import compose_config, to_config, validate

@@ -7,12 +7,12 @@ drains before `optimizer.step()` may run.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .api import TrainingPhase, UnitState
+from .api import TrainingPhase
 from .unit import ShardUnit
 
 # [Note: the gradient buffer pool]
