@@ -5,15 +5,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv run test bench clean
+.PHONY: venv run test lint bench clean
 
 venv: $(STAMP)
 
 # torch is pinned first and on its own: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock requirements-test.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -r requirements.lock
+	$(BIN)/pip install --quiet -r requirements.lock -r requirements-test.lock
 	touch $(STAMP)
 
 run: venv
@@ -22,7 +22,12 @@ run: venv
 test: venv
 	$(BIN)/python -m pytest -q tests $(ARGS)
 
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 bench: venv
+	$(BIN)/pip install --quiet -r requirements-bench.lock
 	$(BIN)/python bench/engine.py $(ARGS)
 
 clean:
