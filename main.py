@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from framework.config import register_schema
-from framework.launch import EXIT_BAD_CONFIG, fix_run_dir_under_torchrun, start
+from framework.entrypoint import EXIT_BAD_CONFIG, fix_run_dir_under_torchrun, start
 
 register_schema()
 _started = False  # set once the task runs: an exit before that is a refused config

@@ -21,7 +21,7 @@ from framework.distributed.tensor_parallel import full, loss_context
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
 from framework.models import build_model
 from framework.optim import build_optimizer, build_scheduler
-from framework.state import TrainState
+from framework.train_state import TrainState
 
 EXIT_DIVERGED = 3  # a NaN/inf loss stopped the run
 

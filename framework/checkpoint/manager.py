@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from framework.checkpoint import layout
 from framework.checkpoint.hf import export_safetensors, import_safetensors
-from framework.checkpoint.state import (dcp_load, get_state_dicts, join_optim, read_rng, set_rng_state,
+from framework.checkpoint.dcp import (dcp_load, get_state_dicts, join_optim, read_rng, set_rng_state,
                                         set_state_dicts, split_optim, write_rng)
 from framework.config.schema import Config
 from framework.distributed.runtime import Runtime

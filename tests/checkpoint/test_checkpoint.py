@@ -194,7 +194,7 @@ def test_safetensors_export_equals_sharded_weights(source):
     from safetensors import safe_open
 
     from framework.checkpoint.hf import to_hf_name
-    from framework.checkpoint.state import TensorsOnlyLoadPlanner
+    from framework.checkpoint.dcp import TensorsOnlyLoadPlanner
 
     export = source / "checkpoints" / "export"
     config = json.loads((export / "config.json").read_text())
@@ -219,7 +219,7 @@ def _import_rank(rank, world, export_dir, run_dir):
     from safetensors import safe_open
 
     from framework.checkpoint.hf import to_hf_name
-    from framework.checkpoint.state import get_state_dicts
+    from framework.checkpoint.dcp import get_state_dicts
     from framework.config import to_config
     from framework.config.compose import compose_config
     from framework.distributed.runtime import Runtime
@@ -363,7 +363,7 @@ def test_loading_refuses_pickled_entries(tmp_path):
     default planner would load with weights_only=False) is refused."""
     import torch.distributed.checkpoint as dcp
 
-    from framework.checkpoint.state import dcp_load
+    from framework.checkpoint.dcp import dcp_load
 
     dcp.save({"w": torch.ones(3), "extra": {"note": "pickled"}}, checkpoint_id=str(tmp_path), no_dist=True)
     target = {"w": torch.zeros(3), "extra": {"note": ""}}

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .api import TrainingPhase, UnitState
-from .state import ShardContext
+from .context import ShardContext
 from .unit import ShardUnit
 
 

@@ -20,7 +20,7 @@ from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
 from .flat import FlatEntry, FlatLayout, dequantize_into, packed_nbytes, quantize_into
 
 if TYPE_CHECKING:
-    from .state import ShardContext
+    from .context import ShardContext
 
 
 class _Reduction(NamedTuple):
