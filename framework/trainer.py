@@ -21,6 +21,7 @@ from framework.distributed.tensor_parallel import full, loss_context
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
 from framework.models import build_model
 from framework.optim import build_optimizer, build_scheduler
+from framework.stop import StopPolicy
 from framework.train_state import TrainState
 
 EXIT_DIVERGED = 3  # a NaN/inf loss stopped the run
@@ -38,6 +39,8 @@ class Trainer:
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
         t = cfg.trainer
+        # Signals and the time limit, with or without checkpoints (see framework/stop.py).
+        self.stop = StopPolicy(max_time_minutes=t.max_time_minutes, rank=rt.rank, device=rt.device)
         self.dims = parallel_dims_of(cfg, rt.world_size)
         self.mesh = self.dims.build_mesh(rt.device.type)
         # This rank's position among the data-parallel ranks (replicate-major, as the mesh is laid out).
@@ -143,7 +146,7 @@ class Trainer:
                      f"{self.data.train.accum_steps} accumulation x {cfg.data.seq_len} seq); run dir {cfg.run_dir}")
         if self.state.step:
             logger.write(f"resumed at step {self.state.step}")
-        started = time.monotonic()
+        self.stop.started = time.monotonic()  # the time limit counts training, not start-up
         try:
             while self.state.step < t.max_steps:
                 if hasattr(self.model, "reset_comm_stats"):
@@ -167,12 +170,10 @@ class Trainer:
                     logger.log(step, metrics)
                 logger.progress({"loss": metrics["loss"], "tok/s": round(metrics["tokens_per_s"]),
                                  "step_s": round(step_time, 3)})
-                if self.ckpt is not None:
-                    if self.ckpt.should_stop(step, started):
-                        self.ckpt.save(self.state)
-                        return self.ckpt.exit_status
-                    if self.ckpt.should_save(step):
-                        self.ckpt.save(self.state)
+                if self.stop.should_stop(step) and step < t.max_steps:
+                    return self.stop_early(step)
+                if self.ckpt is not None and self.ckpt.should_save(step):
+                    self.ckpt.save(self.state)
             if self.ckpt is not None:
                 self.ckpt.finish(self.state)
             if t.sample_tokens and self.data.tokenizer is not None:
@@ -183,7 +184,21 @@ class Trainer:
             logger.close()
             if self.ckpt is not None:
                 self.ckpt.close()
+            self.stop.close()
         return 0
+
+    def stop_early(self, step: int) -> int:
+        """Every rank, after the ranks agreed to stop: save if checkpoints are on, then the requeue status."""
+        from framework.errors import EXIT_REQUEUE
+
+        if self.rt.is_main:
+            then = ("checkpoint, then exit {s} for a requeue; the next start with checkpoint.resume=auto "
+                    "continues from it" if self.ckpt is not None else
+                    "no checkpoint (checkpointing is off), exit {s}").format(s=EXIT_REQUEUE)
+            print(f"stopping at step {step} ({self.stop.reason}): {then}", file=sys.stderr, flush=True)
+        if self.ckpt is not None:
+            self.ckpt.save(self.state, blocking=True)
+        return EXIT_REQUEUE
 
     @torch.no_grad()
     def sample(self, n_tokens: int, prompt: str = "def ") -> str:

@@ -1,4 +1,5 @@
-"""When and where to save, resuming, pre-emption signals, and the safetensors export/import.
+"""When and where to save, resuming, and the safetensors export/import. (Stopping early on a
+signal or the time limit is decided by framework/stop.py; this class only saves.)
 
 The trainer talks to this class only; the on-disk layout is in `layout.py` (see [Note: atomic
 checkpoints]) and the state gathering in `state.py`.
@@ -8,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,12 +24,8 @@ from framework.checkpoint.dcp import (dcp_load, get_state_dicts, join_optim, rea
                                         set_state_dicts, split_optim, write_rng)
 from framework.config.schema import Config
 from framework.distributed.runtime import Runtime
-
-# Exit status of a job that stopped early on SIGTERM/SIGUSR1 or trainer.max_time_minutes after
-# writing a checkpoint: EX_TEMPFAIL from sysexits.h ("try again later"). The launcher requeues on
-# it; the next start with checkpoint.resume=auto continues from that checkpoint.
-EXIT_REQUEUE = 75
-EXIT_BAD_CHECKPOINT = 2  # the same status as any other bad input
+from framework.errors import EXIT_BAD_INPUT as EXIT_BAD_CHECKPOINT
+from framework.errors import EXIT_REQUEUE  # noqa: F401  (re-exported)
 
 
 def _git_revision() -> str:
@@ -61,9 +57,6 @@ class CheckpointManager:
         c = cfg.checkpoint
         self.root = c.dir if os.path.isabs(c.dir) else os.path.join(run_dir, c.dir)
         self.engine = cfg.parallelism.engine
-        self.exit_status = EXIT_REQUEUE  # see EXIT_REQUEUE
-        self._signal: Optional[str] = None
-        self._stopping = False
         self._last_saved = -1
         self._pending = None  # (future, tmp_dir, step) of an async save not yet committed
         # Async saves run their collectives in a background thread: they get their own gloo group,
@@ -72,52 +65,19 @@ class CheckpointManager:
         token = [os.urandom(4).hex() if rt.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self._token = token[0]  # names this job's temp directories (the same on every rank)
-        self._previous_handlers = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
         if rt.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             self._git = _git_revision()
 
-    # ---- stopping early ----
-
-    def _on_signal(self, signum, frame) -> None:
-        if self._signal is None:
-            self._signal = signal.Signals(signum).name
-            try:
-                print(f"rank {self.rt.rank}: received {self._signal}; saving a checkpoint after this step",
-                      file=sys.stderr, flush=True)
-            except RuntimeError:  # the signal interrupted another write to stderr (reentrant call)
-                pass
-
-    def should_stop(self, step: int, started_monotonic: float) -> bool:
-        """True on every rank when any rank got SIGTERM/SIGUSR1 or the time limit has passed. One
-        tiny all-reduce per step, so the ranks agree and all save the same step."""
-        minutes = self.cfg.trainer.max_time_minutes
-        late = bool(minutes) and time.monotonic() - started_monotonic > 60 * minutes
-        flags = torch.tensor([1.0 if self._signal else 0.0, 1.0 if late else 0.0], device=self.rt.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, late = (bool(f) for f in flags.tolist())
-        if (signalled or late) and step < self.cfg.trainer.max_steps:
-            self._stopping = True
-            if self.rt.is_main:
-                why = (f"signal {self._signal}" if self._signal else "a signal on another rank") if signalled \
-                    else f"trainer.max_time_minutes={minutes} reached"
-                print(f"stopping at step {step} ({why}): checkpoint, then exit {self.exit_status} "
-                      "for a requeue; the next start with checkpoint.resume=auto continues from it",
-                      file=sys.stderr, flush=True)
-            return True
-        return False
+    # ---- saving ----
 
     def should_save(self, step: int) -> bool:
         interval = self.cfg.checkpoint.interval
         return bool(interval) and step % interval == 0
 
-    # ---- saving ----
-
-    def save(self, state) -> None:
+    def save(self, state, blocking: bool = False) -> None:
         """Write a checkpoint of `state` (every rank its shards); asynchronously if
-        checkpoint.async_save, except when stopping early. See [Note: atomic checkpoints]."""
+        checkpoint.async_save, unless `blocking` (stopping early). See [Note: atomic checkpoints]."""
         step = state.step
         if step == self._last_saved:
             return
@@ -132,7 +92,7 @@ class CheckpointManager:
             layout.write_json_atomic(os.path.join(tmp, layout.TRAIN_STATE), {
                 "step": step, "scheduler": state.scheduler.state_dict(),
                 "train_loader": state.train_loader.state_dict(), "optimizer_param_groups": groups})
-        if self.cfg.checkpoint.async_save and not self._stopping:
+        if self.cfg.checkpoint.async_save and not blocking:
             # Snapshot CPU tensors first: training goes on mutating them while the thread writes.
             # (DCP's stager copies device tensors to CPU itself; a second copy there would only
             # cost device memory.)
@@ -293,8 +253,8 @@ class CheckpointManager:
             self.export(state)
 
     def close(self) -> None:
-        """Restore the signal handlers. An async save still in flight here means training failed
-        before finish(): let its thread end, but do not commit it (its temp dir is pruned later)."""
+        """An async save still in flight here means training failed before finish(): let its
+        thread end, but do not commit it (its temp dir is pruned later)."""
         if self._pending is not None:
             future = self._pending[0]
             try:
@@ -302,9 +262,6 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the run is already failing; keep its first error
                 pass
             self._pending = None
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers = {}
 
 
 def _wait(future) -> None:
