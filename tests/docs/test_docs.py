@@ -1,0 +1,190 @@
+"""The README and docs/ say only what the code does.
+
+- every `python main.py ...` command shown composes and passes validation (the same checks `main.py`
+  runs before any rank starts), except that files a command names which a reader must bring
+  (their own dataset, checkpoint or model directory) may be missing;
+- every `$ python main.py ...` example followed by `error:` lines prints exactly those lines (a real
+  run, exit status 2);
+- every launcher command shown renders its job with `dry_run=true`;
+- every repository path named in the docs, or in a comment or docstring of the code, exists, and
+  every `[Note: ...]` referred to is written somewhere.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import pytest
+
+from conftest import REPO, run_main
+
+DOC_FILES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "bench").glob("*.md")])
+CODE_DIRS = ["framework", "launcher_scripts", "bench", "tests", "conf"]
+# A command's placeholder (`<dir>`) or elision (`...`) means "fill in your own": it is not run.
+PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.")
+# Validation problems about a path the reader brings (a dataset, a checkpoint, a model directory).
+BRING_YOUR_OWN = re.compile(r"no such (file|checkpoint|directory)|does not exist|not found|no dataset")
+
+
+def _blocks(path: Path) -> Iterator[List[str]]:
+    """The lines of every fenced code block of a Markdown file."""
+    block: List[str] = []
+    inside = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            if inside:
+                yield block
+            inside, block = not inside, []
+        elif inside:
+            block.append(line)
+
+
+def _commands(lines: List[str]) -> Iterator[Tuple[str, List[str]]]:
+    """(command, the `error:` lines that follow it) for every command of a block, with
+    continuation lines joined and trailing comments dropped."""
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        if line.startswith("$ "):
+            line = line[2:]
+        while line.endswith("\\") and i < len(lines):
+            line = line[:-1] + " " + lines[i].strip()
+            i += 1
+        line = re.sub(r"\s+#\s.*$", "", line).strip()
+        errors = []
+        while i < len(lines) and lines[i].startswith("error:"):
+            errors.append(lines[i])
+            i += 1
+        if line:
+            yield line, errors
+
+
+def _doc_commands(script: str) -> List[Tuple[str, str, List[str]]]:
+    found = []
+    for path in DOC_FILES:
+        for block in _blocks(path):
+            for cmd, errors in _commands(block):
+                words = cmd.split()
+                for k, word in enumerate(words[:3]):
+                    if word.endswith(script) and k > 0 and "python" in words[k - 1]:
+                        found.append((str(path.relative_to(REPO)), " ".join(words[k + 1:]), errors))
+                        break
+    return found
+
+
+MAIN_COMMANDS = _doc_commands("main.py")
+MAIN_COMMANDS = [c for c in MAIN_COMMANDS if not c[1].startswith(("-m ",))]  # sweeps: covered by tests
+LAUNCHER = [c for c in _doc_commands("launcher_scripts/main.py")]
+MAIN_ONLY = [c for c in MAIN_COMMANDS if "launcher_scripts" not in c[1]]
+
+
+def test_docs_show_commands():
+    # The parser finds what a reader sees: guards against a block format the parser would skip.
+    assert len(MAIN_ONLY) >= 5, MAIN_ONLY
+    assert any(errors for _, _, errors in MAIN_ONLY), "README shows an error example"
+
+
+def _overrides(args: str) -> List[str]:
+    """The overrides of a command line, without Hydra's own flags (`--cfg job`, `--help`)."""
+    words, out = shlex.split(args), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in {"--cfg", "-c", "--package", "-p"}:
+            skip = True
+        elif not word.startswith("-"):
+            out.append(word)
+    return out
+
+
+@pytest.mark.parametrize("where, args, errors", [c for c in MAIN_ONLY if not c[2]],
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_main_command_in_docs_is_a_valid_job(where, args, errors):
+    if PLACEHOLDER.search(args):
+        pytest.skip("a placeholder the reader fills in")
+    if "--help" in args:
+        return  # covered by tests/integration (and always valid)
+    from framework.config import compose_config, to_config, validate
+
+    try:
+        cfg = to_config(compose_config(_overrides(args)))
+    except ValueError as exc:  # a refusal while building the typed config
+        pytest.fail(f"{where}: `python main.py {args}` is refused: {exc}")
+    problems = [p for p in validate(cfg) if not BRING_YOUR_OWN.search(p)]
+    assert not problems, f"{where}: `python main.py {args}` is refused: {problems}"
+
+
+@pytest.mark.parametrize("where, args, errors", [c for c in MAIN_ONLY if c[2]],
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_error_example_in_docs_is_what_main_prints(tmp_path, where, args, errors):
+    out = run_main(shlex.split(args) + [f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
+    printed = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2, (where, out.stdout, out.stderr)
+    assert printed == errors, f"{where}: the docs show {errors}, main.py prints {printed}"
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("where, args, errors", LAUNCHER, ids=lambda v: v if isinstance(v, str) else None)
+def test_launcher_command_in_docs_renders(tmp_path, where, args, errors):
+    if PLACEHOLDER.search(args) or not args or args.split()[0] in {"status", "logs", "cancel"}:
+        pytest.skip("a placeholder the reader fills in, or a command on an existing job")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "launcher_scripts" / "main.py"), *shlex.split(args),
+           "dry_run=true", f"cluster.jobs_dir={tmp_path}/jobs"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    if errors:
+        printed = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 2 and printed == errors, (where, out.stderr)
+        return
+    assert out.returncode == 0, f"{where}: `launcher_scripts/main.py {args}`:\n{out.stdout}\n{out.stderr}"
+
+
+# Paths inside the repository, as the docs and comments write them.
+PATH = re.compile(r"(?<![\w./-])((?:framework|launcher_scripts|tests|bench|conf|docs)/[\w./*-]*[\w*])")
+
+
+def _texts() -> Iterator[Tuple[str, str]]:
+    for path in DOC_FILES:
+        yield str(path.relative_to(REPO)), path.read_text()
+    for top in CODE_DIRS:
+        for path in sorted((REPO / top).rglob("*")):
+            if path.suffix in {".py", ".yaml", ".sh", ".md"} and "golden" not in path.parts \
+                    and path.name != Path(__file__).name:
+                yield str(path.relative_to(REPO)), path.read_text()
+    for name in ["main.py", "Makefile", "Dockerfile", "pyproject.toml", ".ci/run"]:
+        yield name, (REPO / name).read_text()
+
+
+def _exists(ref: str) -> bool:
+    ref = ref.rstrip(".")
+    if "*" in ref:
+        return any(REPO.glob(ref))
+    return (REPO / ref).exists()
+
+
+def test_every_path_named_in_docs_and_comments_exists():
+    missing = sorted({f"{where}: {ref}" for where, text in _texts() for ref in PATH.findall(text)
+                      if not _exists(ref) and "tmp" not in ref})
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+NOTE_HEADER = re.compile(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]")
+
+
+def test_every_note_referred_to_is_written():
+    written, referred = set(), set()
+    for where, text in _texts():
+        for line in text.splitlines():
+            header = NOTE_HEADER.match(line)
+            if header and (where.endswith(".py") or where.endswith(".sh")):
+                written.add(header.group(1))
+            referred.update(NOTE.findall(line))
+    assert referred - written == set(), f"notes referred to but written nowhere: {referred - written}"
