@@ -28,7 +28,7 @@ CODE_DIRS = ["framework", "launcher_scripts", "bench", "tests", "conf"]
 # A command's placeholder (`<dir>`) or elision (`...`) means "fill in your own": it is not run.
 PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.")
 # Validation problems about a path the reader brings (a dataset, a checkpoint, a model directory).
-BRING_YOUR_OWN = re.compile(r"no such (file|checkpoint|directory)|does not exist|not found|no dataset")
+BRING_YOUR_OWN = re.compile(r"no such (file|checkpoint|directory)|does not exist|not found|no dataset|needs data.paths")
 
 
 def _blocks(path: Path) -> Iterator[List[str]]:
@@ -162,8 +162,14 @@ def _texts() -> Iterator[Tuple[str, str]]:
         yield name, (REPO / name).read_text()
 
 
+# Outputs a benchmark writes when it runs (its `--out` defaults), not files of the repository.
+GENERATED = re.compile(r"^bench/.*\.(json|png|txt)$")
+
+
 def _exists(ref: str) -> bool:
     ref = ref.rstrip(".")
+    if GENERATED.match(ref):
+        return True
     if "*" in ref:
         return any(REPO.glob(ref))
     return (REPO / ref).exists()
