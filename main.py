@@ -12,7 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from framework.config import register_schema
-from framework.entrypoint import EXIT_BAD_CONFIG, fix_run_dir_under_torchrun, start
+from framework.entrypoint import fix_run_dir_under_torchrun, start
+from framework.errors import EXIT_BAD_INPUT
 
 register_schema()
 _started = False  # set once the task runs: an exit before that is a refused config
@@ -36,5 +37,5 @@ if __name__ == "__main__":
         # Hydra exits 1 when it refuses a composition (a typo, a wrong type, an unknown group
         # option); report that as bad input, like every other config error.
         if exc.code == 1 and not _started and os.environ.get("RANK", "0") == "0":
-            raise SystemExit(EXIT_BAD_CONFIG)
+            raise SystemExit(EXIT_BAD_INPUT)
         raise

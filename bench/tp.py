@@ -41,14 +41,14 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str, steps: int) -> dict:
-    from framework.distributed.parallel_dims import ParallelDims
+    from framework.distributed.parallel_dims import ParallelDims, build_mesh
     from framework.distributed.parallelize import clip_grad_norm, parallelize
     from framework.distributed.tensor_parallel import full, loss_context
     from framework.models.llama import build_llama
     from framework.trainer import loss_fn
 
     dims = ParallelDims(1, dp_shard, tp, world)
-    mesh = dims.build_mesh("cpu")
+    mesh = build_mesh(dims, "cpu")
     torch.manual_seed(0)
     model = build_llama(MODEL)
     model.init_weights(seed=0)

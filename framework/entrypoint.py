@@ -9,8 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import Stage, to_config, validate
 from framework.distributed.runtime import spawn_local, under_torchrun
-
-EXIT_BAD_CONFIG = 2
+from framework.errors import EXIT_BAD_INPUT, UserInputError
 
 
 def fix_run_dir_under_torchrun(argv: List[str]) -> List[str]:
@@ -34,14 +33,14 @@ def _refuse(problems: List[str], run_dir: str) -> int:
         os.removedirs(run_dir)  # removes only empty directories, walking up while they are empty
     except OSError:
         pass
-    return EXIT_BAD_CONFIG
+    return EXIT_BAD_INPUT
 
 
 def start(dict_cfg: DictConfig, run_dir: str) -> int:
     """Validate, record the resolved config, then run the stage on every rank."""
     try:
         cfg = to_config(dict_cfg)
-    except (ValueError, NotImplementedError) as exc:
+    except UserInputError as exc:  # a section's own check; anything else is a bug (see errors.py)
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
     if problems:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from framework.config.schema import Config
 from framework.config.validate import parallel_dims_of
 from framework.data import build_data
+from framework.distributed.parallel_dims import build_mesh
 from framework.distributed.parallelize import clip_grad_norm, parallelize
 from framework.distributed.runtime import Runtime, init_distributed, shutdown
 from framework.distributed.tensor_parallel import full, loss_context
@@ -42,7 +43,7 @@ class Trainer:
         # Signals and the time limit, with or without checkpoints (see framework/stop.py).
         self.stop = StopPolicy(max_time_minutes=t.max_time_minutes, rank=rt.rank, device=rt.device)
         self.dims = parallel_dims_of(cfg, rt.world_size)
-        self.mesh = self.dims.build_mesh(rt.device.type)
+        self.mesh = build_mesh(self.dims, rt.device.type)
         # This rank's position among the data-parallel ranks (replicate-major, as the mesh is laid out).
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))

@@ -1,13 +1,14 @@
-"""`ParallelDims`: the degrees of parallelism and the named device mesh built from them.
+"""`ParallelDims`: the degrees of parallelism (dp_replicate, dp_shard, tp) and their arithmetic.
 
-Pure arithmetic at construction (importable without a process group, so the launcher can
-validate a job before submitting it); `build_mesh()` needs an initialised process group.
-Mesh dims, outermost first: dp_replicate, dp_shard, tp. Tensor parallel is innermost so its
-ranks are neighbours (same node) and its many small collectives stay on the fast links.
+Pure arithmetic, importable without torch, so the config validation and the launcher can check a
+job before any process starts. The device mesh built from these degrees lives with the process
+groups (`framework.distributed.parallel_dims.build_mesh`), above the config.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from framework.errors import UserInputError
 
 
 @dataclass
@@ -21,18 +22,18 @@ class ParallelDims:
         for name in ("dp_replicate", "dp_shard", "tp"):
             value = getattr(self, name)
             if value == 0 or value < -1:
-                raise ValueError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
+                raise UserInputError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
         unknown = [n for n in ("dp_replicate", "dp_shard", "tp") if getattr(self, n) == -1]
         if len(unknown) > 1:
-            raise ValueError(f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), "
-                             f"got {', '.join(unknown)}")
+            raise UserInputError(f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), "
+                                 f"got {', '.join(unknown)}")
         known = self.dp_replicate * self.dp_shard * self.tp * (-1 if unknown else 1)
         if unknown:
             if self.world_size % known:
-                raise ValueError(self._mismatch(f"cannot infer parallelism.{unknown[0]}"))
+                raise UserInputError(self._mismatch(f"cannot infer parallelism.{unknown[0]}"))
             setattr(self, unknown[0], self.world_size // known)
         if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
-            raise ValueError(self._mismatch("degrees do not multiply to the world size"))
+            raise UserInputError(self._mismatch("degrees do not multiply to the world size"))
 
     def _mismatch(self, what: str) -> str:
         def show(v: int) -> str:
@@ -50,13 +51,6 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
-    def build_mesh(self, device_type: str):
-        """The 3-D named mesh (dp_replicate, dp_shard, tp); submeshes are sliced by name."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-
 
 def resolve_parallel_dims(strategy: str, dp_replicate: int, dp_shard: int, tp: int,
                           world_size: int, nproc_per_node: int) -> ParallelDims:
@@ -68,8 +62,8 @@ def resolve_parallel_dims(strategy: str, dp_replicate: int, dp_shard: int, tp: i
     """
     if strategy == "no_shard":
         if dp_shard not in (-1, 1):
-            raise ValueError(f"parallelism.dp_shard={dp_shard} with parallelism.strategy=no_shard: "
-                             "no_shard replicates everything; set dp_shard=1 or choose strategy=hybrid")
+            raise UserInputError(f"parallelism.dp_shard={dp_shard} with parallelism.strategy=no_shard: "
+                                 "no_shard replicates everything; set dp_shard=1 or choose strategy=hybrid")
         dp_shard = 1
         if dp_replicate == 1 and world_size // max(tp, 1) > 1:
             dp_replicate = -1
@@ -80,9 +74,9 @@ def resolve_parallel_dims(strategy: str, dp_replicate: int, dp_shard: int, tp: i
         if dp_replicate == -1 and dp_shard == -1:
             dp_replicate = 1
     if tp == -1 and (dp_replicate == -1 or dp_shard == -1):
-        raise ValueError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
+        raise UserInputError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
     dims = ParallelDims(dp_replicate, dp_shard, tp, world_size)
     if strategy == "hybrid" and dims.dp_replicate < 2:
-        raise ValueError(f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "
-                         "set parallelism.dp_replicate or choose strategy=full")
+        raise UserInputError(f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "
+                             "set parallelism.dp_replicate or choose strategy=full")
     return dims

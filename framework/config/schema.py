@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from framework.errors import UserInputError
+
 
 class Engine(str, Enum):
     native = "native"  # our own sharded engine (framework.distributed.fsdp)
@@ -71,7 +73,7 @@ class ContainerRuntime(str, Enum):
 def _positive(section: str, **values: float) -> None:
     for name, value in values.items():
         if value is None or value <= 0:
-            raise ValueError(f"{section}.{name}={value}: must be > 0")
+            raise UserInputError(f"{section}.{name}={value}: must be > 0")
 
 
 def _choice(section: str, name: str, value: Any, enum: type[Enum]) -> Enum:
@@ -79,7 +81,7 @@ def _choice(section: str, name: str, value: Any, enum: type[Enum]) -> Enum:
         return enum(value)
     except ValueError:
         choices = ", ".join(e.value for e in enum)
-        raise ValueError(f"{section}.{name}={value!r}: unknown; choose one of {choices}") from None
+        raise UserInputError(f"{section}.{name}={value!r}: unknown; choose one of {choices}") from None
 
 
 @dataclass
@@ -107,13 +109,13 @@ class ModelConfig:
         _positive("model", dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
                   n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, max_seq_len=self.max_seq_len)
         if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+            raise UserInputError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} is not a multiple of "
-                             f"model.n_kv_heads={self.n_kv_heads}")
+            raise UserInputError(f"model.n_heads={self.n_heads} is not a multiple of "
+                                 f"model.n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary "
-                             "embeddings need an even head size")
+            raise UserInputError(f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary "
+                                 "embeddings need an even head size")
 
 
 @dataclass
@@ -139,13 +141,13 @@ class ParallelismConfig:
         for name in ("dp_replicate", "dp_shard", "tp"):
             value = getattr(self, name)
             if value == 0 or value < -1:
-                raise ValueError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
+                raise UserInputError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
+                raise UserInputError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
         if self.quantized_comm and self.engine == Engine.torch:
-            raise NotImplementedError("parallelism.quantized_comm is a feature of the native engine; "
-                                      "set parallelism.engine=native or parallelism.quantized_comm=false")
+            raise UserInputError("parallelism.quantized_comm is a feature of the native engine; "
+                                 "set parallelism.engine=native or parallelism.quantized_comm=false")
 
 
 @dataclass
@@ -168,7 +170,7 @@ class OptimizerConfig:
         _positive("optimizer", lr=self.lr)
         for name in ("weight_decay", "warmup_steps", "clip_grad_norm", "min_lr_ratio", "momentum"):
             if getattr(self, name) < 0:
-                raise ValueError(f"optimizer.{name}={getattr(self, name)}: must be >= 0")
+                raise UserInputError(f"optimizer.{name}={getattr(self, name)}: must be >= 0")
 
 
 @dataclass
@@ -193,13 +195,13 @@ class DataConfig:
         except ValueError:
             parts = []
         if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
-            raise ValueError(f"data.split={self.split!r}: give train,valid,test proportions with train and "
-                             "valid > 0, e.g. data.split=\"'98,1,1'\" (quoted: Hydra reads a bare 98,1,1 as a list)")
+            raise UserInputError(f"data.split={self.split!r}: give train,valid,test proportions with train and "
+                                 "valid > 0, e.g. data.split=\"'98,1,1'\" (quoted: Hydra reads a bare 98,1,1 as a list)")
         if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
-            raise ValueError(f"data.weights={list(self.weights)}: blend weights must be >= 0 with a positive sum")
+            raise UserInputError(f"data.weights={list(self.weights)}: blend weights must be >= 0 with a positive sum")
         if self.weights and len(self.weights) != len(self.paths):
-            raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} "
-                             "data.paths: give one weight per path, or none for equal weights")
+            raise UserInputError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} "
+                                 "data.paths: give one weight per path, or none for equal weights")
 
 
 @dataclass
@@ -223,9 +225,9 @@ class TrainerConfig:
                   eval_iters=self.eval_iters)
         for name in ("eval_interval", "max_time_minutes", "sample_tokens", "peak_tflops"):
             if getattr(self, name) < 0:
-                raise ValueError(f"trainer.{name}={getattr(self, name)}: must be >= 0")
+                raise UserInputError(f"trainer.{name}={getattr(self, name)}: must be >= 0")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"trainer.device={self.device!r}: choose auto, cpu or cuda")
+            raise UserInputError(f"trainer.device={self.device!r}: choose auto, cpu or cuda")
 
 
 @dataclass
@@ -241,7 +243,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.interval < 0:
-            raise ValueError(f"checkpoint.interval={self.interval}: must be >= 0")
+            raise UserInputError(f"checkpoint.interval={self.interval}: must be >= 0")
         _positive("checkpoint", keep_last=self.keep_last)
 
 
@@ -296,36 +298,36 @@ class ClusterConfig:
         _positive("cluster", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
         for name in ("gpus_per_node", "cpus_per_task", "signal_seconds", "chain"):
             if getattr(self, name) < 0:
-                raise ValueError(f"cluster.{name}={getattr(self, name)}: must be >= 0")
+                raise UserInputError(f"cluster.{name}={getattr(self, name)}: must be >= 0")
         if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
-            raise ValueError(f"cluster.nproc_per_node={self.nproc_per_node} > cluster.gpus_per_node="
-                             f"{self.gpus_per_node}: every rank needs its own GPU; lower nproc_per_node "
-                             "or set gpus_per_node=0 for a CPU job")
+            raise UserInputError(f"cluster.nproc_per_node={self.nproc_per_node} > cluster.gpus_per_node="
+                                 f"{self.gpus_per_node}: every rank needs its own GPU; lower nproc_per_node "
+                                 "or set gpus_per_node=0 for a CPU job")
         if not 0 < self.rdzv_port < 65536:
-            raise ValueError(f"cluster.rdzv_port={self.rdzv_port}: choose a port in 1..65535")
+            raise UserInputError(f"cluster.rdzv_port={self.rdzv_port}: choose a port in 1..65535")
         for name in ("partition", "account", "qos", "job_name", "namespace"):
             value = getattr(self, name)
             if value and not _PLAIN_NAME.fullmatch(value):
-                raise ValueError(f"cluster.{name}={value!r}: use letters, digits and . _ , + - only")
+                raise UserInputError(f"cluster.{name}={value!r}: use letters, digits and . _ , + - only")
         if not self.job_name:
-            raise ValueError("cluster.job_name is empty; give the job a name such as 'train'")
+            raise UserInputError("cluster.job_name is empty; give the job a name such as 'train'")
         if not _SLURM_TIME.fullmatch(self.time_limit):
-            raise ValueError(f"cluster.time_limit={self.time_limit!r}: use HH:MM:SS, D-HH:MM:SS or minutes")
+            raise UserInputError(f"cluster.time_limit={self.time_limit!r}: use HH:MM:SS, D-HH:MM:SS or minutes")
         for section in ("env", "nccl_env", "secret_env"):
             for key in getattr(self, section):
                 if not _ENV_NAME.fullmatch(key):
-                    raise ValueError(f"cluster.{section}.{key}: not a valid environment variable name")
+                    raise UserInputError(f"cluster.{section}.{key}: not a valid environment variable name")
         for key in list(self.env) + list(self.nccl_env):
             if _SECRET_LIKE.search(key.upper()):
-                raise ValueError(f"cluster.env.{key} looks like a credential; never write it into the job: "
-                                 f"set cluster.secret_env.{key} to a reference instead")
+                raise UserInputError(f"cluster.env.{key} looks like a credential; never write it into the job: "
+                                     f"set cluster.secret_env.{key} to a reference instead")
         stages = [s.value for s in Stage]
         for stage in self.stages:
             if stage not in stages:
-                raise ValueError(f"cluster.stages: {stage!r} is not a stage; choose from {', '.join(stages)}")
+                raise UserInputError(f"cluster.stages: {stage!r} is not a stage; choose from {', '.join(stages)}")
         for name in self.image_pull_secrets:
             if not _PLAIN_NAME.fullmatch(name):
-                raise ValueError(f"cluster.image_pull_secrets: {name!r} is not a secret name")
+                raise UserInputError(f"cluster.image_pull_secrets: {name!r} is not a secret name")
 
 
 @dataclass
@@ -339,10 +341,10 @@ class ContainerConfig:
         self.runtime = _choice("container", "runtime", self.runtime, ContainerRuntime)
         for mount in self.mounts:
             if ":" not in mount or "," in mount:
-                raise ValueError(f"container.mounts: {mount!r}: write host_path:container_path[:flags], "
-                                 "one mount per entry")
+                raise UserInputError(f"container.mounts: {mount!r}: write host_path:container_path[:flags], "
+                                     "one mount per entry")
         if not self.workdir.startswith("/"):
-            raise ValueError(f"container.workdir={self.workdir!r}: must be an absolute path in the image")
+            raise UserInputError(f"container.workdir={self.workdir!r}: must be an absolute path in the image")
 
 
 @dataclass

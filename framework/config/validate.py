@@ -9,7 +9,8 @@ import os
 from typing import List, Optional
 
 from framework.config.schema import Config, DataName, Stage
-from framework.distributed.parallel_dims import ParallelDims, resolve_parallel_dims
+from framework.config.degrees import ParallelDims, resolve_parallel_dims
+from framework.errors import UserInputError
 
 
 def world_size_of(cfg: Config) -> int:
@@ -32,7 +33,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
     try:
         dims = resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world,
                                      cfg.cluster.nproc_per_node)
-    except ValueError as exc:
+    except UserInputError as exc:
         errors.append(str(exc))
 
     if p.tp > 1:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from framework.config.schema import Engine, ModelConfig, ParallelismConfig, Strategy
-from framework.distributed.parallel_dims import ParallelDims
+from framework.distributed.parallel_dims import ParallelDims, build_mesh
 from framework.distributed.parallelize import clip_grad_norm, parallelize
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.models.llama import build_llama
@@ -108,7 +108,7 @@ class EngineRefused(Exception):
 
 def _build(layout: Layout, world: int):
     dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, world)
-    mesh = dims.build_mesh("cpu")
+    mesh = build_mesh(dims, "cpu")
     torch.manual_seed(SEED)
     model = build_llama(model_cfg(layout.vocab, layout.tie))
     model.init_weights(seed=SEED)
