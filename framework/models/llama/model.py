@@ -39,10 +39,15 @@ def rotary_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> 
 
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x (batch, seq, heads, head_dim)."""
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x (batch, seq, heads, head_dim). `table` is the
+    rotary table (positions 0, 1, ... of every row) or its rows per token, (batch, seq, head_dim)
+    (packed documents: each one's positions start again at 0)."""
     half = x.shape[-1] // 2
-    cos = table[: x.shape[1], :half][None, :, None, :]
-    sin = table[: x.shape[1], half:][None, :, None, :]
+    if table.dim() == 3:
+        cos, sin = table[..., None, :half], table[..., None, half:]
+    else:
+        cos = table[: x.shape[1], :half][None, :, None, :]
+        sin = table[: x.shape[1], half:][None, :, None, :]
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
@@ -57,7 +62,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -66,8 +71,9 @@ class Attention(nn.Module):
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
+        # mask: None (causal) or (batch, 1, seq, seq) booleans, True where a query may attend.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+                                             attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -90,8 +96,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -117,10 +123,21 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return result
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab). Packed sequences (several documents in one row) pass each
+        token's position inside its document and its document's id, both (batch, seq): a token
+        then attends only to earlier tokens of its own document (a block-diagonal causal mask)."""
         h = self.tok_embeddings(tokens)
+        rope = self.rope if positions is None else self.rope[positions]
+        mask = None
+        if document_ids is not None:
+            seq = tokens.shape[1]
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+            mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
+            mask = mask[:, None]
         for layer in self.layers:
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask=mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()

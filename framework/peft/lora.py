@@ -1,0 +1,155 @@
+"""LoRA: low-rank adapters added to chosen linear layers of a frozen model.
+
+For a target layer y = x W^T (+ b) the adapter adds (alpha / rank) * dropout(x) A^T B^T, with
+A (rank x in) drawn like a linear layer's weight and B (out x rank) zero, so training starts from
+exactly the base model. Only A and B are trained; every other parameter is frozen.
+
+[Note: adapters live on the layer they adapt]
+The adapters are two parameters registered on the target module itself (`<layer>.lora_a`,
+`<layer>.lora_b`) and added to its output by a forward hook; the module is not replaced. So:
+the base parameters keep their names (checkpoints, Hugging Face import/export and tensor names
+are unchanged), the adapters belong to the same sharding unit as the weight they adapt (our
+engine and torch's gather them together with the block), and adapters-only checkpoints are the
+state-dict entries whose name contains `.lora_`. Our own adapter rather than the `peft` library:
+`peft` wraps every target in a new module (renaming `q_proj.weight` to
+`q_proj.base_layer.weight`), which our import/export name maps and the per-block sharding would
+all have to know about; this file is the whole feature and works the same for our Llama and
+Hugging Face models.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ADAPTER_MARKER = ".lora_"
+
+
+def _shape_of(module: nn.Module):
+    """(in_features, out_features, weight is stored transposed) of a linear-like module, or None.
+    Hugging Face's GPT-2 `Conv1D` stores its weight as (in, out)."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return module.weight.shape[0], module.weight.shape[1], True
+    return None
+
+
+def _lora_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    x = args[0]
+    if module.training and module.lora_dropout > 0:
+        x = F.dropout(x, module.lora_dropout)
+    update = F.linear(F.linear(x.to(module.lora_a.dtype), module.lora_a), module.lora_b)
+    return output + (module.lora_scale * update).to(output.dtype)
+
+
+def target_layers(model: nn.Module, targets: Iterable[str],
+                  alias: Callable[[str], str] | None = None) -> dict[str, nn.Module]:
+    """{module name: module} of the linear layers whose last name component is a target. `alias`
+    maps a module name to another spelling to match as well (our Llama's `attention.wq` answers
+    to `q_proj`, its Hugging Face name), so one target list serves both model kinds."""
+    wanted = set(targets)
+    found = {}
+    for name, module in model.named_modules():
+        if not name or _shape_of(module) is None:
+            continue
+        names = {name.rsplit(".", 1)[-1]}
+        if alias is not None:
+            other = alias(name)
+            if other:
+                names.add(other.rsplit(".", 1)[-1])
+        if names & wanted:
+            found[name] = module
+    return found
+
+
+def apply_lora(model: nn.Module, *, rank: int, alpha: float, targets: list[str], dropout: float = 0.0,
+               alias: Callable[[str], str] | None = None, seed: int | None = None) -> list[str]:
+    """Freeze every parameter of `model`, add adapters to the target layers, return their names.
+    Call it on the plain model, before parallelism is applied."""
+    layers = target_layers(model, targets, alias)
+    if not layers:
+        available = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and _shape_of(m)})
+        raise ValueError(f"peft.lora.targets={list(targets)} matches no linear layer of this model; "
+                         f"its linear layers are named {', '.join(available)}")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for module in layers.values():
+        in_features, out_features, _ = _shape_of(module)
+        weight = module.weight
+        module.lora_a = nn.Parameter(torch.empty(rank, in_features, device=weight.device, dtype=torch.float32))
+        module.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=weight.device, dtype=torch.float32))
+        module.lora_scale = alpha / rank
+        module.lora_dropout = dropout
+        module.lora_hook = module.register_forward_hook(_lora_hook)
+    reset_lora(model, seed)
+    return sorted(layers)
+
+
+@torch.no_grad()
+def reset_lora(model: nn.Module, seed: int | None = None) -> None:
+    """A ~ U(-1/sqrt(in), 1/sqrt(in)) (a linear layer's default), B = 0: the adapted model starts
+    equal to the base model. Also after `to_empty` on a model built on the meta device."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for module in model.modules():
+        a = getattr(module, "lora_a", None)
+        if not isinstance(a, torch.Tensor):
+            continue
+        bound = 1.0 / math.sqrt(a.shape[-1] if a.dim() == 2 else module.weight.shape[-1])
+        if gen is not None and a.device.type == "cpu" and a.dim() == 2:
+            a.copy_(torch.rand(a.shape, generator=gen) * 2 * bound - bound)
+        else:
+            nn.init.uniform_(a, -bound, bound)
+        module.lora_b.zero_()
+
+
+def is_adapter(name: str) -> bool:
+    return ADAPTER_MARKER in name or name.startswith("lora_")
+
+
+def adapter_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Only the adapters of a (sharded or full) model state dict: what a LoRA checkpoint holds."""
+    return {k: v for k, v in state_dict.items() if is_adapter(k)}
+
+
+@torch.no_grad()
+def merged_state(state_dict: dict[str, torch.Tensor], scale: float,
+                 transposed: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """A full (unsharded) state dict with every adapter folded into its layer's weight,
+    W + scale * B A, and the adapter entries dropped: a plain model's state dict. `transposed`
+    names the layers whose weight is stored (in, out), as GPT-2's Conv1D."""
+    out = {k: v for k, v in state_dict.items() if not is_adapter(k)}
+    flipped = set(transposed)
+    for key, lora_a in state_dict.items():
+        if not key.endswith(".lora_a"):
+            continue
+        layer = key[: -len(".lora_a")]
+        delta = scale * (state_dict[layer + ".lora_b"].float() @ lora_a.float())
+        weight = out[layer + ".weight"]
+        out[layer + ".weight"] = (weight.float() + (delta.T if layer in flipped else delta)).to(weight.dtype)
+    return out
+
+
+def merge_lora_(model: nn.Module) -> None:
+    """Fold the adapters of a plain (unsharded) model into its weights and remove them."""
+    for module in list(model.modules()):
+        a = getattr(module, "lora_a", None)
+        if not isinstance(a, torch.Tensor):
+            continue
+        _, _, transposed = _shape_of(module)
+        with torch.no_grad():
+            delta = module.lora_scale * (module.lora_b.float() @ a.float())
+            module.weight.add_((delta.T if transposed else delta).to(module.weight.dtype))
+        module.lora_hook.remove()
+        del module.lora_a, module.lora_b, module.lora_hook
+
+
+def trainable_summary(model: nn.Module) -> str:
+    seen = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in seen.values())
+    train = sum(p.numel() for p in seen.values() if p.requires_grad)
+    return f"{train:,} trainable of {total:,} parameters ({100.0 * train / max(total, 1):.2f}%)"
+
