@@ -49,11 +49,13 @@ class DataName(str, Enum):
     synthetic = "synthetic"  # random tokens, no files: for tests and benchmarks
     stdlib = "stdlib"  # the embedded default corpus: this Python's own standard library sources
     indexed = "indexed"  # Megatron .bin/.idx datasets prepared by `stage=data_preparation`
+    digits = "digits"  # scikit-learn's bundled 8x8 handwritten digits (images and labels; no download)
 
 
 class Stage(str, Enum):
     training = "training"
     data_preparation = "data_preparation"
+    fine_tuning = "fine_tuning"  # supervised fine-tuning on JSONL records (the `finetune` section)
 
 
 class ClusterType(str, Enum):
@@ -248,6 +250,46 @@ class CheckpointConfig:
 
 
 @dataclass
+class FineTuneConfig:
+    """stage=fine_tuning: supervised fine-tuning (framework/finetune/); see docs/fine_tuning.md."""
+    train_file: str = ""  # JSONL: {"prompt", "response"} or {"messages": [{"role", "content"}, ...]} per line
+    valid_file: str = ""  # held-out records; empty: hold out valid_fraction of train_file
+    valid_fraction: float = 0.1
+    packing: bool = True  # several records per row, attention kept inside each; false: one padded record per row
+    # A tokenizer.json, or a directory with a Hugging Face tokenizer (and chat template). Empty: the
+    # tokenizer of checkpoint.init_from's directory, else data.tokenizer, else the stdlib corpus's.
+    tokenizer: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.valid_fraction < 1:
+            raise UserInputError(f"finetune.valid_fraction={self.valid_fraction}: must be between 0 and 1")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    rank: int = 8  # inner size of each adapter
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, in training
+    # Layers adapted, by their last name (Hugging Face spelling; our Llama's wq/wk/wv/wo/w1/w2/w3
+    # answer to q_proj/k_proj/v_proj/o_proj/gate_proj/down_proj/up_proj as well).
+    targets: List[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def __post_init__(self) -> None:
+        _positive("peft.lora", rank=self.rank, alpha=self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise UserInputError(f"peft.lora.dropout={self.dropout}: must be in [0, 1)")
+        if self.enabled and not self.targets:
+            raise UserInputError("peft.lora.targets is empty: name the layers to adapt, e.g. [q_proj,v_proj]")
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (framework/peft/): the base model frozen, adapters trained."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
     jsonl: bool = True  # metrics.jsonl in the run directory
@@ -358,6 +400,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     container: ContainerConfig = field(default_factory=ContainerConfig)
+    finetune: FineTuneConfig = field(default_factory=FineTuneConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     stage: Stage = Stage.training
     dry_run: bool = False  # launcher: write the job files, submit nothing
     run_dir: str = ""  # filled in by main.py from hydra.run.dir; never set by hand
