@@ -43,12 +43,16 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     except UserInputError as exc:  # a section's own check; anything else is a bug (see errors.py)
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
-    if problems:
+    if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
     if os.environ.get("RANK", "0") == "0":
         os.makedirs(cfg.run_dir, exist_ok=True)
         OmegaConf.save(dict_cfg, os.path.join(cfg.run_dir, "config.yaml"), resolve=True)
+    if cfg.stage == Stage.plan:
+        from framework.planner import run_plan
+
+        return run_plan(cfg, problems)
     if cfg.stage == Stage.data_preparation:
         from framework.data.prepare import prepare_data
 

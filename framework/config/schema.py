@@ -55,6 +55,7 @@ class DataName(str, Enum):
 class Stage(str, Enum):
     training = "training"
     data_preparation = "data_preparation"
+    plan = "plan"  # print memory, traffic and step time of the job as configured (framework/planner)
     fine_tuning = "fine_tuning"  # supervised fine-tuning on JSONL records (the `finetune` section)
 
 
@@ -310,6 +311,9 @@ class ClusterConfig:
     nodes: int = 1  # machines; every one runs a torchrun agent with nproc_per_node ranks
     nproc_per_node: int = 2  # processes (ranks) per node
     gpus_per_node: int = 0  # 0: CPU job (no GPU request); otherwise at least nproc_per_node
+    gpu_type: str = "auto"  # planner's device table: auto (h100 with GPUs, else cpu) | h100 | h200 | a100 | cpu
+    gpu_memory_gib: float = 0.0  # memory per rank the planner plans for; 0: the gpu_type's
+    force: bool = False  # launcher: submit even when the planner predicts the job will not fit
     cpus_per_task: int = 0  # Slurm: CPUs for each node's torchrun agent and its ranks (0: Slurm's default)
     partition: str = ""
     account: str = ""
@@ -338,7 +342,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         self.type = _choice("cluster", "type", self.type, ClusterType)
         _positive("cluster", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
-        for name in ("gpus_per_node", "cpus_per_task", "signal_seconds", "chain"):
+        if self.gpu_type not in ("auto", "h100", "h200", "a100", "cpu"):
+            raise UserInputError(f"cluster.gpu_type={self.gpu_type!r}: choose auto, h100, h200, a100 or cpu")
+        for name in ("gpus_per_node", "cpus_per_task", "signal_seconds", "chain", "gpu_memory_gib"):
             if getattr(self, name) < 0:
                 raise UserInputError(f"cluster.{name}={getattr(self, name)}: must be >= 0")
         if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:

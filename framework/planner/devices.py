@@ -1,0 +1,49 @@
+"""Rates of the devices the planner knows: compute peak, memory, and the links between ranks.
+
+GPU rows are the vendors' published dense peaks (SXM parts) and typical links (NVLink within a
+node, one 400 Gb/s InfiniBand NIC per GPU across nodes for H100/H200, 200 Gb/s for A100). Reaching
+the peak is not free: `efficiency` is the fraction of it a well-tuned LLM step sustains (MFU ~0.4-0.55
+on these parts in public reports), and `link_efficiency` the fraction of link bandwidth that ring
+collectives reach. The `cpu` row was measured on the 2-core machine this project is developed on
+(fp32 matmul throughput with one thread per rank, gloo over loopback); its efficiency is 1 because
+the rate is already what a step gets. Override any row from Python (`replace(DEVICES["h100"], ...)`)
+or the peak from the command line (`trainer.peak_tflops`, `cluster.gpu_memory_gib`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gib: float  # per rank
+    tflops_bf16: float  # dense peak for 16-bit matmuls
+    tflops_fp32: float  # dense peak for fp32 matmuls (no TF32)
+    intra_node_gbps: float  # GB/s per rank, one direction, within a node
+    inter_node_gbps: float  # GB/s per rank, one direction, across nodes
+    efficiency: float  # sustained fraction of the compute peak
+    link_efficiency: float  # sustained fraction of the link bandwidth in ring collectives
+    host_memory_gib: float  # per node: where offloaded shards and optimizer state live
+
+    def tflops(self, dtype: str) -> float:
+        return self.tflops_fp32 if dtype == "float32" else self.tflops_bf16
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device("H100 80GB SXM", 80.0, 989.0, 67.0, 450.0, 50.0, 0.5, 0.8, 2048.0),
+    "h200": Device("H200 141GB SXM", 141.0, 989.0, 67.0, 450.0, 50.0, 0.5, 0.8, 2048.0),
+    "a100": Device("A100 80GB SXM", 80.0, 312.0, 19.5, 300.0, 25.0, 0.5, 0.8, 1024.0),
+    # Measured here (bench numbers, 2 shared cores): ~0.05 TFLOP/s fp32 per rank at one thread,
+    # ~2 GB/s gloo loopback; memory: the machine's 24 GiB shared by its ranks (host = the same).
+    "cpu": Device("CPU (this machine, measured)", 24.0, 0.02, 0.05, 2.0, 2.0, 1.0, 1.0, 24.0),
+}
+
+GPU_DEFAULT = "h100"
+
+
+def device_for(gpu_type: str, gpus_per_node: int) -> str:
+    """The table row for `cluster.gpu_type` ("auto": h100 for a GPU job, cpu otherwise)."""
+    if gpu_type == "auto":
+        return GPU_DEFAULT if gpus_per_node > 0 else "cpu"
+    return gpu_type

@@ -1,0 +1,418 @@
+"""Bytes per rank, bytes on the wire and step time of one job, from arithmetic alone (no torch).
+
+The memory model follows our engine (`framework/distributed/fsdp/`) buffer by buffer:
+
+  between steps   fp32 shard + fp32 grad shard per unit ([Note: flat storage]: S = ceil(T / N)
+                  elements per rank, rounded up to the int8 block with quantized communication),
+                  optimizer state on this rank's real elements, the gradient-accumulation buffers
+                  (unsharded, one per unit, once accumulation runs), the gradient buffer pool
+                  (simulated exactly, see `grad_pool_bytes`), the send buffers of the cast or
+                  quantized shards;
+  during a step   the root unit stays gathered from its forward to the end of backward; a block is
+                  gathered while it computes, plus the prefetched next one (ZeRO-3), or every block
+                  stays gathered until backward ends (ZeRO-2); the saved activations of every block
+                  (measured per token: `activation_bytes_per_token`), the logits and the loss.
+
+Traffic follows ENGINE_NOTES.md section 5 and the counters of `collectives.py`: an all-gather counts
+the bytes this rank receives, a reduce-scatter or all-to-all the bytes it sends, an all-reduce the
+ring volume 2 (n-1)/n x bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from framework.planner.devices import Device
+from framework.planner.shapes import (
+    ModelShape,
+    Unit,
+    flops_per_token,
+    param_count,
+    units,
+)
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything the estimate depends on (built from the config by `job_from_config`)."""
+
+    model: ModelShape
+    seq_len: int
+    micro_batch: int
+    global_batch: int  # samples per optimizer step over all data-parallel ranks
+    strategy: str  # full | grad_op | hybrid | no_shard
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    nodes: int
+    nproc_per_node: int
+    device: Device
+    device_key: str = "cpu"
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    optimizer: str = "adamw"  # adamw | sgd
+    momentum: float = 0.9
+    offload: bool = False
+    quantized: bool = False
+    block_size: int = 256
+    activation_checkpointing: str = "none"  # none | full | selective
+    sequence_parallel: bool = False
+    gloo: bool = False  # CPU jobs: gloo's reduce-scatter needs receive scratch (collectives.py)
+    memory_gib: float = 0.0  # per rank; 0: the device's
+    peak_tflops: float = 0.0  # 0: the device's
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches per optimizer step (the trainer's gradient accumulation)."""
+        return max(1, self.global_batch // (self.micro_batch * self.dp))
+
+    @property
+    def budget_bytes(self) -> float:
+        gib = self.memory_gib or self.device.memory_gib
+        if self.device_key == "cpu" and not self.memory_gib:
+            gib = gib / max(1, self.nproc_per_node)  # the ranks of a node share its memory
+        return gib * GIB
+
+
+# ------------------------------------------------------------------ the engine's per-unit layout
+@dataclass(frozen=True)
+class UnitLayout:
+    unit: Unit
+    T: int  # real elements (tp-local)
+    S: int  # elements per rank (padded)
+    N: int  # shard-group size
+    real: int  # of S, the real elements on the rank planned for
+
+    @property
+    def padded(self) -> int:
+        return self.S * self.N
+
+
+def layouts(job: Job, rank: int = 0) -> list[UnitLayout]:
+    """Each unit's flat layout as `framework.distributed.fsdp.flat.build_layout` makes it."""
+    N = job.dp_shard
+    align = job.block_size if job.quantized else 1
+    out = []
+    for u in units(job.model, job.tp):
+        T = u.numel
+        S = max(1, -(-T // N))
+        S = -(-S // align) * align
+        real = min(max(T - rank * S, 0), S)
+        out.append(UnitLayout(u, T, S, N, real))
+    return out
+
+
+def packed_nbytes(n: int, block: int) -> int:
+    return n + 4 * (n // block)
+
+
+def _zero_copy(job: Job, lay: UnitLayout) -> bool:
+    return lay.N == 1 and job.param_dtype == "float32" and not job.offload
+
+
+def optimizer_bytes(job: Job, lay: UnitLayout) -> int:
+    """torch AdamW: exp_avg + exp_avg_sq (fp32) on the real elements, a 4-byte `step` per tensor;
+    SGD with momentum: one buffer."""
+    if job.optimizer == "adamw":
+        return 2 * 4 * lay.real + 4 * len(lay.unit.tensors)
+    return 4 * lay.real if job.momentum > 0 else 0
+
+
+def grad_pool_bytes(job: Job, lays: list[UnitLayout], rank: int = 0) -> int:
+    """Bytes the engine's gradient-buffer pool holds after a step ([Note: the gradient buffer
+    pool] in context.py), by replaying its acquire/release order over one backward."""
+    in_flight_max = 2
+    pool: dict[tuple[str, int], list[int]] = {}
+    created = 0
+    pending: list[list[tuple[tuple[str, int], int]]] = []
+
+    def finish_oldest() -> None:
+        for key, n in pending.pop(0):
+            pool.setdefault(key, []).append(n)
+
+    def acquire(tag: str, numel: int, esize: int) -> tuple[tuple[str, int], int]:
+        nonlocal created
+        key = (tag, esize)
+        while True:
+            free = pool.setdefault(key, [])
+            fits = [n for n in free if n >= numel]
+            if fits:
+                n = min(fits)
+                free.remove(n)
+                return key, n
+            if len(pending) >= in_flight_max:
+                finish_oldest()
+                continue
+            created += numel * esize
+            return key, numel
+
+    _pb, rb = BYTES[job.param_dtype], BYTES[job.reduce_dtype]
+    order = list(reversed(lays[1:])) + lays[:1]  # backward: last block first, the root last
+    for lay in order:
+        held = []
+        in_place = not _zero_copy(job, lay) and job.reduce_dtype == job.param_dtype
+        if not in_place and job.accum == 1:  # with accumulation the reduction reads the accum buffer
+            held.append(acquire("in", lay.padded, rb))
+        direct = rb == 4 and not job.offload
+        quant = job.quantized and lay.N > 1
+        if quant:
+            held.append(acquire("q", lay.S, 4))
+        elif not direct:
+            held.append(acquire("out", lay.S, rb))
+        if not quant and job.gloo and lay.N > 2:
+            k = (lay.N - 1) * lay.S if rank in (0, lay.N - 1) else lay.N * lay.S
+            held.append(acquire("rs", k, rb))
+        pending.append(held)
+        while len(pending) > in_flight_max:
+            finish_oldest()
+    return created
+
+
+@dataclass
+class Memory:
+    """Bytes per rank, by what holds them."""
+
+    params: int = 0  # fp32 shards (the optimizer's parameters)
+    grads: int = 0  # fp32 gradient shards
+    optimizer: int = 0
+    accumulation: int = 0  # unsharded gradients kept across micro-batches (accum > 1)
+    grad_pool: int = 0  # reduce-scatter inputs/outputs/scratch (pooled)
+    send_buffers: int = 0  # cast (bf16) or packed (int8) shards, persistent per unit
+    int8_buffers: int = 0  # int8 receive and all-to-all buffers
+    gathered_peak: int = 0  # unsharded units at the peak (root + current/prefetched blocks)
+    largest_gather: int = 0  # the largest unit's gathered bytes (and its prefetched neighbour)
+    activations: int = 0  # saved for backward, all blocks, as configured
+    activations_no_ckpt: int = 0
+    activations_full_ckpt: int = 0
+    logits: int = 0  # logits, log-softmax and their gradients at the start of backward
+    host: int = 0  # offloaded shards, grads and optimizer state (host memory)
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def between_steps(self) -> int:
+        return (self.model_state + self.accumulation + self.grad_pool + self.send_buffers
+                + self.int8_buffers)
+
+    @property
+    def peak(self) -> int:
+        return self.between_steps + self.gathered_peak + self.activations + self.logits
+
+
+def activation_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
+    """Bytes one transformer block saves for backward per token (no checkpointing).
+
+    Counted with saved-tensor hooks on our Llama block (tests/planner): 10 d + 4 f elements in the
+    compute dtype (block input, two norms' outputs, q, rotary q, attention output, its transposed
+    copy, the residual, the SwiGLU's four f-wide tensors), plus fp32 copies the norms make of 16-bit
+    inputs (6 d bytes per byte saved), the attention's log-sum-exp (4 bytes per head) and the norms'
+    reciprocal roots (8 bytes). Under tp the attention and SwiGLU parts divide by tp.
+    """
+    e = BYTES[dtype]
+    d, f = m.dim, m.ffn_dim
+    replicated = 6 * d * e + 6 * (4 - e) * d  # norms and the residual stream
+    split = (4 * d + 4 * f) * e + 4 * m.n_heads
+    return replicated + split // tp + 8
+
+
+def block_activation_bytes(job: Job, mode: str | None = None) -> tuple[int, int]:
+    """(saved bytes of all blocks, transient extra of recomputing one block) for a micro-batch."""
+    mode = mode or job.activation_checkpointing
+    tokens = job.micro_batch * job.seq_len
+    per_block = activation_bytes_per_token(job.model, job.param_dtype, job.tp) * tokens
+    block_input = job.model.dim * BYTES[job.param_dtype] * tokens
+    L = job.model.n_layers
+    if mode == "none":
+        return L * per_block, 0
+    if mode == "full":
+        return L * block_input, per_block
+    kept = L // 2  # selective: blocks 0, 2, 4, ... recompute; the odd ones keep their activations
+    return (L - kept) * block_input + kept * per_block, per_block
+
+
+def logits_bytes(job: Job) -> int:
+    """The head at the start of backward: fp32 logits, the fp32 log-softmax, and two vocab-wide
+    gradients alive together; the final norm's three saved d-wide tensors."""
+    tokens = job.micro_batch * job.seq_len
+    vocab = -(-job.model.vocab_size // job.tp)
+    e = BYTES[job.param_dtype]
+    return tokens * vocab * (e + 4 + 4 + e) + tokens * job.model.dim * 3 * e
+
+
+def memory(job: Job, rank: int = 0) -> Memory:
+    lays = layouts(job, rank)
+    pb, rb = BYTES[job.param_dtype], BYTES[job.reduce_dtype]
+    mem = Memory()
+    for lay in lays:
+        mem.params += 4 * lay.S
+        mem.grads += 4 * lay.S
+        mem.optimizer += optimizer_bytes(job, lay)
+        if job.accum > 1:
+            mem.accumulation += lay.padded * rb
+        if job.quantized and lay.N > 1:
+            nb = packed_nbytes(lay.S, job.block_size)
+            mem.send_buffers += nb
+            mem.int8_buffers += nb * lay.N + 2 * nb * lay.N  # gather receive; all-to-all send + receive
+        elif job.param_dtype != "float32" or job.offload:
+            mem.send_buffers += lay.S * pb
+    mem.grad_pool = grad_pool_bytes(job, lays, rank)
+    if job.offload:
+        mem.host = mem.params + mem.grads + mem.optimizer
+        mem.params = mem.grads = mem.optimizer = 0
+    full = lambda lay: 0 if _zero_copy(job, lay) else lay.padded * pb
+    root, blocks = lays[0], lays[1:]
+    biggest = max(blocks, key=lambda lay: lay.padded) if blocks else root
+    if job.strategy == "grad_op":
+        gathered = full(root) + sum(full(b) for b in blocks)
+    else:  # the last block gathered again for backward while the one before it is prefetched
+        gathered = full(root) + min(2, len(blocks)) * full(biggest)
+    # The largest parameter's gradient exists once in full before it is copied into its slot.
+    largest_param = max(t.numel for lay in lays for t in lay.unit.tensors)
+    mem.gathered_peak = gathered + largest_param * pb
+    big = max(lays, key=lambda lay: lay.padded)
+    mem.largest_gather = full(big) + (full(biggest) if big is not root else 0)
+    mem.activations_no_ckpt = sum(block_activation_bytes(job, "none"))
+    mem.activations_full_ckpt = sum(block_activation_bytes(job, "full"))
+    mem.activations = sum(block_activation_bytes(job))
+    mem.logits = logits_bytes(job)
+    return mem
+
+
+# ------------------------------------------------------------------ traffic
+@dataclass
+class Traffic:
+    """Bytes per rank per optimizer step, by collective and by mesh dimension."""
+
+    rows: list[dict] = field(default_factory=list)  # {collective, dim, link, bytes, calls}
+
+    def add(self, collective: str, dim: str, link: str, nbytes: int, calls: int) -> None:
+        if nbytes or calls:
+            self.rows.append({"collective": collective, "dim": dim, "link": link, "bytes": int(nbytes), "calls": calls})
+
+    def total(self, **match) -> int:
+        return sum(r["bytes"] for r in self.rows if all(r[k] == v for k, v in match.items()))
+
+    def engine_counters(self) -> dict[str, int]:
+        """In the keys of the engine's `comm_stats()`."""
+        names = {"all_gather": "allgather_bytes", "reduce_scatter": "reduce_scatter_bytes",
+                 "all_reduce": "allreduce_bytes", "all_to_all": "alltoall_bytes"}
+        out = {v: 0 for v in names.values()}
+        out["num_collectives"] = 0
+        for r in self.rows:
+            if r["dim"] in ("dp_shard", "dp_replicate"):
+                out[names[r["collective"]]] += r["bytes"]
+                out["num_collectives"] += r["calls"]
+        return out
+
+
+def _link(job: Job, span: int) -> str:
+    """A group of `span` consecutive ranks (stride 1) is intra-node if it fits one node."""
+    return "intra" if span <= job.nproc_per_node else "inter"
+
+
+def traffic(job: Job) -> Traffic:
+    tr = Traffic()
+    lays = layouts(job)
+    pb, rb = BYTES[job.param_dtype], BYTES[job.reduce_dtype]
+    N, R, t = lays[0].N, job.dp_replicate, job.tp
+    shard_link = _link(job, N * t)  # the shard group's ranks are tp apart: it spans N x tp ranks
+    repl_link = "inter" if job.nodes > 1 and N * t * R > job.nproc_per_node else "intra"
+    gathers = ag_bytes = rs_bytes = a2a_bytes = ar_bytes = 0
+    reduces = 0
+    for i, lay in enumerate(lays):
+        if lay.N > 1:
+            calls = 1 if (i == 0 or job.strategy == "grad_op") else 2
+            gathers += calls
+            if job.quantized:
+                nb = packed_nbytes(lay.S, job.block_size)
+                ag_bytes += calls * (N - 1) * nb
+                a2a_bytes += (N - 1) * (nb * N) // N
+            else:
+                ag_bytes += calls * (N - 1) * lay.S * pb
+                rs_bytes += (N - 1) * lay.S * rb
+            reduces += 1
+        if R > 1:
+            esize = 4 if job.quantized else rb  # the int8 path reduces into an fp32 buffer
+            ar_bytes += 2 * (R - 1) * lay.S * esize // R
+    # With accumulation, forward/backward of every micro-batch gathers; only the last reduces.
+    tr.add("all_gather", "dp_shard", shard_link, ag_bytes * job.accum, gathers * job.accum)
+    if job.quantized:
+        tr.add("all_to_all", "dp_shard", shard_link, a2a_bytes, reduces)
+    else:
+        tr.add("reduce_scatter", "dp_shard", shard_link, rs_bytes, reduces)
+    tr.add("all_reduce", "dp_replicate", repl_link, ar_bytes, len(lays) if R > 1 else 0)
+    if t > 1:
+        # Megatron layout: per block two all-reduces of (batch, seq, dim) in forward (attention and
+        # MLP outputs) and two in backward (their inputs' gradients); the embedding's forward and
+        # the head's backward add one each. Sequence parallel turns each into an all-gather plus a
+        # reduce-scatter of the same total. Recomputation repeats the forward ones.
+        act = job.micro_batch * job.seq_len * job.model.dim * pb
+        L = job.model.n_layers
+        recompute = {"none": 0, "full": L, "selective": (L + 1) // 2}[job.activation_checkpointing]
+        calls = (4 * L + 2 + 2 * recompute) * job.accum
+        tr.add("all_reduce", "tp", _link(job, t), calls * 2 * (t - 1) * act // t, calls)
+    return tr
+
+
+# ------------------------------------------------------------------ time
+@dataclass
+class Timing:
+    compute_s: float
+    comm_s: float  # total communication time if nothing overlapped
+    exposed_s: float  # the part not hidden behind compute
+    step_s: float
+    tokens_per_s: float  # whole job
+    mfu: float
+    peak_tflops: float
+
+
+def timing(job: Job, tr: Traffic | None = None) -> Timing:
+    tr = tr or traffic(job)
+    dev = job.device
+    peak = job.peak_tflops or dev.tflops(job.param_dtype)
+    tokens_rank = job.micro_batch * job.seq_len * job.accum  # per data-parallel rank
+    fpt = flops_per_token(job.model, job.seq_len)
+    recompute = {"none": 0.0, "full": 1.0, "selective": 0.5}[job.activation_checkpointing]
+    # Forward is a third of 6N: recomputation adds one more forward of the checkpointed blocks.
+    flops_rank = fpt * tokens_rank * (1 + recompute / 3) / job.tp
+    compute = flops_rank / (peak * 1e12 * dev.efficiency)
+    bw = {"intra": dev.intra_node_gbps, "inter": dev.inter_node_gbps}
+    comm = {"dp": 0.0, "tp": 0.0}
+    for r in tr.rows:
+        seconds = r["bytes"] / (bw[r["link"]] * 1e9 * dev.link_efficiency)
+        comm["tp" if r["dim"] == "tp" else "dp"] += seconds
+    lays = layouts(job)
+    n_units = max(1, len(lays))
+    # Sharded-dp traffic overlaps compute unit by unit (prefetch, async reduce); the first gather
+    # and the last reduction cannot, and a step can never be shorter than its communication.
+    # Tensor-parallel collectives sit on the critical path of every block.
+    first_last = 2 * comm["dp"] / (n_units * (2 if job.strategy != "grad_op" else 1))
+    overlapped = max(compute, comm["dp"])
+    step = overlapped + first_last + comm["tp"]
+    if job.offload:  # shards and grads cross PCIe (~25 GB/s) every step, optimizer on the host
+        host_bytes = sum(lay.S for lay in lays) * (BYTES[job.param_dtype] + 4)
+        step += host_bytes / 25e9 + sum(lay.S for lay in lays) * 16 / 10e9
+    exposed = step - compute
+    tokens = tokens_rank * job.dp / step
+    mfu = fpt * tokens_rank * job.dp / step / (job.world * peak * 1e12)
+    return Timing(compute, comm["dp"] + comm["tp"], exposed, step, tokens, mfu, peak)
+
+
+def with_changes(job: Job, **changes) -> Job:
+    return replace(job, **changes)
+
+
+def total_params(job: Job) -> int:
+    return param_count(job.model)

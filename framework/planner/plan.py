@@ -1,0 +1,353 @@
+"""The plan of one job: from the typed config to the estimate, the verdict and the advice.
+
+    python main.py stage=plan model=llama_70b cluster.nodes=16 cluster.nproc_per_node=8 cluster.gpus_per_node=8
+
+`make_plan(cfg)` is pure (no torch, nothing allocated); `run_plan` prints it and writes plan.json
+into the run directory; the launcher calls `fit_problems` before it writes a job.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+from framework.config.schema import Config
+from framework.distributed.parallel_dims import resolve_parallel_dims
+from framework.planner.devices import DEVICES, device_for
+from framework.planner.estimate import (
+    GIB,
+    Job,
+    Memory,
+    Timing,
+    Traffic,
+    layouts,
+    memory,
+    timing,
+    total_params,
+    traffic,
+)
+from framework.planner.shapes import ModelShape
+
+EXIT_BAD_INPUT = 2
+
+
+def _vocab(cfg: Config) -> int:
+    if cfg.model.vocab_size > 0:
+        return cfg.model.vocab_size
+    return cfg.data.vocab_size  # the tokenizer data preparation trains has this size
+
+
+def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
+    """The job `cfg` describes; raises ValueError (naming the field) when the mesh cannot be built."""
+    c, p, t, m = cfg.cluster, cfg.parallelism, cfg.trainer, cfg.model
+    world = world_size or c.nodes * c.nproc_per_node
+    dims = resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world, c.nproc_per_node)
+    key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
+    if key not in DEVICES:
+        raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")
+    shape = ModelShape(_vocab(cfg), m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.tie_embeddings)
+    return Job(
+        model=shape, seq_len=cfg.data.seq_len, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
+        strategy=p.strategy.value, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
+        nodes=c.nodes, nproc_per_node=c.nproc_per_node, device=DEVICES[key], device_key=key,
+        param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype, optimizer=cfg.optimizer.name.value,
+        momentum=cfg.optimizer.momentum, offload=p.cpu_offload, quantized=p.quantized_comm,
+        activation_checkpointing=p.activation_checkpointing.value, sequence_parallel=p.sequence_parallel,
+        gloo=key == "cpu", memory_gib=float(getattr(c, "gpu_memory_gib", 0.0) or 0.0),
+        peak_tflops=t.peak_tflops,
+    )
+
+
+@dataclass
+class Estimate:
+    job: Job
+    memory: Memory
+    traffic: Traffic
+    timing: Timing
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.job.budget_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        per_node = self.memory.host * min(self.job.nproc_per_node, self.job.world)
+        return per_node <= self.job.device.host_memory_gib * GIB
+
+
+def estimate(job: Job) -> Estimate:
+    tr = traffic(job)
+    return Estimate(job, memory(job), tr, timing(job, tr))
+
+
+@dataclass
+class Change:
+    overrides: list[str]  # what to add to the command line
+    why: str
+    estimate: Estimate
+
+
+@dataclass
+class PlanResult:
+    estimate: Estimate
+    changes: list[Change] = field(default_factory=list)  # when it does not fit: ones that do
+    notes: list[str] = field(default_factory=list)
+
+
+def _ranks_options(job: Job) -> list[tuple[int, int]]:
+    """(nodes, ranks per node) with more ranks, smallest first."""
+    per_node = job.nproc_per_node
+    gpus = 8 if job.device_key != "cpu" else per_node
+    out = []
+    if per_node < gpus:
+        out.append((job.nodes, gpus))
+        per_node = gpus
+    nodes = job.nodes
+    while nodes < 4096:
+        nodes *= 2
+        out.append((nodes, per_node))
+    return out
+
+
+def _with_world(job: Job, nodes: int, per_node: int) -> Job:
+    world = nodes * per_node
+    if job.strategy == "hybrid":
+        shard = max(1, per_node // job.tp)
+        return replace(job, nodes=nodes, nproc_per_node=per_node, dp_shard=shard,
+                       dp_replicate=world // (shard * job.tp))
+    if job.strategy == "no_shard":
+        return replace(job, nodes=nodes, nproc_per_node=per_node, dp_replicate=world // job.tp)
+    return replace(job, nodes=nodes, nproc_per_node=per_node, dp_shard=world // (job.tp * job.dp_replicate))
+
+
+def _tp_ok(job: Job, tp: int) -> bool:
+    m = job.model
+    world = job.world
+    return (tp <= job.nproc_per_node and world % tp == 0 and m.n_heads % tp == 0 and m.n_kv_heads % tp == 0
+            and m.dim % tp == 0 and m.ffn_dim % tp == 0)
+
+
+def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
+    """Families of changes, each a list of settings from the smallest change up."""
+    fams: list[tuple[str, list[tuple[list[str], str, Job]]]] = []
+    if job.strategy in ("no_shard", "grad_op", "hybrid"):
+        full = replace(job, strategy="full", dp_shard=job.dp, dp_replicate=1)
+        fams.append(("shard", [(["parallelism.strategy=full", "parallelism.dp_replicate=1", "parallelism.dp_shard=-1"],
+                                "shard everything over all data-parallel ranks (ZeRO-3)", full)]))
+    if job.activation_checkpointing != "full":
+        fams.append(("ckpt", [(["parallelism.activation_checkpointing=full"],
+                               "recompute every block in backward",
+                               replace(job, activation_checkpointing="full"))]))
+    mb = []
+    m = job.micro_batch
+    while m > 1:
+        m //= 2
+        new = replace(job, micro_batch=m)
+        mb.append(([f"trainer.micro_batch_size={m}"], f"micro-batch {m} ({new.accum} accumulation steps)", new))
+    if mb:
+        fams.append(("micro", mb))
+    tps = []
+    for tp in (2, 4, 8):
+        if tp > job.tp and _tp_ok(job, tp):
+            dp_total = job.world // tp
+            if job.strategy == "hybrid":
+                shard = max(1, job.nproc_per_node // tp)
+                new = replace(job, tp=tp, dp_shard=shard, dp_replicate=dp_total // shard)
+            elif job.strategy == "no_shard":
+                new = replace(job, tp=tp, dp_replicate=dp_total)
+            else:
+                new = replace(job, tp=tp, dp_shard=dp_total // job.dp_replicate)
+            tps.append(([f"parallelism.tp={tp}"], f"tensor parallel over {tp} ranks of a node", new))
+    if tps:
+        fams.append(("tp", tps))
+    if job.param_dtype == "float32":
+        fams.append(("bf16", [(["parallelism.param_dtype=bfloat16"],
+                               "gather and compute in bfloat16 (fp32 master shards stay)",
+                               replace(job, param_dtype="bfloat16"))]))
+    if not job.offload and not job.quantized:
+        fams.append(("offload", [(["parallelism.cpu_offload=true"],
+                                  "keep shards, gradients and optimizer state in host memory",
+                                  replace(job, offload=True))]))
+    ranks = []
+    for nodes, per_node in _ranks_options(job):
+        new = _with_world(job, nodes, per_node)
+        ov = [f"cluster.nodes={nodes}", f"cluster.nproc_per_node={per_node}"]
+        if job.device_key != "cpu":
+            ov.append(f"cluster.gpus_per_node={max(per_node, 8)}")
+        ranks.append((ov, f"{nodes * per_node} ranks ({nodes} x {per_node})", new))
+    fams.append(("ranks", ranks))
+    return fams
+
+
+def advise(job: Job, limit: int = 4) -> list[Change]:
+    """The smallest change of each kind that makes the job fit, fastest first; if no single change
+    does, the smallest number of ranks that fits with checkpointing and bf16 compute."""
+    found: list[Change] = []
+    for _, options in _candidates(job):
+        for overrides, why, new in options:
+            est = estimate(new)
+            if est.fits:
+                found.append(Change(overrides, why, est))
+                break
+    combined = job.activation_checkpointing != "full" or job.param_dtype == "float32"
+    if combined:  # the fewest ranks with cheaper activations and compute copies, beside the single changes
+        base_ov, base = [], job
+        if job.activation_checkpointing != "full":
+            base_ov.append("parallelism.activation_checkpointing=full")
+            base = replace(base, activation_checkpointing="full")
+        if job.param_dtype == "float32":
+            base_ov.append("parallelism.param_dtype=bfloat16")
+            base = replace(base, param_dtype="bfloat16")
+        for overrides, why, new in dict(_candidates(base))["ranks"]:
+            est = estimate(new)
+            if est.fits:
+                found.append(Change(base_ov + overrides, f"{why}, with checkpointing and bf16 compute", est))
+                break
+    found.sort(key=lambda c: c.estimate.timing.step_s)
+    return found[:limit]
+
+
+def make_plan(cfg: Config, world_size: int | None = None) -> PlanResult:
+    job = job_from_config(cfg, world_size)
+    est = estimate(job)
+    result = PlanResult(est)
+    if not est.fits:
+        result.changes = advise(job)
+    if cfg.parallelism.engine.value == "torch":
+        result.notes.append("parallelism.engine=torch: planned with our engine's buffers; torch's "
+                            "fully_shard keeps per-parameter buffers of the same sizes")
+    return result
+
+
+# ------------------------------------------------------------------ reporting
+def _gib(n: float) -> str:
+    return f"{n / GIB:9.2f}"
+
+
+def _verdict(est: Estimate) -> str:
+    job = est.job
+    budget = job.budget_bytes
+    if est.fits:
+        return (f"fits: peak {est.memory.peak / GIB:.1f} GiB of {budget / GIB:.1f} GiB per rank "
+                f"({100 * est.memory.peak / budget:.0f}%)")
+    if est.memory.peak > budget:
+        return (f"does NOT fit: the peak of {est.memory.peak / GIB:.1f} GiB per rank exceeds the "
+                f"{budget / GIB:.1f} GiB of the device (set cluster.gpu_memory_gib if yours differs)")
+    return (f"does NOT fit: offloaded state needs {est.memory.host * job.nproc_per_node / GIB:.0f} GiB of "
+            f"host memory per node, more than {job.device.host_memory_gib:.0f} GiB")
+
+
+def format_plan(result: PlanResult, model_name: str = "") -> str:
+    est = result.estimate
+    job, mem, tr, tm = est.job, est.memory, est.traffic, est.timing
+    n = total_params(job)
+    lays = layouts(job)
+    per_rank = sum(lay.real for lay in lays)
+    lines = [
+        (f"Plan: model={model_name or '?'} ({n / 1e9:.3f}B parameters, {per_rank / 1e6:.1f}M per rank), "
+        f"{job.world} ranks = {job.nodes} node(s) x {job.nproc_per_node}, {job.device.name}"),
+        f"  mesh dp_replicate={job.dp_replicate} x dp_shard={job.dp_shard} x tp={job.tp}; "
+        f"strategy={job.strategy}, param {job.param_dtype}, reduce {job.reduce_dtype}, "
+        f"optimizer {job.optimizer}, checkpointing {job.activation_checkpointing}"
+        + (", offload" if job.offload else "") + (", int8 comm" if job.quantized else ""),
+        (f"  batch: micro {job.micro_batch} x seq {job.seq_len} x accumulation {job.accum} x dp {job.dp} = "
+        f"{job.micro_batch * job.seq_len * job.accum * job.dp} tokens/step"),
+        "",
+        "Memory per rank                         GiB",
+        f"  parameters (fp32 shards)        {_gib(mem.params)}",
+        f"  gradients (fp32 shards)         {_gib(mem.grads)}",
+        f"  optimizer state                 {_gib(mem.optimizer)}",
+    ]
+    if mem.host:
+        lines.append(f"  offloaded to host memory        {_gib(mem.host)}")
+    lines += [
+        f"  accumulation buffers            {_gib(mem.accumulation)}",
+        f"  reduce buffers (pool)           {_gib(mem.grad_pool)}",
+        f"  send buffers (cast / int8)      {_gib(mem.send_buffers + mem.int8_buffers)}",
+        f"  gathered units at the peak      {_gib(mem.gathered_peak)}   (largest unit's all-gather + prefetch: {mem.largest_gather / GIB:.2f})",
+        (f"  activations ({job.activation_checkpointing:>9})        {_gib(mem.activations)}   "
+        f"(none: {mem.activations_no_ckpt / GIB:.2f}, full checkpointing: {mem.activations_full_ckpt / GIB:.2f})"),
+        f"  logits and loss                 {_gib(mem.logits)}",
+        f"  peak (start of backward)        {_gib(mem.peak)}   of {job.budget_bytes / GIB:.1f}",
+        "",
+        "Traffic per rank per step              GiB     calls",
+    ]
+    for r in tr.rows:
+        lines.append(f"  {r['collective']:14} {r['dim']:12} {r['link']:5} {_gib(r['bytes'])} {r['calls']:8d}")
+    if not tr.rows:
+        lines.append("  none (one rank)")
+    lines += [
+        "",
+        (f"Step time (estimate, {job.device.name}, {tm.peak_tflops:g} TFLOP/s peak, "
+        f"{job.device.efficiency:.0%} sustained):"),
+        (f"  compute {tm.compute_s:.3f} s, communication {tm.comm_s:.3f} s (exposed {tm.exposed_s:.3f} s), "
+        f"step {tm.step_s:.3f} s, {tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.1f}%"),
+        "",
+        "Verdict: " + _verdict(est),
+    ]
+    if result.changes:
+        lines.append("Smallest changes that fit (predicted peak per rank, step time):")
+        for ch in result.changes:
+            lines.append(f"  {' '.join(ch.overrides)}   # {ch.why}: {ch.estimate.memory.peak / GIB:.1f} GiB, "
+                         f"{ch.estimate.timing.step_s:.2f} s/step")
+    elif not est.fits:
+        lines.append("No single change found that fits; reduce the model or add hardware.")
+    for note in result.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def plan_json(result: PlanResult) -> dict:
+    est = result.estimate
+    mem = asdict(est.memory)
+    mem.update(model_state=est.memory.model_state, between_steps=est.memory.between_steps, peak=est.memory.peak)
+    job = asdict(est.job)
+    return {
+        "job": job, "params": total_params(est.job), "memory_bytes": mem, "traffic": est.traffic.rows,
+        "timing": asdict(est.timing), "fits": est.fits, "budget_bytes": est.job.budget_bytes,
+        "changes": [{"overrides": c.overrides, "why": c.why, "peak_bytes": c.estimate.memory.peak,
+                     "step_s": c.estimate.timing.step_s} for c in result.changes],
+        "notes": result.notes,
+    }
+
+
+def fit_problems(cfg: Config, world_size: int | None = None) -> list[str]:
+    """For the launcher: one line per reason the job will not fit, with the advice (empty: fits)."""
+    result = make_plan(cfg, world_size)
+    if result.estimate.fits:
+        return []
+    advice = "; ".join(" ".join(c.overrides) for c in result.changes) or "no single change fits"
+    return [(f"{cfg.model.name}: {_verdict(result.estimate)}. Changes that fit: {advice} "
+            "(or set cluster.force=true to submit anyway)")]
+
+
+def run_plan(cfg: Config, problems: list[str]) -> int:
+    """stage=plan: print the plan, write plan.json into the run directory. Problems the training
+    stage would refuse are printed too; the plan is made unless the mesh itself is impossible."""
+    try:
+        result = make_plan(cfg)
+    except ValueError as exc:
+        for line in problems or [str(exc)]:
+            print(f"error: {line}")
+        return EXIT_BAD_INPUT
+    result.notes += [f"the training stage would refuse this config: {p}" for p in problems]
+    print(format_plan(result, cfg.model.name), flush=True)
+    if cfg.run_dir:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        path = os.path.join(cfg.run_dir, "plan.json")
+        with open(path, "w") as f:
+            json.dump(plan_json(result), f, indent=1, default=str)
+        print(f"wrote {path}")
+    return 0
+
+
+__all__ = [
+    "advise",
+    "estimate",
+    "fit_problems",
+    "format_plan",
+    "job_from_config",
+    "make_plan",
+    "plan_json",
+    "run_plan",
+]
