@@ -61,28 +61,47 @@ def split_digits(seed: int, test_fraction: float = 0.2) -> tuple[DigitsSplit, Di
 
 
 class ImageBatchLoader(GlobalBatchLoader):
-    """`GlobalBatchLoader` over (image, label) samples: `next_batch` gives (images, labels)."""
+    """`GlobalBatchLoader` over (image, label) samples: `next_batch` gives {"inputs", "labels"}."""
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> dict:
         indices = self.sample_indices()
         self._micro_step += 1
         if self._micro_step == self.accum_steps:
             self._micro_step = 0
             self.consumed += self.global_batch
         images, labels = zip(*(self.source.item(i) for i in indices))
-        return torch.stack(images), torch.stack(labels)
+        return {"inputs": torch.stack(images), "labels": torch.stack(labels)}
 
     def sample_indices(self) -> list:
         # Indices run on past the end: DigitsSplit maps them to the next epoch's order.
         start = self.consumed + (self._micro_step * self.dp_size + self.dp_rank) * self.micro
         return [start + i for i in range(self.micro)]
 
-    def shard_of_split(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data-parallel rank's share of the whole split, in order (for a full evaluation:
-        every sample is seen by exactly one rank)."""
+    def whole_split(self) -> list:
+        """This data-parallel rank's share of the whole split in micro-batches, every sample seen
+        by exactly one rank (a full evaluation). Ranks get the same number of batches (the last
+        ones may be empty), so collectives inside the model's forward stay matched."""
         n = len(self.source)
-        indices = list(range(self.dp_rank, n, self.dp_size))
-        images, labels = zip(*(self.source.item(i) for i in indices)) if indices else ((), ())
-        if not indices:
-            return torch.empty(0, 1, IMAGE_SIZE, IMAGE_SIZE), torch.empty(0, dtype=torch.long)
-        return torch.stack(images), torch.stack(labels)
+        per_rank = -(-n // self.dp_size)
+        batches = []
+        for start in range(0, per_rank, self.micro):
+            indices = [i * self.dp_size + self.dp_rank for i in range(start, min(start + self.micro, per_rank))]
+            indices = [i for i in indices if i < n]
+            if indices:
+                images, labels = zip(*(self.source.item(i) for i in indices))
+                batches.append({"inputs": torch.stack(images), "labels": torch.stack(labels)})
+            else:
+                batches.append({"inputs": torch.empty(0, 1, IMAGE_SIZE, IMAGE_SIZE),
+                                "labels": torch.empty(0, dtype=torch.long)})
+        return batches
+
+
+def build_digits_data(*, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
+                      seed: int):
+    """data=digits: the training split and the held-out test split (the validation loader)."""
+    from framework.data.build import DataBundle
+
+    train, test = split_digits(seed)
+    kw = {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
+          "dp_rank": dp_rank, "dp_size": dp_size}
+    return DataBundle(ImageBatchLoader(train, **kw), ImageBatchLoader(test, **kw), vocab_size=NUM_CLASSES)

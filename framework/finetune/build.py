@@ -1,0 +1,67 @@
+"""The data of `stage=fine_tuning`: tokenizer, records, rows and loaders, from the config."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from framework.config.schema import Config
+from framework.data.build import DataBundle
+from framework.errors import UserInputError
+from framework.finetune.data import (
+    RowBatchLoader,
+    RowSource,
+    SFTTokenizer,
+    build_rows,
+    load_tokenizer,
+    read_records,
+    split_records,
+)
+
+
+def resolve_tokenizer(cfg: Config, *, is_main: bool = True, barrier=lambda: None) -> SFTTokenizer:
+    """finetune.tokenizer; else the tokenizer in checkpoint.init_from's directory; else
+    data.tokenizer; else the stdlib corpus's tokenizer (the main job's pre-training data)."""
+    if cfg.finetune.tokenizer:
+        return load_tokenizer(cfg.finetune.tokenizer)
+    init = cfg.checkpoint.init_from
+    if init and os.path.isdir(init):
+        if os.path.isfile(os.path.join(init, "tokenizer_config.json")):
+            return load_tokenizer(init)
+        if os.path.isfile(os.path.join(init, "tokenizer.json")):
+            return load_tokenizer(os.path.join(init, "tokenizer.json"))
+    if cfg.data.tokenizer:
+        return load_tokenizer(cfg.data.tokenizer)
+    from framework.data.prepare import default_tokenizer_for
+    from framework.data.stdlib import ensure_stdlib
+
+    prefix = ensure_stdlib(cfg.data.cache_dir, cfg.data.vocab_size, cfg.data.workers, is_main=is_main,
+                           barrier=barrier)
+    return load_tokenizer(default_tokenizer_for(prefix))
+
+
+def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundle:
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    tok = resolve_tokenizer(cfg, is_main=not distributed or dist.get_rank() == 0,
+                            barrier=dist.barrier if distributed else (lambda: None))
+    f, t = cfg.finetune, cfg.trainer
+    if not f.train_file:
+        raise UserInputError("stage=fine_tuning needs finetune.train_file (a JSONL file of records)")
+    records = read_records(f.train_file)
+    if f.valid_file:
+        train, valid = records, read_records(f.valid_file)
+    else:
+        train, valid = split_records(records, f.valid_fraction, t.seed)
+    seq_len = cfg.data.seq_len
+    train_rows, valid_rows = (build_rows(r, tok, seq_len, f.packing) for r in (train, valid))
+    if not train_rows or not valid_rows:
+        raise UserInputError(f"finetune: no {'training' if not train_rows else 'validation'} record has a "
+                             f"response token within data.seq_len={seq_len}; raise data.seq_len")
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
+    train_rows = [train_rows[i] for i in order]
+    kw = {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+              "dp_rank": dp_rank, "dp_size": dp_size}
+    return DataBundle(RowBatchLoader(RowSource(train_rows), **kw), RowBatchLoader(RowSource(valid_rows), **kw),
+                      vocab_size=tok.vocab_size, tokenizer=tok)

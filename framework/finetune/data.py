@@ -1,0 +1,254 @@
+"""Supervised fine-tuning data: JSONL records -> rows of token ids with the loss on responses only.
+
+A record is one line of JSON, either
+
+    {"prompt": "...", "response": "..."}
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+
+Each record becomes one document: its token ids and, per token, the label the model must predict
+there (the next token), or -100 where nothing is learned. Only response tokens (and the
+end-of-document token after each response) carry labels; prompt, system and user tokens are -100,
+so they shape the context but not the loss. Chat records use the tokenizer's own chat template
+when it has one (a Hugging Face tokenizer directory with `chat_template`), else a plain built-in
+one (`<|role|>` lines).
+
+[Note: packed rows keep documents apart]
+With packing, documents are laid end to end in rows of `seq_len` tokens (first fit, in order; a
+document longer than a row is cut). Each token carries its position inside its document and its
+document's number in the row; the model attends only within a document and restarts the rotary
+positions at each document's start, so a packed row computes exactly what the documents would
+alone (tested: the logits are equal). Without packing each row holds one document, padded at the
+end (labels -100): causal attention never looks ahead, so padding needs no mask.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from framework.data.loader import GlobalBatchLoader
+from framework.errors import UserInputError
+
+IGNORE_INDEX = -100
+PAD_DOCUMENT = -1  # the document id of padding in a packed row
+
+
+@dataclass
+class Document:
+    ids: list  # token ids of the whole record, ending with the end-of-document token
+    train: list  # per token: True where the token is a response token (a prediction target)
+
+
+class SFTTokenizer:
+    """What fine-tuning needs from a tokenizer: encode, the end-of-document id, and a chat
+    template when the tokenizer has one. Wraps our `BPETokenizer` or a Hugging Face tokenizer."""
+
+    def __init__(self, tokenizer, eod: int, hf=None):
+        self.tokenizer, self.eod, self.hf = tokenizer, eod, hf
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf) if self.hf is not None else self.tokenizer.vocab_size
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.hf is not None and getattr(self.hf, "chat_template", None) is not None
+
+    def encode(self, text: str) -> list:
+        if self.hf is not None:
+            return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids) -> str:
+        if self.hf is not None:
+            return self.hf.decode(list(ids))
+        return self.tokenizer.decode(list(ids))
+
+    def chat_ids(self, messages: list, add_generation_prompt: bool = False) -> list:
+        out = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):  # a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+
+def load_tokenizer(path: str) -> SFTTokenizer:
+    """A tokenizer.json file (ours), or a directory holding a Hugging Face tokenizer (its chat
+    template included when it has one)."""
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise UserInputError(f"finetune.tokenizer={path}: the directory holds no tokenizer.json or "
+                                 "tokenizer_config.json; give a tokenizer file or directory")
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        eod = hf.eos_token_id if hf.eos_token_id is not None else len(hf) - 1
+        return SFTTokenizer(None, eod, hf=hf)
+    from framework.data.tokenizer import BPETokenizer
+
+    tok = BPETokenizer(path)
+    return SFTTokenizer(tok, tok.eod)
+
+
+def read_records(path: str) -> list:
+    """The JSONL records of `path`; a line that is not a record is refused naming file and line."""
+    if not os.path.isfile(path):
+        raise UserInputError(f"finetune: {path} does not exist; give a JSONL file of "
+                             '{"prompt", "response"} or {"messages": [...]} records')
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserInputError(f"{path}:{number}: not JSON ({exc.msg}); each line must be one record") from None
+            if not _valid(record):
+                raise UserInputError(f"{path}:{number}: a record needs string fields \"prompt\" and \"response\", "
+                                     'or "messages": a list of {"role", "content"} with an assistant turn')
+            records.append(record)
+    if not records:
+        raise UserInputError(f"finetune: {path} holds no records")
+    return records
+
+
+def _valid(record) -> bool:
+    if not isinstance(record, dict):
+        return False
+    if "messages" in record:
+        msgs = record["messages"]
+        return (isinstance(msgs, list) and bool(msgs)
+                and all(isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                        for m in msgs)
+                and any(m["role"] == "assistant" for m in msgs))
+    return isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)
+
+
+def encode_record(record: dict, tok: SFTTokenizer) -> Document:
+    """One record as a document: ids and which of them are response tokens."""
+    if "messages" not in record:
+        prompt, response = tok.encode(record["prompt"]), tok.encode(record["response"]) + [tok.eod]
+        return Document(prompt + response, [False] * len(prompt) + [True] * len(response))
+    if tok.has_chat_template:
+        return _encode_with_template(record["messages"], tok)
+    ids, train = [], []
+    for message in record["messages"]:
+        header = tok.encode(f"<|{message['role']}|>\n")
+        body = tok.encode(message["content"]) + [tok.eod]
+        ids += header + body
+        train += [False] * len(header) + [message["role"] == "assistant"] * len(body)
+    return Document(ids, train)
+
+
+def _encode_with_template(messages: list, tok: SFTTokenizer) -> Document:
+    """The template renders the whole conversation; an assistant turn's tokens are those the
+    rendering up to and including it adds after the rendering up to its generation prompt."""
+    ids = tok.chat_ids(messages)
+    train = [False] * len(ids)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(tok.chat_ids(messages[:index], add_generation_prompt=True))
+        end = len(tok.chat_ids(messages[: index + 1]))
+        for position in range(start, min(end, len(ids))):
+            train[position] = True
+    return Document(ids, train)
+
+
+def _shifted(doc: Document, seq_len: int):
+    """(inputs, labels) of a document for next-token prediction, cut to `seq_len`."""
+    inputs = doc.ids[:-1][:seq_len]
+    labels = [tok if learn else IGNORE_INDEX for tok, learn in zip(doc.ids[1:], doc.train[1:])][:seq_len]
+    return inputs, labels
+
+
+def pack(documents: list, seq_len: int, pad_id: int) -> list:
+    """Rows of `seq_len` tokens, several documents per row (first fit in order): each row a dict
+    of `input_ids`, `labels`, `positions` (inside the document) and `document_ids` ([Note: packed
+    rows keep documents apart])."""
+    rows: list = []  # each: list of (inputs, labels)
+    room: list = []
+    for doc in documents:
+        inputs, labels = _shifted(doc, seq_len)
+        if not inputs or all(label == IGNORE_INDEX for label in labels):
+            continue  # nothing to learn (an empty or fully cut response)
+        for index, free in enumerate(room):
+            if free >= len(inputs):
+                rows[index].append((inputs, labels))
+                room[index] -= len(inputs)
+                break
+        else:
+            rows.append([(inputs, labels)])
+            room.append(seq_len - len(inputs))
+    out = []
+    for row in rows:
+        ids, labels, positions, documents_ = [], [], [], []
+        for number, (inputs, doc_labels) in enumerate(row):
+            ids += inputs
+            labels += doc_labels
+            positions += range(len(inputs))
+            documents_ += [number] * len(inputs)
+        pad = seq_len - len(ids)
+        out.append({
+            "input_ids": torch.tensor(ids + [pad_id] * pad),
+            "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+            "positions": torch.tensor(positions + [0] * pad),
+            "document_ids": torch.tensor(documents_ + [PAD_DOCUMENT] * pad),
+        })
+    return out
+
+
+def pad_rows(documents: list, seq_len: int, pad_id: int) -> list:
+    """One document per row, padded at the end to `seq_len` (cut when longer)."""
+    out = []
+    for doc in documents:
+        inputs, labels = _shifted(doc, seq_len)
+        if not inputs or all(label == IGNORE_INDEX for label in labels):
+            continue
+        pad = seq_len - len(inputs)
+        out.append({"input_ids": torch.tensor(inputs + [pad_id] * pad),
+                    "labels": torch.tensor(labels + [IGNORE_INDEX] * pad)})
+    return out
+
+
+class RowSource:
+    """A list of prepared rows (dicts of tensors), indexable like the token sources."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+
+def split_records(records: list, valid_fraction: float, seed: int):
+    """(train, valid) by a seeded permutation; at least one record in each."""
+    if len(records) < 2:
+        raise UserInputError("finetune: at least 2 records are needed (one held out for validation)")
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_valid = min(len(records) - 1, max(1, round(len(records) * valid_fraction)))
+    return [records[i] for i in order[n_valid:]], [records[i] for i in order[:n_valid]]
+
+
+class RowBatchLoader(GlobalBatchLoader):
+    """`GlobalBatchLoader` over rows that are dicts of tensors: `next_batch` gives a dict of
+    stacked tensors, in the same global sample order ([Note: global sample order])."""
+
+    def next_batch(self) -> dict:
+        indices = self.sample_indices()
+        self._micro_step += 1
+        if self._micro_step == self.accum_steps:
+            self._micro_step = 0
+            self.consumed += self.global_batch
+        rows = [self.source[i] for i in indices]
+        return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def build_rows(records: list, tok: SFTTokenizer, seq_len: int, packing: bool) -> list:
+    documents = [encode_record(r, tok) for r in records]
+    return (pack if packing else pad_rows)(documents, seq_len, pad_id=tok.eod)
