@@ -43,6 +43,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str, steps: int) -> dict:
     from framework.distributed.parallel_dims import ParallelDims, build_mesh
     from framework.distributed.parallelize import clip_grad_norm, parallelize
+    from framework.models.llama import FAMILY as LLAMA
     from framework.distributed.tensor_parallel import full, loss_context
     from framework.models.llama import build_llama
     from framework.trainer import loss_fn
@@ -54,7 +55,7 @@ def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str,
     model.init_weights(seed=0)
     cfg = ParallelismConfig(engine=Engine(engine), dp_shard=dp_shard, tp=tp, sequence_parallel=sp)
     try:
-        model = parallelize(model, dims, mesh, cfg)
+        model = parallelize(model, dims, mesh, cfg, LLAMA)
     except NotImplementedError as exc:
         return {"refused": str(exc)}
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -17,15 +17,15 @@ from framework.config.validate import parallel_dims_of
 from framework.data import build_data
 from framework.distributed.parallel_dims import build_mesh
 from framework.distributed.parallelize import clip_grad_norm, parallelize
-from framework.distributed.runtime import Runtime, init_distributed, shutdown
+from framework.distributed.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.distributed.tensor_parallel import full, loss_context
+from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInputError
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
-from framework.models import build_model
+from framework.models import family_of
+from framework.models.tasks import to_device
 from framework.optim import build_optimizer, build_scheduler
 from framework.stop import StopPolicy
 from framework.train_state import TrainState
-
-EXIT_DIVERGED = 3  # a NaN/inf loss stopped the run
 
 
 class TrainingDiverged(RuntimeError):
@@ -49,24 +49,28 @@ class Trainer:
                         + self.mesh.get_local_rank("dp_shard"))
         torch.manual_seed(t.seed)
 
-        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, micro_batch_size=t.micro_batch_size,
-                               global_batch_size=t.global_batch_size, dp_rank=self.dp_rank,
-                               dp_size=self.dims.dp, seed=t.seed)
+        # The model family (framework/models/registry.py) and its task: how a batch becomes a loss.
+        self.family = family = family_of(cfg.model)
+        self.task = family.task(cfg.model)
+        self.data = build_data(cfg.data, vocab_size=family.vocab_size(cfg.model),
+                               micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                               dp_rank=self.dp_rank, dp_size=self.dims.dp, seed=t.seed,
+                               sample_kind=self.task.sample_kind, num_labels=cfg.model.num_labels)
         model_cfg = dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size)
         # Small models are materialised identically on every rank (same seed, then sharded), so a
         # run's numbers do not depend on its layout; large ones are built on the meta device and
         # initialised shard by shard after sharding, never whole on one rank.
-        self.num_params = build_model(model_cfg, "meta").num_params()
+        self.num_params = family.num_params(family.build(model_cfg, "meta"))
         meta = cfg.model.meta_init if cfg.model.meta_init is not None \
             else 4 * self.num_params > 4 * 2**30  # fp32 bytes of the whole model
-        model = build_model(model_cfg, "meta" if meta else "cpu")
+        model = family.build(model_cfg, "meta" if meta else "cpu")
         if not meta:
-            model.init_weights(seed=t.seed)
-        self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism)
+            family.init_weights(model, t.seed)
+        self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
         if meta:
             self.model.to_empty(device=rt.device)
             torch.manual_seed(t.seed + rt.rank)  # each rank draws its own shards' values
-            self.model.init_weights()
+            family.init_weights(self.model, None)
             torch.manual_seed(t.seed)
         elif rt.device.type != "cpu":
             self.model.to(rt.device)
@@ -75,11 +79,12 @@ class Trainer:
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data.train)
         self.ckpt = None
         c = cfg.checkpoint
-        if c.save_final or c.interval or c.resume != "none" or c.init_from or c.export_safetensors:
+        if c.save_final or c.interval or c.resume != "none" or c.init_from or c.export_safetensors \
+                or family.weights_dir(cfg.model):
             from framework.checkpoint import CheckpointManager
 
             self.ckpt = CheckpointManager(cfg, cfg.run_dir, rt)
-        self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
+        self.flops_per_token = family.flops_per_token(model, cfg.data.seq_len)
         self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
 
     def train_step(self) -> Dict[str, float]:
@@ -88,9 +93,9 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device)
         for micro in range(accum):
             model.set_requires_gradient_sync(micro == accum - 1)
-            inputs, labels = self.data.train.next_batch()
+            batch = to_device(self.data.train.next_batch(), self.rt.device)
             with loss_context(model):  # tensor parallel: the loss on vocabulary-sharded logits
-                loss = loss_fn(model(inputs.to(self.rt.device)), labels.to(self.rt.device)) / accum
+                loss = self.task.loss(model, batch) / accum
                 loss.backward()
             total += full(loss.detach())
         grad_norm = clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm, self.cfg.parallelism.engine)
@@ -115,9 +120,9 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device)
         batches = self.cfg.trainer.eval_iters * valid.accum_steps
         for _ in range(batches):
-            inputs, labels = valid.next_batch()
+            batch = to_device(valid.next_batch(), self.rt.device)
             with loss_context(self.model):  # tensor parallel: the loss on vocabulary-sharded logits
-                total += full(loss_fn(self.model(inputs.to(self.rt.device)), labels.to(self.rt.device)))
+                total += full(self.task.loss(self.model, batch))
         self.model.train()
         return _world_mean(total) / batches
 
@@ -177,7 +182,7 @@ class Trainer:
                     self.ckpt.save(self.state)
             if self.ckpt is not None:
                 self.ckpt.finish(self.state)
-            if t.sample_tokens and self.data.tokenizer is not None:
+            if t.sample_tokens and self.data.tokenizer is not None and self.task.name == "causal_lm":
                 text = self.sample(t.sample_tokens)
                 if rt.is_main:
                     logger.write("--- sample ---\n" + text + "\n--------------")
@@ -233,17 +238,23 @@ def _train(cfg: Config, rt: Runtime) -> int:
         if rt.is_main:
             print(f"error: {exc}", flush=True)
         return EXIT_DIVERGED
-    except (ValueError, NotImplementedError) as exc:
+    except UserInputError as exc:
         # Bad input found only once the job runs (a dataset, a checkpoint that does not fit):
-        # one line, the bad-input status, as for a refused config.
+        # one line, the bad-input status, as for a refused config. See [Note: bad input vs bugs].
         if rt.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001
+        # Anything else is a bug or a fault of the machine: its traceback, named by rank. Reported
+        # here (not re-raised) so the trainer is gone before the process group (see run()); see
+        # [Note: every failure explained] in framework/distributed/runtime.py.
+        report_crash(exc)
+        return EXIT_CRASH
 
 
 def run(cfg: Config) -> int:
     """One rank's whole job: join the process group, train, leave. Returns the exit status."""
-    rt = init_distributed(cfg.trainer.device)
+    rt = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     code = _train(cfg, rt)
     # [Note: nothing outlives the process group]
     # The trainer (model, optimizer, the engine's buffers and pending work) must be gone before the

@@ -1,100 +1,70 @@
-"""Hugging Face style export (`model.safetensors` + `config.json`, Llama key names) and import.
+"""Hugging Face style safetensors export and import, for any model family with a state-dict
+adapter (`framework/models/registry.py`: our names <-> Hugging Face names, and `config.json`).
 
 [Note: streamed export]
-The file is written one tensor at a time: the header (names, dtypes, shapes, offsets) is known
+Each file is written one tensor at a time: the header (names, dtypes, shapes, offsets) is known
 from the sharded state dict's global shapes before any data is gathered, so rank 0 writes it
 first; then each parameter is gathered (`DTensor.full_tensor()`, a collective every rank joins),
-appended by rank 0 and dropped. No rank ever holds more than one full tensor. Import is the
-reverse without any communication: every rank opens the file lazily (`safe_open`) and cuts its
-own shard out of each tensor.
+appended by rank 0 and dropped. No rank ever holds more than one full tensor. Models larger than
+`max_shard_bytes` are split into `model-0000i-of-0000N.safetensors` files plus
+`model.safetensors.index.json`, the layout `from_pretrained` reads.
+
+[Note: sliced import]
+Import needs no communication and never reads a whole tensor it does not keep: every rank opens
+the files lazily (`safe_open`) and reads only its own slice of each tensor (`get_slice`), computed
+from the DTensor's placements (torch.chunk sizes per mesh dim, left to right), so a model larger
+than one rank's memory loads.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import struct
-from typing import Dict, Optional, Tuple
 
 import torch
 
-from framework.config.schema import ModelConfig
+from framework.errors import UserInputError
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-# Our parameter names -> Hugging Face LlamaForCausalLM names. The rotary layout (rotate halves)
-# and the grouping of query heads per KV head (repeat_interleave) are the same as HF Llama's, so
-# the weights map one to one, without permutation.
-_TO_HF = [
-    (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (r"layers\.(\d+)\.attention\.wq\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
-    (r"layers\.(\d+)\.attention\.wk\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
-    (r"layers\.(\d+)\.attention\.wv\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
-    (r"layers\.(\d+)\.attention\.wo\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w1\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"model.layers.\1.mlp.down_proj.weight"),
-    (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-]
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+           torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8"}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
-def to_hf_name(name: str) -> str:
-    for pattern, replacement in _TO_HF:
-        if re.fullmatch(pattern, name):
-            return re.sub(pattern, replacement, name)
-    raise KeyError(f"parameter {name} has no Hugging Face Llama name; extend _TO_HF in {__file__}")
+def _plan_files(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Consecutive names grouped into files of at most max_shard_bytes (a larger tensor alone)."""
+    files: list[list[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if files[-1] and used + nbytes > max_shard_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(name)
+        used += nbytes
+    return files
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "torch_dtype": str(dtype).replace("torch.", ""),
-        "initializer_range": cfg.init_std, "attention_bias": False,
-    }
-
-
-def _exported_names(model_sd: Dict[str, torch.Tensor], tied: bool):
-    return [n for n in model_sd if not (tied and n == "output.weight")]
-
-
-def export_safetensors(model_sd: Dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str,
-                       rank: int) -> Optional[str]:
-    """Write `out_dir/model.safetensors` and `config.json`; every rank must call it (the gathers
-    are collectives). See [Note: streamed export]. Returns the file's path on rank 0."""
-    names = _exported_names(model_sd, model_cfg.tie_embeddings)
+def _write_file(path: str, entries: list[tuple[str, torch.Tensor]], rank: int) -> None:
+    """One safetensors file of (hf name, sharded tensor); every rank joins the gathers."""
     header, offset = {}, 0
-    for name in names:
-        t = model_sd[name]
-        if t.dtype not in _DTYPES:
-            raise NotImplementedError(f"export of {name}: dtype {t.dtype} is not supported")
+    for key, t in entries:
         nbytes = t.numel() * t.element_size()
-        header[to_hf_name(name)] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                                    "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
-    path = os.path.join(out_dir, "model.safetensors")
     f = None
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        f = open(path + ".tmp", "wb")
+        f = open(path + ".tmp", "wb")  # noqa: SIM115 - closed in the finally below
         f.write(struct.pack("<Q", len(raw)) + raw)
     try:
-        for name in names:
-            t = model_sd[name]
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        for _, t in entries:
+            whole = t.full_tensor() if hasattr(t, "full_tensor") else t
             if f is not None:
-                f.write(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            del full
+                f.write(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            del whole
     finally:
         if f is not None:
             f.flush()
@@ -102,58 +72,163 @@ def export_safetensors(model_sd: Dict[str, torch.Tensor], model_cfg: ModelConfig
             f.close()
     if rank == 0:
         os.replace(path + ".tmp", path)
-        dtype = next(iter(model_sd.values())).dtype
-        with open(os.path.join(out_dir, "config.json"), "w") as cf:
-            json.dump(hf_config(model_cfg, dtype), cf, indent=2)
-        return path
-    return None
 
 
-def _local_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of `full`, laid out like the sharded tensor `like`."""
-    if not hasattr(like, "device_mesh"):
-        return full.to(like.dtype)
-    from torch.distributed.tensor import distribute_tensor
+def export_safetensors(model_sd: dict[str, torch.Tensor], adapter, config: dict, out_dir: str, rank: int,
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str | None:
+    """Write `out_dir` as `from_pretrained` reads it: safetensors (one file, or shards plus index)
+    and `config.json`. Every rank must call it (the gathers are collectives); see [Note: streamed
+    export]. Returns the directory on rank 0."""
+    entries = []
+    for name, t in model_sd.items():
+        key = adapter.to_hf(name)
+        if key is None or not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype not in _DTYPES:
+            raise NotImplementedError(f"export of {name}: dtype {t.dtype} is not supported")
+        entries.append((key, t))
+    by_key = dict(entries)
+    groups = _plan_files([(k, t.numel() * t.element_size()) for k, t in entries], max_shard_bytes)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        for stale in os.listdir(out_dir):  # a previous export's files would confuse from_pretrained
+            if stale.endswith(".safetensors") or stale == INDEX_FILE:
+                os.remove(os.path.join(out_dir, stale))
+    names = [SINGLE_FILE] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for file_name, keys in zip(names, groups):
+        _write_file(os.path.join(out_dir, file_name), [(k, by_key[k]) for k in keys], rank)
+    if rank != 0:
+        return None
+    if len(groups) > 1:
+        total = sum(t.numel() * t.element_size() for _, t in entries)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: f for f, keys in zip(names, groups) for k in keys}}
+        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir
 
-    # src_data_rank=None: every rank already has the full tensor; cut locally, communicate nothing.
-    return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+# ---------------------------------------------------------------------------------------- import
+
+def weight_files(directory: str, where: str) -> dict[str, str]:
+    """{hf tensor name: file path} of a Hugging Face directory (one file or shards + index).
+    A file instead of its directory, or a directory above the checkpoint, is refused in one line."""
+    if os.path.isfile(directory):
+        raise UserInputError(f"{where}: this is a file; give the directory that holds it "
+                             f"({os.path.dirname(os.path.abspath(directory))})")
+    if not os.path.isdir(directory):
+        raise UserInputError(f"{where}: no such directory")
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(directory, v))})
+        if missing:
+            raise UserInputError(f"{where}: {INDEX_FILE} names {missing[0]} ({len(missing)} file(s) missing); "
+                                 "copy the whole checkpoint directory")
+        return {k: os.path.join(directory, v) for k, v in weight_map.items()}
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
+    below = sorted(d for d in os.listdir(directory)
+                   if os.path.isfile(os.path.join(directory, d, SINGLE_FILE))
+                   or os.path.isfile(os.path.join(directory, d, INDEX_FILE)))
+    if below:
+        raise UserInputError(f"{where}: no {SINGLE_FILE} here, but {os.path.join(directory, below[0])} "
+                             "holds one; give that directory")
+    raise UserInputError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE} in this directory; give a directory "
+                         "written by checkpoint.export_safetensors or transformers' save_pretrained")
 
 
-def check_config(directory: str, model_cfg: ModelConfig) -> None:
+def read_config(directory: str) -> dict | None:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        return
+        return None
     with open(path) as f:
-        hf = json.load(f)
-    want = hf_config(model_cfg, torch.float32)
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads"):
-        if key in hf and hf[key] != want[key]:
-            raise ValueError(f"checkpoint.init_from={directory}: its config.json has {key}={hf[key]} but "
-                             f"model={model_cfg.name} has {want[key]}; choose the matching model preset")
+        return json.load(f)
 
 
-def import_safetensors(directory: str, model_sd: Dict[str, torch.Tensor],
-                       model_cfg: ModelConfig) -> Tuple[Dict[str, torch.Tensor], int]:
-    """A state dict shaped like `model_sd` (sharded) with values read from `directory`."""
+def _local_box(like: torch.Tensor) -> list[tuple[int, int]] | None:
+    """[(start, stop)] per dim of this rank's piece of the DTensor `like` (None: unsupported
+    placements, read whole and cut). torch.chunk sizes per mesh dim, applied left to right."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    box = [(0, n) for n in like.shape]
+    coordinate = like.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for mesh_dim, placement in enumerate(like.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            return None
+        dim, parts = placement.dim % like.dim(), like.device_mesh.size(mesh_dim)
+        lo, hi = box[dim]
+        chunk = -(-(hi - lo) // parts)
+        start = min(lo + coordinate[mesh_dim] * chunk, hi)
+        box[dim] = (start, min(start + chunk, hi))
+    return box
+
+
+def _read_piece(handle, key: str, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of tensor `key`, laid out like `like` (see [Note: sliced import])."""
+    if not hasattr(like, "device_mesh"):
+        return handle.get_tensor(key).to(like.dtype)
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    box = _local_box(like) if like.dim() else None
+    if box is None:
+        # src_data_rank=None: every rank already has the full tensor; cut locally, communicate nothing.
+        return distribute_tensor(handle.get_tensor(key).to(like.dtype), like.device_mesh, like.placements,
+                                 src_data_rank=None)
+    if any(hi <= lo for lo, hi in box):
+        local = torch.empty([hi - lo for lo, hi in box], dtype=like.dtype)
+    else:
+        local = handle.get_slice(key)[tuple(slice(lo, hi) for lo, hi in box)].to(like.dtype)
+    return DTensor.from_local(local.to(like.device_mesh.device_type), like.device_mesh, like.placements,
+                              run_check=False, shape=like.shape, stride=like.stride())
+
+
+def import_safetensors(directory: str, model_sd: dict[str, torch.Tensor], adapter, where: str,
+                       ) -> tuple[dict[str, torch.Tensor], int]:
+    """A state dict shaped like `model_sd` (sharded) with values read from `directory`; every
+    tensor of the files must be used. `where` names the config field in messages."""
     from safetensors import safe_open
 
-    check_config(directory, model_cfg)
-    path = os.path.join(directory, "model.safetensors")
-    out = {}
-    with safe_open(path, framework="pt") as f:
-        present = set(f.keys())
-        for name, like in model_sd.items():
-            key = to_hf_name(name)
-            if key not in present and name == "output.weight" and model_cfg.tie_embeddings:
-                key = to_hf_name("tok_embeddings.weight")
-            if key not in present:
-                raise ValueError(f"checkpoint.init_from={directory}: model.safetensors has no {key} "
-                                 f"(our {name}); it is not an export of model={model_cfg.name}")
-            full = f.get_tensor(key)
-            if tuple(full.shape) != tuple(like.shape):
-                raise ValueError(f"checkpoint.init_from={directory}: {key} has shape {tuple(full.shape)}, "
-                                 f"model={model_cfg.name} needs {tuple(like.shape)}")
-            out[name] = _local_piece(full, like)
-            del full
+    files = weight_files(directory, where)
+    plan: dict[str, str] = {}  # our name -> hf name
+    for name, like in model_sd.items():
+        if not isinstance(like, torch.Tensor):
+            continue
+        key = adapter.to_hf(name)
+        if key is None or key not in files:
+            fallback = adapter.from_hf_fallback(name)
+            key = fallback if fallback in files else key
+        if key is None or key not in files:
+            raise UserInputError(f"{where}: the checkpoint has no tensor {key or name} (our {name}); it is "
+                                 "not a checkpoint of this model")
+        plan[name] = key
+    unused = sorted(set(files) - set(plan.values()) - set(getattr(adapter, "ignorable", ())))
+    if unused:
+        raise UserInputError(f"{where}: the checkpoint holds {len(unused)} tensor(s) this model does not use "
+                             f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); it computes "
+                             "differently from the configured model")
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for name, key in plan.items():
+        by_file.setdefault(files[key], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                key, like = plan[name], model_sd[name]
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(like.shape):
+                    raise UserInputError(f"{where}: {key} has shape {shape}, the model needs {tuple(like.shape)}")
+                out[name] = _read_piece(f, key, like)
     return out, len(out)

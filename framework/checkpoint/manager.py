@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from framework.checkpoint import layout
-from framework.checkpoint.hf import export_safetensors, import_safetensors
+from framework.checkpoint.hf import export_safetensors, import_safetensors, read_config
 from framework.checkpoint.dcp import (dcp_load, get_state_dicts, join_optim, read_rng, set_rng_state,
                                         set_state_dicts, split_optim, write_rng)
 from framework.config.schema import Config
@@ -168,8 +168,11 @@ class CheckpointManager:
             path = c.resume
         try:
             if path is None:
-                if c.init_from:
-                    self.import_weights(state, c.init_from)
+                from framework.models.registry import family_of
+
+                source = c.init_from or family_of(self.cfg.model).weights_dir(self.cfg.model)
+                if source:
+                    self.import_weights(state, source)
                 return 0
             return self.load(state, path)
         except (layout.CheckpointError, ValueError) as exc:
@@ -223,12 +226,28 @@ class CheckpointManager:
 
     # ---- Hugging Face export / import ----
 
+    def _adapter(self, model_sd: dict, where: str):
+        """(model config with the built vocabulary size, the family's state-dict adapter)."""
+        from framework.errors import UserInputError
+        from framework.models.registry import family_of
+
+        family = family_of(self.cfg.model)
+        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg,
+                                                                             family.embedding_name))
+        if family.adapter is None:
+            raise UserInputError(f"{where}: model={self.cfg.model.name} has no Hugging Face adapter; "
+                                 "turn this option off for it")
+        return model_cfg, family.adapter(model_cfg)
+
     def export(self, state, out_dir: Optional[str] = None) -> Optional[str]:
         """model.safetensors + config.json under `<checkpoint.dir>/export` (every rank calls it)."""
         out_dir = out_dir or os.path.join(self.root, "export")
         model_sd, _ = get_state_dicts(state.model, state.optimizer, self.engine)
-        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg))
-        path = export_safetensors(model_sd, model_cfg, out_dir, self.rt.rank)
+        model_cfg, adapter = self._adapter(model_sd, "checkpoint.export_safetensors")
+        dtype = next(t.dtype for t in model_sd.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+        path = export_safetensors(model_sd, adapter, adapter.hf_config(model_cfg, dtype), out_dir, self.rt.rank)
+        if path and hasattr(adapter, "write_extras"):
+            adapter.write_extras(out_dir, getattr(state, "tokenizer", None))
         dist.barrier()
         if path:
             print(f"exported {path}", file=sys.stderr, flush=True)
@@ -236,8 +255,13 @@ class CheckpointManager:
 
     def import_weights(self, state, directory: str) -> None:
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
-        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg))
-        loaded, count = import_safetensors(directory, model_sd, model_cfg)
+        where = f"checkpoint.init_from={directory}" if directory == self.cfg.checkpoint.init_from \
+            else f"model.path={directory}"
+        model_cfg, adapter = self._adapter(model_sd, where)
+        hf_config = read_config(directory) if os.path.isdir(directory) else None
+        if hf_config is not None:
+            adapter.check_hf_config(hf_config, model_cfg, where)
+        loaded, count = import_safetensors(directory, model_sd, adapter, where)
         set_state_dicts(state.model, state.optimizer, loaded, optim_sd, self.engine)
         if self.rt.is_main:
             print(f"initialised {count} tensors from {directory}", file=sys.stderr, flush=True)
@@ -269,8 +293,9 @@ def _wait(future) -> None:
     (future.upload_completion if hasattr(future, "upload_completion") else future).result()
 
 
-def _vocab_of(model_sd: dict, cfg: Config) -> int:
-    emb = model_sd.get("tok_embeddings.weight")
+def _vocab_of(model_sd: dict, cfg: Config, embedding_name: Optional[str]) -> int:
+    """The vocabulary size the model was built with (the data's tokenizer may have decided it)."""
+    emb = model_sd.get(embedding_name) if embedding_name else None
     return int(emb.shape[0]) if emb is not None else cfg.model.vocab_size
 
 

@@ -105,6 +105,12 @@ class ModelConfig:
     # model on one rank). null: only when the fp32 model exceeds 4 GiB. Small models are otherwise
     # built whole with the seed, so their numbers do not depend on the layout.
     meta_init: Optional[bool] = None
+    # model=hf only (docs/models.md): a local directory holding a transformers config.json (and,
+    # optionally, safetensors weights), or an inline transformers config for tests; never a hub name.
+    path: str = ""
+    config: Dict[str, Any] = field(default_factory=dict)  # e.g. {model_type: gpt2, n_layer: 2}
+    task: str = "causal_lm"  # causal_lm | seq2seq | sequence_classification (framework/models/tasks.py)
+    num_labels: int = 2  # classes of a classification task
 
     def __post_init__(self) -> None:
         if self.vocab_size != -1:
@@ -221,9 +227,12 @@ class TrainerConfig:
     progress_bar: bool = True
     sample_tokens: int = 0  # tokens of text generated at the end of training (0: none)
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: look it up, unknown on CPU
+    # A collective that waits longer than this for a rank fails, and the job ends naming the rank(s)
+    # that did not arrive (a stopped process, a lost node); torch's own default is 30 minutes.
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _positive("trainer", max_steps=self.max_steps, global_batch_size=self.global_batch_size,
+        _positive("trainer", max_steps=self.max_steps, collective_timeout_s=self.collective_timeout_s, global_batch_size=self.global_batch_size,
                   micro_batch_size=self.micro_batch_size, log_interval=self.log_interval,
                   eval_iters=self.eval_iters)
         for name in ("eval_interval", "max_time_minutes", "sample_tokens", "peak_tflops"):

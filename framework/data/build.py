@@ -7,6 +7,7 @@ from typing import Any, Optional
 from framework.config.schema import DataConfig, DataName
 from framework.data.loader import GlobalBatchLoader
 from framework.data.synthetic import SyntheticSource
+from framework.errors import UserInputError
 
 
 @dataclass
@@ -18,7 +19,9 @@ class DataBundle:
 
 
 def build_data(cfg: DataConfig, *, vocab_size: int, micro_batch_size: int, global_batch_size: int,
-               dp_rank: int, dp_size: int, seed: int) -> DataBundle:
+               dp_rank: int, dp_size: int, seed: int, sample_kind: str = "tokens",
+               num_labels: int = 2) -> DataBundle:
+    """`sample_kind`/`num_labels`: what the model's task consumes (framework/data/synthetic.py)."""
     def loaders(train, valid):
         kw = dict(micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         return (GlobalBatchLoader(train, global_batch_size=global_batch_size, **kw),
@@ -26,10 +29,14 @@ def build_data(cfg: DataConfig, *, vocab_size: int, micro_batch_size: int, globa
 
     if cfg.name == DataName.synthetic:
         if vocab_size <= 0:
-            raise ValueError("data=synthetic needs model.vocab_size > 0")
-        train = SyntheticSource(vocab_size, cfg.seq_len, seed)
-        valid = SyntheticSource(vocab_size, cfg.seq_len, seed + 1)
+            raise UserInputError("data=synthetic needs model.vocab_size > 0")
+        kind = dict(kind=sample_kind, num_labels=num_labels)
+        train = SyntheticSource(vocab_size, cfg.seq_len, seed, **kind)
+        valid = SyntheticSource(vocab_size, cfg.seq_len, seed + 1, **kind)
         return DataBundle(*loaders(train, valid), vocab_size=vocab_size)
+    if sample_kind != "tokens":
+        raise UserInputError(f"data={cfg.name.value} yields token sequences, but the model's task needs "
+                             f"{sample_kind} samples; use data=synthetic or a dataset made for that task")
     return _build_indexed_data(cfg, loaders, vocab_size=vocab_size, seed=seed)
 
 
@@ -56,8 +63,8 @@ def _build_indexed_data(cfg: DataConfig, loaders, *, vocab_size: int, seed: int)
     elif vocab_size > 0:
         info = MegatronTokenizerInfo(vocab_size, eod=vocab_size - 1)
     else:
-        raise ValueError(f"data.tokenizer is empty and no {paths[0]}.tokenizer.json exists, so the vocabulary "
-                         "size is unknown: set data.tokenizer=<tokenizer.json> or model.vocab_size")
+        raise UserInputError(f"data.tokenizer is empty and no {paths[0]}.tokenizer.json exists, so the vocabulary "
+                             "size is unknown: set data.tokenizer=<tokenizer.json> or model.vocab_size")
     train, valid = build_indexed(paths, weights, split=cfg.split, seq_len=cfg.seq_len, seed=seed,
                                  tokenizer=info, cache_dir=cfg.cache_dir)
     return DataBundle(*loaders(train, valid), vocab_size=vocab_size, tokenizer=tokenizer)

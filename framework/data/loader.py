@@ -13,6 +13,8 @@ from typing import Protocol, Tuple
 
 import torch
 
+from framework.errors import UserInputError
+
 
 class SampleSource(Protocol):
     """Anything indexable that returns seq_len + 1 token ids per sample."""
@@ -26,8 +28,8 @@ class GlobalBatchLoader:
     def __init__(self, source: SampleSource, *, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int):
         if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(f"trainer.global_batch_size={global_batch_size} is not divisible by "
-                             f"micro_batch_size x dp = {micro_batch_size * dp_size}")
+            raise UserInputError(f"trainer.global_batch_size={global_batch_size} is not divisible by "
+                                 f"micro_batch_size x dp = {micro_batch_size * dp_size}")
         self.source = source
         self.micro = micro_batch_size
         self.global_batch = global_batch_size
@@ -39,11 +41,14 @@ class GlobalBatchLoader:
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The next micro-batch of this rank: (inputs, labels), each (micro, seq_len)."""
         start = self.consumed + (self._micro_step * self.dp_size + self.dp_rank) * self.micro
-        rows = torch.stack([self.source[(start + i) % len(self.source)] for i in range(self.micro)])
+        samples = [self.source[(start + i) % len(self.source)] for i in range(self.micro)]
         self._micro_step += 1
         if self._micro_step == self.accum_steps:
             self._micro_step = 0
             self.consumed += self.global_batch
+        if isinstance(samples[0], dict):  # a task's named tensors (framework/models/tasks.py)
+            return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        rows = torch.stack(samples)
         return rows[:, :-1].long(), rows[:, 1:].long()
 
     def sample_indices(self) -> list:

@@ -31,7 +31,7 @@ def dp_mesh_of(mesh, dims: ParallelDims):
     return mesh["dp_shard"]
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, mode: ActivationCheckpointing) -> None:
+def apply_activation_checkpointing(blocks, mode: ActivationCheckpointing) -> None:
     """Recompute blocks in backward. The block's own forward is wrapped, so parameter names (and
     therefore checkpoints) are the same with and without it."""
     for index, block in enumerate(blocks):
@@ -40,15 +40,18 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: ActivationCheckp
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConfig) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConfig, family) -> nn.Module:
+    """`family` is the model's registry record (`framework/models/registry.py`): its `blocks`
+    (the sharding units), `tp_plan` and activation-checkpoint targets; this module knows no model."""
     if dims.tp_enabled:
         from framework.distributed.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], cfg)
+        apply_tensor_parallel(model, mesh["tp"], cfg, family.tp_plan)
+    blocks = family.blocks(model)
     if cfg.activation_checkpointing != ActivationCheckpointing.none:
-        apply_activation_checkpointing(model.layers, cfg.activation_checkpointing)
+        apply_activation_checkpointing(family.activation_checkpoint_targets(model), cfg.activation_checkpointing)
     if cfg.compile:
-        for block in model.layers:
+        for block in blocks:
             block.compile()
 
     fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine_api(cfg.engine)
@@ -59,7 +62,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     reshard = cfg.strategy != Strategy.grad_op
-    for block in model.layers:
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root keeps its parameters (embeddings, final norm, head) unsharded after forward:
     # backward needs them first, so resharding them would only gather them again at once.

@@ -6,8 +6,8 @@
     full(loss)                                        # a plain tensor whatever the layout
 
 Each model family keeps its plan next to its definition, as `tp_plan(model, sequence_parallel)`
-in `<family package>/parallelize.py` (the Llama one: `framework/models/llama/parallelize.py`); this
-module finds it from the model's class and never imports a model itself.
+(the Llama one: `framework/models/llama/parallelize.py`), and registers it in the model registry;
+the caller passes it in, so this module never imports a model.
 
 [Note: the logits stay sharded on the vocabulary]
 The output head leaves its logits as a DTensor sharded on the last dim. Cross-entropy on it runs
@@ -19,29 +19,18 @@ gradient. Anything that wants plain logits (sampling, tools) calls `full`.
 from __future__ import annotations
 
 import contextlib
-import importlib
-from typing import Callable, ContextManager, Dict, List
+from typing import Callable, ContextManager, Dict, List, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-__all__ = ["apply_tensor_parallel", "plan_of", "loss_context", "full", "is_tensor_parallel"]
+from framework.errors import UserInputError
+
+__all__ = ["apply_tensor_parallel", "loss_context", "full", "is_tensor_parallel"]
 
 _TP_ATTR = "_framework_tp_degree"
-
-
-def plan_of(model: nn.Module) -> Callable[[nn.Module, bool], Dict]:
-    """The `tp_plan` function of the model's family (`<package of its class>/parallelize.py`)."""
-    package = type(model).__module__.rpartition(".")[0]
-    try:
-        module = importlib.import_module(f"{package}.parallelize")
-    except ModuleNotFoundError as exc:
-        raise NotImplementedError(f"parallelism.tp > 1 with model class {type(model).__name__}: its "
-                                  f"family has no tensor-parallel plan ({package}.parallelize.tp_plan); "
-                                  "write one or set parallelism.tp=1") from exc
-    return module.tp_plan
 
 
 def _tied_names(model: nn.Module) -> List[List[str]]:
@@ -57,15 +46,21 @@ def _set_param(model: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(model.get_submodule(owner) if owner else model, leaf, param)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
-    """Split `model`'s layers over the 1-D `tp_mesh` by its family's plan, in place.
+def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg, plan_fn: Optional[Callable[[nn.Module, bool], Dict]]
+                          ) -> nn.Module:
+    """Split `model`'s layers over the 1-D `tp_mesh` by its family's plan (`plan_fn`, the
+    registry's `tp_plan`: (model, sequence_parallel) -> {module name: style}), in place.
 
     `cfg` is the `ParallelismConfig` (`sequence_parallel` is read). Parameters the plan touches
     become DTensors on `tp_mesh`; the sharding engine then shards their local pieces over the
     data-parallel dims. Parameters tied before (same tensor under two names) are tied again.
     """
+    if plan_fn is None:
+        raise UserInputError(f"parallelism.tp > 1 with model class {type(model).__name__}: its family "
+                             "registers no tensor-parallel plan (tp_plan in framework/models/registry.py); "
+                             "set parallelism.tp=1")
     tied = _tied_names(model)
-    plan = plan_of(model)(model, cfg.sequence_parallel)
+    plan = plan_fn(model, cfg.sequence_parallel)
     parallelize_module(model, tp_mesh, plan)
     for names in tied:
         # Each style distributes the parameter it owns; both ends of a tie get the same

@@ -193,7 +193,7 @@ def test_safetensors_export_equals_sharded_weights(source):
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
-    from framework.checkpoint.hf import to_hf_name
+    from framework.models.llama.adapter import to_hf_name
     from framework.checkpoint.dcp import TensorsOnlyLoadPlanner
 
     export = source / "checkpoints" / "export"
@@ -218,7 +218,7 @@ def _import_rank(rank, world, export_dir, run_dir):
     the file (plain strings: tensors through the harness's queue would outlive their sender)."""
     from safetensors import safe_open
 
-    from framework.checkpoint.hf import to_hf_name
+    from framework.models.llama.adapter import to_hf_name
     from framework.checkpoint.dcp import get_state_dicts
     from framework.config import to_config
     from framework.config.compose import compose_config

@@ -23,6 +23,7 @@ from framework.distributed.parallel_dims import ParallelDims, build_mesh
 from framework.distributed.parallelize import clip_grad_norm, parallelize
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.models.llama import build_llama
+from framework.models.llama import FAMILY as LLAMA
 from framework.trainer import loss_fn
 
 SEED = 1234
@@ -116,7 +117,7 @@ def _build(layout: Layout, world: int):
     cfg = ParallelismConfig(engine=Engine(layout.engine), strategy=strategy, dp_replicate=layout.dp_replicate,
                             dp_shard=layout.dp_shard, tp=layout.tp, sequence_parallel=layout.sequence_parallel)
     try:
-        model = parallelize(model, dims, mesh, cfg)
+        model = parallelize(model, dims, mesh, cfg, LLAMA)
     except NotImplementedError as exc:
         if layout.engine == "native":
             raise EngineRefused(str(exc)) from exc

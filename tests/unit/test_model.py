@@ -69,3 +69,39 @@ def test_init_is_reproducible_and_meta_init_after_to_empty():
         assert torch.equal(pa, pb), name
     assert a.output.weight is a.tok_embeddings.weight
     assert torch.equal(a.rope, b.rope) and a.rope.abs().sum() > 0
+
+
+def test_every_model_preset_is_registered_and_an_unknown_name_is_refused():
+    import pathlib
+
+    from framework.errors import UserInputError
+    from framework.models import family_of
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "conf" / "model"
+    for path in sorted(root.glob("*.yaml")):
+        cfg = model_cfg(path.stem)
+        family = family_of(cfg)
+        assert cfg.name in family.names, path
+    cfg = model_cfg("debug")
+    cfg.name = "gpt2"  # a name must mean what it says: no Llama called gpt2
+    with pytest.raises(UserInputError, match=r"model.name='gpt2'.*model=hf"):
+        family_of(cfg)
+
+
+def test_llama_family_record_describes_the_model():
+    from framework.models import family_of
+
+    cfg = model_cfg("debug")
+    family = family_of(cfg)
+    model = family.build(cfg, "cpu")
+    family.init_weights(model, 0)
+    assert family.blocks(model) == list(model.layers)
+    assert family.embedding_name in model.state_dict()
+    assert family.num_params(model) == model.num_params()
+    adapter = family.adapter(cfg)
+    assert adapter.to_hf("layers.1.attention.wq.weight") == "model.layers.1.self_attn.q_proj.weight"
+    # The causal-LM task's loss is the cross-entropy of the model's logits on the shifted labels.
+    tokens = torch.randint(cfg.vocab_size, (2, 9))
+    loss = family.task(cfg).loss(model, (tokens[:, :-1], tokens[:, 1:]))
+    ref = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    assert torch.equal(loss, ref)

@@ -1,1 +1,25 @@
+"""Our Llama family: the model, its tensor-parallel plan, its Hugging Face adapter; registered here."""
+from framework.models.llama.adapter import LlamaAdapter
 from framework.models.llama.model import Transformer, TransformerBlock, build_llama  # noqa: F401
+from framework.models.llama.parallelize import tp_plan
+from framework.models.registry import ModelFamily, register_family
+
+# The conf/model presets (tests/unit/test_model.py checks that every preset file is registered).
+PRESETS = ("debug", "small", "llama_125m", "llama_350m", "llama_1b", "llama_7b", "llama_13b", "llama_70b")
+
+
+def _init_weights(model: Transformer, seed) -> None:
+    model.init_weights(seed=seed)
+
+
+FAMILY = register_family(ModelFamily(
+    names=PRESETS,
+    build=build_llama,
+    blocks=lambda model: list(model.layers),
+    init_weights=_init_weights,
+    tp_plan=tp_plan,
+    adapter=lambda cfg: LlamaAdapter(tied=cfg.tie_embeddings),
+    embedding_name="tok_embeddings.weight",
+    num_params=lambda model: model.num_params(),
+    flops_per_token=lambda model, seq_len: model.flops_per_token(seq_len),
+))

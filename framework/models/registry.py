@@ -1,0 +1,143 @@
+"""The model registry: one record per model family, everything the rest of the framework needs to
+know about a model, looked up by `model.name`.
+
+Nothing outside `framework/models/` knows a model's attribute names or tensor names: the trainer,
+`framework/distributed/parallelize.py` and the checkpoint code ask the family record instead.
+
+    from framework.models import family_of
+    family = family_of(cfg.model)            # refuses an unknown model.name in one line
+    model = family.build(cfg.model, "cpu")   # plain nn.Module, no parallel code
+    family.init_weights(model, seed)         # in place, also after `to_empty` from meta (seed=None)
+    family.blocks(model)                     # the sharding units, in forward order
+    task = family.task(cfg.model)            # how a batch becomes a loss: task.loss(model, batch)
+
+Registering a family (our Llama does it in `framework/models/llama/__init__.py`; a new family adds
+one explicit import line to `framework/models/__init__.py`, there is no discovery by naming
+convention):
+
+    from framework.models.registry import ModelFamily, register_family
+
+    register_family(ModelFamily(
+        names=("digits_cnn",),                 # the model.name values this family accepts
+        build=build_cnn,                       # (ModelConfig, device) -> nn.Module
+        blocks=lambda m: list(m.features),     # sharding units; the root takes the rest
+        task=lambda cfg: get_task("image_classification"),
+    ))
+
+Every other field has a default that suits a small model without tensor parallelism or a
+Hugging Face export: see `ModelFamily`. A task is looked up by name from `framework/models/tasks.py`
+(`causal_lm`, `seq2seq`, `sequence_classification`, `image_classification`); `register_task` adds one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from framework.config.schema import ModelConfig
+from framework.errors import UserInputError
+from framework.models.tasks import Task, get_task
+
+
+class StateDictAdapter(Protocol):
+    """Our state-dict names <-> Hugging Face names, and the Hugging Face `config.json`.
+
+    Used by `framework/checkpoint/hf.py` for `checkpoint.export_safetensors` and
+    `checkpoint.init_from`; each family keeps its own next to its model."""
+
+    def to_hf(self, name: str) -> str | None:
+        """The Hugging Face name of our state-dict entry; None: not written (e.g. a tied copy)."""
+
+    def from_hf_fallback(self, name: str) -> str | None:
+        """Another Hugging Face name to read our entry from when `to_hf(name)` is absent (a tied
+        head stored once as the embedding), or None."""
+
+    def hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+        """The `config.json` an export carries."""
+
+    def check_hf_config(self, hf: dict, cfg: ModelConfig, where: str) -> None:
+        """Refuse (UserInputError, one line naming the field) a `config.json` that computes
+        differently from the model this job builds."""
+
+    # Optional: `ignorable` (Hugging Face names a checkpoint may hold that the model does not read,
+    # e.g. a tied head stored twice) and `write_extras(out_dir, tokenizer)` (tokenizer files,
+    # generation config written next to an export).
+
+
+def _default_init(model: nn.Module, seed: int | None) -> None:
+    """Re-run each module's own `reset_parameters` under `seed` (None: the current RNG state)."""
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+
+def _count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() already skips tied duplicates
+
+
+def _default_flops(model: nn.Module, seq_len: int) -> float:
+    """6 x parameters per trained token: the dense-matmul estimate, without attention's share."""
+    return 6.0 * _count_params(model)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    names: tuple  # the model.name values this family builds (the conf/model presets)
+    build: Callable[[ModelConfig, object], nn.Module]  # (cfg, device) -> plain module
+    blocks: Callable[[nn.Module], list[nn.Module]]  # sharding units in forward order
+    task: Callable[[ModelConfig], Task] = lambda cfg: get_task("causal_lm")
+    init_weights: Callable[[nn.Module, int | None], None] = _default_init
+    # {module name: ParallelStyle} for tensor parallelism, or None: parallelism.tp > 1 is refused.
+    tp_plan: Callable[[nn.Module, bool], dict] | None = None
+    # Modules recomputed in backward by parallelism.activation_checkpointing; None: the blocks.
+    checkpoint_targets: Callable[[nn.Module], list[nn.Module]] | None = None
+    # (cfg) -> the state-dict adapter of that configuration; None: Hugging Face export/import refused.
+    adapter: Callable[[ModelConfig], StateDictAdapter] | None = None
+    embedding_name: str | None = None  # state-dict key whose rows are the vocabulary
+    num_params: Callable[[nn.Module], int] = _count_params
+    flops_per_token: Callable[[nn.Module, int], float] = _default_flops
+    # The vocabulary size before the data is built (data=synthetic draws tokens below it).
+    vocab_size: Callable[[ModelConfig], int] = lambda cfg: cfg.vocab_size
+    # A directory whose weights initialise the model at the start (model=hf model.path); "" none.
+    weights_dir: Callable[[ModelConfig], str] = lambda cfg: ""
+    # Extra files written next to an export (tokenizer, generation config): (out_dir, cfg, tokenizer).
+    export_extras: Callable[[str, ModelConfig, object], None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def activation_checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
+        return (self.checkpoint_targets or self.blocks)(model)
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add `family` under each of its names; a name may belong to one family only."""
+    for name in family.names:
+        if name in _FAMILIES and _FAMILIES[name] is not family:
+            raise RuntimeError(f"model name {name!r} is registered twice")
+        _FAMILIES[name] = family
+    return family
+
+
+def registered_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def family_of(cfg: ModelConfig) -> ModelFamily:
+    """The family that builds `model.name`; an unknown name is refused in one line."""
+    family = _FAMILIES.get(cfg.name)
+    if family is None:
+        raise UserInputError(f"model.name={cfg.name!r} is not a model this framework builds; choose one of "
+                             f"{', '.join(registered_names())} (a Hugging Face model: model=hf "
+                             "model.path=<its directory>)")
+    return family

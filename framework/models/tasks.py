@@ -1,0 +1,99 @@
+"""Tasks: how a batch becomes a loss, so one trainer serves every kind of model.
+
+    loss = task.loss(model, batch)       # batch already on the device (see `to_device`)
+
+A batch is what the data loader yields: a `(inputs, labels)` pair of token tensors for causal
+language modelling, or a dict of tensors (`input_ids`, `labels`, `decoder_input_ids`, ...) for the
+others. Labels equal to -100 are ignored (padding, prompt tokens in fine-tuning). Each loss is the
+mean over the labelled positions of the micro-batch, in fp32. A model may return the logits or an
+object with `.logits` (Hugging Face models); both are accepted.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every labelled position; logits (..., classes), labels (...)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _causal_lm(model, batch) -> torch.Tensor:
+    if isinstance(batch, dict):
+        inputs, labels = batch["input_ids"], batch["labels"]
+    else:
+        inputs, labels = batch
+    return cross_entropy(logits_of(model(inputs)), labels)
+
+
+def _seq2seq(model, batch) -> torch.Tensor:
+    # Without decoder_input_ids, a Hugging Face encoder-decoder shifts the labels right itself
+    # (decoder_start_token_id first), which is the teacher-forcing input.
+    kwargs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    for key in ("attention_mask", "decoder_input_ids", "decoder_attention_mask"):
+        if key in batch:
+            kwargs[key] = batch[key]
+    return cross_entropy(logits_of(model(**kwargs)), batch["labels"])
+
+
+def _sequence_classification(model, batch) -> torch.Tensor:
+    kwargs = {"input_ids": batch["input_ids"]}
+    if "attention_mask" in batch:
+        kwargs["attention_mask"] = batch["attention_mask"]
+    return cross_entropy(logits_of(model(**kwargs)), batch["labels"])
+
+
+def _image_classification(model, batch) -> torch.Tensor:
+    return cross_entropy(logits_of(model(batch["inputs"])), batch["labels"])
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    loss: Callable[[Any, Any], torch.Tensor]  # (model, batch on the device) -> scalar mean loss
+    # What data=synthetic yields for it: "tokens" (seq_len + 1 ids), "seq2seq" (source/target
+    # pairs), "sequence_label" (ids and a class), "image_label" (a tensor and a class).
+    sample_kind: str = "tokens"
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    _TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    if name not in _TASKS:
+        from framework.errors import UserInputError
+
+        raise UserInputError(f"model.task={name!r}: unknown; choose one of {', '.join(sorted(_TASKS))}")
+    return _TASKS[name]
+
+
+for _task in (Task("causal_lm", _causal_lm), Task("seq2seq", _seq2seq, "seq2seq"),
+              Task("sequence_classification", _sequence_classification, "sequence_label"),
+              Task("image_classification", _image_classification, "image_label")):
+    register_task(_task)
