@@ -8,7 +8,7 @@ from typing import List
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import Stage, to_config, validate
-from framework.distributed.runtime import spawn_local, under_torchrun
+from framework.distributed.runtime import run_rank, spawn_local, under_torchrun
 from framework.errors import EXIT_BAD_INPUT, UserInputError
 
 
@@ -61,5 +61,5 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     from framework.trainer import run
 
     if under_torchrun() or cfg.cluster.nproc_per_node == 1:
-        return run(cfg)
+        return run_rank(run, cfg)  # a crash prints its rank and traceback (and torchrun's error file)
     return spawn_local(run, cfg, cfg.cluster.nproc_per_node)

@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from framework.distributed.runtime import note_step
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -52,6 +54,7 @@ class StopPolicy:
     def should_stop(self, step: int) -> bool:
         """True on every rank when any rank was signalled or is past the time limit. One collective
         per call; every rank must call it at the same step. See [Note: ranks agree to stop]."""
+        note_step(step)
         flags = torch.tensor([1.0 if self.signal_name else 0.0, 1.0 if self.past_time_limit() else 0.0],
                              device=self.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,13 +1,46 @@
-"""Process-group setup, and starting local ranks when `main.py` is not under torchrun."""
+"""Process-group setup, starting local ranks when `main.py` is not under torchrun, and saying what
+went wrong when a rank fails.
+
+[Note: every failure explained]
+A rank that raises prints its rank number and traceback (`run_rank`), records it for torchrun
+(`torch.distributed.elastic.multiprocessing.errors.record`: torchrun's summary then shows the root
+cause) and exits with `EXIT_CRASH`. Under `python main.py` the ranks are this module's children:
+the parent prints every failed rank's traceback once, rank 0 first, identical ones once with all
+their ranks, names a rank killed by a signal with the signal, and stops the other ranks a few
+seconds after the first failure (they would otherwise wait for the dead one in a collective).
+
+[Note: naming the rank that did not arrive]
+Collectives time out after `trainer.collective_timeout_s` (torch's default is 30 minutes). The
+rank whose collective timed out then has to say which rank it waited for; gloo's message does not.
+Every rank bumps a counter in the job's key-value store every HEARTBEAT_S seconds from a daemon
+thread, and records the step it is at. The store is hosted outside the ranks (by the torchrun agent,
+or by `spawn_local`'s parent), so it still answers when a rank is stopped or dead: a rank whose
+counter does not move over a few heartbeats is stopped or gone; a live rank at an earlier step is
+stuck behind the others.
+"""
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+import signal
 import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from framework.errors import EXIT_CRASH
+
+HEARTBEAT_S = 1.0  # see [Note: naming the rank that did not arrive]
+FAILURE_GRACE_S = 5.0  # how long the other local ranks may take to exit after one failed
+_KEY = "framework/heartbeat"
 
 
 @dataclass(frozen=True)
@@ -29,24 +62,39 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(requested_device: str) -> Runtime:
-    """Join the process group described by torchrun's environment (a world of 1 without it)."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+def _store_hosted_outside() -> bool:
+    """True when the torchrun agent (or spawn_local's parent) hosts the store, not rank 0."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def init_distributed(requested_device: str, collective_timeout_s: float = 300.0) -> Runtime:
+    """Join the process group described by torchrun's environment (a world of 1 without it).
+    Every collective fails after `collective_timeout_s` instead of waiting forever for a rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(requested_device, local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
+        if world > 1 and _store_hosted_outside():
+            _Heartbeat.start(rank, world)
     return Runtime(rank, world, local_rank, device)
 
 
 def shutdown() -> None:
+    _Heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def note_step(step: int) -> None:
+    """Record this rank's progress for the failure diagnosis (the stop policy calls it per step)."""
+    _Heartbeat.step = step
 
 
 def free_port() -> int:
@@ -59,47 +107,223 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
 
 
-def _local_rank_entry(local_rank: int, fn: Callable[[Any], int], arg: Any, nprocs: int, port: int) -> None:
+# ---- heartbeats: see [Note: naming the rank that did not arrive] ----
+
+class _Heartbeat:
+    step = 0
+    _thread: threading.Thread | None = None
+    _stop = threading.Event()
+    _world = 0
+
+    @classmethod
+    def _client(cls, timeout_s: float = 10.0):
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+
+    @classmethod
+    def start(cls, rank: int, world: int) -> None:
+        cls._world = world
+        cls._stop.clear()
+        store = cls._client()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+        def beat() -> None:
+            while not cls._stop.is_set():
+                try:
+                    store.add(f"{_KEY}/{attempt}/{rank}/alive", 1)
+                    store.set(f"{_KEY}/{attempt}/{rank}/step", str(cls.step))
+                except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+                    return
+                cls._stop.wait(HEARTBEAT_S)
+
+        cls._thread = threading.Thread(target=beat, name="framework-heartbeat", daemon=True)
+        cls._thread.start()
+
+    @classmethod
+    def stop(cls) -> None:
+        cls._stop.set()
+        cls._thread = None
+
+    @classmethod
+    def diagnose(cls, me: int) -> str:
+        """Which ranks did not arrive: stopped/dead ones (no heartbeat), else those at an earlier step."""
+        if not cls._world:
+            return ""
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        try:
+            store = cls._client()
+
+            def read():
+                alive, steps = {}, {}
+                for r in range(cls._world):
+                    alive[r] = store.add(f"{_KEY}/{attempt}/{r}/alive", 0)
+                    raw = store.get(f"{_KEY}/{attempt}/{r}/step") if alive[r] else b"0"
+                    steps[r] = int(raw.decode() or 0)
+                return alive, steps
+
+            before, _ = read()
+            time.sleep(4 * HEARTBEAT_S)
+            after, steps = read()
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must never hide the real error
+            return f"(could not read the other ranks' heartbeats: {exc})"
+        silent = [r for r in range(cls._world) if r != me and after[r] == before[r]]
+        if silent:
+            return (f"rank(s) {', '.join(map(str, silent))} did not arrive: no sign of life for "
+                    f"{4 * HEARTBEAT_S:.0f} s (stopped, hung in the kernel, or dead)")
+        furthest = max(steps.values())
+        behind = [r for r in range(cls._world) if steps[r] < furthest]
+        if behind:
+            return (f"rank(s) {', '.join(map(str, behind))} did not arrive: alive but still at step "
+                    f"{min(steps[r] for r in behind)}, the others at step {furthest}")
+        return "every rank is alive and at the same step: one is stuck inside the step"
+
+
+def _looks_like_timeout(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return "timed out" in text or "timeout" in text or isinstance(exc, getattr(dist, "DistError", ()))
+
+
+# ---- one rank's whole run: see [Note: every failure explained] ----
+
+_report_path: str | None = None  # set in ranks spawn_local started: the parent prints the reports
+
+
+def report_crash(exc: BaseException) -> None:
+    """Report the exception being handled (call it in an `except` block): its traceback with the
+    rank, the ranks a timed-out collective waited for, and torchrun's error file."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    rank = int(os.environ.get("RANK", "0"))
+    report = traceback.format_exc()
+    if _looks_like_timeout(exc):
+        diagnosis = _Heartbeat.diagnose(rank)
+        if diagnosis:
+            report += f"collective timeout: {diagnosis}\n"
+    with contextlib.suppress(Exception):  # torchrun's summary shows this file's traceback
+        get_error_handler().record_exception(exc)
+    if _report_path:
+        with open(_report_path, "w") as f:
+            f.write(report)
+    else:
+        world = os.environ.get("WORLD_SIZE", "1")
+        print(f"error: rank {rank} (of {world}) failed:\n{report}", file=sys.stderr, end="", flush=True)
+
+
+def run_rank(fn: Callable[[Any], int], arg: Any) -> int:
+    """`fn(arg)` on this rank, returning its status; an exception is reported (`report_crash`)
+    and becomes EXIT_CRASH. A SystemExit passes through with its status."""
+    try:
+        return fn(arg) or 0
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, then the status says crash
+        report_crash(exc)
+        return EXIT_CRASH
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies (no orphan ranks)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _local_rank_entry(local_rank: int, fn: Callable[[Any], int], arg: Any, nprocs: int, port: int,
+                      report_dir: str) -> None:
+    _die_with_parent()
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
                        "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"})  # the parent hosts the store
     # As torchrun does: one compute thread per rank unless the user says otherwise, so the ranks
     # (and the communication threads) do not oversubscribe the cores.
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    code = fn(arg)
-    if code:
-        raise SystemExit(code)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    global _report_path
+    _report_path = os.path.join(report_dir, f"rank_{local_rank}.txt")
+    sys.exit(run_rank(fn, arg))
 
 
 def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
-    """Run `fn(arg)` on `nprocs` local ranks; return the first non-zero exit status (0 if none).
+    """Run `fn(arg)` on `nprocs` local ranks; return the status of the first rank that failed (0 if
+    none). See [Note: every failure explained].
 
     SIGTERM and SIGUSR1 sent to this process (a scheduler's pre-emption notice, `kill`) are passed
-    on to every rank, which save a checkpoint and exit with the requeue status. When one rank
-    fails, the others get a few seconds to notice and exit before they are stopped.
+    on to every rank, which stop after the current step (saving a checkpoint if checkpoints are on)
+    and exit with the requeue status.
     """
-    import signal
+    import multiprocessing
+    import tempfile
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_local_rank_entry, args=(fn, arg, nprocs, free_port()), nprocs=nprocs,
-                             join=False, start_method="spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=600))
+    report_dir = tempfile.mkdtemp(prefix="framework-ranks-")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_local_rank_entry, args=(r, fn, arg, nprocs, store.port, report_dir),
+                         name=f"rank{r}") for r in range(nprocs)]
 
     def forward(signum, _frame):
-        for process in ctx.processes:
-            if process.is_alive():
-                os.kill(process.pid, signum)
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    status = 0
+    first: tuple[int, int] | None = None  # (rank, exit code) of the first rank that ended badly
+    stopped: list[int] = []
     try:
-        while not ctx.join(grace_period=5):
-            pass
-    except mp.ProcessExitedException as exc:
-        status = exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1
-    except mp.ProcessRaisedException:
-        status = 1
+        for p in procs:
+            p.start()
+        failed_at = None
+        while any(p.exitcode is None for p in procs):
+            for p in procs:
+                p.join(timeout=0.1)
+            for r, p in enumerate(procs):
+                if first is None and p.exitcode not in (None, 0):
+                    first, failed_at = (r, p.exitcode), time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                for r, p in enumerate(procs):
+                    if p.exitcode is None:
+                        stopped.append(r)
+                        p.kill()
+                        p.join()
+    except BaseException:
+        for p in procs:
+            if p.exitcode is None and p.pid is not None:
+                p.kill()
+                p.join()
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return status
+    _print_failures(procs, first, stopped, report_dir)
+    import shutil
+
+    shutil.rmtree(report_dir, ignore_errors=True)
+    del store
+    if first is None:
+        return 0
+    return first[1] if first[1] > 0 else EXIT_CRASH
+
+
+def _print_failures(procs, first, stopped: list[int], report_dir: str) -> None:
+    """Every failed rank's traceback, rank 0 first, identical ones once; signals named."""
+    lines: list[str] = []
+    reports: dict[str, list[int]] = {}
+    for r, p in enumerate(procs):
+        path = os.path.join(report_dir, f"rank_{r}.txt")
+        if os.path.isfile(path):
+            with open(path) as f:
+                reports.setdefault(f.read(), []).append(r)
+        elif r in stopped:
+            pass
+        elif p.exitcode is not None and p.exitcode < 0:
+            name = signal.Signals(-p.exitcode).name
+            hint = " (the kernel's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
+            lines.append(f"error: rank {r} was killed by signal {name}{hint}")
+    for text, ranks in reports.items():  # dicts keep insertion order: lowest rank first
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines.append(f"error: {who} (of {len(procs)}) failed:\n{text.rstrip()}")
+    if stopped and first is not None:
+        lines.append(f"error: stopped rank(s) {', '.join(map(str, stopped))}: still running "
+                     f"{FAILURE_GRACE_S:.0f} s after rank {first[0]} ended with status {first[1]}")
+    if lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
