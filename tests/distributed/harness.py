@@ -12,6 +12,10 @@ group is initialised before `my_fn` runs and destroyed after. A failure on any r
 makes every rank get killed and `TimeoutError` raised, so a deadlocked collective never hangs
 the test suite. Each rank runs with one compute thread (as torchrun does) so gloo's
 communication threads get a core.
+
+The backend is gloo unless `TEST_DIST_BACKEND` says otherwise when `run_ranks` is called (e.g.
+`cpu:gloo,cuda:nccl` on a GPU machine: CPU tensors still use gloo, CUDA tensors NCCL); with a
+CUDA backend each rank takes GPU `rank % device_count` as its current device.
 """
 
 from __future__ import annotations
@@ -37,12 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int) -> None:
+def _child(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int, backend: str = "gloo"
+) -> None:
     try:
         torch.set_num_threads(threads)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if "nccl" in backend:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -63,8 +71,9 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    backend = os.environ.get("TEST_DIST_BACKEND", "gloo")
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads_per_rank), daemon=True)
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads_per_rank, backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

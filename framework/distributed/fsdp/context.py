@@ -43,7 +43,7 @@ class ShardContext:
 
     def set_phase(self, new: TrainingPhase) -> None:
         legal = {
-            TrainingPhase.IDLE: (TrainingPhase.FORWARD,),
+            TrainingPhase.IDLE: (TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD),  # a non-root's own forward
             TrainingPhase.FORWARD: (TrainingPhase.PRE_BACKWARD, TrainingPhase.IDLE, TrainingPhase.FORWARD),
             TrainingPhase.PRE_BACKWARD: (TrainingPhase.POST_BACKWARD,),
             TrainingPhase.POST_BACKWARD: (TrainingPhase.IDLE,),

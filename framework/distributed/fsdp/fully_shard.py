@@ -66,11 +66,30 @@ class ShardedModule:
         hooks.register_param_hooks(self._fsdp_unit)
         return result
 
+    def set_modules_to_forward_prefetch(self, modules: List[nn.Module]) -> None:
+        """Gather these sharded modules' parameters (async) when this module's forward starts,
+        instead of the next unit of the recorded forward order (FSDP2's explicit prefetching)."""
+        self._fsdp_unit.forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: List[nn.Module]) -> None:
+        """Gather these sharded modules' parameters (async) when this module's backward starts,
+        instead of the previous unit of the recorded forward order."""
+        self._fsdp_unit.backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
+
     def unshard(self) -> None:
         self._fsdp_unit.wait_unshard()
 
     def reshard(self) -> None:
         self._fsdp_unit.reshard()
+
+
+def _units_of(modules: List[nn.Module], what: str) -> List[ShardUnit]:
+    units = []
+    for m in modules:
+        if getattr(m, "_fsdp_unit", None) is None:
+            raise ValueError(f"{what}: {type(m).__name__} is not sharded; pass modules that fully_shard was applied to")
+        units.append(m._fsdp_unit)
+    return units
 
 
 _CLASS_CACHE: Dict[type, type] = {}

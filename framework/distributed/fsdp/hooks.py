@@ -12,6 +12,7 @@ final callback     : ShardContext.finish_backward: wait for all reductions befor
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List
 
 import torch
@@ -32,6 +33,9 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return type(obj)(_map_tensors(o, fn) for o in obj)
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # a copy with every init field mapped (FSDP2 casts dataclass inputs and hooks their outputs too)
+        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init})
     return obj
 
 
@@ -62,14 +66,24 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
         # no prefetch, no phase change, and post_forward must not reshard.
         unit.wait_unshard()
         return None
+    moved = False
     if unit is ctx.root:
         ctx.set_phase(TrainingPhase.FORWARD)
+        # The root moves host inputs to the model's accelerator (FSDP2 does); the model's device is
+        # that of its first unit with parameters (an empty root has none of its own).
+        dev = next((u.compute_device for u in ctx.units if u.entries), unit.compute_device)
+        if dev.type != "cpu" and any(t.device != dev for t in _tensors((args, kwargs))):
+            args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(dev, non_blocking=True))
+            moved = True
     if not ctx.order_frozen and torch.is_grad_enabled():
         ctx.order.append(unit)
     # Issue this unit's gather (if no prefetch did), then the next unit's, and only then wait:
     # the next gather overlaps this unit's wait and compute.
     unit.unshard()
-    if ctx.order_frozen:
+    if unit.forward_prefetch is not None:  # set_modules_to_forward_prefetch replaces the implicit order
+        for other in unit.forward_prefetch:
+            other.unshard()
+    elif ctx.order_frozen:
         i = ctx.order.index(unit) if unit in ctx.order else -1
         if 0 <= i < len(ctx.order) - 1:
             ctx.order[i + 1].unshard()
@@ -78,7 +92,7 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
         dt = unit.mp.param_dtype
         cast = lambda t: t.to(dt) if torch.is_floating_point(t) else t
         return _map_tensors(args, cast), _map_tensors(kwargs, cast)
-    return None
+    return (args, kwargs) if moved else None
 
 
 def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -107,7 +121,7 @@ def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, 
 
 def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
     ctx = unit.ctx
-    if ctx.phase == TrainingPhase.FORWARD:
+    if ctx.phase in (TrainingPhase.FORWARD, TrainingPhase.IDLE):  # IDLE: forward ran through a non-root unit only
         ctx.set_phase(TrainingPhase.PRE_BACKWARD)
     if not ctx.callback_queued:
         ctx.callback_queued = True
@@ -115,9 +129,14 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
     if unit._reduce_issued:
         return  # a late hook on an output whose unit already finished its backward
     unit.unshard()
-    i = ctx.order.index(unit) if unit in ctx.order else -1
-    if i > 0 and ctx.order[i - 1].state == UnitState.SHARDED:
-        ctx.order[i - 1].unshard()
+    if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch replaces the implicit order
+        for other in unit.backward_prefetch:
+            if other.state == UnitState.SHARDED and not other._reduce_issued:
+                other.unshard()
+    else:
+        i = ctx.order.index(unit) if unit in ctx.order else -1
+        if i > 0 and ctx.order[i - 1].state == UnitState.SHARDED:
+            ctx.order[i - 1].unshard()
     unit.wait_unshard()
 
 

@@ -101,6 +101,10 @@ class ShardUnit:
         self.ctx: Optional["ShardContext"] = None
         self.stats = C.CommStats()
         self.requires_grad_sync = True
+        # units gathered ahead of this one's forward / backward when set explicitly; None = the
+        # recorded forward order (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch)
+        self.forward_prefetch: Optional[List["ShardUnit"]] = None
+        self.backward_prefetch: Optional[List["ShardUnit"]] = None
         self.trainable = [e for e in entries if e.requires_grad]
         shard_device = torch.device("cpu") if offload else compute_device
         pin = offload and compute_device.type == "cuda"
@@ -467,6 +471,12 @@ class ShardUnit:
                         p.grad.add_(piece)
         if out is not None and out is not self.grad_shard:
             self.ctx.release_grad_buffer(out)
+        # Autograd never accumulates into the sharded parameters (the modules compute with the
+        # unsharded ones), so their post-accumulate-grad hooks run here, once the reduced gradient
+        # is in place (as in FSDP2): e.g. an optimizer stepped per parameter inside backward.
+        for p in params:
+            for hook in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(p)
 
     def _trainable_sharded(self) -> List[nn.Parameter]:
         return [p for p, e in zip(self.sharded_params, self.entries) if e.requires_grad]
