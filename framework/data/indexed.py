@@ -18,6 +18,8 @@ import framework.data.megatron_quiet  # noqa: F401  (before any megatron.core im
 
 import torch
 
+from framework.errors import UserInputError
+
 
 class MegatronSource:
     """A megatron-core dataset as a SampleSource: seq_len + 1 token ids per sample."""
@@ -49,8 +51,8 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str) -> in
         del dataset
         for name, part, (lo, hi) in zip(("train", "valid", "test"), parts, bounds):
             if part > 0 and int(round(hi * n_docs)) - int(round(lo * n_docs)) == 0:
-                raise ValueError(f"data.split={split!r} gives the {name} split none of the {n_docs} documents "
-                                 f"of {prefix}; give it a larger share (or 0 for test), or more documents")
+                raise UserInputError(f"data.split={split!r} gives the {name} split none of the {n_docs} documents "
+                                     f"of {prefix}; give it a larger share (or 0 for test), or more documents")
     return total
 
 
@@ -70,14 +72,14 @@ def build_indexed(paths: Sequence[str], weights: Sequence[float], *, split: str,
 
     for prefix in paths:
         if not os.path.isfile(prefix + ".idx") or not os.path.isfile(prefix + ".bin"):
-            raise ValueError(f"data.paths: {prefix}.bin/.idx not found; prepare it with stage=data_preparation")
+            raise UserInputError(f"data.paths: {prefix}.bin/.idx not found; prepare it with stage=data_preparation")
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         parts = []
     if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:  # noqa: PLR2004
-        raise ValueError(f"data.split={split!r}: give three train,valid,test proportions with "
-                         "train and valid > 0, e.g. 98,1,1")
+        raise UserInputError(f"data.split={split!r}: give three train,valid,test proportions with "
+                             "train and valid > 0, e.g. 98,1,1")
     samples = max(1, _check_splits(paths, parts, split) // seq_len)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_len, blend=(list(paths), list(weights) or None),
@@ -87,8 +89,8 @@ def build_indexed(paths: Sequence[str], weights: Sequence[float], *, split: str,
     sizes = _split_sizes(samples, split)  # see [Note: indexed dataset sizes]
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     if train is None or len(train) == 0 or valid is None or len(valid) == 0:
-        raise ValueError(f"data.split={split!r} leaves the {'train' if not train else 'valid'} split of "
-                         f"{list(paths)} empty (too few documents); give it a larger share or more data")
+        raise UserInputError(f"data.split={split!r} leaves the {'train' if not train else 'valid'} split of "
+                             f"{list(paths)} empty (too few documents); give it a larger share or more data")
     return MegatronSource(train), MegatronSource(valid)
 
 

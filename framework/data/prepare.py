@@ -17,6 +17,7 @@ import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import framework.data.megatron_quiet  # noqa: F401  (before any megatron.core import)
+from framework.errors import EXIT_BAD_INPUT, UserInputError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 _BATCH = 64  # documents per task handed to a worker
@@ -24,8 +25,8 @@ _BATCH = 64  # documents per task handed to a worker
 
 def input_files(raw_inputs: Sequence[str]) -> List[str]:
     if not raw_inputs:
-        raise ValueError("data.raw_inputs is empty; list the text/JSONL files or directories to prepare, "
-                         "e.g. data.raw_inputs=[corpus/]")
+        raise UserInputError("data.raw_inputs is empty; list the text/JSONL files or directories to prepare, "
+                             "e.g. data.raw_inputs=[corpus/]")
     files = []
     for entry in raw_inputs:
         if os.path.isdir(entry):
@@ -35,9 +36,9 @@ def input_files(raw_inputs: Sequence[str]) -> List[str]:
         elif os.path.isfile(entry):
             files.append(entry)
         else:
-            raise ValueError(f"data.raw_inputs: {entry} does not exist; give existing files or directories")
+            raise UserInputError(f"data.raw_inputs: {entry} does not exist; give existing files or directories")
     if not files:
-        raise ValueError(f"data.raw_inputs={list(raw_inputs)} contains no files")
+        raise UserInputError(f"data.raw_inputs={list(raw_inputs)} contains no files")
     return files
 
 
@@ -51,11 +52,11 @@ def iter_documents(files: Sequence[str]) -> Iterator[str]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise ValueError(f"data.raw_inputs: {path}:{number} is not JSON ({exc.msg}); "
-                                         "JSONL needs one object per line") from None
+                        raise UserInputError(f"data.raw_inputs: {path}:{number} is not JSON ({exc.msg}); "
+                                             "JSONL needs one object per line") from None
                     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise ValueError(f"data.raw_inputs: {path}:{number} has no string 'text' field; "
-                                         "every JSONL line needs one")
+                        raise UserInputError(f"data.raw_inputs: {path}:{number} has no string 'text' field; "
+                                             "every JSONL line needs one")
                     yield record["text"]
         else:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -99,7 +100,7 @@ def prepare(raw_inputs: Sequence[str], output_prefix: str, *, tokenizer: str = "
     from framework.data.tokenizer import BPETokenizer, train_bpe
 
     if not output_prefix:
-        raise ValueError("data.output_prefix is empty; set it to where <prefix>.bin/.idx should be written")
+        raise UserInputError("data.output_prefix is empty; set it to where <prefix>.bin/.idx should be written")
     files = input_files(raw_inputs)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     if tokenizer:
@@ -143,14 +144,14 @@ def prepare(raw_inputs: Sequence[str], output_prefix: str, *, tokenizer: str = "
 
 
 def prepare_data(cfg) -> int:
-    """The data_preparation stage; returns the exit status (2 for bad input)."""
+    """The data_preparation stage; returns the exit status (EXIT_BAD_INPUT for bad input)."""
     d = cfg.data
     try:
         prepare(d.raw_inputs, d.output_prefix, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                 workers=d.workers, progress=cfg.trainer.progress_bar)
-    except ValueError as exc:
+    except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
     return 0
 
 

@@ -8,6 +8,8 @@ import os
 from collections import OrderedDict
 from typing import Iterable, List
 
+from framework.errors import UserInputError
+
 EOD = "<|endoftext|>"  # ends every document in the prepared datasets
 
 
@@ -16,8 +18,8 @@ class BPETokenizer:
         from tokenizers import Tokenizer
 
         if not os.path.isfile(path):
-            raise ValueError(f"data.tokenizer={path}: no such tokenizer.json; give an existing file "
-                             "or leave it empty to train a byte-level BPE")
+            raise UserInputError(f"data.tokenizer={path}: no such tokenizer.json; give an existing file "
+                                 "or leave it empty to train a byte-level BPE")
         self.path = os.path.abspath(path)
         self._tok = Tokenizer.from_file(self.path)
         eod = self._tok.token_to_id(EOD)

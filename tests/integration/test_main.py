@@ -1,6 +1,7 @@
 """`python main.py` as a user runs it: Hydra conventions, refusals, training end to end."""
 import math
 import os
+import re
 
 import pytest
 
@@ -42,6 +43,54 @@ def test_bad_config_one_line_exit_2_nothing_written(tmp_path, overrides, needle)
     assert sorted(os.listdir(tmp_path)) == ["keep.txt"]  # no run directory, nothing else touched
     if overrides[0].startswith(("parallelism.dp", "trainer", "data", "optimizer", "checkpoint")):
         assert len([l for l in out.stderr.splitlines() if l.startswith("error:")]) == 1
+
+
+_FAULT_IN_FORWARD = """
+import os
+from framework.models.llama import Transformer
+
+_forward = Transformer.forward
+
+
+def forward(self, *args, **kwargs):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("injected fault in the model's forward")
+    return _forward(self, *args, **kwargs)
+
+
+Transformer.forward = forward
+"""
+
+
+def test_a_bug_in_a_rank_keeps_its_traceback_bad_paths_stay_one_line(tmp_path):
+    """[Note: bad input vs bugs] under `python main.py` with 2 local ranks: an exception raised in
+    rank 1's forward (a `sitecustomize` every rank imports plants it) is printed with its traceback
+    and the rank, and the job fails with the crash status; a data path that does not hold a dataset,
+    found by the ranks at start-up, is still one `error:` line and the bad-input status."""
+    from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH
+
+    from conftest import REPO
+
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_FAULT_IN_FORWARD)
+    out = run_main(TINY + ["trainer.max_steps=3", f"hydra.run.dir={tmp_path}/crash"], tmp_path,
+                   env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"})
+    assert out.returncode == EXIT_CRASH, (out.returncode, out.stderr[-3000:])
+    assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
+    assert "RuntimeError: injected fault in the model's forward" in out.stderr
+    assert re.search(r"rank 1\b.* failed", out.stderr), out.stderr[-3000:]  # named by its rank
+
+    # An .idx without its .bin passes the config check (which looks for the .idx) and is refused by
+    # the ranks when they open the dataset.
+    (tmp_path / "half.idx").write_bytes(b"")
+    indexed = [a for a in TINY if not a.startswith("data=")] + ["data=indexed", "data.seq_len=64"]
+    out = run_main(indexed + [f"data.paths=[{tmp_path}/half]", f"hydra.run.dir={tmp_path}/bad"], tmp_path)
+    assert out.returncode == EXIT_BAD_INPUT, (out.returncode, out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: data.paths: {tmp_path}/half.bin/.idx not found; prepare it with "
+                      "stage=data_preparation"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
 
 
 def test_nan_loss_stops_and_names_the_step(tmp_path):
