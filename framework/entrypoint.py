@@ -7,6 +7,7 @@ from typing import List
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.checkpoint.run_lock import lock_run_dir
 from framework.config import Stage, to_config, validate
 from framework.distributed.runtime import run_rank, spawn_local, under_torchrun
 from framework.errors import EXIT_BAD_INPUT, UserInputError
@@ -47,7 +48,11 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
     if os.environ.get("RANK", "0") == "0":
-        os.makedirs(cfg.run_dir, exist_ok=True)
+        try:  # one job per run directory; see [Note: the run directory lock]
+            lock_run_dir(cfg.run_dir)
+        except UserInputError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
         OmegaConf.save(dict_cfg, os.path.join(cfg.run_dir, "config.yaml"), resolve=True)
     if cfg.stage == Stage.plan:
         from framework.planner import run_plan

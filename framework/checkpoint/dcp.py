@@ -69,9 +69,12 @@ def dcp_load(state: Dict[str, Any], path: str) -> None:
     """Load sharded tensors into `state` in place, resharding to this job's layout. DCP's failure
     (a BaseException carrying every rank's traceback) becomes one line: the first rank's error."""
     from framework.checkpoint.layout import CheckpointError
+    from framework.checkpoint.safe_reader import SafeFileSystemReader, read_checked_metadata
 
+    read_checked_metadata(path)  # refused here, in one line, before DCP reads anything
     try:
-        dcp.load(state, checkpoint_id=path, planner=TensorsOnlyLoadPlanner())
+        dcp.load(state, checkpoint_id=path, planner=TensorsOnlyLoadPlanner(),
+                 storage_reader=SafeFileSystemReader(path))  # no unpickling of .metadata
     except dcp.CheckpointException as exc:
         errors = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
         first = next((str(e).strip().splitlines()[0] for e in errors if str(e).strip()), "unknown error")

@@ -16,6 +16,16 @@ directory to `step_N` (an atomic rename on POSIX file systems) and only then rep
 (write `latest.tmp`, fsync, `os.replace`). A process killed at any point therefore leaves either
 the previous checkpoint as `latest`, or the new one complete: never a half-written one that
 `resume=auto` would pick. Leftover `.tmp-` directories are deleted by the next successful save.
+
+[Note: files stay inside]
+A checkpoint may come from elsewhere, so nothing in it may lead the reader outside it: `latest`
+must hold a plain `step_N` name, every manifest entry and every file DCP's index names must be a
+plain relative path to a regular file (no `..`, no absolute path, no symlink) inside the
+checkpoint, and the manifest must list every file there (an unlisted file would be read
+unchecked). A path is refused before it is opened or its size looked at, so a refusal never says
+anything about a file outside. Nothing read is executed: tensors go through `torch.load(
+weights_only=True)`, DCP's `.metadata` through a restricted unpickler (`framework/checkpoint/
+safe_reader.py`), everything else is JSON.
 """
 from __future__ import annotations
 
@@ -119,14 +129,25 @@ def complete_checkpoints(root: str) -> List[str]:
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
-    """The checkpoint `latest` names, or the newest committed one if the pointer is missing."""
+    """The checkpoint `latest` names, or the newest committed one if the pointer is missing.
+    `latest` must hold a plain `step_N` name inside `root` (see [Note: files stay inside]);
+    anything else is refused."""
     pointer = os.path.join(root, LATEST)
     if os.path.isfile(pointer):
-        with open(pointer) as f:
-            path = os.path.join(root, f.read().strip())
+        with open(pointer, "rb") as f:
+            raw = f.read(256)
+        name = raw.decode("utf-8", errors="replace").strip()
+        if not _STEP_DIR.fullmatch(name):
+            raise CheckpointError(f"{pointer} holds {name[:80]!r}, not the name of a step_N directory "
+                                  f"beside it; delete it (resume=auto then takes the newest complete "
+                                  "checkpoint) or name a checkpoint with checkpoint.resume=<path>")
+        path = os.path.join(root, name)
         if os.path.isfile(os.path.join(path, MANIFEST)):
+            check_inside(root, path, what=pointer)
             return path
     found = complete_checkpoints(root)
+    if found:
+        check_inside(root, found[-1], what=found[-1])
     return found[-1] if found else None
 
 
@@ -140,32 +161,85 @@ def prune(root: str, keep_last: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def check_inside(root: str, path: str, what: str) -> None:
+    """Refuse `path` unless it resolves (symlinks followed) to a place inside `root`."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise CheckpointError(f"{what} leads outside {root} (to {path}, a symlink or '..'); a checkpoint "
+                              "is only read from inside its own directory: remove the link")
+
+
+def _bad_name(name) -> Optional[str]:
+    """Why `name` (a path from a manifest or DCP's index) is not a plain relative path, or None."""
+    if not isinstance(name, str) or not name:
+        return "is not a file name"
+    parts = name.split("/")
+    if name.startswith(("/", "\\")) or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        return "is not a plain relative path inside the checkpoint"
+    return None
+
+
 def read_manifest(ckpt: str) -> dict:
+    """The manifest, checked for form: JSON, this format, and a `files` table that names each file
+    with its sha256 and size, every name a plain relative path. See [Note: files stay inside]."""
     path = os.path.join(ckpt, MANIFEST)
     if not os.path.isfile(path):
         raise CheckpointError(f"{ckpt} has no {MANIFEST}: it is not a complete checkpoint "
                               "(a save that did not finish); resume from an earlier one")
-    with open(path) as f:
-        manifest = json.load(f)
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symlink; a checkpoint's files must be its own")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not JSON ({exc}); the checkpoint cannot be verified") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} is not a JSON object; the checkpoint cannot be verified")
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt}: checkpoint format {manifest.get('format')} is not "
                               f"{FORMAT_VERSION}, the one this version reads")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{path} lists no files (`files` is {'missing' if files is None else repr(files)[:40]}): "
+                              "a manifest must vouch for every file of its checkpoint")
+    for name, entry in files.items():
+        why = _bad_name(name)
+        if why is None and not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                                and isinstance(entry.get("bytes"), int)):
+            why = "has no sha256 and size"
+        if why:
+            raise CheckpointError(f"{path}: the entry {name!r:.80} {why}")
     return manifest
 
 
 def verify_files(ckpt: str, expected: Dict[str, dict], names: Sequence[str]) -> List[str]:
-    """Problems with `names` (a subset of the manifest's files): missing, wrong size, wrong sha256."""
+    """Problems with `names` (a subset of the manifest's files): outside the checkpoint, not a
+    regular file, missing, wrong size, wrong sha256. Nothing is read, or its size reported, before
+    the path is known to be a regular file inside `ckpt`."""
     problems = []
     for name in names:
         path = os.path.join(ckpt, name)
         want = expected[name]
-        if not os.path.isfile(path):
+        why = _bad_name(name)
+        if why:
+            problems.append(f"the entry {name!r:.80} {why}")
+            continue
+        real_ckpt = os.path.realpath(ckpt)
+        if os.path.islink(path) or not os.path.realpath(path).startswith(real_ckpt + os.sep):
+            problems.append(f"{name} is a symlink or leads outside the checkpoint")
+        elif not os.path.isfile(path):
             problems.append(f"{name} is missing")
         elif os.path.getsize(path) != want["bytes"]:
             problems.append(f"{name} has {os.path.getsize(path)} bytes, the manifest says {want['bytes']}")
         elif sha256_of(path) != want["sha256"]:
             problems.append(f"{name} does not match its sha256 in the manifest")
     return problems
+
+
+def unlisted_files(ckpt: str, expected: Dict[str, dict]) -> List[str]:
+    """Files in the checkpoint that its manifest does not vouch for (they would be read unchecked)."""
+    return [f"{name} is not listed in the manifest" for name in files_of(ckpt) if name not in expected]
 
 
 def integrity_message(ckpt: str, problems: List[str], find_good: bool = True) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from framework.config.schema import Config
 from framework.distributed.runtime import Runtime
 from framework.errors import EXIT_BAD_INPUT as EXIT_BAD_CHECKPOINT
 from framework.errors import EXIT_REQUEUE  # noqa: F401  (re-exported)
+from framework.errors import UserInputError
 
 
 def _git_revision() -> str:
@@ -65,8 +67,12 @@ class CheckpointManager:
         token = [os.urandom(4).hex() if rt.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self._token = token[0]  # names this job's temp directories (the same on every rank)
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise UserInputError(f"checkpoint.dir={c.dir}: {self.root} is a file, not a directory; name a "
+                                 "directory (it is created if missing)")
+        self._together(lambda: os.makedirs(self.root, exist_ok=True), f"checkpoint.dir={c.dir}: cannot create "
+                       f"{self.root}", "give a writable directory")
         if rt.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
             self._git = _git_revision()
 
     # ---- saving ----
@@ -83,15 +89,19 @@ class CheckpointManager:
             return
         self._finalize_pending()
         tmp = os.path.join(self.root, f"{layout.step_dir_name(step)}.tmp-{self._token}")
-        os.makedirs(tmp, exist_ok=True)
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
         optim_tensors, groups = split_optim(optim_sd)
         app = {"model": model_sd, "optim": optim_tensors}
-        write_rng(tmp, self.rt.rank)
-        if self.rt.is_main:
-            layout.write_json_atomic(os.path.join(tmp, layout.TRAIN_STATE), {
-                "step": step, "scheduler": state.scheduler.state_dict(),
-                "train_loader": state.train_loader.state_dict(), "optimizer_param_groups": groups})
+
+        def write_small_files() -> None:
+            os.makedirs(tmp, exist_ok=True)
+            write_rng(tmp, self.rt.rank)
+            if self.rt.is_main:
+                layout.write_json_atomic(os.path.join(tmp, layout.TRAIN_STATE), {
+                    "step": step, "scheduler": state.scheduler.state_dict(),
+                    "train_loader": state.train_loader.state_dict(), "optimizer_param_groups": groups})
+
+        self._writing(write_small_files, tmp)
         if self.cfg.checkpoint.async_save and not blocking:
             # Snapshot CPU tensors first: training goes on mutating them while the thread writes.
             # (DCP's stager copies device tensors to CPU itself; a second copy there would only
@@ -100,9 +110,48 @@ class CheckpointManager:
             future = dcp.async_save(app, checkpoint_id=tmp, process_group=self._io_group)
             self._pending = (future, tmp, step)
         else:
-            dcp.save(app, checkpoint_id=tmp)
+            self._writing(lambda: dcp.save(app, checkpoint_id=tmp), tmp)
             self._commit(tmp, step)
         self._last_saved = step
+
+    # [Note: a failed save]
+    # A save that cannot be written (a full file system, a read-only or vanished checkpoint.dir)
+    # stops training on every rank with one line naming the path and the cause, and the
+    # bad-input status (2): the ranks first agree that some rank failed (one all_gather), the temp
+    # directory is removed (no partial files for a later resume to trip over), and the previous
+    # checkpoint stays complete and `latest`. Fix the disk, then resume with checkpoint.resume=auto.
+    # Training does not go on without checkpoints: a run that cannot save would lose its progress.
+
+    def _together(self, fn, what: str, fix: str) -> None:
+        """Run `fn` on every rank; if it fails on any, raise the same CheckpointWriteError on all."""
+        error = None
+        try:
+            fn()
+        except (OSError, dcp.CheckpointException) as exc:
+            error = _cause(exc)
+        errors = [None] * self.rt.world_size
+        dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            rank, cause = failed[0]
+            where = f" (rank {rank})" if self.rt.world_size > 1 else ""
+            raise CheckpointWriteError(f"{what}{where}: {cause}; {fix}")
+
+    def _writing(self, fn, tmp: str) -> None:
+        """`_together` for a step of a save: on failure the temp directory goes, `latest` stays."""
+        try:
+            previous = layout.latest_checkpoint(self.root)
+        except layout.CheckpointError:
+            previous = None
+        keep = f"{previous} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
+        try:
+            self._together(fn, f"checkpoint.dir: could not write {tmp}",
+                           f"{keep}; free space or make checkpoint.dir writable, then resume with "
+                           "checkpoint.resume=auto")
+        except CheckpointWriteError:
+            if self.rt.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def _finalize_pending(self) -> None:
         """Wait for the async save in flight (if any) and commit it."""
@@ -110,7 +159,7 @@ class CheckpointManager:
             return
         future, tmp, step = self._pending
         self._pending = None
-        _wait(future)
+        self._writing(lambda: _wait(future), tmp)
         self._commit(tmp, step)
 
     def _commit(self, tmp: str, step: int) -> None:
@@ -120,18 +169,27 @@ class CheckpointManager:
         dist.broadcast_object_list(names, src=0)  # one listing: file systems may lag between nodes
         names = names[0]
         mine = {}
-        for name in names[self.rt.rank::self.rt.world_size]:
-            path = os.path.join(tmp, name)
-            layout.fsync_file(path)
-            mine[name] = {"sha256": layout.sha256_of(path), "bytes": os.path.getsize(path)}
+
+        def checksum_my_share() -> None:
+            for name in names[self.rt.rank::self.rt.world_size]:
+                path = os.path.join(tmp, name)
+                layout.fsync_file(path)
+                mine[name] = {"sha256": layout.sha256_of(path), "bytes": os.path.getsize(path)}
+
+        self._writing(checksum_my_share, tmp)
         shares = [None] * self.rt.world_size
         dist.all_gather_object(shares, mine)
+        final = os.path.join(self.root, layout.step_dir_name(step))
+
+        def commit() -> None:
+            if self.rt.is_main:
+                files = {k: v for share in shares for k, v in share.items()}
+                layout.commit(tmp, final, self._manifest(step, files))
+
+        self._writing(commit, tmp)
         if self.rt.is_main:
-            files = {k: v for share in shares for k, v in share.items()}
-            layout.commit(tmp, os.path.join(self.root, layout.step_dir_name(step)), self._manifest(step, files))
             layout.prune(self.root, self.cfg.checkpoint.keep_last)
-            print(f"saved checkpoint {os.path.join(self.root, layout.step_dir_name(step))}",
-                  file=sys.stderr, flush=True)
+            print(f"saved checkpoint {final}", file=sys.stderr, flush=True)
         dist.barrier()
 
     def _manifest(self, step: int, files: dict) -> dict:
@@ -186,15 +244,19 @@ class CheckpointManager:
 
     def load(self, state, path: str) -> int:
         path = os.path.abspath(path)
-        manifest = layout.read_manifest(path)
+        try:
+            manifest = layout.read_manifest(path)
+        except layout.CheckpointError as exc:  # name the previous good checkpoint, as below
+            raise layout.CheckpointError(layout.integrity_message(path, [str(exc)], find_good=self.rt.is_main)) from None
         expected = manifest["files"]
         mine = sorted(expected)[self.rt.rank::self.rt.world_size]
         problems = [None] * self.rt.world_size
         dist.all_gather_object(problems, layout.verify_files(path, expected, mine))
-        problems = [p for share in problems for p in share]
+        problems = [p for share in problems for p in share] + layout.unlisted_files(path, expected)
         if problems:
             raise layout.CheckpointError(layout.integrity_message(path, problems, find_good=self.rt.is_main))
         self._check_same_model(path, manifest)
+        self._check_same_optimizer(path, manifest)
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
         optim_tensors, _ = split_optim(optim_sd)
         app = {"model": model_sd, "optim": optim_tensors}
@@ -213,6 +275,27 @@ class CheckpointManager:
                   f"engine={w['engine']}; now {self.rt.world_size} ranks, engine={self.engine.value})",
                   file=sys.stderr, flush=True)
         return int(saved["step"])
+
+    def _check_same_optimizer(self, path: str, manifest: dict) -> None:
+        """Refuse an optimizer that cannot take the saved state (before any state is touched); say
+        in one line which given hyper-parameters the checkpoint's values override."""
+        saved = manifest.get("config", {}).get("optimizer", {})
+        now = dataclasses.asdict(self.cfg.optimizer)
+        name = "name" if "name" in now else None
+        if name and name in saved and _plain(saved[name]) != _plain(now[name]):
+            raise layout.CheckpointError(
+                f"checkpoint.resume: {path} was saved with optimizer.{name}={_plain(saved[name])}; its state "
+                f"does not fit optimizer.{name}={_plain(now[name])}: resume with optimizer={_plain(saved[name])}, "
+                "or start afresh from its weights with checkpoint.resume=none and checkpoint.init_from")
+        # The optimizer's param groups (lr, betas, weight decay, ...) and the LR schedule's state
+        # come from the checkpoint, so these values given now do not take effect.
+        keys = ("lr", "weight_decay", "beta1", "beta2", "eps") + (("momentum",) if _plain(now.get(name)) == "sgd" else ())
+        overridden = [f"optimizer.{k}={_plain(now[k])} (the checkpoint's {_plain(saved[k])} is used)"
+                      for k in keys if k in saved and k in now and _plain(saved[k]) != _plain(now[k])]
+        if overridden and self.rt.is_main:
+            print(f"warning: resuming from {path}: {'; '.join(overridden)}: the optimizer state and LR schedule "
+                  "continue as saved; to change them, start from the weights with checkpoint.init_from",
+                  file=sys.stderr, flush=True)
 
     def _check_same_model(self, path: str, manifest: dict) -> None:
         saved = manifest.get("config", {}).get("model", {})
@@ -286,6 +369,27 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the run is already failing; keep its first error
                 pass
             self._pending = None
+
+
+class CheckpointWriteError(UserInputError):
+    """A checkpoint could not be written (see [Note: a failed save])."""
+
+
+def _cause(exc: BaseException) -> str:
+    """One line: the OS error and its file, from an OSError or from DCP's collected failures."""
+    if isinstance(exc, dcp.CheckpointException):
+        failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        exc = next((f for f in failures if isinstance(f, OSError)), failures[0] if failures else exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _plain(value):
+    """A config value as the manifest's JSON holds it (enums by value, tuples as lists)."""
+    value = getattr(value, "value", value)
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _wait(future) -> None:

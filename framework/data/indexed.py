@@ -16,8 +16,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import framework.data.megatron_quiet  # noqa: F401  (before any megatron.core import)
 
+import numpy
 import torch
 
+from framework.data.index_cache import no_pickle_in_megatron_indices
 from framework.errors import UserInputError
 
 
@@ -46,6 +48,7 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str) -> in
         acc += p
     for prefix in prefixes:
         dataset = IndexedDataset(prefix)  # keep it alive: its arrays view the mapped index file
+        _check_bin_size(prefix, dataset)
         total += int(dataset.sequence_lengths.sum())
         n_docs = len(dataset)
         del dataset
@@ -54,6 +57,20 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str) -> in
                 raise UserInputError(f"data.split={split!r} gives the {name} split none of the {n_docs} documents "
                                      f"of {prefix}; give it a larger share (or 0 for test), or more documents")
     return total
+
+
+def _check_bin_size(prefix: str, dataset) -> None:
+    """The .bin holds every token the .idx points at (a truncated copy is refused at load, not
+    found by a read far into training)."""
+    lengths, pointers = dataset.index.sequence_lengths, dataset.index.sequence_pointers
+    if not len(lengths):
+        return
+    itemsize = numpy.dtype(dataset.index.dtype).itemsize
+    needed = int(pointers[-1]) + int(lengths[-1]) * itemsize
+    have = os.path.getsize(prefix + ".bin")
+    if have < needed:
+        raise UserInputError(f"data.paths: {prefix}.bin has {have} bytes but {prefix}.idx describes {needed}: "
+                             "the .bin is truncated (an interrupted copy?); copy or prepare it again")
 
 
 def _split_sizes(total: int, split: str) -> List[int]:
@@ -87,6 +104,7 @@ def build_indexed(paths: Sequence[str], weights: Sequence[float], *, split: str,
         tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, mid_level_dataset_surplus=0.005)
     sizes = _split_sizes(samples, split)  # see [Note: indexed dataset sizes]
+    no_pickle_in_megatron_indices()  # its index cache may be shared: never unpickle it
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     if train is None or len(train) == 0 or valid is None or len(valid) == 0:
         raise UserInputError(f"data.split={split!r} leaves the {'train' if not train else 'valid'} split of "

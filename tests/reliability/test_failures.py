@@ -1,0 +1,156 @@
+"""Every failure explained, faults survived: a rank that raises, hangs or is killed, two jobs on one
+run directory, and a restart under torchrun that must resume exactly.
+
+Faults are injected from outside the framework: `inject/sitecustomize.py` (on PYTHONPATH for these
+runs only) makes one rank's loss computation raise or SIGKILL itself at a chosen step; a hang is a
+real SIGSTOP. See [Note: every failure explained] in framework/distributed/runtime.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, TINY, read_metrics, run_main
+
+INJECT = Path(__file__).resolve().parent / "inject"
+SHORT = TINY + ["trainer.eval_interval=0", "trainer.max_steps=8", "optimizer.schedule=constant"]
+
+
+def _env(fault: str = "") -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=f"{INJECT}{os.pathsep}{REPO}", OMP_NUM_THREADS="1", FRAMEWORK_TEST_FAULT=fault)
+    return env
+
+
+def _torchrun(args, cwd, env, timeout=300, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *extra, str(REPO / "main.py"), *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_exception_in_one_rank_under_main_py_prints_its_traceback(tmp_path):
+    out = run_main(SHORT + [f"hydra.run.dir={tmp_path}/run"], tmp_path, env=_env("runtime:1:3"))
+    assert out.returncode == 1, out.stderr[-3000:]
+    # Rank 1's own traceback (the injected error), under its rank number; rank 0's error (its peer
+    # vanished mid-collective) is printed too, before it. Each once.
+    assert "error: rank 1 (of 2) failed:" in out.stderr, out.stderr[-3000:]
+    assert out.stderr.count("RuntimeError: injected fault on rank 1 at call 3") == 1, out.stderr[-3000:]
+    assert out.stderr.count("Traceback (most recent call last)") == 2, out.stderr[-3000:]
+    assert out.stderr.index("rank 0 (of 2) failed") < out.stderr.index("rank 1 (of 2) failed")
+
+
+def test_exception_in_one_rank_under_torchrun_prints_its_traceback(tmp_path):
+    out = _torchrun(SHORT + [f"hydra.run.dir={tmp_path}/run"], tmp_path, _env("oserror:0:3"))
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "error: rank 0 (of 2) failed:" in out.stderr, out.stderr[-3000:]
+    assert "OSError: [Errno 28] No space left on device (injected)" in out.stderr, out.stderr[-3000:]
+    # The same traceback reached torchrun's error file: its summary names the root cause.
+    assert "Root Cause" in out.stderr and "No space left on device (injected)" in out.stderr.split("Root Cause")[1]
+
+
+def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys):
+    from framework.distributed.runtime import _print_failures
+
+    class Proc:
+        def __init__(self, exitcode):
+            self.exitcode = exitcode
+
+    same = "Traceback (most recent call last):\nRuntimeError: gloo: connection closed by peer\n"
+    for rank in (0, 2):
+        (tmp_path / f"rank_{rank}.txt").write_text(same)
+    procs = [Proc(1), Proc(-signal.SIGKILL), Proc(1), Proc(-signal.SIGKILL)]
+    _print_failures(procs, first=(1, -signal.SIGKILL), stopped=[3], report_dir=str(tmp_path))
+    err = capsys.readouterr().err
+    assert "error: rank 1 was killed by signal SIGKILL" in err, err
+    assert err.count("connection closed by peer") == 1 and "error: ranks 0, 2 (of 4) failed:" in err, err
+    assert "stopped rank(s) 3: still running 5 s after rank 1 ended" in err, err
+
+
+def _rank_pids(parent: int) -> list:
+    """The rank processes `python main.py` (pid `parent`) started."""
+    out = subprocess.run(["ps", "-o", "pid=,ppid=,args=", "-A"], capture_output=True, text=True).stdout
+    return sorted(int(line.split()[0]) for line in out.splitlines()
+                  if int(line.split()[1]) == parent and "multiprocessing" in line and "resource_tracker" not in line)
+
+
+def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path):
+    """SIGSTOP one rank: the other's next collective times out after trainer.collective_timeout_s
+    (10 s here, 300 by default), the job ends naming the stopped rank, and no process remains."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(REPO / "main.py"), *TINY, "trainer.max_steps=100000",
+                             "trainer.eval_interval=0", "checkpoint.save_final=false",
+                             "trainer.collective_timeout_s=10", f"hydra.run.dir={run}"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
+            time.sleep(0.2)
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 1, err[-3000:]
+    assert "rank(s) 1 did not arrive: no sign of life" in err, err[-3000:]
+    assert "error: rank 0 (of 2) failed:" in err and "stopped rank(s) 1" in err, err[-3000:]
+    assert took < 120
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+
+
+def test_second_job_on_a_run_directory_refuses_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from framework.checkpoint.run_lock import lock_run_dir; lock_run_dir(sys.argv[2]); "
+                               "print('locked', flush=True); time.sleep(600)", str(REPO), str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        out = run_main(TINY + ["trainer.max_steps=2", f"hydra.run.dir={run}"], tmp_path)
+        assert out.returncode == 2, out.stderr[-3000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"is in use by a running job (pid {holder.pid} on " in errors[0], out.stderr
+        assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without cleaning up: its lock went with it, and the next job runs.
+    out = run_main(TINY + ["trainer.max_steps=2", "trainer.eval_interval=0", f"hydra.run.dir={run}"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _losses(run: Path) -> dict:
+    return {row["step"]: row["loss"] for row in read_metrics(run) if "loss" in row}
+
+
+RESTART = TINY + ["trainer.eval_interval=0", "trainer.max_steps=10", "parallelism.engine=torch",
+                  "checkpoint.interval=3", "checkpoint.resume=auto"]
+RESTART_TOLERANCE = 1e-6  # fp32 on CPU, gloo: a resume is bitwise in practice; 1e-6 as the issue asks
+
+
+def test_rank_killed_under_torchrun_restarts_and_resumes_exactly(tmp_path):
+    """A rank SIGKILLed at step 5 (first attempt only): torchrun restarts the group, which resumes
+    from the step-3 checkpoint and logs, for every later step, an uninterrupted run's losses."""
+    reference = run_main(RESTART + [f"hydra.run.dir={tmp_path}/reference"], tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = _torchrun(RESTART + [f"hydra.run.dir={tmp_path}/run"], tmp_path, _env("kill:1:5"), 300,
+                    "--max-restarts=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from" in out.stderr and "step_00000003" in out.stderr, out.stderr[-4000:]
+    expected, got = _losses(tmp_path / "reference"), _losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 11)), sorted(got)
+    for step in range(4, 11):
+        assert abs(got[step] - expected[step]) <= RESTART_TOLERANCE, (step, got[step], expected[step])
