@@ -1,0 +1,25 @@
+"""The Hugging Face family (`model=hf`): any transformers model type with `_no_split_modules`,
+registered here. transformers is imported only when such a model is built."""
+from framework.models.hf.model import (
+    HFAdapter,
+    blocks,
+    build_hf,
+    flops_per_token,
+    hf_config,
+    init_weights,
+    weights_dir,
+)
+from framework.models.registry import ModelFamily, register_family
+from framework.models.tasks import get_task
+
+FAMILY = register_family(ModelFamily(
+    names=("hf",),
+    build=build_hf,
+    blocks=blocks,
+    task=lambda cfg: get_task(cfg.task),
+    init_weights=init_weights,
+    adapter=HFAdapter,
+    flops_per_token=flops_per_token,
+    vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
+    weights_dir=weights_dir,
+))

@@ -1,0 +1,143 @@
+"""Hugging Face models through our engine equal transformers on one process.
+
+One 2-rank spawn runs every case: for GPT-2, Llama, Qwen2 (causal LM), T5 (seq2seq, relative
+attention bias, tied embeddings) and GPT-2 sequence classification, the initial logits and the
+first 5 training losses of the trainer (2 ranks, sharded per `_no_split_modules` block, 2
+gradient-accumulation micro-steps) are compared with a plain transformers model trained on one
+process from the same initial weights on the same global batches. Tolerance 1e-5 (fp32): the
+sharded run reduces gradients in another order (reduce-scatter over 2 ranks, 2 micro-steps), which
+moves fp32 results by ~1e-7 per step; 1e-5 leaves room for 5 steps of that and nothing more (a
+wrong shard, a lost gradient or an untied weight moves the loss by > 1e-3).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 64,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1, "eos_token_id": 1}
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+QWEN2 = dict(LLAMA, model_type="qwen2")
+T5 = {"model_type": "t5", "num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_kv": 8, "num_heads": 4,
+      "d_ff": 64, "vocab_size": 128, "dropout_rate": 0.0, "relative_attention_num_buckets": 8}
+
+CASES = [  # (label, inline config, task, engine)
+    ("gpt2", GPT2, "causal_lm", "native"),
+    ("llama", LLAMA, "causal_lm", "native"),
+    ("qwen2", QWEN2, "causal_lm", "native"),
+    ("t5", T5, "seq2seq", "native"),
+    ("gpt2_classify", GPT2, "sequence_classification", "native"),
+    ("t5_torch_engine", T5, "seq2seq", "torch"),
+]
+TOL = 1e-5  # see the module docstring
+
+
+def make_config(model_config: dict, task: str, engine: str, run_dir: str, steps: int = 5, **model):
+    from framework.config.schema import (
+        CheckpointConfig,
+        Config,
+        DataConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+        TrainerConfig,
+    )
+
+    return Config(
+        model=ModelConfig(name="hf", config=dict(model_config), task=task, max_seq_len=64, **model),
+        parallelism=ParallelismConfig(engine=engine),
+        data=DataConfig(name="synthetic", seq_len=16),
+        # SGD with momentum: a gradient scaled wrongly shows at once (Adam would normalise it away).
+        optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9, warmup_steps=0, schedule="constant"),
+        trainer=TrainerConfig(max_steps=steps, global_batch_size=4, micro_batch_size=1, eval_interval=0,
+                              progress_bar=False),
+        checkpoint=CheckpointConfig(save_final=False), run_dir=run_dir)
+
+
+def _reference(cfg, steps: int):
+    """The trainer's model build and data, trained by plain transformers on this one process."""
+    from framework.data import build_data
+    from framework.models import family_of
+    from framework.optim import build_optimizer, build_scheduler
+
+    family = family_of(cfg.model)
+    task = family.task(cfg.model)
+    torch.manual_seed(cfg.trainer.seed)  # the trainer's sequence: seed, a meta build, the real build
+    family.build(cfg.model, "meta")
+    model = family.build(cfg.model, "cpu")
+    family.init_weights(model, cfg.trainer.seed)
+    initial = copy.deepcopy(model)
+    data = build_data(cfg.data, vocab_size=family.vocab_size(cfg.model), micro_batch_size=4, global_batch_size=4,
+                      dp_rank=0, dp_size=1, seed=cfg.trainer.seed, sample_kind=task.sample_kind,
+                      num_labels=cfg.model.num_labels)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, steps)
+    losses = []
+    for _ in range(steps):
+        loss = task.loss(model, data.train.next_batch())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return initial, losses
+
+
+def _probe(cfg):
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(128, (2, 12), generator=gen)
+    if cfg.model.task == "seq2seq":
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :6]}
+    return {"input_ids": ids}
+
+
+def _parity_rank(rank, world, run_dir):
+    from framework.distributed.runtime import Runtime
+    from framework.trainer import Trainer
+
+    out = {}
+    for label, model_config, task, engine in CASES:
+        cfg = make_config(model_config, task, engine, run_dir)
+        initial, ref_losses = _reference(cfg, 5)
+        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        with torch.no_grad():
+            ours = trainer.model(**_probe(cfg)).logits
+            ref = initial(**_probe(cfg)).logits
+        losses = [trainer.train_step()["loss"] for _ in range(5)]
+        out[label] = {"logits": (ours - ref).abs().max().item(), "losses": losses, "ref_losses": ref_losses,
+                      "blocks": len(trainer.family.blocks(trainer.model))}
+        del trainer
+    return out
+
+
+def test_hf_models_on_two_ranks_equal_transformers_on_one_process(tmp_path):
+    from tests.distributed.harness import run_ranks
+
+    results = run_ranks(_parity_rank, world_size=2, args=(str(tmp_path),), timeout_s=300)
+    for label, *_ in CASES:
+        for rank in range(2):
+            r = results[rank][label]
+            assert r["logits"] <= TOL, (label, rank, r)
+            assert r["blocks"] == (4 if label.startswith("t5") else 2), (label, r)  # encoder + decoder blocks
+            diffs = [abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])]
+            assert len(diffs) == 5 and all(math.isfinite(x) for x in r["losses"]), (label, r)
+            assert max(diffs) <= TOL, (label, rank, r)
+        # The losses must change (a model that never trains would pass the comparison trivially).
+        losses = results[0][label]["losses"]
+        assert max(losses) - min(losses) > 1e-3, (label, results[0][label])
+
+
+def test_a_hub_name_is_refused_in_one_line(tmp_path):
+    from framework.config.schema import ModelConfig
+    from framework.errors import UserInputError
+    from framework.models import family_of
+
+    cfg = ModelConfig(name="hf", path="openai-community/gpt2")
+    with pytest.raises(UserInputError) as info:
+        family_of(cfg).build(cfg, "meta")
+    assert "download it first" in str(info.value) and "\n" not in str(info.value)
