@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
     "tiny": (1024, 128, 2, 4, 64, 4),
     "25m": (16384, 512, 6, 8, 128, 2),
+    "1b": (32000, 2048, 18, 16, 1024, 4),  # 0.97B; for --device cuda (bench/gpu_check.sh)
 }
 
 
@@ -216,6 +217,75 @@ def memory_worker(rank, ws, engine, size):
     return {"rss_peak_mb": _rss_hwm_kb() / 1024, "rss_after_warmup_mb": base / 1024}
 
 
+def gpu_worker(rank, ws, size, steps, warmup, peak_tflops):
+    """Our engine alone on this rank's GPU: bf16 compute, fp32 master shards and reduction, AdamW."""
+    from framework.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from framework.metrics import device_peak_tflops
+
+    vocab, d, layers, heads, seq, mb = SIZES[size]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    with dev:
+        model = GPT(vocab, d, layers, heads, seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        fully_shard(b, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    times, exposed = [], []
+    for s in range(warmup + steps):
+        idx = torch.randint(0, vocab, (mb, seq + 1), device=dev)
+        model.reset_comm_stats()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = model(idx[:, :-1])
+        F.cross_entropy(out.float().reshape(-1, vocab), idx[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+            exposed.append(model.comm_stats()["exposed_comm_s"])
+    # training FLOPs per token: 6 x parameters (matmuls fwd+bwd) + 12 x layers x d x seq (attention)
+    flops_per_token = 6 * n_params + 12 * layers * d * seq
+    return {"times": times, "exposed": exposed, "params": n_params, "tokens_per_step": mb * seq,
+            "flops_per_token": flops_per_token, "peak_tflops": device_peak_tflops(dev, peak_tflops),
+            "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "gpu": torch.cuda.get_device_name(dev)}
+
+
+def run_gpu(args) -> None:
+    """--device cuda: tokens/s, MFU against the GPU's bf16 peak, peak memory, exposed comm."""
+    from tests.distributed.harness import run_ranks
+
+    if not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device is visible; run on a GPU machine or drop --device", file=sys.stderr)
+        sys.exit(2)
+    os.environ.setdefault("TEST_DIST_BACKEND", "cpu:gloo,cuda:nccl")
+    res = run_ranks(gpu_worker, args.ranks, args=(args.model_size, args.steps, 2, args.peak_tflops), timeout_s=600)
+    r0 = res[0]
+    step_s = statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))
+    tok_s = args.ranks * r0["tokens_per_step"] / step_s
+    peak = r0["peak_tflops"]
+    row = {
+        "gpu": r0["gpu"], "ranks": args.ranks, "params": r0["params"], "median_step_s": step_s, "tokens_per_s": tok_s,
+        "mfu": tok_s * r0["flops_per_token"] / (args.ranks * peak * 1e12) if peak else None,
+        "peak_mem_gib": max(r["peak_mem_gib"] for r in res),
+        "exposed_comm_s": statistics.median(max(r["exposed"][i] for r in res) for i in range(args.steps)),
+    }
+    mfu = "n/a (unknown GPU: pass --peak-tflops)" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    print(f"\nGPT {args.model_size} ({row['params'] / 1e9:.2f}B params), ours, {args.ranks} x {row['gpu']}, bf16 compute, "
+          f"{args.steps} steps, medians")
+    print(f"step {step_s:.3f} s  tokens/s {tok_s:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.1f} GiB/GPU  "
+          f"exposed comm {row['exposed_comm_s']:.3f} s/step")
+    out = "bench/engine_gpu.json" if args.out == "bench/engine_results.json" else args.out
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"args": vars(args), "row": row, "raw": res}, f, indent=1)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6, help="measured steps per engine (after 2 warm-up)")
@@ -225,7 +295,14 @@ def main() -> None:
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--tp", action="store_true",
                     help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: our engine only, one rank per GPU, bf16 compute; tokens/s, MFU, peak memory "
+                         "(use --model-size 1b; writes bench/engine_gpu.json)")
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak for MFU; 0: look it up")
     args = ap.parse_args()
+    if args.device == "cuda":
+        run_gpu(args)
+        return
     from tests.distributed.harness import run_ranks
 
     t0 = time.time()

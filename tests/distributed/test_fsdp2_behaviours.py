@@ -6,9 +6,9 @@ bug cannot hide), and compares the losses step by step and then every parameter.
 of a world size run inside ONE spawned process group (module-scoped fixtures); a behaviour that
 raises records its traceback and the others still run. The test functions assert on the records.
 
-Device and backend are read at run time: `FSDP_TEST_DEVICE=cuda` puts each rank on its own GPU
-(`bench/gpu_check.sh` sets it together with `TEST_DIST_BACKEND=cpu:gloo,cuda:nccl`); the default
-is the CPU with gloo.
+Device, backend and world size are read at run time: `FSDP_TEST_DEVICE=cuda` puts each rank on
+its own GPU (`bench/gpu_check.sh` sets it together with `TEST_DIST_BACKEND=cpu:gloo,cuda:nccl` and
+`FSDP_TEST_WORLD` = the GPUs it may use); the default is 4 CPU ranks with gloo.
 
 Tolerances: TOL = 1e-5 for fp32 runs. The sharded run does the same math as the reference but
 sums in another order (per-rank means summed by the reduce-scatter then divided by N), so results
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import subprocess
 import traceback
 from collections.abc import Callable
 
@@ -137,7 +139,9 @@ def _parity(
     our_losses = _train(ours, loss_fn, dev, rank, n, **kw)
     out = _compare(init, ref, ours, ref_losses, our_losses)
     # what the optimizer sees: plain 1-D tensors, this rank's slice of each unit's flat buffer
-    out["param_kinds"] = sorted({(type(p).__name__, p.dim()) for p in ours.parameters()})
+    out["param_kinds"] = sorted(
+        {(type(p).__name__, p.dim()) for p in ours.parameters()}
+    )
     return out
 
 
@@ -669,6 +673,7 @@ def b_hsdp_ckpt_offload_accum(rank, n):
     from framework.distributed.fsdp import CPUOffloadPolicy
 
     dev = _device(rank)
+    # 2 x 2 on 4 ranks (2 x 1, replication only, when FSDP_TEST_WORLD=2)
     mesh = init_device_mesh(
         dev.type, (2, n // 2), mesh_dim_names=("replicate", "shard")
     )
@@ -769,9 +774,21 @@ def _worker(rank, n, names):
     return out
 
 
+def _world() -> int:
+    """4 ranks; `FSDP_TEST_WORLD` (1, 2, 4 or 8) fits the run to the GPUs of a machine."""
+    n = int(os.environ.get("FSDP_TEST_WORLD", "4"))
+    assert n in (1, 2, 4, 8), (
+        f"FSDP_TEST_WORLD={n}: use 1, 2, 4 or 8 (the global batch of {GB} rows splits evenly)"
+    )
+    return n
+
+
 @pytest.fixture(scope="module")
 def results4():
-    return run_ranks(_worker, 4, args=(sorted(BEHAVIOURS_4),), timeout_s=300)[0]
+    n = _world()
+    if n == 1:
+        pytest.skip("FSDP_TEST_WORLD=1: only the world-size-1 behaviour runs")
+    return run_ranks(_worker, n, args=(sorted(BEHAVIOURS_4),), timeout_s=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -877,3 +894,40 @@ def test_world_size_1_issues_no_collectives(results1):
     r = results1["world_size_1_no_collectives"]
     _ok(r)
     assert r["collectives"] == [] and r["counted"] == 0, r
+
+
+# ------------------------------------------------------------------ bench/gpu_check.sh (no GPU here)
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_GPU_CHECK = os.path.join(_REPO, "bench", "gpu_check.sh")
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU is visible: run bench/gpu_check.sh itself"
+)
+def test_gpu_check_refuses_without_gpu(tmp_path):
+    report = tmp_path / "report.txt"
+    p = subprocess.run(
+        ["bash", _GPU_CHECK, str(report)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=_REPO,
+    )
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: bench/gpu_check.sh needs a CUDA GPU"
+    ), p.stderr
+    assert not report.exists()  # nothing half-written
+
+
+def test_gpu_check_is_shellcheck_clean():
+    sc = os.path.join(_REPO, ".venv", "bin", "shellcheck")
+    sc = sc if os.path.exists(sc) else shutil.which("shellcheck")
+    if sc is None:
+        pytest.skip("shellcheck not installed (requirements-test.lock provides it)")
+    p = subprocess.run(
+        [sc, _GPU_CHECK], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stdout

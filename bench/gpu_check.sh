@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# GPU readiness check of the sharded engine, in one command on a CUDA machine (8 minutes at most):
+#   1. the FSDP2-behaviour tests on NCCL, one rank per visible GPU (largest of 1/2/4/8 that fits)
+#   2. bench/engine.py --device cuda on the ~1B GPT in bf16: tokens/s, MFU, peak memory, exposed comm
+#   3. the main job (python main.py) for 50 steps on every visible GPU, bf16
+# and writes one report (default bench/gpu_report.txt; first argument to change it).
+#
+#   bash bench/gpu_check.sh [REPORT]        # PYTHON=... to use another interpreter than .venv/bin/python
+#
+# Exit status: 0 all steps passed, 1 a step failed (the report says which), 2 no GPU visible.
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-.venv/bin/python}
+REPORT=${1:-bench/gpu_report.txt}
+
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  echo "error: bench/gpu_check.sh needs a CUDA GPU: nvidia-smi not found; run it on a GPU machine" >&2
+  exit 2
+fi
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
+if [[ "$NGPU" -lt 1 ]]; then
+  echo "error: bench/gpu_check.sh needs a CUDA GPU: torch.cuda.is_available() is false under $PY" >&2
+  exit 2
+fi
+WORLD=1
+for n in 2 4 8; do
+  if [[ "$NGPU" -ge "$n" ]]; then WORLD=$n; fi
+done
+
+RUN_DIR=$(mktemp -d /tmp/gpu_check_run.XXXXXX)
+LOG_DIR=$(mktemp -d /tmp/gpu_check_logs.XXXXXX)
+T0=$(date +%s)
+FAILED=0
+{
+  echo "# GPU check of the sharded engine"
+  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')   commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "torch: $("$PY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)')"
+  nvidia-smi -L
+  echo "GPUs visible: $NGPU; engine-test world size: $WORLD"
+} >"$REPORT"
+
+# run_step NAME SECONDS COMMAND...: runs the command under a time limit, keeps its log, and puts
+# its status and the last lines of its output into the report.
+run_step() {
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
+  rc=$?
+  local status=PASS
+  if [[ $rc -ne 0 ]]; then
+    status="FAIL (exit $rc$([[ $rc -eq 124 ]] && echo ", over ${limit}s"))"
+    FAILED=1
+  fi
+  {
+    echo
+    echo "## $name: $status in $(($(date +%s) - start)) s"
+    echo "\$ $*"
+    tail -n 15 "$LOG_DIR/$name.log"
+  } >>"$REPORT"
+}
+
+run_step engine_tests 150 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=cpu:gloo,cuda:nccl \
+  FSDP_TEST_WORLD="$WORLD" "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_fsdp2_behaviours.py
+
+run_step bench_1b_bf16 150 "$PY" bench/engine.py --device cuda --model-size 1b --ranks "$NGPU" --steps 8 \
+  --out bench/engine_gpu.json
+
+run_step main_job_50_steps 150 "$PY" main.py cluster.nproc_per_node="$NGPU" trainer.device=cuda \
+  trainer.max_steps=50 parallelism.param_dtype=bfloat16 trainer.progress_bar=false hydra.run.dir="$RUN_DIR"
+if [[ -f "$RUN_DIR/metrics.jsonl" ]]; then
+  {
+    echo "last metrics record of the main job:"
+    grep '"tokens_per_s"' "$RUN_DIR/metrics.jsonl" | tail -n 1
+  } >>"$REPORT"
+fi
+
+{
+  echo
+  echo "total: $(($(date +%s) - T0)) s; logs in $LOG_DIR; result: $([[ $FAILED -eq 0 ]] && echo PASS || echo FAIL)"
+} >>"$REPORT"
+echo "wrote $REPORT"
+exit "$FAILED"
