@@ -189,7 +189,8 @@ class Memory:
     grad_pool: int = 0  # reduce-scatter inputs/outputs/scratch (pooled)
     send_buffers: int = 0  # cast (bf16) or packed (int8) shards, persistent per unit
     int8_buffers: int = 0  # int8 receive and all-to-all buffers
-    gathered_peak: int = 0  # unsharded units at the peak (root + current/prefetched blocks)
+    gathered_root: int = 0  # unsharded from forward to the end of backward (root; every unit in ZeRO-2)
+    gathered_blocks: int = 0  # a block in backward, its prefetched neighbour, one full gradient
     largest_gather: int = 0  # the largest unit's gathered bytes (and its prefetched neighbour)
     activations: int = 0  # saved for backward, all blocks, as configured
     activations_no_ckpt: int = 0
@@ -207,8 +208,17 @@ class Memory:
                 + self.int8_buffers)
 
     @property
+    def gathered_peak(self) -> int:
+        """Unsharded parameters at the peak."""
+        return self.gathered_root + (self.gathered_blocks if self.gathered_blocks > self.logits else 0)
+
+    @property
     def peak(self) -> int:
-        return self.between_steps + self.gathered_peak + self.activations + self.logits
+        """Backward starts with every block's activations saved and the root gathered; first the
+        loss and the head (logits-wide tensors), then the last blocks gathered again, whichever
+        is larger."""
+        return (self.between_steps + self.activations + self.gathered_root
+                + max(self.logits, self.gathered_blocks))
 
 
 def activation_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
@@ -243,12 +253,12 @@ def block_activation_bytes(job: Job, mode: str | None = None) -> tuple[int, int]
 
 
 def logits_bytes(job: Job) -> int:
-    """The head at the start of backward: fp32 logits, the fp32 log-softmax, and two vocab-wide
-    gradients alive together; the final norm's three saved d-wide tensors."""
+    """The head at the start of backward: the fp32 log-softmax the loss saved, the loss's gradient
+    and the logits' fp32 gradient (plus its 16-bit cast); the final norm's three saved tensors."""
     tokens = job.micro_batch * job.seq_len
     vocab = -(-job.model.vocab_size // job.tp)
     e = BYTES[job.param_dtype]
-    return tokens * vocab * (e + 4 + 4 + e) + tokens * job.model.dim * 3 * e
+    return tokens * vocab * (12 + (e if e != 4 else 0)) + tokens * job.model.dim * 3 * e
 
 
 def memory(job: Job, rank: int = 0) -> Memory:
@@ -274,13 +284,18 @@ def memory(job: Job, rank: int = 0) -> Memory:
     full = lambda lay: 0 if _zero_copy(job, lay) else lay.padded * pb
     root, blocks = lays[0], lays[1:]
     biggest = max(blocks, key=lambda lay: lay.padded) if blocks else root
-    if job.strategy == "grad_op":
-        gathered = full(root) + sum(full(b) for b in blocks)
-    else:  # the last block gathered again for backward while the one before it is prefetched
-        gathered = full(root) + min(2, len(blocks)) * full(biggest)
     # The largest parameter's gradient exists once in full before it is copied into its slot.
     largest_param = max(t.numel for lay in lays for t in lay.unit.tensors)
-    mem.gathered_peak = gathered + largest_param * pb
+    if job.strategy == "grad_op":
+        mem.gathered_root = full(root) + sum(full(b) for b in blocks)
+        mem.gathered_blocks = largest_param * pb
+    else:
+        # In backward: the block computing, the one before it prefetched, and (when gradients are
+        # reduced in the gathered storage itself) up to MAX_IN_FLIGHT = 2 blocks whose
+        # reduce-scatter has not finished yet; other reduce inputs come from the pool.
+        in_place = job.reduce_dtype == job.param_dtype and job.accum == 1 and not _zero_copy(job, biggest)
+        mem.gathered_root = full(root)
+        mem.gathered_blocks = min(4 if in_place else 2, len(blocks)) * full(biggest) + largest_param * pb
     big = max(lays, key=lambda lay: lay.padded)
     mem.largest_gather = full(big) + (full(biggest) if big is not root else 0)
     mem.activations_no_ckpt = sum(block_activation_bytes(job, "none"))
