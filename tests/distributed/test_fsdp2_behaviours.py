@@ -659,10 +659,23 @@ def b_explicit_prefetch(rank, n):
                 [L[j]._fsdp_unit.state != UnitState.SHARDED for j in (1, 2, 3)]
             )
         )
+
+        # when layer 3's backward starts (our hook on its output runs first), layers 2 and 1
+        # must be gathered or gathering, layer 0 not yet
+        def bwd_probe(mod, a, output):
+            output.register_hook(
+                lambda g: bwd.append(
+                    [L[j]._fsdp_unit.state != UnitState.SHARDED for j in (2, 1, 0)]
+                )
+            )
+
+        L[3].register_forward_hook(bwd_probe)
         return _fs(m)
 
+    bwd = []
     out = _parity(Deep, shard, _mse, rank, n)
     out["prefetched_at_layer0"] = states
+    out["prefetched_at_layer3_backward"] = bwd
     return out
 
 
@@ -888,6 +901,7 @@ def test_explicit_prefetch(results4):
     _ok(r)
     # every step, including the first (before any order is recorded): layers 1 and 2 prefetched, 3 not
     assert r["prefetched_at_layer0"] == [[True, True, False]] * STEPS, r
+    assert r["prefetched_at_layer3_backward"] == [[True, True, False]] * STEPS, r
 
 
 def test_world_size_1_issues_no_collectives(results1):
