@@ -3,15 +3,19 @@
 Every pod runs one torchrun agent with cluster.nproc_per_node ranks; they meet by c10d rendezvous
 at the Master's service, which the training operator names in MASTER_ADDR / MASTER_PORT (the port
 is the container port called `pytorchjob-port`). Kubernetes expands `$(VAR)` in a container's
-command, so `$(` in a user's override is escaped as `$$(` and reaches main.py unchanged.
-The run directory lives on the checkpoint volume when one is given, so a restarted pod
-(restartPolicy OnFailure) resumes from the latest checkpoint.
+command, args and env values, and `$$` is its escape: every `$` of a user's value is written `$$`
+so it reaches main.py unchanged. The run directory lives on the checkpoint volume (ReadWriteMany:
+every pod writes its shards and reads the others'), so a restarted pod (restartPolicy OnFailure)
+resumes from the latest checkpoint. On deletion or eviction the pods get SIGTERM and
+terminationGracePeriodSeconds (cluster.signal_seconds) to save; torchrun's --shutdown-timeout
+matches it.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List
 
 from framework.config import Config
+from launcher_scripts.config import K8sCluster
 from launcher_scripts.job import (Job, join_lines, main_args, script_header, shell_line, stages_of,
                                   torchrun_args)
 
@@ -19,22 +23,30 @@ API_VERSION = "kubeflow.org/v1"
 DATA_MOUNT = "/data"
 CHECKPOINT_MOUNT = "/checkpoints"
 PORT_NAME = "pytorchjob-port"  # the operator reads MASTER_PORT from the port with this name
+DEFAULT_PORT = 29500  # each pod has its own network namespace: a fixed port cannot collide
+IMAGE_UID = 1000  # the Dockerfile's user
 
 
-def k8s_job_dir(cfg: Config, name: str) -> str:
+def _cluster(job: Job) -> K8sCluster:
+    assert isinstance(job.cluster, K8sCluster), type(job.cluster)
+    return job.cluster
+
+
+def k8s_job_dir(c: K8sCluster, workdir: str, name: str) -> str:
     """Where a job's run directory is inside its pods: on the checkpoint volume when there is one."""
-    if cfg.cluster.checkpoint_volume:
+    if c.checkpoint_volume:
         return f"{CHECKPOINT_MOUNT}/{name}"
-    return f"{cfg.container.workdir}/jobs/{name}"
+    return f"{workdir}/jobs/{name}"
 
 
-def _escape(arg: str) -> str:
-    return arg.replace("$(", "$$(")
+def escape(value: str) -> str:
+    """Kubernetes' escape for `$(VAR)` expansion: `$$` is a literal `$`."""
+    return value.replace("$", "$$")
 
 
-def _env(cfg: Config) -> List[Dict[str, Any]]:
-    c = cfg.cluster
-    env: List[Dict[str, Any]] = [{"name": k, "value": str(v)}
+def _env(job: Job) -> List[Dict[str, Any]]:
+    c = job.cluster
+    env: List[Dict[str, Any]] = [{"name": k, "value": escape(str(v))}
                                  for k, v in sorted(c.nccl_env.items()) + sorted(c.env.items())]
     for key, ref in sorted(c.secret_env.items()):
         secret, _, secret_key = ref.partition("/")
@@ -42,10 +54,22 @@ def _env(cfg: Config) -> List[Dict[str, Any]]:
     return env
 
 
+def _resources(cfg: Config, c: K8sCluster) -> Dict[str, Any]:
+    """Requests equal to limits (Guaranteed QoS, never BestEffort): GPUs, CPUs, memory, RDMA devices."""
+    amounts: Dict[str, Any] = {}
+    if cfg.cluster.gpus_per_node:
+        amounts["nvidia.com/gpu"] = cfg.cluster.gpus_per_node
+    amounts["cpu"] = c.cpus_per_task or 2 * cfg.cluster.nproc_per_node  # a loader thread beside each rank
+    amounts["memory"] = c.mem or f"{8 * cfg.cluster.nproc_per_node}Gi"
+    amounts.update(c.ib_resources)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
 def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
-    c, k = cfg.cluster, cfg.container
+    c, k = _cluster(job), job.container
+    port = c.rdzv_port or DEFAULT_PORT
     command = torchrun_args(cfg, job, "$(MASTER_ADDR):$(MASTER_PORT)", job.name)
-    command += [_escape(a) for a in main_args(cfg, job, stages_of(cfg)[0])]
+    command += [escape(a) for a in main_args(job, stages_of(job, cfg)[0])]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: List[Dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}}]
@@ -57,44 +81,76 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
     container: Dict[str, Any] = {
         "name": "pytorch",  # the training operator looks for this name
         "image": k.image,
-        "imagePullPolicy": "IfNotPresent",
+        "imagePullPolicy": c.image_pull_policy,
         "command": command,
         "workingDir": k.workdir,
-        "ports": [{"name": PORT_NAME, "containerPort": c.rdzv_port}],
+        "ports": [{"name": PORT_NAME, "containerPort": port}],
+        "resources": _resources(cfg, c),
         "volumeMounts": mounts,
     }
-    env = _env(cfg)
+    env = _env(job)
     if env:
         container["env"] = env
-    if c.gpus_per_node:
-        container["resources"] = {"limits": {"nvidia.com/gpu": c.gpus_per_node}}
-    # fsGroup: the volumes are writable by the image's user (uid/gid 1000 in our Dockerfile).
+    if c.ib_resources or c.ipc_lock:
+        # NCCL pins memory for InfiniBand/RoCE (ibv_reg_mr): the pod needs IPC_LOCK.
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    # fsGroup: the volumes are writable by the image's user; OnRootMismatch: a large checkpoint
+    # volume is not re-chowned file by file on every pod start.
     spec: Dict[str, Any] = {"containers": [container], "volumes": volumes,
-                            "securityContext": {"fsGroup": 1000}}
+                            "terminationGracePeriodSeconds": c.signal_seconds,
+                            "securityContext": {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"}}
     if c.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in c.image_pull_secrets]
+    if c.node_selector:
+        spec["nodeSelector"] = dict(c.node_selector)
+    if c.tolerations:
+        spec["tolerations"] = [dict(t) for t in c.tolerations]
+    if c.affinity:
+        spec["affinity"] = dict(c.affinity)
+    if c.priority_class:
+        spec["priorityClassName"] = c.priority_class
+    if c.service_account:
+        spec["serviceAccountName"] = c.service_account
+    if c.scheduler_name:
+        spec["schedulerName"] = c.scheduler_name
     labels = {"app.kubernetes.io/name": c.job_name, "app.kubernetes.io/instance": job.name,
               "app.kubernetes.io/component": role.lower()}
-    return {"metadata": {"labels": labels}, "spec": spec}
+    metadata: Dict[str, Any] = {"labels": labels}
+    if c.annotations:
+        metadata["annotations"] = dict(c.annotations)
+    return {"metadata": metadata, "spec": spec}
 
 
 def render_pytorchjob(cfg: Config, job: Job) -> Dict[str, Any]:
     """The PyTorchJob manifest as a dict (pure: same inputs, same dict)."""
-    c = cfg.cluster
+    c = _cluster(job)
     replicas: Dict[str, Any] = {
         "Master": {"replicas": 1, "restartPolicy": "OnFailure",
                    "template": _pod_template(cfg, job, "Master")},
     }
-    if c.nodes > 1:
-        replicas["Worker"] = {"replicas": c.nodes - 1, "restartPolicy": "OnFailure",
+    if cfg.cluster.nodes > 1:
+        replicas["Worker"] = {"replicas": cfg.cluster.nodes - 1, "restartPolicy": "OnFailure",
                               "template": _pod_template(cfg, job, "Worker")}
+    run_policy: Dict[str, Any] = {"cleanPodPolicy": "None", "backoffLimit": c.backoff_limit}
+    if c.ttl_seconds_after_finished >= 0:
+        run_policy["ttlSecondsAfterFinished"] = c.ttl_seconds_after_finished
+    if c.gang_scheduling:
+        policy: Dict[str, Any] = {"minAvailable": cfg.cluster.nodes}
+        if c.queue:
+            policy["queue"] = c.queue
+        if c.priority_class:
+            policy["priorityClass"] = c.priority_class
+        run_policy["schedulingPolicy"] = policy
+    metadata: Dict[str, Any] = {"name": job.name, "namespace": c.namespace,
+                                "labels": {"app.kubernetes.io/name": c.job_name,
+                                           "app.kubernetes.io/managed-by": "launcher_scripts"}}
+    if c.annotations:
+        metadata["annotations"] = dict(c.annotations)
     return {
         "apiVersion": API_VERSION,
         "kind": "PyTorchJob",
-        "metadata": {"name": job.name, "namespace": c.namespace,
-                     "labels": {"app.kubernetes.io/name": c.job_name,
-                                "app.kubernetes.io/managed-by": "launcher_scripts"}},
-        "spec": {"runPolicy": {"cleanPodPolicy": "None", "backoffLimit": 3},
+        "metadata": metadata,
+        "spec": {"runPolicy": run_policy, "nprocPerNode": str(cfg.cluster.nproc_per_node),
                  "pytorchReplicaSpecs": replicas},
     }
 

@@ -1,32 +1,40 @@
-"""From the command line to a checked plan: compose, derive the mesh, validate, choose the files.
+"""From the command line to a checked plan: split, compose both configs, derive, validate.
 
-Nothing here writes or submits; `main.py` does both with what `plan()` returns.
+Nothing here writes or submits; `main.py` does both with what `plan()` returns. Every check of a job
+before it is written happens in `job_problems` (one place: the planner's fit check belongs there).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from framework.config import (ClusterType, Config, ContainerRuntime, Stage, compose_config, to_config,
-                              validate)
+from framework.config import Config, Stage, register_schema, to_config, validate
+from framework.config.compose import CONF_DIR as TRAINING_CONF_DIR
 from launcher_scripts import k8s, local, slurm
+from launcher_scripts.config import (Backend, ContainerRuntime, K8sCluster, LauncherConfig, SlurmCluster,
+                                     compose_launcher, field_hint, override_key, split_overrides,
+                                     to_launcher_config)
 from launcher_scripts.job import Job, stages_of
 
-# Keys the launcher consumes or sets itself; every other override reaches main.py unchanged.
-LAUNCHER_KEYS = ("dry_run", "hydra.run.dir")
+# Keys the launcher sets itself; the user's value is dropped (with a warning).
+DROPPED_KEYS = ("hydra.run.dir",)
 MESH_KEYS = ("parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.strategy")
 # #SBATCH lines are not parsed by a shell: a path there must need no quoting.
 SBATCH_SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
-K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-K8S_SECRET_REF = re.compile(r"[a-z0-9]([-.a-z0-9]*[a-z0-9])?(/[-._A-Za-z0-9]+)?")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A validation problem about a file the job reads: only meaningful where the job sees this file system.
+PATH_PROBLEM = re.compile(r"does not exist|no such (file|checkpoint|directory)")
+# The trainer's own stop (trainer.max_time_minutes, derived from cluster.time_limit) is a backstop
+# for a lost warning: half the warning's lead before the limit, or this when there is no warning.
+NO_WARNING_MARGIN_S = 300
 
 
 class Refused(Exception):
@@ -34,19 +42,17 @@ class Refused(Exception):
 
     def __init__(self, problems: List[str]) -> None:
         super().__init__("; ".join(problems))
-        self.problems = problems
+        self.problems = [" ".join(p.split()) for p in problems]
 
 
 @dataclass
 class Plan:
-    cfg: Config  # typed and validated
-    resolved: DictConfig  # the composed config after the launcher's own settings (config.yaml)
-    overrides: List[str]  # what main.py gets: the user's overrides unchanged, then the launcher's
-    training_only: List[str]  # what the training stage gets after those (checkpoint.resume=auto)
-
-
-def override_key(override: str) -> str:
-    return override.lstrip("~+").split("=", 1)[0].strip()
+    cfg: Config  # the training config, typed and validated (what main.py will build)
+    launch: LauncherConfig  # the launcher's own config (never passed to main.py)
+    resolved: DictConfig  # the training config main.py gets (config.yaml)
+    launcher_resolved: DictConfig  # the launcher's config (launcher.yaml)
+    overrides: List[str]  # what main.py gets: the user's training overrides unchanged, then the launcher's
+    training_only: List[str]  # what the training stage gets after those (checkpoint.resume=auto, ...)
 
 
 def derive_mesh(cfg: DictConfig, user_keys: Sequence[str]) -> List[str]:
@@ -66,58 +72,6 @@ def derive_mesh(cfg: DictConfig, user_keys: Sequence[str]) -> List[str]:
     return derived
 
 
-def launcher_problems(cfg: Config) -> List[str]:
-    """What the cluster type and container runtime need, beyond the training config's own checks."""
-    c, k = cfg.cluster, cfg.container
-    problems: List[str] = []
-    runtime = k.runtime.value
-    if k.runtime != ContainerRuntime.none and not k.image:
-        problems.append(f"container.runtime={runtime} needs container.image "
-                        "(e.g. container.image=registry.example/org/train:1.0)")
-    if c.type == ClusterType.slurm:
-        limit = slurm_seconds(c.time_limit)
-        if c.requeue and c.signal_seconds and limit <= c.signal_seconds:
-            problems.append(f"cluster.signal_seconds={c.signal_seconds} is not shorter than "
-                            f"cluster.time_limit={c.time_limit} ({limit}s); lower signal_seconds or raise "
-                            "the time limit")
-        if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
-            problems.append(f"container.runtime={runtime} runs containers on this machine only; with "
-                            "cluster=slurm choose container.runtime=pyxis, apptainer or none")
-        jobs_dir = os.path.abspath(c.jobs_dir)
-        if not SBATCH_SAFE_PATH.fullmatch(jobs_dir):
-            problems.append(f"cluster.jobs_dir={jobs_dir!r}: #SBATCH lines cannot quote a path; choose one "
-                            "of letters, digits and . _ + - /")
-    elif c.type == ClusterType.local:
-        if k.runtime == ContainerRuntime.pyxis:
-            problems.append("container.runtime=pyxis needs srun; with cluster=local choose docker, podman, "
-                            "apptainer or none")
-        if c.nodes > 1 and k.runtime != ContainerRuntime.none:
-            problems.append(f"cluster.nodes={c.nodes} with cluster=local runs the agents side by side "
-                            f"without a container; set container.runtime=none or cluster.nodes=1")
-    else:
-        if not k.image:
-            problems.append("cluster=k8s needs container.image (the image every pod runs)")
-        if len(stages_of(cfg)) > 1:
-            problems.append("cluster.stages with cluster=k8s: submit one stage per job "
-                            "(stage=data_preparation, then stage=training)")
-        # <job_name>-YYYYmmdd-HHMMSS[-n]-worker-<i> names a pod's service: at most 63 characters.
-        if not K8S_NAME.fullmatch(c.job_name) or len(c.job_name) > 30:
-            problems.append(f"cluster.job_name={c.job_name!r}: Kubernetes names are lowercase letters, "
-                            "digits and '-', at most 30 characters here")
-    for key, ref in sorted(c.secret_env.items()):
-        if c.type == ClusterType.k8s and not K8S_SECRET_REF.fullmatch(ref):
-            problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster=k8s give a Secret as "
-                            "'secret-name/key' (or 'secret-name' for the key named like the variable)")
-        if c.type != ClusterType.k8s and ref and not ENV_NAME.fullmatch(ref):
-            problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name "
-                            "of a variable in the environment you submit from (or leave it empty for the "
-                            "same name)")
-    if c.type != ClusterType.slurm and c.chain:
-        problems.append(f"cluster.chain={c.chain} chains Slurm jobs; set cluster.chain=0 with "
-                        f"cluster={c.type.value}")
-    return problems
-
-
 def slurm_seconds(limit: str) -> int:
     """Slurm's time formats in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
     days, _, rest = limit.rpartition("-")
@@ -132,42 +86,122 @@ def slurm_seconds(limit: str) -> int:
     return (parts[0] * 60 + parts[1]) * 60 + parts[2]
 
 
-def advice(cfg: Config, keys: Sequence[str] = ()) -> List[str]:
+def derived_max_time_minutes(c: SlurmCluster) -> float:
+    """trainer.max_time_minutes from cluster.time_limit: the job stops and saves by itself before
+    Slurm kills it, even if the warning signal never arrives."""
+    limit = slurm_seconds(c.time_limit)
+    margin = c.signal_seconds // 2 if (c.requeue and c.signal_seconds) else NO_WARNING_MARGIN_S
+    return round(max(limit - margin, 60) / 60, 2)
+
+
+def sees_local_files(launch: LauncherConfig) -> bool:
+    """Whether the job reads the same files as this machine (so paths can be checked here)."""
+    return launch.cluster.type != Backend.k8s and launch.container.runtime == ContainerRuntime.none
+
+
+def launcher_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
+    """What the backend and the container runtime need, beyond each config's own checks."""
+    c, k, shape = launch.cluster, launch.container, cfg.cluster
+    problems: List[str] = []
+    runtime = k.runtime.value
+    if k.runtime != ContainerRuntime.none and not k.image:
+        problems.append(f"container.runtime={runtime} needs container.image "
+                        "(e.g. container.image=registry.example/org/train:1.0)")
+    if isinstance(c, SlurmCluster):
+        limit = slurm_seconds(c.time_limit)
+        if c.requeue and c.signal_seconds and limit <= c.signal_seconds:
+            problems.append(f"cluster.signal_seconds={c.signal_seconds} is not shorter than "
+                            f"cluster.time_limit={c.time_limit} ({limit}s); lower signal_seconds or raise "
+                            "the time limit")
+        if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
+            problems.append(f"container.runtime={runtime} runs containers on this machine only; with "
+                            "cluster=slurm choose container.runtime=pyxis, apptainer or none")
+        jobs_dir = os.path.abspath(c.jobs_dir)
+        if not SBATCH_SAFE_PATH.fullmatch(jobs_dir):
+            problems.append(f"cluster.jobs_dir={jobs_dir!r}: #SBATCH lines cannot quote a path; choose one "
+                            "of letters, digits and . _ + - /")
+    elif isinstance(c, K8sCluster):
+        if not k.image:
+            problems.append("cluster=k8s needs container.image (the image every pod runs)")
+        if len(stages_of_launch(cfg, launch)) > 1:
+            problems.append("cluster.stages with cluster=k8s: submit one stage per job "
+                            "(stage=data_preparation, then stage=training)")
+        if shape.nodes > 1 and not c.checkpoint_volume:
+            problems.append(f"cluster.nodes={shape.nodes} with cluster=k8s needs cluster.checkpoint_volume: "
+                            "every pod writes its checkpoint shards and verifies the others', so give a "
+                            "PersistentVolumeClaim with accessModes ReadWriteMany")
+        if k.runtime not in (ContainerRuntime.none,):
+            problems.append(f"container.runtime={runtime} with cluster=k8s: the pods run container.image "
+                            "themselves; drop container.runtime")
+    else:
+        if k.runtime == ContainerRuntime.pyxis:
+            problems.append("container.runtime=pyxis needs srun; with cluster=local choose docker, podman, "
+                            "apptainer or none")
+        if shape.nodes > 1 and k.runtime != ContainerRuntime.none:
+            problems.append(f"cluster.nodes={shape.nodes} with cluster=local runs the agents side by side "
+                            f"without a container; set container.runtime=none or cluster.nodes=1")
+    if not isinstance(c, K8sCluster):
+        for key, ref in sorted(c.secret_env.items()):
+            if ref and not ENV_NAME.fullmatch(ref):
+                problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name "
+                                "of a variable in the environment you submit from (or leave it empty for the "
+                                "same name)")
+    return problems
+
+
+def stages_of_launch(cfg: Config, launch: LauncherConfig) -> List[Stage]:
+    return [Stage(s) for s in launch.cluster.stages] or [cfg.stage]
+
+
+def job_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
+    """Every reason the job cannot start, one line each: the training config's checks with the job's
+    world size, then the backend's. The one place a job is checked before it is written."""
+    stages = stages_of_launch(cfg, launch)
+    checked = cfg
+    if launch.cluster.type != Backend.local:  # the job's machines have the GPUs; the job checks again
+        checked = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device="auto"))
+    problems = validate(checked, cfg.cluster.nodes * cfg.cluster.nproc_per_node)
+    if not sees_local_files(launch):
+        # The job's files are on the cluster (a volume, a container mount), not here: the job checks
+        # them itself and refuses in one line.
+        problems = [p for p in problems if not PATH_PROBLEM.search(p)]
+    if Stage.data_preparation in stages:  # this job writes the datasets the check looks for
+        problems = [p for p in problems if "prepare it with stage=data_preparation" not in p]
+    return problems + launcher_problems(cfg, launch)
+
+
+def advice(cfg: Config, launch: LauncherConfig, keys: Sequence[str] = ()) -> List[str]:
     """Jobs that can start but may not be what the user wants (printed as warnings)."""
-    c = cfg.cluster
+    c = launch.cluster
     notes = []
     if "hydra.run.dir" in keys:
-        notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; "
-                     "your value is ignored")
-    if c.type == ClusterType.slurm and not c.cpus_per_task and not c.exclusive and c.nproc_per_node > 1:
-        notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {c.nproc_per_node} ranks "
-                     "share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
+        notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; your value is ignored")
+    if (isinstance(c, SlurmCluster) and not c.cpus_per_task and not slurm.exclusive(cfg, _probe_job(launch))
+            and cfg.cluster.nproc_per_node > 1):
+        notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {cfg.cluster.nproc_per_node} "
+                     "ranks share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
                      "cluster.exclusive=true")
     return notes
 
 
-def launcher_overrides(composed: DictConfig, keys: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """What the launcher adds after the user's overrides (see the table in README.md): for every
-    stage, and for the training stage alone."""
-    extra: List[str] = []
-    if composed.cluster.derive_mesh:
-        extra += derive_mesh(composed, keys)
-    runtime_chosen = "container.runtime" in keys or "container" in keys
-    if composed.container.image and composed.container.runtime == "none" and not runtime_chosen:
-        # An image without a runtime: run it the usual way for the cluster (k8s always runs the image).
-        default = {"slurm": "pyxis", "local": "docker"}.get(str(composed.cluster.type.value))
-        if default:
-            logging.getLogger("launcher").warning(
-                f"container.image given without container.runtime: running it with {default} "
-                "(set container.runtime to choose apptainer, podman or none)")
-            extra.append(f"container.runtime={default}")
-    # A requeued, chained, restarted or re-submitted job picks up where it stopped; on a first start
-    # there is nothing to resume and training begins at step 0. An explicit choice is kept.
-    stages = list(composed.cluster.stages) or [composed.stage]
-    training: List[str] = []
-    if "training" in stages and "checkpoint.resume" not in keys and composed.checkpoint.resume == "none":
-        training.append("checkpoint.resume=auto")
-    return extra, training
+def _probe_job(launch: LauncherConfig) -> Job:
+    return Job(name="", job_dir="", repo_dir="", python="", overrides=(), cluster=launch.cluster,
+               container=launch.container)
+
+
+def _compose_training(overrides: List[str]) -> Tuple[DictConfig, str]:
+    """The training config main.py will compose, and the `cluster` group it chose."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=TRAINING_CONF_DIR, version_base="1.3"):
+        composed = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    choice = str(composed.hydra.runtime.choices.get("cluster") or "local")
+    with open_dict(composed):
+        del composed["hydra"]  # main.py never sees it either
+    return composed, choice
 
 
 def plan(argv: Sequence[str]) -> Plan:
@@ -177,11 +211,43 @@ def plan(argv: Sequence[str]) -> Plan:
 
     user = list(argv)
     keys = [override_key(o) for o in user]
+    training_argv, launcher_argv = split_overrides([o for o, k in zip(user, keys) if k not in DROPPED_KEYS])
     try:
-        composed = compose_config(user)
+        composed, backend = _compose_training(training_argv)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise Refused([" ".join(str(exc).split())]) from None
-    extra, training_only = launcher_overrides(composed, keys)
+        raise Refused([str(exc)]) from None
+    if backend not in {b.value for b in Backend}:
+        raise Refused([f"cluster={backend}: the launcher runs cluster=local, slurm or k8s"])
+    try:
+        launch_composed = compose_launcher(backend, launcher_argv)
+        launch = to_launcher_config(launch_composed)
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        hints = [h for h in (field_hint(override_key(o), backend) for o in launcher_argv) if h]
+        raise Refused(hints or [str(exc)]) from None
+
+    # The container runtime an image alone means: the backend's usual one (k8s always runs the image).
+    runtime_chosen = any(k == "container.runtime" or k == "container" for k in keys)
+    if launch.container.image and launch.container.runtime == ContainerRuntime.none and not runtime_chosen:
+        default = {Backend.slurm: ContainerRuntime.pyxis, Backend.local: ContainerRuntime.docker}.get(
+            launch.cluster.type)
+        if default:
+            logging.getLogger("launcher").warning(
+                f"container.image given without container.runtime: running it with {default.value} "
+                "(set container.runtime to choose apptainer, podman or none)")
+            launch.container.runtime = default
+            launch_composed.container.runtime = default.value
+
+    extra: List[str] = derive_mesh(composed, keys) if launch.cluster.derive_mesh else []
+    training_only: List[str] = []
+    stages = list(launch.cluster.stages) or [str(composed.stage)]
+    if any(s != Stage.data_preparation.value for s in stages):
+        # A requeued, chained, restarted or re-submitted job picks up where it stopped; on a first
+        # start there is nothing to resume and training begins at step 0. An explicit choice is kept.
+        if "checkpoint.resume" not in keys and composed.checkpoint.resume == "none":
+            training_only.append("checkpoint.resume=auto")
+        if (isinstance(launch.cluster, SlurmCluster) and "trainer.max_time_minutes" not in keys
+                and not composed.trainer.max_time_minutes):
+            training_only.append(f"trainer.max_time_minutes={derived_max_time_minutes(launch.cluster)}")
     # The values main.py will get, so validation sees the job's own config.
     for override in extra + training_only:
         key, value = override.split("=", 1)
@@ -189,45 +255,66 @@ def plan(argv: Sequence[str]) -> Plan:
     try:
         cfg = to_config(composed)
     except (ValueError, NotImplementedError, OmegaConfBaseException) as exc:
-        raise Refused([" ".join(str(exc).split())]) from None
+        raise Refused([str(exc)]) from None
 
-    checked = cfg
-    if cfg.cluster.type != ClusterType.local:  # the job's machines have the GPUs; the job checks again
-        checked = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device="auto"))
-    problems = validate(checked, cfg.cluster.nodes * cfg.cluster.nproc_per_node)
-    if Stage.data_preparation in stages_of(cfg):  # this job writes the datasets the check looks for
-        problems = [p for p in problems if "does not exist; prepare it with stage=data_preparation" not in p]
-    problems += launcher_problems(cfg)
+    problems = job_problems(cfg, launch)
     if problems:
-        raise Refused([" ".join(p.split()) for p in problems])  # one line each
-    for note in advice(cfg, keys):
+        raise Refused(problems)
+    for note in advice(cfg, launch, keys):
         logging.getLogger("launcher").warning(note)
-    dropped = set(LAUNCHER_KEYS) | ({"stage"} if cfg.cluster.stages else set())
-    passthrough = [o for o, k in zip(user, keys) if k not in dropped]
-    return Plan(cfg=cfg, resolved=composed, overrides=passthrough + extra, training_only=training_only)
+    return Plan(cfg=cfg, launch=launch, resolved=composed, launcher_resolved=launch_composed,
+                overrides=training_argv + extra, training_only=training_only)
+
+
+def auto_mounts(cfg: Config, launch: LauncherConfig, stages: Sequence[Stage]) -> Tuple[List[str], List[str]]:
+    """(folders to mount at their own path, folders to create first): the absolute host paths the
+    config names (data, checkpoints, the model to start from) that no mount covers yet."""
+    if launch.container.runtime == ContainerRuntime.none or not launch.container.auto_mounts:
+        return [], []
+    d, ck = cfg.data, cfg.checkpoint
+    wanted: List[str] = [posixpath.dirname(p) for p in d.paths if p.startswith("/")]
+    wanted += [p for p in (d.cache_dir, ck.init_from) if p.startswith("/")]
+    wanted += [posixpath.dirname(d.tokenizer)] if d.tokenizer.startswith("/") else []
+    if ck.resume.startswith("/"):
+        wanted.append(posixpath.dirname(ck.resume.rstrip("/")))
+    create = [ck.dir] if ck.dir.startswith("/") else []
+    if Stage.data_preparation in stages:
+        wanted += [p.rstrip("/") for p in d.raw_inputs if p.startswith("/")]
+        if d.output_prefix.startswith("/"):
+            create.append(posixpath.dirname(d.output_prefix))
+    covered = [m.split(":")[0].rstrip("/") for m in launch.container.mounts]
+    folders: List[str] = []
+    for path in sorted(set(posixpath.normpath(p) for p in wanted + create)):
+        if not any(path == c or path.startswith(c + "/") for c in covered + folders):
+            folders.append(path)
+    return folders, sorted(set(posixpath.normpath(p) for p in create))
 
 
 def make_job(p: Plan, job_dir: str, repo_dir: str, python: str) -> Job:
     """The job's names and paths as the job sees them: inside a container, the image's workdir and python."""
     name = os.path.basename(job_dir)
-    cfg = p.cfg
-    if cfg.cluster.type == ClusterType.k8s:
-        return Job(name=name, job_dir=k8s.k8s_job_dir(cfg, name), repo_dir=cfg.container.workdir,
-                   python="python", overrides=tuple(p.overrides), training_only=tuple(p.training_only))
-    if cfg.container.runtime != ContainerRuntime.none:
-        repo_dir, python = cfg.container.workdir, "python"
-    return Job(name=name, job_dir=job_dir, repo_dir=repo_dir, python=python, overrides=tuple(p.overrides),
-               training_only=tuple(p.training_only))
+    launch = p.launch
+    common = dict(name=name, overrides=tuple(p.overrides), training_only=tuple(p.training_only),
+                  cluster=launch.cluster, container=launch.container)
+    if isinstance(launch.cluster, K8sCluster):
+        return Job(job_dir=k8s.k8s_job_dir(launch.cluster, launch.container.workdir, name),
+                   repo_dir=launch.container.workdir, python="python", **common)
+    if launch.container.runtime != ContainerRuntime.none:
+        repo_dir, python = launch.container.workdir, "python"
+    folders, create = auto_mounts(p.cfg, launch, stages_of_launch(p.cfg, launch))
+    mounts = (f"{job_dir}:{job_dir}", *launch.container.mounts, *(f"{f}:{f}" for f in folders))
+    return Job(job_dir=job_dir, repo_dir=repo_dir, python=python, mounts=mounts, mkdirs=tuple(create), **common)
 
 
 def render_job(p: Plan, job: Job, script_dir: str) -> Dict[str, str]:
     """Every file of the job by name; `script_dir` is the job directory on the submitting machine."""
     cfg = p.cfg
-    resolved = OmegaConf.masked_copy(p.resolved, [k for k in p.resolved.keys() if k != "hydra"])
-    files = {"config.yaml": OmegaConf.to_yaml(resolved, resolve=True)}
-    if cfg.cluster.type == ClusterType.slurm:
+    files = {"config.yaml": OmegaConf.to_yaml(p.resolved, resolve=True),
+             "launcher.yaml": OmegaConf.to_yaml(p.launcher_resolved, resolve=True)}
+    backend = p.launch.cluster.type
+    if backend == Backend.slurm:
         files.update(slurm.render_files(cfg, job, script_dir))
-    elif cfg.cluster.type == ClusterType.k8s:
+    elif backend == Backend.k8s:
         manifest = k8s.render_pytorchjob(cfg, job)
         files["pytorchjob.yaml"] = yaml.safe_dump(manifest, sort_keys=False)
         files["submit.sh"] = k8s.render_submit(f"{script_dir}/pytorchjob.yaml")
@@ -236,5 +323,5 @@ def render_job(p: Plan, job: Job, script_dir: str) -> Dict[str, str]:
     return files
 
 
-__all__ = ["Plan", "Refused", "plan", "make_job", "render_job", "launcher_problems", "launcher_overrides",
-           "derive_mesh"]
+__all__ = ["Plan", "Refused", "plan", "make_job", "render_job", "job_problems", "launcher_problems",
+           "derive_mesh", "stages_of"]

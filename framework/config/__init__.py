@@ -1,7 +1,6 @@
 """Typed configuration, its Hydra registration and validation. The only Hydra user in framework/."""
 from framework.config.schema import (  # noqa: F401
-    ActivationCheckpointing, CheckpointConfig, ClusterConfig, ClusterType, Config, ContainerConfig,
-    ContainerRuntime, DataConfig, DataName, Engine, LoggingConfig, ModelConfig, OptimizerConfig,
+    ActivationCheckpointing, CheckpointConfig, ClusterConfig, Config, DataConfig, DataName, Engine, LoggingConfig, ModelConfig, OptimizerConfig,
     OptimizerName, ParallelismConfig, Schedule, Stage, Strategy, TrainerConfig,
 )
 from framework.config.validate import parallel_dims_of, validate, world_size_of  # noqa: F401

@@ -8,10 +8,9 @@ section, and `validate.py` checks what spans sections. Choices are `str` enums b
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from framework.errors import UserInputError
 
@@ -57,20 +56,6 @@ class Stage(str, Enum):
     data_preparation = "data_preparation"
     plan = "plan"  # print memory, traffic and step time of the job as configured (framework/planner)
     fine_tuning = "fine_tuning"  # supervised fine-tuning on JSONL records (the `finetune` section)
-
-
-class ClusterType(str, Enum):
-    local = "local"
-    slurm = "slurm"
-    k8s = "k8s"
-
-
-class ContainerRuntime(str, Enum):
-    none = "none"
-    pyxis = "pyxis"
-    apptainer = "apptainer"
-    docker = "docker"
-    podman = "podman"
 
 
 def _positive(section: str, **values: float) -> None:
@@ -305,103 +290,28 @@ class LoggingConfig:
     jsonl: bool = True  # metrics.jsonl in the run directory
 
 
-# Names that end up in #SBATCH lines and Kubernetes metadata: no spaces, quotes or shell syntax.
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.,+-]*")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-_SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
-# An env var whose name says it holds a credential must come by reference (cluster.secret_env).
-_SECRET_LIKE = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)($|_)")
-
-
 @dataclass
 class ClusterConfig:
-    type: ClusterType = ClusterType.local
+    """The job's shape: what training (and the planner) need of the machines. Where and how the job
+    runs (Slurm, Kubernetes, containers) is the launcher's own config (launcher_scripts/config.py)."""
+
     nodes: int = 1  # machines; every one runs a torchrun agent with nproc_per_node ranks
     nproc_per_node: int = 2  # processes (ranks) per node
     gpus_per_node: int = 0  # 0: CPU job (no GPU request); otherwise at least nproc_per_node
     gpu_type: str = "auto"  # planner's device table: auto (h100 with GPUs, else cpu) | h100 | h200 | a100 | cpu
     gpu_memory_gib: float = 0.0  # memory per rank the planner plans for; 0: the gpu_type's
-    force: bool = False  # launcher: submit even when the planner predicts the job will not fit
-    cpus_per_task: int = 0  # Slurm: CPUs for each node's torchrun agent and its ranks (0: Slurm's default)
-    partition: str = ""
-    account: str = ""
-    time_limit: str = "01:00:00"  # Slurm time format (HH:MM:SS, D-HH:MM:SS, minutes)
-    job_name: str = "train"  # letters, digits, '-': also the Kubernetes job name prefix
-    exclusive: bool = False  # Slurm: whole nodes
-    qos: str = ""
-    namespace: str = "default"  # k8s
-    image_pull_secrets: List[str] = field(default_factory=list)  # k8s: secret names only
-    env: Dict[str, str] = field(default_factory=dict)  # extra environment for the job (no secrets)
-    nccl_env: Dict[str, str] = field(default_factory=dict)  # NCCL_* settings, written into the job
-    # Secrets by reference only, never by value: VAR -> where the job takes it from. Slurm/local: the
-    # name of a variable in the submitting environment; k8s: "secret-name/key" of a Secret.
-    secret_env: Dict[str, str] = field(default_factory=dict)
-    rdzv_port: int = 29500  # c10d rendezvous port on the first node
-    requeue: bool = True  # Slurm: requeue on pre-emption and resume from the latest checkpoint
-    signal_seconds: int = 120  # Slurm: SIGUSR1 this long before the time limit (0: no warning)
-    chain: int = 0  # Slurm: extra jobs chained with --dependency=afterany for runs past the time limit
-    stages: List[str] = field(default_factory=list)  # run these stages in order (empty: just `stage`)
-    derive_mesh: bool = False  # mesh from the cluster shape: dp_replicate=nodes, dp_shard=nproc/tp
-    shm_size: str = "16Gi"  # k8s: shared memory (/dev/shm) for data loaders
-    data_volume: str = ""  # k8s: PVC name mounted at /data
-    checkpoint_volume: str = ""  # k8s: PVC name mounted at /checkpoints (the run directory lives there)
-    jobs_dir: str = "jobs"  # where the launcher writes each job's directory
 
     def __post_init__(self) -> None:
-        self.type = _choice("cluster", "type", self.type, ClusterType)
         _positive("cluster", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
         if self.gpu_type not in ("auto", "h100", "h200", "a100", "cpu"):
             raise UserInputError(f"cluster.gpu_type={self.gpu_type!r}: choose auto, h100, h200, a100 or cpu")
-        for name in ("gpus_per_node", "cpus_per_task", "signal_seconds", "chain", "gpu_memory_gib"):
+        for name in ("gpus_per_node", "gpu_memory_gib"):
             if getattr(self, name) < 0:
                 raise UserInputError(f"cluster.{name}={getattr(self, name)}: must be >= 0")
         if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
             raise UserInputError(f"cluster.nproc_per_node={self.nproc_per_node} > cluster.gpus_per_node="
                                  f"{self.gpus_per_node}: every rank needs its own GPU; lower nproc_per_node "
                                  "or set gpus_per_node=0 for a CPU job")
-        if not 0 < self.rdzv_port < 65536:
-            raise UserInputError(f"cluster.rdzv_port={self.rdzv_port}: choose a port in 1..65535")
-        for name in ("partition", "account", "qos", "job_name", "namespace"):
-            value = getattr(self, name)
-            if value and not _PLAIN_NAME.fullmatch(value):
-                raise UserInputError(f"cluster.{name}={value!r}: use letters, digits and . _ , + - only")
-        if not self.job_name:
-            raise UserInputError("cluster.job_name is empty; give the job a name such as 'train'")
-        if not _SLURM_TIME.fullmatch(self.time_limit):
-            raise UserInputError(f"cluster.time_limit={self.time_limit!r}: use HH:MM:SS, D-HH:MM:SS or minutes")
-        for section in ("env", "nccl_env", "secret_env"):
-            for key in getattr(self, section):
-                if not _ENV_NAME.fullmatch(key):
-                    raise UserInputError(f"cluster.{section}.{key}: not a valid environment variable name")
-        for key in list(self.env) + list(self.nccl_env):
-            if _SECRET_LIKE.search(key.upper()):
-                raise UserInputError(f"cluster.env.{key} looks like a credential; never write it into the job: "
-                                     f"set cluster.secret_env.{key} to a reference instead")
-        stages = [s.value for s in Stage]
-        for stage in self.stages:
-            if stage not in stages:
-                raise UserInputError(f"cluster.stages: {stage!r} is not a stage; choose from {', '.join(stages)}")
-        for name in self.image_pull_secrets:
-            if not _PLAIN_NAME.fullmatch(name):
-                raise UserInputError(f"cluster.image_pull_secrets: {name!r} is not a secret name")
-
-
-@dataclass
-class ContainerConfig:
-    runtime: ContainerRuntime = ContainerRuntime.none  # pyxis/apptainer: Slurm; docker/podman: local
-    image: str = ""  # registry/org/name:tag (pyxis, docker, podman, k8s) or a .sif / docker:// (apptainer)
-    mounts: List[str] = field(default_factory=list)  # host:container[:flags]
-    workdir: str = "/workspace"  # where the image holds the project (its main.py)
-
-    def __post_init__(self) -> None:
-        self.runtime = _choice("container", "runtime", self.runtime, ContainerRuntime)
-        for mount in self.mounts:
-            if ":" not in mount or "," in mount:
-                raise UserInputError(f"container.mounts: {mount!r}: write host_path:container_path[:flags], "
-                                     "one mount per entry")
-        if not self.workdir.startswith("/"):
-            raise UserInputError(f"container.workdir={self.workdir!r}: must be an absolute path in the image")
 
 
 @dataclass
@@ -414,11 +324,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    container: ContainerConfig = field(default_factory=ContainerConfig)
     finetune: FineTuneConfig = field(default_factory=FineTuneConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     stage: Stage = Stage.training
-    dry_run: bool = False  # launcher: write the job files, submit nothing
     run_dir: str = ""  # filled in by main.py from hydra.run.dir; never set by hand
 
     def __post_init__(self) -> None:

@@ -135,7 +135,8 @@ def test_derive_mesh_from_cluster_shape():
     assert (par.dp_replicate, par.dp_shard, par.tp, par.strategy.value) == (4, 4, 2, "hybrid")
     assert p.overrides[-3:] == ["parallelism.dp_replicate=4", "parallelism.dp_shard=4",
                                 "parallelism.strategy=hybrid"]
-    assert p.training_only == ["checkpoint.resume=auto"]
+    # trainer.max_time_minutes from cluster.time_limit=04:00:00 less half the 120 s warning.
+    assert p.training_only == ["checkpoint.resume=auto", "trainer.max_time_minutes=239.0"]
     with pytest.raises(Refused) as refused:
         plan_of(["cluster=slurm", "cluster.derive_mesh=true", "parallelism.dp_shard=2"])
     assert "parallelism.dp_shard" in refused.value.problems[0]
@@ -161,13 +162,13 @@ def test_stages_chain_with_dependencies():
     files = render_case("slurm_apptainer")
     submit = files["submit.sh"]
     assert submit.index("data_preparation.sbatch") < submit.index("training.sbatch")
-    assert 'dep=(--dependency="afterok:${id}")' in submit
+    assert '--dependency="afterok:${id},singleton"' in submit
     prep = files["data_preparation.sbatch"]
     assert "stage=data_preparation" in prep and "--ntasks=1" in prep and "torch.distributed.run" not in prep
     assert "stage=training" in files["training.sbatch"]
     assert "checkpoint.resume=auto" in files["training.sbatch"] and "checkpoint.resume" not in prep
     chained = render_case("slurm_pyxis")["submit.sh"]
-    assert chained.count('dep=(--dependency="afterany:${id}")') == 2  # cluster.chain=2
+    assert chained.count('--dependency="afterany:${id},singleton"') == 2  # cluster.chain=2
     assert "--signal=B:USR1@120" in render_case("slurm_pyxis")["training.sbatch"]
 
 
@@ -194,10 +195,10 @@ def test_slurm_cpu_advice(caplog):
 def test_an_image_without_a_runtime_runs_with_the_clusters_usual_one():
     image = ["model=debug", "data=synthetic", "container.image=registry.example/org/train:1.0"]
     p = plan_of(["cluster=slurm", "cluster.gpus_per_node=0", "cluster.nproc_per_node=2", *image])
-    assert p.cfg.container.runtime.value == "pyxis" and "container.runtime=pyxis" in p.overrides
-    assert plan_of(["cluster=local", *image]).cfg.container.runtime.value == "docker"
+    assert p.launch.container.runtime.value == "pyxis" and not any("container" in o for o in p.overrides)
+    assert plan_of(["cluster=local", *image]).launch.container.runtime.value == "docker"
     # An explicit choice is kept.
-    assert plan_of(["cluster=local", "container.runtime=none", *image]).cfg.container.runtime.value == "none"
+    assert plan_of(["cluster=local", "container.runtime=none", *image]).launch.container.runtime.value == "none"
 
 
 def _readme_commands():

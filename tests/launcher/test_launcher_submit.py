@@ -21,6 +21,7 @@ from launcher_testlib import (INJECTED_VALUE, INJECTION, RECORDER, TINY, render_
                               write_exe)
 
 from framework.config import Config, to_config
+from launcher_scripts.config import LauncherConfig, SlurmCluster, to_launcher_config
 
 
 def _fake_bin(tmp_path: Path, *names: str, extra: dict = None) -> Path:
@@ -64,7 +65,8 @@ def test_sbatch_script_hands_the_injection_to_main_py_as_one_argument(tmp_path):
     assert out.returncode == 0, out.stderr
     (argv,) = _calls(tmp_path, "srun")
     assert f"checkpoint.dir={INJECTED_VALUE[:0]}'{INJECTED_VALUE}'" in argv  # verbatim, one argument
-    assert "--rdzv-endpoint=node-a:29500" in argv and "--rdzv-id=77" in argv
+    # The rendezvous port comes from the job id: 15000 + 77 % 15000.
+    assert "--rdzv-endpoint=node-a:15077" in argv and "--rdzv-id=77" in argv
     assert argv[-1] == f"hydra.run.dir={job_dir}/run"
     assert not list(tmp_path.glob("PWNED*")), "a quoted override ran a command"
     assert os.path.isdir(f"{job_dir}/run")
@@ -142,8 +144,8 @@ def test_refused_config_exits_2_and_writes_nothing(tmp_path):
     out = run_launcher(["cluster=slurm", *TINY, "parallelism.tp=3", f"cluster.jobs_dir={jobs}"], cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
-    assert lines and all(line.startswith("launcher: ") for line in lines), lines
-    problems = [line for line in lines if not line.startswith("launcher: warning: ")]
+    assert lines and all(line.startswith(("error: ", "launcher: warning: ")) for line in lines), lines
+    problems = [line for line in lines if line.startswith("error: ")]
     assert any("parallelism.tp=3" in line and "choose a tp that divides" in line for line in problems), lines
     assert out.stdout == "" and "Traceback" not in out.stderr
     assert not jobs.exists() and list(tmp_path.iterdir()) == []
@@ -153,7 +155,7 @@ def test_refused_config_exits_2_and_writes_nothing(tmp_path):
     (["cluster=k8s"], "container.image"),
     (["cluster=slurm", "container.runtime=docker", "container.image=x:1"], "container.runtime=docker"),
     (["cluster=slurm", "container.runtime=pyxis"], "container.image"),
-    (["cluster=local", "cluster.chain=2"], "cluster.chain=2"),
+    (["cluster=local", "cluster.chain=2"], "cluster.chain is a setting of cluster=slurm"),
     (["cluster=slurm", "cluster.time_limit=soon"], "cluster.time_limit"),
     (["cluster=slurm", "cluster.partition=a b"], "cluster.partition"),
     (["cluster=k8s", "container.image=x:1", "cluster.job_name=Train_1"], "cluster.job_name"),
@@ -196,7 +198,14 @@ def test_dry_run_writes_everything_and_submits_nothing(tmp_path):
     assert _calls(tmp_path, "sbatch") == []
     # config.yaml is the job's full config: it loads back into the same typed config.
     cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(job_dir / "config.yaml")))
-    assert (cfg.cluster.type.value, cfg.model.name, cfg.checkpoint.resume) == ("slurm", "debug", "auto")
+    assert (cfg.cluster.nproc_per_node, cfg.model.name, cfg.checkpoint.resume) == (2, "debug", "auto")
+    # launcher.yaml is the launcher's own config: it loads back into the Slurm schema; config.yaml,
+    # what main.py gets, holds nothing of it.
+    launch = to_launcher_config(OmegaConf.merge(OmegaConf.structured(LauncherConfig(cluster=SlurmCluster())),
+                                                OmegaConf.load(job_dir / "launcher.yaml")))
+    assert isinstance(launch.cluster, SlurmCluster) and launch.cluster.chain == 1 and launch.dry_run
+    config_text = (job_dir / "config.yaml").read_text()
+    assert "partition" not in config_text and "dry_run" not in config_text and "container" not in config_text
 
     # The same job, submitted: submit.sh calls sbatch for the job and its chained copy.
     out = run_launcher(args, cwd=tmp_path, env=_fake_path(tmp_path, bin_dir))
@@ -204,7 +213,8 @@ def test_dry_run_writes_everything_and_submits_nothing(tmp_path):
     job_dir = Path(out.stdout.strip().splitlines()[-1])
     calls = _calls(tmp_path, "sbatch")
     assert [c[-1] for c in calls] == [str(job_dir / "training.sbatch")] * 2
-    assert calls[1][1] == "--dependency=afterany:101"  # the id without sbatch's ";cluster"
+    assert calls[0][1] == "--dependency=singleton"
+    assert calls[1][1] == "--dependency=afterany:101,singleton"  # the id without sbatch's ";cluster"
     assert (job_dir / "job_ids").read_text().split() == ["101", "102"]
     assert "training: 101" in out.stdout
 

@@ -4,21 +4,24 @@
 # Written by launcher_scripts/main.py; re-run the launcher rather than editing it.
 
 set -uo pipefail
+# One run of this job at a time: the lock goes with the process (never stale after a crash).
+mkdir -p /shared/jobs/train-golden
+exec 9>>/shared/jobs/train-golden/job.lock || exit 1
+if ! flock -n 9; then
+    echo 'error: this job is already running (lock /shared/jobs/train-golden/job.lock); wait for it to end' >&2
+    exit 2
+fi
 
 # Environment (secrets by reference only).
 export HF_TOKEN="${MY_HF_TOKEN:?set MY_HF_TOKEN in the environment you submit from}"
 
 # Stage: training
 mkdir -p /shared/jobs/train-golden/run /shared/jobs/train-golden/logs
-docker run --rm --network=host --ipc=host --workdir /workspace --gpus all --volume /shared/jobs/train-golden:/shared/jobs/train-golden --volume /data:/data --env HF_TOKEN registry.example/org/train:1.0 \
-    python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=0 \
+docker run --rm --network=host --ipc=host --user "$(id -u):$(id -g)" --workdir /workspace --gpus all --volume /shared/jobs/train-golden:/shared/jobs/train-golden --volume /data:/data --env HF_TOKEN registry.example/org/train:1.0 \
+    python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=3 --shutdown-timeout=100 \
     /workspace/main.py \
     cluster=local \
-    container.runtime=docker \
-    container.image=registry.example/org/train:1.0 \
     cluster.gpus_per_node=2 \
-    'container.mounts=[/data:/data]' \
-    +cluster.secret_env.HF_TOKEN=MY_HF_TOKEN \
     model=debug \
     data=synthetic \
     trainer.progress_bar=false \

@@ -5,13 +5,19 @@
 
 set -uo pipefail
 cd /opt/repo || exit 1
+# One run of this job at a time: the lock goes with the process (never stale after a crash).
+mkdir -p /shared/jobs/train-golden
+exec 9>>/shared/jobs/train-golden/job.lock || exit 1
+if ! flock -n 9; then
+    echo 'error: this job is already running (lock /shared/jobs/train-golden/job.lock); wait for it to end' >&2
+    exit 2
+fi
 
 # Stage: data_preparation
 mkdir -p /shared/jobs/train-golden/data_preparation /shared/jobs/train-golden/logs
 /opt/venv/bin/python \
     /opt/repo/main.py \
     cluster=local \
-    'cluster.stages=[data_preparation,training]' \
     data=indexed \
     'data.paths=[/shared/data/corpus_text_document]' \
     'data.raw_inputs=[/shared/raw]' \
@@ -29,10 +35,9 @@ fi
 
 # Stage: training
 mkdir -p /shared/jobs/train-golden/run /shared/jobs/train-golden/logs
-/opt/venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=0 \
+/opt/venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=3 --shutdown-timeout=100 \
     /opt/repo/main.py \
     cluster=local \
-    'cluster.stages=[data_preparation,training]' \
     data=indexed \
     'data.paths=[/shared/data/corpus_text_document]' \
     'data.raw_inputs=[/shared/raw]' \

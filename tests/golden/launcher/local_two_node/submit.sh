@@ -5,12 +5,19 @@
 
 set -uo pipefail
 cd /opt/repo || exit 1
+# One run of this job at a time: the lock goes with the process (never stale after a crash).
+mkdir -p /shared/jobs/train-golden
+exec 9>>/shared/jobs/train-golden/job.lock || exit 1
+if ! flock -n 9; then
+    echo 'error: this job is already running (lock /shared/jobs/train-golden/job.lock); wait for it to end' >&2
+    exit 2
+fi
 
 # Stage: training
 mkdir -p /shared/jobs/train-golden/run /shared/jobs/train-golden/logs
 pids=()
 # agent 1 of 2
-/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --max-restarts=0 \
+/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --rdzv-conf=join_timeout=900 --max-restarts=3 --shutdown-timeout=100 \
     /opt/repo/main.py \
     cluster=local \
     cluster.nodes=2 \
@@ -21,13 +28,12 @@ pids=()
     logging.tensorboard=false \
     trainer.sample_tokens=0 \
     trainer.max_steps=4 \
-    cluster.rdzv_port=29400 \
     checkpoint.resume=auto \
     hydra.run.dir=/shared/jobs/train-golden/run \
     > /shared/jobs/train-golden/logs/training-node1.log 2>&1 &
 pids+=("$!")
 # agent 0 of 2
-/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --max-restarts=0 \
+/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --rdzv-conf=join_timeout=900 --max-restarts=3 --shutdown-timeout=100 \
     /opt/repo/main.py \
     cluster=local \
     cluster.nodes=2 \
@@ -38,7 +44,6 @@ pids+=("$!")
     logging.tensorboard=false \
     trainer.sample_tokens=0 \
     trainer.max_steps=4 \
-    cluster.rdzv_port=29400 \
     checkpoint.resume=auto \
     hydra.run.dir=/shared/jobs/train-golden/run &
 pids+=("$!")

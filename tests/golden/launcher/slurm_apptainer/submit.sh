@@ -5,15 +5,12 @@
 
 set -euo pipefail
 ids=/shared/jobs/train-golden/job_ids
-: > "$ids"
-dep=()
 
-id=$(sbatch --parsable "${dep[@]}" /shared/jobs/train-golden/data_preparation.sbatch)
+id=$(sbatch --parsable --dependency=singleton /shared/jobs/train-golden/data_preparation.sbatch)
 id=${id%%;*}
 echo "data_preparation: ${id}"
 echo "$id" >> "$ids"
-dep=(--dependency="afterok:${id}")
-id=$(sbatch --parsable "${dep[@]}" /shared/jobs/train-golden/training.sbatch)
+id=$(sbatch --parsable --dependency="afterok:${id},singleton" /shared/jobs/train-golden/training.sbatch)
 id=${id%%;*}
 echo "training: ${id}"
 echo "$id" >> "$ids"

@@ -5,10 +5,8 @@
 
 set -euo pipefail
 ids=/shared/jobs/train-golden/job_ids
-: > "$ids"
-dep=()
 
-id=$(sbatch --parsable "${dep[@]}" /shared/jobs/train-golden/training.sbatch)
+id=$(sbatch --parsable --dependency=singleton /shared/jobs/train-golden/training.sbatch)
 id=${id%%;*}
 echo "training: ${id}"
 echo "$id" >> "$ids"

@@ -5,20 +5,16 @@
 
 set -euo pipefail
 ids=/shared/jobs/train-golden/job_ids
-: > "$ids"
-dep=()
 
-id=$(sbatch --parsable "${dep[@]}" /shared/jobs/train-golden/training.sbatch)
+id=$(sbatch --parsable --dependency=singleton /shared/jobs/train-golden/training.sbatch)
 id=${id%%;*}
 echo "training: ${id}"
 echo "$id" >> "$ids"
-dep=(--dependency="afterany:${id}")
-id=$(sbatch --parsable "${dep[@]}" /shared/jobs/train-golden/training.sbatch)
+id=$(sbatch --parsable --dependency="afterany:${id},singleton" /shared/jobs/train-golden/training.sbatch)
 id=${id%%;*}
 echo "training (chained 1/2): ${id}"
 echo "$id" >> "$ids"
-dep=(--dependency="afterany:${id}")
-id=$(sbatch --parsable "${dep[@]}" /shared/jobs/train-golden/training.sbatch)
+id=$(sbatch --parsable --dependency="afterany:${id},singleton" /shared/jobs/train-golden/training.sbatch)
 id=${id%%;*}
 echo "training (chained 2/2): ${id}"
 echo "$id" >> "$ids"
