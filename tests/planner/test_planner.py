@@ -271,3 +271,18 @@ def test_more_sharding_means_less_memory_per_rank():
     small = estimate(job_from_config(cfg, world_size=4))
     big = estimate(job_from_config(cfg, world_size=8))
     assert big.memory.model_state < small.memory.model_state
+
+
+def test_simulation_agrees_with_planner():
+    """bench/simulate.py on a cheap subset: one traced step of the engine on a fake 64-rank group
+    (meta parameters) against the planner, for each layout; the bound is the issue's 5%."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from simulate import TOLERANCE, run
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    rows = run(["llama_1b"], [64], ["full", "hybrid", "tp8"], seq=64)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["max_err"] <= TOLERANCE, (row["sim"], row["pred"], row["err"])
+        assert row["sim"]["traffic"], row["sim"]  # the step really issued collectives
