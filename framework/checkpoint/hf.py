@@ -214,7 +214,8 @@ def import_safetensors(directory: str, model_sd: dict[str, torch.Tensor], adapte
             raise UserInputError(f"{where}: the checkpoint has no tensor {key or name} (our {name}); it is "
                                  "not a checkpoint of this model")
         plan[name] = key
-    unused = sorted(set(files) - set(plan.values()) - set(getattr(adapter, "ignorable", ())))
+    ignorable = getattr(adapter, "ignorable", lambda key: False)
+    unused = sorted(k for k in set(files) - set(plan.values()) if not ignorable(k))
     if unused:
         raise UserInputError(f"{where}: the checkpoint holds {len(unused)} tensor(s) this model does not use "
                              f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); it computes "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from framework.errors import UserInputError
 
@@ -93,7 +93,7 @@ class ModelConfig:
     # model=hf only (docs/models.md): a local directory holding a transformers config.json (and,
     # optionally, safetensors weights), or an inline transformers config for tests; never a hub name.
     path: str = ""
-    config: Dict[str, Any] = field(default_factory=dict)  # e.g. {model_type: gpt2, n_layer: 2}
+    config: Any = None  # e.g. {model_type: gpt2, n_layer: 2} (Any: Hydra adds keys to a typed dict only with +)
     task: str = "causal_lm"  # causal_lm | seq2seq | sequence_classification (framework/models/tasks.py)
     num_labels: int = 2  # classes of a classification task
 

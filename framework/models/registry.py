@@ -62,8 +62,8 @@ class StateDictAdapter(Protocol):
         """Refuse (UserInputError, one line naming the field) a `config.json` that computes
         differently from the model this job builds."""
 
-    # Optional: `ignorable` (Hugging Face names a checkpoint may hold that the model does not read,
-    # e.g. a tied head stored twice) and `write_extras(out_dir, tokenizer)` (tokenizer files,
+    # Optional: `ignorable(key) -> bool` (Hugging Face names a checkpoint may hold that the model
+    # does not read, e.g. buffers transformers ignores on load) and `write_extras(out_dir, tokenizer)` (tokenizer files,
     # generation config written next to an export).
 
 
