@@ -8,11 +8,10 @@ without the model knowing.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from framework.config.schema import ModelConfig
 
@@ -62,7 +61,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -96,7 +95,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -123,8 +122,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return result
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab). Packed sequences (several documents in one row) pass each
         token's position inside its document and its document's id, both (batch, seq): a token
         then attends only to earlier tokens of its own document (a block-diagonal causal mask)."""
@@ -141,7 +140,7 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter and the rotary table in place (also after `to_empty`).
 
         Output projections of each block are scaled by 1/sqrt(2 * n_layers) (GPT-2's residual

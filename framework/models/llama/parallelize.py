@@ -19,19 +19,22 @@ reduce-scatters, the column-wise inputs all-gathers, and the norms compute on 1/
 """
 from __future__ import annotations
 
-from typing import Dict
-
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
-def tp_plan(model: nn.Module, sequence_parallel: bool) -> Dict[str, ParallelStyle]:
+def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """{fully qualified module name: style} for a `framework.models.llama.Transformer`."""
     # Layout of the residual stream between the blocks' tensor-parallel regions.
     stream = Shard(1) if sequence_parallel else Replicate()
-    plan: Dict[str, ParallelStyle] = {
+    plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         # use_local_output=False: the logits stay a DTensor sharded on the vocabulary, which the
         # parallel cross-entropy consumes (and sampling gathers with `full_tensor()`).
