@@ -79,16 +79,36 @@ def init_distributed(requested_device: str, collective_timeout_s: float = 300.0)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
         if world > 1 and _store_hosted_outside():
             _Heartbeat.start(rank, world)
     return Runtime(rank, world, local_rank, device)
 
 
+def _job_store(rank: int, world: int, timeout: datetime.timedelta):
+    """The key-value store the process group meets in, with this attempt's keys apart.
+
+    [Note: one store, many attempts]
+    torchrun keeps one store for the whole job (its agent hosts it, and with the c10d rendezvous
+    the same server serves every restart). The process group publishes each rank's address there
+    under fixed keys, so after a restart the new ranks could read the dead ranks' addresses: gloo's
+    connectFullMesh then fails with "Connection refused" on every attempt, or a barrier counter left
+    over hangs. Every key is therefore prefixed with torchrun's restart count. The store waits up
+    to `timeout` for ranks that start late (slow, uneven start-up after a restart)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    is_master = rank == 0 and not _store_hosted_outside()
+    store = dist.TCPStore(addr, port, world_size=world, is_master=is_master, timeout=timeout,
+                          wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"framework/attempt_{attempt}/", store)
+
+
 def shutdown() -> None:
     _Heartbeat.stop()
-    if dist.is_initialized():
+    # After a crash the peers may be gone or stuck: tearing the group down could hang or abort
+    # ("terminate called without an active exception"); the process is about to end anyway.
+    if dist.is_initialized() and not _crashed:
         dist.destroy_process_group()
 
 
@@ -186,6 +206,7 @@ def _looks_like_timeout(exc: BaseException) -> bool:
 # ---- one rank's whole run: see [Note: every failure explained] ----
 
 _report_path: str | None = None  # set in ranks spawn_local started: the parent prints the reports
+_crashed = False  # report_crash ran: this process ends with EXIT_CRASH without tearing down torch
 
 
 def report_crash(exc: BaseException) -> None:
@@ -193,6 +214,8 @@ def report_crash(exc: BaseException) -> None:
     rank, the ranks a timed-out collective waited for, and torchrun's error file."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+    global _crashed
+    _crashed = True
     rank = int(os.environ.get("RANK", "0"))
     report = traceback.format_exc()
     if _looks_like_timeout(exc):
@@ -213,10 +236,17 @@ def run_rank(fn: Callable[[Any], int], arg: Any) -> int:
     """`fn(arg)` on this rank, returning its status; an exception is reported (`report_crash`)
     and becomes EXIT_CRASH. A SystemExit passes through with its status."""
     try:
-        return fn(arg) or 0
+        code = fn(arg) or 0
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then the status says crash
         report_crash(exc)
-        return EXIT_CRASH
+        code = EXIT_CRASH
+    if _crashed:
+        # End now, with the crash status: the interpreter's teardown would destroy torch's process
+        # group objects with dead peers, which can hang or abort and so change the status.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_CRASH)
+    return code
 
 
 def _die_with_parent() -> None:
