@@ -314,7 +314,9 @@ def compose_launcher(backend: str, overrides: Sequence[str]) -> DictConfig:
     register()
     # `cluster.node_selector={a: b}` replaces a whole mapping; Hydra only adds keys to an empty typed
     # mapping with `++` (the values are still checked against the schema).
-    rest = [f"++{o}" if o[0] not in "+~" and o.partition("=")[2].lstrip().startswith("{") else o
+    mappings = {f"cluster.{f.name}" for f in dataclasses.fields(BACKENDS[Backend(backend)])
+                if f.type.startswith("Dict")}
+    rest = [f"++{o}" if override_key(o) in mappings and o[0] not in "+~" else o
             for o in overrides if override_key(o) != "cluster"]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
