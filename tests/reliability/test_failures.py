@@ -147,14 +147,23 @@ RESTART_TOLERANCE = 1e-6  # fp32 on CPU, gloo: a resume is bitwise in practice; 
 
 def test_rank_killed_under_torchrun_restarts_and_resumes_exactly(tmp_path):
     """A rank SIGKILLed at step 5 (first attempt only): torchrun restarts the group, which resumes
-    from the step-3 checkpoint and logs, for every later step, an uninterrupted run's losses."""
+    from the step-3 checkpoint and logs, for every later step, an uninterrupted run's losses.
+
+    FRAMEWORK_TEST_RESTART_RUNS=5 (read when the test runs) repeats the killed run that many times
+    against the one reference: the "must work every time" check, too long for every suite run."""
     reference = run_main(RESTART + [f"hydra.run.dir={tmp_path}/reference"], tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    out = _torchrun(RESTART + [f"hydra.run.dir={tmp_path}/run"], tmp_path, _env("kill:1:5"), 300,
-                    "--max-restarts=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "resumed from" in out.stderr and "step_00000003" in out.stderr, out.stderr[-4000:]
-    expected, got = _losses(tmp_path / "reference"), _losses(tmp_path / "run")
-    assert sorted(got) == list(range(1, 11)), sorted(got)
-    for step in range(4, 11):
-        assert abs(got[step] - expected[step]) <= RESTART_TOLERANCE, (step, got[step], expected[step])
+    expected = _losses(tmp_path / "reference")
+    for attempt in range(int(os.environ.get("FRAMEWORK_TEST_RESTART_RUNS", "1"))):
+        run = tmp_path / f"run{attempt}"
+        started = time.monotonic()
+        out = _torchrun(RESTART + [f"hydra.run.dir={run}"], tmp_path, _env("kill:1:5"), 300,
+                        "--max-restarts=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
+        assert out.returncode == 0, (attempt, out.stderr[-4000:])
+        assert "resumed from" in out.stderr and "step_00000003" in out.stderr, (attempt, out.stderr[-4000:])
+        got = _losses(run)
+        assert sorted(got) == list(range(1, 11)), (attempt, sorted(got))
+        worst = max(abs(got[step] - expected[step]) for step in range(4, 11))
+        assert worst <= RESTART_TOLERANCE, (attempt, worst)
+        print(f"restart run {attempt + 1}: finished in {time.monotonic() - started:.0f} s, "
+              f"largest loss difference after the restart {worst:.1e}")
