@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from framework.config.schema import Config
+from framework.config.schema import Config, Stage
 from framework.config.validate import parallel_dims_of
 from framework.data import build_data
 from framework.distributed.parallel_dims import build_mesh
@@ -52,10 +52,15 @@ class Trainer:
         # The model family (framework/models/registry.py) and its task: how a batch becomes a loss.
         self.family = family = family_of(cfg.model)
         self.task = family.task(cfg.model)
-        self.data = build_data(cfg.data, vocab_size=family.vocab_size(cfg.model),
-                               micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-                               dp_rank=self.dp_rank, dp_size=self.dims.dp, seed=t.seed,
-                               sample_kind=self.task.sample_kind, num_labels=cfg.model.num_labels)
+        if cfg.stage == Stage.fine_tuning:  # JSONL records, response-only labels (framework/finetune/)
+            from framework.finetune.build import build_finetune_data
+
+            self.data = build_finetune_data(cfg, dp_rank=self.dp_rank, dp_size=self.dims.dp)
+        else:
+            self.data = build_data(cfg.data, vocab_size=family.vocab_size(cfg.model),
+                                   micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                                   dp_rank=self.dp_rank, dp_size=self.dims.dp, seed=t.seed,
+                                   sample_kind=self.task.sample_kind, num_labels=cfg.model.num_labels)
         model_cfg = dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size)
         # Small models are materialised identically on every rank (same seed, then sharded), so a
         # run's numbers do not depend on its layout; large ones are built on the meta device and
@@ -66,11 +71,19 @@ class Trainer:
         model = family.build(model_cfg, "meta" if meta else "cpu")
         if not meta:
             family.init_weights(model, t.seed)
+        if cfg.peft.lora.enabled:  # frozen base, trained adapters (framework/peft/)
+            from framework.peft.setup import add_lora
+
+            add_lora(model, cfg.peft.lora, family, model_cfg, seed=t.seed, rank0=rt.is_main)
         self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
         if meta:
             self.model.to_empty(device=rt.device)
             torch.manual_seed(t.seed + rt.rank)  # each rank draws its own shards' values
             family.init_weights(self.model, None)
+            if cfg.peft.lora.enabled:
+                from framework.peft import reset_lora
+
+                reset_lora(self.model)
             torch.manual_seed(t.seed)
         elif rt.device.type != "cpu":
             self.model.to(rt.device)
@@ -126,6 +139,31 @@ class Trainer:
         self.model.train()
         return _world_mean(total) / batches
 
+    @torch.no_grad()
+    def evaluate_metrics(self) -> dict[str, float]:
+        """The task's own numbers (accuracy, ...) over the whole validation split when its loader
+        can give it (`whole_split`), else over the `eval_iters` batches of `evaluate`."""
+        if self.task.metrics is None:
+            return {}
+        self.model.eval()
+        valid = self.data.valid
+        if hasattr(valid, "whole_split"):
+            batches = valid.whole_split()
+        else:
+            valid.load_state_dict({"consumed_samples": 0})
+            batches = [valid.next_batch() for _ in range(self.cfg.trainer.eval_iters * valid.accum_steps)]
+        sums: dict[str, torch.Tensor] = {}
+        for batch in batches:
+            for name, (value, count) in self.task.metrics(self.model, to_device(batch, self.rt.device)).items():
+                pair = torch.stack([full(value).float(), count.float()])
+                sums[name] = sums[name] + pair if name in sums else pair
+        self.model.train()
+        out = {}
+        for name, pair in sorted(sums.items()):
+            dist.all_reduce(pair)  # tensor-parallel ranks would count twice: same ratio
+            out[f"val_{name}"] = float(pair[0] / pair[1].clamp(min=1))
+        return out
+
     def comm_metrics(self) -> Dict[str, float]:
         """The engine's counters for the last step (our engine only; torch's has none)."""
         stats = getattr(self.model, "comm_stats", None)
@@ -171,7 +209,9 @@ class Trainer:
                 metrics.update(self.comm_metrics())
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                     metrics["val_loss"] = self.evaluate()
-                    logger.write(f"step {step}: val_loss {metrics['val_loss']:.4f}")
+                    metrics.update(self.evaluate_metrics())
+                    logger.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                              if k.startswith("val_")))
                 if step % t.log_interval == 0 or step == t.max_steps:
                     logger.log(step, metrics)
                 logger.progress({"loss": metrics["loss"], "tok/s": round(metrics["tokens_per_s"]),

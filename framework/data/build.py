@@ -34,6 +34,14 @@ def build_data(cfg: DataConfig, *, vocab_size: int, micro_batch_size: int, globa
         train = SyntheticSource(vocab_size, cfg.seq_len, seed, **kind)
         valid = SyntheticSource(vocab_size, cfg.seq_len, seed + 1, **kind)
         return DataBundle(*loaders(train, valid), vocab_size=vocab_size)
+    if cfg.name == DataName.digits:
+        if sample_kind != "image_label":
+            raise UserInputError("data=digits yields images and labels; use it with model=digits_cnn "
+                                 "(experiment=digits_cnn)")
+        from framework.data.digits import build_digits_data
+
+        return build_digits_data(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                                 dp_rank=dp_rank, dp_size=dp_size, seed=seed)
     if sample_kind != "tokens":
         raise UserInputError(f"data={cfg.name.value} yields token sequences, but the model's task needs "
                              f"{sample_kind} samples; use data=synthetic or a dataset made for that task")

@@ -41,9 +41,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def _causal_lm(model, batch) -> torch.Tensor:
     if isinstance(batch, dict):
-        inputs, labels = batch["input_ids"], batch["labels"]
-    else:
-        inputs, labels = batch
+        # Packed fine-tuning rows carry each token's position in its document and the document's
+        # id (framework/finetune/data.py); the model keeps attention inside each document.
+        packed = {k: batch[k] for k in ("positions", "document_ids") if k in batch}
+        return cross_entropy(logits_of(model(batch["input_ids"], **packed)), batch["labels"])
+    inputs, labels = batch
     return cross_entropy(logits_of(model(inputs)), labels)
 
 
@@ -68,6 +70,11 @@ def _image_classification(model, batch) -> torch.Tensor:
     return cross_entropy(logits_of(model(batch["inputs"])), batch["labels"])
 
 
+def _image_accuracy(model, batch) -> dict:
+    correct = (logits_of(model(batch["inputs"])).argmax(-1) == batch["labels"]).sum()
+    return {"acc": (correct.float(), torch.tensor(float(batch["labels"].numel()), device=correct.device))}
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -75,6 +82,9 @@ class Task:
     # What data=synthetic yields for it: "tokens" (seq_len + 1 ids), "seq2seq" (source/target
     # pairs), "sequence_label" (ids and a class), "image_label" (a tensor and a class).
     sample_kind: str = "tokens"
+    # Evaluation numbers besides the loss: (model, batch) -> {name: (sum, count)}; the trainer sums
+    # both over the whole validation split and the ranks and logs sum / count as `val_<name>`.
+    metrics: Callable[[Any, Any], dict] | None = None
 
 
 _TASKS: dict[str, Task] = {}
@@ -95,5 +105,5 @@ def get_task(name: str) -> Task:
 
 for _task in (Task("causal_lm", _causal_lm), Task("seq2seq", _seq2seq, "seq2seq"),
               Task("sequence_classification", _sequence_classification, "sequence_label"),
-              Task("image_classification", _image_classification, "image_label")):
+              Task("image_classification", _image_classification, "image_label", _image_accuracy)):
     register_task(_task)

@@ -96,9 +96,9 @@ def reset_lora(model: nn.Module, seed: int | None = None) -> None:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for module in model.modules():
         a = getattr(module, "lora_a", None)
-        if not isinstance(a, torch.Tensor):
+        if not isinstance(a, torch.Tensor) or _shape_of(module) is None:
             continue
-        bound = 1.0 / math.sqrt(a.shape[-1] if a.dim() == 2 else module.weight.shape[-1])
+        bound = 1.0 / math.sqrt(_shape_of(module)[0])  # in_features (the module keeps it when sharded)
         if gen is not None and a.device.type == "cpu" and a.dim() == 2:
             a.copy_(torch.rand(a.shape, generator=gen) * 2 * bound - bound)
         else:
