@@ -97,6 +97,7 @@ class Trainer:
             from framework.checkpoint import CheckpointManager
 
             self.ckpt = CheckpointManager(cfg, cfg.run_dir, rt)
+            self.ckpt.tokenizer = self.data.tokenizer
         self.flops_per_token = family.flops_per_token(model, cfg.data.seq_len)
         self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
 

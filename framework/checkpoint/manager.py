@@ -56,6 +56,7 @@ def _versions() -> dict:
 class CheckpointManager:
     def __init__(self, cfg: Config, run_dir: str, rt: Runtime):
         self.cfg, self.rt = cfg, rt
+        self.tokenizer = None  # the job's tokenizer (set by the trainer), written next to an export
         c = cfg.checkpoint
         self.root = c.dir if os.path.isabs(c.dir) else os.path.join(run_dir, c.dir)
         self.engine = cfg.parallelism.engine
@@ -330,7 +331,7 @@ class CheckpointManager:
         dtype = next(t.dtype for t in model_sd.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
         path = export_safetensors(model_sd, adapter, adapter.hf_config(model_cfg, dtype), out_dir, self.rt.rank)
         if path and hasattr(adapter, "write_extras"):
-            adapter.write_extras(out_dir, getattr(state, "tokenizer", None))
+            adapter.write_extras(out_dir, self.tokenizer, model_cfg)
         dist.barrier()
         if path:
             print(f"exported {path}", file=sys.stderr, flush=True)

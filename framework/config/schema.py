@@ -84,6 +84,9 @@ class ModelConfig:
     max_seq_len: int = 128  # the longest sequence the rotary table covers
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # null, or Llama 3's scaling: {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings} (framework/models/llama/model.py: llama3_frequencies)
+    rope_scaling: Any = None
     tie_embeddings: bool = False  # share the token embedding with the output head
     init_std: float = 0.02
     # Build on the meta device and initialise each rank's shards after sharding (never the whole

@@ -63,8 +63,8 @@ class StateDictAdapter(Protocol):
         differently from the model this job builds."""
 
     # Optional: `ignorable(key) -> bool` (Hugging Face names a checkpoint may hold that the model
-    # does not read, e.g. buffers transformers ignores on load) and `write_extras(out_dir, tokenizer)` (tokenizer files,
-    # generation config written next to an export).
+    # does not read, e.g. buffers transformers ignores on load) and `write_extras(out_dir, tokenizer, cfg)` (tokenizer
+    # files, generation config written next to an export).
 
 
 def _default_init(model: nn.Module, seed: int | None) -> None:
@@ -106,8 +106,6 @@ class ModelFamily:
     vocab_size: Callable[[ModelConfig], int] = lambda cfg: cfg.vocab_size
     # A directory whose weights initialise the model at the start (model=hf model.path); "" none.
     weights_dir: Callable[[ModelConfig], str] = lambda cfg: ""
-    # Extra files written next to an export (tokenizer, generation config): (out_dir, cfg, tokenizer).
-    export_extras: Callable[[str, ModelConfig, object], None] | None = None
 
     @property
     def name(self) -> str:

@@ -184,6 +184,17 @@ class HFAdapter:
         data["dtype"] = str(dtype).replace("torch.", "")
         return data
 
+    def write_extras(self, out_dir: str, tokenizer, cfg: ModelConfig) -> None:
+        """The tokenizer and generation files of model.path, copied unchanged."""
+        import shutil
+
+        if not cfg.path:
+            return
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                     "merges.txt", "spiece.model", "tokenizer.model", "generation_config.json"):
+            if os.path.isfile(os.path.join(cfg.path, name)):
+                shutil.copyfile(os.path.join(cfg.path, name), os.path.join(out_dir, name))
+
     def check_hf_config(self, hf: dict, cfg: ModelConfig, where: str) -> None:
         mine = json.loads(self.config.to_json_string(use_diff=False))
         if hf.get("model_type") != mine.get("model_type"):

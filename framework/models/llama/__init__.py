@@ -1,5 +1,5 @@
 """Our Llama family: the model, its tensor-parallel plan, its Hugging Face adapter; registered here."""
-from framework.models.llama.adapter import LlamaAdapter
+from framework.models.llama.adapter import LlamaAdapter, check_rope_scaling
 from framework.models.llama.model import Transformer, TransformerBlock, build_llama  # noqa: F401
 from framework.models.llama.parallelize import tp_plan
 from framework.models.registry import ModelFamily, register_family
@@ -8,13 +8,18 @@ from framework.models.registry import ModelFamily, register_family
 PRESETS = ("debug", "small", "llama_125m", "llama_350m", "llama_1b", "llama_7b", "llama_13b", "llama_70b")
 
 
+def _build(cfg, device="cpu") -> Transformer:
+    check_rope_scaling(cfg)
+    return build_llama(cfg, device)
+
+
 def _init_weights(model: Transformer, seed) -> None:
     model.init_weights(seed=seed)
 
 
 FAMILY = register_family(ModelFamily(
     names=PRESETS,
-    build=build_llama,
+    build=_build,
     blocks=lambda model: list(model.layers),
     init_weights=_init_weights,
     tp_plan=tp_plan,

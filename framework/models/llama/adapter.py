@@ -5,6 +5,8 @@ are the same as Hugging Face Llama's, so the weights map one to one, without per
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import torch
@@ -51,25 +53,111 @@ class LlamaAdapter:
     def check_hf_config(self, hf: dict, cfg: ModelConfig, where: str) -> None:
         check_hf_config(hf, cfg, where)
 
+    def write_extras(self, out_dir: str, tokenizer, cfg: ModelConfig) -> None:
+        write_extras(out_dir, tokenizer, cfg)
+
+
+EOD_ID = 0  # our end-of-document token: the first special token of every tokenizer we train
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(cfg: ModelConfig) -> None:
+    """model.rope_scaling: null or a complete Llama 3 scaling."""
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type")) if hasattr(scaling, "get") else None
+    missing = [k for k in ROPE_SCALING_KEYS if not hasattr(scaling, "get") or k not in scaling]
+    if kind != "llama3" or missing:
+        raise UserInputError(f"model.rope_scaling={scaling!r}: only Llama 3's scaling is implemented; give "
+                             "{rope_type: llama3, factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+                             "original_max_position_embeddings: 8192} or null")
+
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "max_position_embeddings": cfg.max_seq_len,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.dim // cfg.n_heads,
+        "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "torch_dtype": str(dtype).replace("torch.", ""),
         "initializer_range": cfg.init_std, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": EOD_ID, "eos_token_id": EOD_ID, "pad_token_id": EOD_ID,
     }
+    if cfg.rope_scaling:
+        config["rope_scaling"] = {"rope_type": "llama3", **{k: cfg.rope_scaling[k] for k in ROPE_SCALING_KEYS}}
+    return config
+
+
+def _rope_of(hf: dict) -> tuple:
+    """(rope_theta, scaling dict or None) from a config.json, old style (rope_theta, rope_scaling)
+    or transformers 5's rope_parameters."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in (hf.get("rope_scaling") or params).items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return float(theta), (None if kind == "default" else dict(scaling, rope_type=kind))
 
 
 def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
-    """Refuse a config.json whose model computes differently from `cfg`, naming the field."""
+    """Refuse, in one line naming the field and the setting that matches, a config.json whose
+    model computes differently from `cfg`: every field that changes the computation is compared."""
+    def refuse(message: str) -> None:
+        raise UserInputError(f"{where}: its config.json has {message}")
+
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        refuse(f"model_type={model_type!r}; our Llama reads Llama checkpoints only (use model=hf model.path=<dir> "
+               "for other types)")
     want = hf_config(cfg, torch.float32)
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads"):
-        if key in hf and hf[key] != want[key]:
-            raise UserInputError(f"{where}: its config.json has {key}={hf[key]} but model={cfg.name} has "
-                                 f"{want[key]}; choose the matching model preset")
+    for key, field in (("vocab_size", "vocab_size"), ("hidden_size", "dim"), ("intermediate_size", "ffn_dim"),
+                       ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
+                       ("num_key_value_heads", "n_kv_heads"), ("head_dim", None)):
+        if key in hf and hf[key] is not None and hf[key] != want[key]:
+            fix = f"set model.{field}={hf[key]}" if field else "this head size is not dim / n_heads, which our Llama needs"
+            refuse(f"{key}={hf[key]} but model={cfg.name} has {want[key]}; {fix} (or choose the matching preset)")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act={hf['hidden_act']!r}; our Llama's feed-forward is SwiGLU (silu) only")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            refuse(f"{key}=true; our Llama has no bias tensors (a Qwen2-style model: use model=hf model.path=<dir>)")
+    theta, scaling = _rope_of(hf)
+    if abs(theta - cfg.rope_theta) > 1e-6 * theta:
+        refuse(f"rope_theta={theta:g} but model.rope_theta={cfg.rope_theta:g}; set model.rope_theta={theta:g}")
+    if scaling is not None and scaling["rope_type"] != "llama3":
+        refuse(f"rope scaling of type {scaling['rope_type']!r}; only llama3 scaling is implemented")
+    ours = {"rope_type": "llama3", **{k: cfg.rope_scaling[k] for k in ROPE_SCALING_KEYS}} if cfg.rope_scaling else None
+    theirs = {"rope_type": "llama3", **{k: scaling.get(k) for k in ROPE_SCALING_KEYS}} if scaling else None
+    if ours != theirs:
+        shown = "{" + ", ".join(f"{k}: {v}" for k, v in theirs.items()) + "}" if theirs else "null"
+        refuse(f"rope_scaling={theirs} but model.rope_scaling={ours}; set 'model.rope_scaling={shown}'")
+    eps = hf.get("rms_norm_eps", cfg.norm_eps)
+    if abs(eps - cfg.norm_eps) > 1e-12:
+        refuse(f"rms_norm_eps={eps:g} but model.norm_eps={cfg.norm_eps:g}; set model.norm_eps={eps:g}")
+    tied = bool(hf.get("tie_word_embeddings", False))  # transformers' LlamaConfig default
+    if tied != cfg.tie_embeddings:
+        refuse(f"tie_word_embeddings={str(tied).lower()} but model.tie_embeddings={str(cfg.tie_embeddings).lower()}; "
+               f"set model.tie_embeddings={str(tied).lower()}")
+
+
+def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
+    """What a transformers user needs besides the weights: the generation config (stop at our
+    end-of-document token) and, when the job had one, the tokenizer."""
+    import shutil
+
+    eod = getattr(tokenizer, "eod", EOD_ID) if tokenizer is not None else EOD_ID
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod, "do_sample": True,
+                   "temperature": 0.8, "top_k": 20, "max_length": cfg.max_seq_len}, f, indent=2)
+    path = getattr(tokenizer, "path", None)
+    if not path:
+        return
+    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.json"))
+    token = tokenizer.decode([eod]) if hasattr(tokenizer, "decode") else None
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token, "eos_token": token,
+                   "pad_token": token, "model_max_length": cfg.max_seq_len, "clean_up_tokenization_spaces": False},
+                  f, indent=2)

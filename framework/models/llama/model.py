@@ -30,9 +30,27 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rotary_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """(max_seq_len, head_dim) table: cos in the first half of the last dim, sin in the second."""
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3's rope scaling: frequencies whose wavelength is longer than the original context /
+    low_freq_factor are divided by `factor`, those shorter than context / high_freq_factor are
+    kept, and the band between is interpolated linearly in context / wavelength."""
+    context = float(original_max_position_embeddings)
+    wavelength = 2 * math.pi / inv_freq
+    ratio = context / wavelength  # how many wavelengths fit in the original context
+    blend = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return inv_freq / factor * (1 - blend) + inv_freq * blend
+
+
+def rotary_table(head_dim: int, max_seq_len: int, theta: float, device=None, scaling: dict | None = None
+                 ) -> torch.Tensor:
+    """(max_seq_len, head_dim) table: cos in the first half of the last dim, sin in the second.
+    `scaling`: None, or {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings} (model.rope_scaling)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling:
+        params = {k: v for k, v in scaling.items() if k not in ("rope_type", "type")}
+        inv_freq = llama3_frequencies(inv_freq, **params)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
@@ -151,7 +169,8 @@ class Transformer(nn.Module):
             gen = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
         self.rope.copy_(rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len,
-                                     self.cfg.rope_theta, device=self.rope.device))
+                                     self.cfg.rope_theta, device=self.rope.device,
+                                     scaling=self.cfg.rope_scaling))
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
