@@ -8,12 +8,22 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# RDMA user-space libraries: NCCL's InfiniBand/RoCE transport loads libibverbs and the device
+# providers (mlx5, efa, ...) from the image; without them it falls back to TCP sockets. The pods
+# or containers still need the devices (cluster.ib_resources on Kubernetes, IPC_LOCK).
+# Versions follow the base image's Ubuntu release (pinned by its tag), hence no apt pins here.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ibverbs-providers libibverbs1 librdmacm1 rdma-core \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /workspace
 RUN useradd --create-home --uid 1000 --shell /bin/bash trainer \
     && chown trainer:trainer /workspace
 
-# Dependencies first, so a code change does not reinstall them. torch is not in the lock file:
-# the base image's build (with its CUDA libraries) is the one used.
+# Dependencies first, so a code change does not reinstall them: the runtime lock only (the test and
+# bench locks stay out of the image). torch is not in the lock file: the base image's build (with
+# its CUDA libraries) is the one used.
 COPY requirements.lock ./
 RUN pip install --no-cache-dir -r requirements.lock
 

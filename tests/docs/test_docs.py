@@ -72,7 +72,8 @@ def _doc_commands(script: str) -> List[Tuple[str, str, List[str]]]:
             for cmd, errors in _commands(block):
                 words = cmd.split()
                 for k, word in enumerate(words[:3]):
-                    if word.endswith(script) and k > 0 and "python" in words[k - 1]:
+                    launcher = word.endswith("launcher_scripts/main.py") and script == "main.py"
+                    if word.endswith(script) and k > 0 and "python" in words[k - 1] and not launcher:
                         found.append((str(path.relative_to(REPO)), " ".join(words[k + 1:]), errors))
                         break
     return found

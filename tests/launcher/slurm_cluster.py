@@ -72,6 +72,8 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 ReturnToService=2
+# The node may declare more CPUs than this machine has (two test jobs side by side on 2 cores).
+SlurmdParameters=config_overrides
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0

@@ -88,8 +88,11 @@ def test_local_script_hands_the_injection_to_python_as_one_argument(tmp_path):
     assert not list(tmp_path.glob("PWNED*")) and not list(repo.glob("PWNED*"))
 
 
-def test_preemption_saves_then_requeues(tmp_path):
-    """USR1 to the batch shell -> SIGTERM to the step (via scancel) -> step exits -> scontrol requeue."""
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_preemption_saves_then_requeues(tmp_path, sig):
+    """USR1 to the batch shell -> SIGTERM to the step (via scancel) -> step exits -> scontrol requeue.
+    TERM (a pre-emption without the user signal: Slurm signals the batch shell and every step at
+    once) -> the script does not signal the step again, waits for its save, then requeues."""
     job_dir = str(tmp_path / "job")
     text = render_case("slurm_pyxis", job_dir=job_dir)["training.sbatch"]
     script = tmp_path / "training.sbatch"
@@ -119,11 +122,19 @@ sleep 0.2
     while not (tmp_path / "srun.pid").exists():
         assert time.time() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 delivers
+    if sig == "USR1":
+        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 delivers
+    else:
+        proc.send_signal(signal.SIGTERM)  # what a pre-emption sends the batch shell...
+        time.sleep(0.3)
+        os.kill(int((tmp_path / "srun.pid").read_text()), signal.SIGTERM)  # ...and every step
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 143, err  # the step's status
     assert (tmp_path / "saved").exists()
-    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "91"]
+    if sig == "USR1":
+        assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "91"]
+    else:
+        assert not (tmp_path / "scancel.calls").exists()  # the step got TERM from Slurm already
     assert (tmp_path / "scontrol.calls").read_text().split() == ["requeue", "91"]
 
 
