@@ -1,6 +1,7 @@
 """Hugging Face models through our engine equal transformers on one process.
 
-One 2-rank spawn runs every case: for GPT-2, Llama, Qwen2 (causal LM), T5 (seq2seq, relative
+One 2-rank spawn runs every case (and checks that weights start from a save_pretrained directory
+exactly, each rank reading only its slices): for GPT-2, Llama, Qwen2 (causal LM), T5 (seq2seq, relative
 attention bias, tied embeddings) and GPT-2 sequence classification, the initial logits and the
 first 5 training losses of the trainer (2 ranks, sharded per `_no_split_modules` block, 2
 gradient-accumulation micro-steps) are compared with a plain transformers model trained on one
@@ -25,18 +26,19 @@ QWEN2 = dict(LLAMA, model_type="qwen2")
 T5 = {"model_type": "t5", "num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_kv": 8, "num_heads": 4,
       "d_ff": 64, "vocab_size": 128, "dropout_rate": 0.0, "relative_attention_num_buckets": 8}
 
-CASES = [  # (label, inline config, task, engine)
-    ("gpt2", GPT2, "causal_lm", "native"),
-    ("llama", LLAMA, "causal_lm", "native"),
-    ("qwen2", QWEN2, "causal_lm", "native"),
-    ("t5", T5, "seq2seq", "native"),
-    ("gpt2_classify", GPT2, "sequence_classification", "native"),
-    ("t5_torch_engine", T5, "seq2seq", "torch"),
+CASES = [  # (label, inline config, task, parallelism settings)
+    ("gpt2", GPT2, "causal_lm", {}),
+    ("llama", LLAMA, "causal_lm", {}),
+    ("qwen2", QWEN2, "causal_lm", {}),
+    ("t5", T5, "seq2seq", {}),
+    ("gpt2_classify", GPT2, "sequence_classification", {}),
+    ("t5_torch_engine", T5, "seq2seq", {"engine": "torch"}),
+    ("t5_activation_checkpointing", T5, "seq2seq", {"activation_checkpointing": "full"}),
 ]
 TOL = 1e-5  # see the module docstring
 
 
-def make_config(model_config: dict, task: str, engine: str, run_dir: str, steps: int = 5, **model):
+def make_config(model_config: dict, task: str, parallelism: dict, run_dir: str, steps: int = 5, **model):
     from framework.config.schema import (
         CheckpointConfig,
         Config,
@@ -48,8 +50,9 @@ def make_config(model_config: dict, task: str, engine: str, run_dir: str, steps:
     )
 
     return Config(
-        model=ModelConfig(name="hf", config=dict(model_config), task=task, max_seq_len=64, **model),
-        parallelism=ParallelismConfig(engine=engine),
+        model=ModelConfig(name="hf", config=dict(model_config) if model_config else None, task=task, max_seq_len=64,
+                          **model),
+        parallelism=ParallelismConfig(**parallelism),
         data=DataConfig(name="synthetic", seq_len=16),
         # SGD with momentum: a gradient scaled wrongly shows at once (Adam would normalise it away).
         optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9, warmup_steps=0, schedule="constant"),
@@ -96,13 +99,13 @@ def _probe(cfg):
     return {"input_ids": ids}
 
 
-def _parity_rank(rank, world, run_dir):
+def _parity_rank(rank, world, run_dir, source):
     from framework.distributed.runtime import Runtime
     from framework.trainer import Trainer
 
     out = {}
-    for label, model_config, task, engine in CASES:
-        cfg = make_config(model_config, task, engine, run_dir)
+    for label, model_config, task, parallelism in CASES:
+        cfg = make_config(model_config, task, parallelism, run_dir)
         initial, ref_losses = _reference(cfg, 5)
         trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
         with torch.no_grad():
@@ -112,13 +115,42 @@ def _parity_rank(rank, world, run_dir):
         out[label] = {"logits": (ours - ref).abs().max().item(), "losses": losses, "ref_losses": ref_losses,
                       "blocks": len(trainer.family.blocks(trainer.model))}
         del trainer
+    out["sliced_load"] = {engine: _load_from_path(rank, world, run_dir, source, engine) for engine in ("native", "torch")}
     return out
 
 
+def _load_from_path(rank, world, run_dir, source, engine) -> float:
+    """Start from a save_pretrained directory (each rank reading its slices); return the largest
+    difference between the sharded model's gathered weights and the file's tensors."""
+    from safetensors import safe_open
+
+    from framework.distributed.runtime import Runtime
+    from framework.trainer import Trainer
+
+    cfg = make_config({}, "causal_lm", {"engine": engine}, run_dir, path=source)
+    trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+    assert trainer.ckpt.resume(trainer.state) == 0
+    worst, tied = 0.0, trainer.ckpt._adapter(trainer.model.state_dict(), "model.path")[1].tied
+    with safe_open(f"{source}/model.safetensors", framework="pt") as f:
+        for name, value in trainer.model.state_dict().items():
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+            worst = max(worst, (whole - f.get_tensor(tied.get(name, name))).abs().max().item())
+    trainer.ckpt.close()
+    return worst
+
+
 def test_hf_models_on_two_ranks_equal_transformers_on_one_process(tmp_path):
+    import transformers
+
     from tests.distributed.harness import run_ranks
 
-    results = run_ranks(_parity_rank, world_size=2, args=(str(tmp_path),), timeout_s=300)
+    # An odd vocabulary and width: the shards of each matrix are uneven (torch.chunk sizes).
+    source = tmp_path / "gpt2"
+    config = dict(GPT2, vocab_size=127, n_embd=36, n_head=3)
+    config.pop("model_type")
+    torch.manual_seed(1)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).save_pretrained(source)
+    results = run_ranks(_parity_rank, world_size=2, args=(str(tmp_path), str(source)), timeout_s=300)
     for label, *_ in CASES:
         for rank in range(2):
             r = results[rank][label]
@@ -130,6 +162,8 @@ def test_hf_models_on_two_ranks_equal_transformers_on_one_process(tmp_path):
         # The losses must change (a model that never trains would pass the comparison trivially).
         losses = results[0][label]["losses"]
         assert max(losses) - min(losses) > 1e-3, (label, results[0][label])
+    # Weights read slice by slice from model.path are the file's, exactly, with either engine.
+    assert all(r["sliced_load"] == {"native": 0.0, "torch": 0.0} for r in results), [r["sliced_load"] for r in results]
 
 
 def test_a_hub_name_is_refused_in_one_line(tmp_path):

@@ -100,6 +100,9 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
     try:
         with torch.device(device):
             model = auto.from_config(config, dtype=torch.float32)
+        # Training keeps no key/value cache: a cache filled in forward would differ when activation
+        # checkpointing recomputes the block (the export says use_cache=true again for generation).
+        model.config.use_cache = False
     except ValueError as exc:
         raise UserInputError(f"model.task={cfg.task}: transformers has no such model for "
                              f"model_type={config.model_type} ({str(exc).splitlines()[0]})") from None
@@ -181,6 +184,7 @@ class HFAdapter:
     def hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict:
         data = json.loads(self.config.to_json_string(use_diff=False))
         data["architectures"] = [self.architecture]
+        data["use_cache"] = True
         data["dtype"] = str(dtype).replace("torch.", "")
         return data
 
