@@ -28,6 +28,7 @@ from framework.distributed.runtime import Runtime
 from framework.errors import EXIT_BAD_INPUT as EXIT_BAD_CHECKPOINT
 from framework.errors import EXIT_REQUEUE  # noqa: F401  (re-exported)
 from framework.errors import UserInputError
+from framework.peft.lora import adapter_state, is_adapter, merged_sharded_state
 
 
 def _git_revision() -> str:
@@ -91,6 +92,8 @@ class CheckpointManager:
         self._finalize_pending()
         tmp = os.path.join(self.root, f"{layout.step_dir_name(step)}.tmp-{self._token}")
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        if self.cfg.peft.lora.enabled:  # the adapters only: the frozen base is checkpoint.init_from's
+            model_sd = adapter_state(model_sd)
         optim_tensors, groups = split_optim(optim_sd)
         app = {"model": model_sd, "optim": optim_tensors}
 
@@ -233,6 +236,8 @@ class CheckpointManager:
                 if source:
                     self.import_weights(state, source)
                 return 0
+            if self.cfg.peft.lora.enabled and c.init_from:
+                self.import_weights(state, c.init_from)  # the frozen base; the checkpoint holds the adapters
             return self.load(state, path)
         except (layout.CheckpointError, ValueError) as exc:
             self._refuse(str(exc))
@@ -260,11 +265,12 @@ class CheckpointManager:
         self._check_same_optimizer(path, manifest)
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
         optim_tensors, _ = split_optim(optim_sd)
-        app = {"model": model_sd, "optim": optim_tensors}
+        lora = self.cfg.peft.lora.enabled  # LoRA checkpoints hold the adapters; the rest stays as it is
+        app = {"model": adapter_state(model_sd) if lora else model_sd, "optim": optim_tensors}
         dcp_load(app, path)
         with open(os.path.join(path, layout.TRAIN_STATE)) as f:
             saved = json.load(f)
-        set_state_dicts(state.model, state.optimizer, app["model"],
+        set_state_dicts(state.model, state.optimizer, {**model_sd, **app["model"]},
                         join_optim(app["optim"], saved["optimizer_param_groups"]), self.engine)
         state.scheduler.load_state_dict(saved["scheduler"])
         state.train_loader.load_state_dict(saved["train_loader"])
@@ -327,6 +333,9 @@ class CheckpointManager:
         """model.safetensors + config.json under `<checkpoint.dir>/export` (every rank calls it)."""
         out_dir = out_dir or os.path.join(self.root, "export")
         model_sd, _ = get_state_dicts(state.model, state.optimizer, self.engine)
+        if self.cfg.peft.lora.enabled:  # a plain model: the adapters folded into their weights
+            lora = self.cfg.peft.lora
+            model_sd = merged_sharded_state(model_sd, lora.alpha / lora.rank)
         model_cfg, adapter = self._adapter(model_sd, "checkpoint.export_safetensors")
         dtype = next(t.dtype for t in model_sd.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
         path = export_safetensors(model_sd, adapter, adapter.hf_config(model_cfg, dtype), out_dir, self.rt.rank)
@@ -339,6 +348,8 @@ class CheckpointManager:
 
     def import_weights(self, state, directory: str) -> None:
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        adapters = {k: v for k, v in model_sd.items() if is_adapter(k)}  # LoRA's, not in the file
+        model_sd = {k: v for k, v in model_sd.items() if not is_adapter(k)}
         where = f"checkpoint.init_from={directory}" if directory == self.cfg.checkpoint.init_from \
             else f"model.path={directory}"
         model_cfg, adapter = self._adapter(model_sd, where)
@@ -346,7 +357,7 @@ class CheckpointManager:
         if hf_config is not None:
             adapter.check_hf_config(hf_config, model_cfg, where)
         loaded, count = import_safetensors(directory, model_sd, adapter, where)
-        set_state_dicts(state.model, state.optimizer, loaded, optim_sd, self.engine)
+        set_state_dicts(state.model, state.optimizer, {**loaded, **adapters}, optim_sd, self.engine)
         if self.rt.is_main:
             print(f"initialised {count} tensors from {directory}", file=sys.stderr, flush=True)
 

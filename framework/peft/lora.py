@@ -153,3 +153,29 @@ def trainable_summary(model: nn.Module) -> str:
     train = sum(p.numel() for p in seen.values() if p.requires_grad)
     return f"{train:,} trainable of {total:,} parameters ({100.0 * train / max(total, 1):.2f}%)"
 
+
+
+@torch.no_grad()
+def merged_sharded_state(state_dict: dict, scale: float) -> dict:
+    """`merged_state` for a sharded state dict (dim-0 `Shard(0)` DTensors, either engine): each
+    rank folds its rows of B A into its rows of W; A (rank x in, small) is gathered whole. Every
+    rank must call it (the gather is a collective). Plain tensors are merged as they are."""
+    out = {k: v for k, v in state_dict.items() if not is_adapter(k)}
+    for key in sorted(state_dict):
+        if not key.endswith(".lora_a"):
+            continue
+        layer = key[: -len(".lora_a")]
+        a, b, weight = state_dict[key], state_dict[layer + ".lora_b"], out[layer + ".weight"]
+        if not hasattr(weight, "to_local"):
+            out[layer + ".weight"] = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+            continue
+        from torch.distributed.tensor import DTensor
+
+        a_full = a.full_tensor().float()
+        local_w, local_b = weight.to_local(), b.to_local()
+        # W and B have the same first dimension (out_features), split into the same row chunks.
+        assert local_w.shape[0] == local_b.shape[0], f"{layer}: W and B rows differ on this rank"
+        merged = (local_w.float() + scale * (local_b.float() @ a_full)).to(local_w.dtype)
+        out[layer + ".weight"] = DTensor.from_local(merged, weight.device_mesh, weight.placements,
+                                                    shape=weight.shape, stride=weight.stride())
+    return out
