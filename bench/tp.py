@@ -42,7 +42,8 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str, steps: int) -> dict:
     from framework.distributed.parallel_dims import ParallelDims, build_mesh
-    from framework.distributed.parallelize import clip_grad_norm, parallelize
+    from framework.distributed.engines import engine_of
+    from framework.distributed.parallelize import parallelize
     from framework.models.llama import FAMILY as LLAMA
     from framework.distributed.tensor_parallel import full, loss_context
     from framework.models.llama import build_llama
@@ -70,7 +71,7 @@ def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str,
             loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
         full(loss.detach())
-        clip_grad_norm(model, 1.0, cfg.engine)
+        engine_of(cfg.engine).clip_grad_norm(model, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=False)  # keep gradients: they count in the memory column
         if s >= 2:

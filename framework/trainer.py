@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from framework.config.schema import Config, Stage
 from framework.config.validate import parallel_dims_of
 from framework.data import build_data
+from framework.distributed.engines import engine_of
 from framework.distributed.parallel_dims import build_mesh
-from framework.distributed.parallelize import clip_grad_norm, parallelize
+from framework.distributed.parallelize import parallelize
 from framework.distributed.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInputError
@@ -75,6 +76,7 @@ class Trainer:
             from framework.peft.setup import add_lora
 
             add_lora(model, cfg.peft.lora, family, model_cfg, seed=t.seed, rank0=rt.is_main)
+        self.engine = engine_of(cfg.parallelism.engine)  # clipping, counters (framework/distributed/engines.py)
         self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
         if meta:
             self.model.to_empty(device=rt.device)
@@ -112,7 +114,7 @@ class Trainer:
                 loss = self.task.loss(model, batch) / accum
                 loss.backward()
             total += full(loss.detach())
-        grad_norm = clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm, self.cfg.parallelism.engine)
+        grad_norm = self.engine.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
         loss_value = _world_mean(total)  # the global batch's mean loss
         if not math.isfinite(loss_value):
             raise TrainingDiverged(f"loss is {loss_value} at step {self.state.step + 1}; stopping "
@@ -165,16 +167,6 @@ class Trainer:
             out[f"val_{name}"] = float(pair[0] / pair[1].clamp(min=1))
         return out
 
-    def comm_metrics(self) -> Dict[str, float]:
-        """The engine's counters for the last step (our engine only; torch's has none)."""
-        stats = getattr(self.model, "comm_stats", None)
-        if not callable(stats):
-            return {}
-        comm = stats()
-        moved = sum(comm.get(k, 0) for k in ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes",
-                                             "alltoall_bytes"))
-        return {"exposed_comm_s": comm.get("exposed_comm_s"), "comm_bytes": moved}
-
     def fit(self) -> int:
         cfg, t, rt = self.cfg, self.cfg.trainer, self.rt
         if self.ckpt is not None:
@@ -194,8 +186,7 @@ class Trainer:
         self.stop.started = time.monotonic()  # the time limit counts training, not start-up
         try:
             while self.state.step < t.max_steps:
-                if hasattr(self.model, "reset_comm_stats"):
-                    self.model.reset_comm_stats()
+                self.engine.reset_counters(self.model)
                 tic = time.perf_counter()
                 metrics = self.train_step()
                 step_time = time.perf_counter() - tic
@@ -207,7 +198,7 @@ class Trainer:
                 metrics["tflops_per_device"] = achieved
                 if self.peak_tflops:
                     metrics["mfu"] = achieved / self.peak_tflops
-                metrics.update(self.comm_metrics())
+                metrics.update(self.engine.step_counters(self.model))
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                     metrics["val_loss"] = self.evaluate()
                     metrics.update(self.evaluate_metrics())

@@ -19,28 +19,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from framework.config.schema import Engine
+from framework.distributed.engines import engine_of
 
 
 def get_state_dicts(model, optimizer, engine: Engine) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """(model_sd, optim_sd): sharded, keyed by parameter name; the same format for both engines."""
-    if engine == Engine.native:
-        from framework.distributed.fsdp import get_state_dicts as native_get
-
-        return native_get(model, optimizer)
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    return get_state_dict(model, optimizer)
+    """(model_sd, optim_sd): sharded, keyed by parameter name; the same format for every engine."""
+    return engine_of(engine).get_state_dicts(model, optimizer)
 
 
 def set_state_dicts(model, optimizer, model_sd, optim_sd, engine: Engine) -> None:
-    if engine == Engine.native:
-        from framework.distributed.fsdp import set_state_dicts as native_set
-
-        native_set(model, optimizer, model_sd, optim_sd)
-        return
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    engine_of(engine).set_state_dicts(model, optimizer, model_sd, optim_sd)
 
 
 class TensorsOnlyLoadPlanner(DefaultLoadPlanner):

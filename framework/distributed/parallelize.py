@@ -9,19 +9,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from framework.config.schema import ActivationCheckpointing, Engine, ParallelismConfig, Strategy
+from framework.config.schema import ActivationCheckpointing, ParallelismConfig, Strategy
+from framework.distributed.engines import engine_of
 from framework.distributed.parallel_dims import ParallelDims
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def engine_api(engine: Engine):
-    """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy) of the chosen engine: same signatures."""
-    if engine == Engine.torch:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    else:
-        from framework.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
 
 
 def dp_mesh_of(mesh, dims: ParallelDims):
@@ -54,7 +46,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         for block in blocks:
             block.compile()
 
-    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine_api(cfg.engine)
+    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine_of(cfg.engine).api()
     precision = {"param_dtype": _DTYPES[cfg.param_dtype], "reduce_dtype": _DTYPES[cfg.reduce_dtype]}
     if cfg.quantized_comm:  # our engine only; the config refuses it with engine=torch
         precision["quantized_comm"] = True
@@ -69,24 +61,3 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
-
-def clip_grad_norm(model: nn.Module, max_norm: float, engine: Engine) -> torch.Tensor:
-    """Global gradient norm over every shard on every rank, clipping in place when max_norm > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    limit = max_norm if max_norm > 0 else float("inf")
-    if engine == Engine.native:
-        from framework.distributed.fsdp import clip_grad_norm_
-
-        return clip_grad_norm_(params, limit)
-    # Tensor parallel leaves DTensor gradients on two meshes (tp-split weights on (dp, tp), plain
-    # weights such as the norms' on dp only), which one foreach norm cannot mix: norm per mesh, then
-    # combine the global per-mesh norms.
-    by_mesh: dict = {}
-    for p in params:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], 2.0) for group in by_mesh.values()]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
-    norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, limit, norm)
-    return norm

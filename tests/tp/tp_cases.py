@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from framework.config.schema import Engine, ModelConfig, ParallelismConfig, Strategy
 from framework.distributed.parallel_dims import ParallelDims, build_mesh
-from framework.distributed.parallelize import clip_grad_norm, parallelize
+from framework.distributed.engines import engine_of
+from framework.distributed.parallelize import parallelize
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.models.llama import build_llama
 from framework.models.llama import FAMILY as LLAMA
@@ -127,24 +128,11 @@ def _build(layout: Layout, world: int):
 
 
 def _state_dicts(model, opt, engine: str):
-    if engine == "native":
-        from framework.distributed.fsdp import get_state_dicts
-
-        return get_state_dicts(model, opt)
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    return get_state_dict(model, opt)
+    return engine_of(engine).get_state_dicts(model, opt)
 
 
 def _set_state_dicts(model, opt, engine: str, model_sd, optim_sd) -> None:
-    if engine == "native":
-        from framework.distributed.fsdp import set_state_dicts
-
-        set_state_dicts(model, opt, model_sd, optim_sd)
-        return
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    engine_of(engine).set_state_dicts(model, opt, model_sd, optim_sd)
 
 
 def _save(model, opt, engine: str, path: str) -> None:
@@ -187,7 +175,7 @@ def run_job(job: Job, world: int) -> dict:
         for group in dp_groups:
             dist.all_reduce(value, group=group)
         losses.append(value.item() / layout.dp)
-        clip_grad_norm(model, MAX_NORM, cfg.engine)
+        engine_of(cfg.engine).clip_grad_norm(model, MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if job.save and step + 1 == job.save_at:

@@ -1,0 +1,137 @@
+"""The sharding engines, described once: everything the framework asks of an engine, per engine.
+
+`parallelism.engine` names one of `ENGINES`. The rest of the framework (parallelize, the trainer,
+the checkpoint code) calls `engine_of(name)` and never compares engine names:
+
+    engine = engine_of(cfg.parallelism.engine)
+    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine.api()
+    norm = engine.clip_grad_norm(model, max_norm)
+    model_sd, optim_sd = engine.get_state_dicts(model, optimizer)
+
+Adding an engine is one more `ShardingEngine` subclass and one entry in `ENGINES` here (plus its
+name among the config's `Engine` choices, which the config checks without importing torch).
+Each engine imports its implementation only when used, so importing this module is cheap.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+from torch import nn
+
+StateDicts = Tuple[Dict[str, Any], Dict[str, Any]]
+
+
+class ShardingEngine:
+    """One engine. Subclasses fill in every method; the defaults state what "no counters" means."""
+
+    name: str = ""
+
+    def api(self) -> Tuple[Callable, type, type]:
+        """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy), with FSDP2's signatures."""
+        raise NotImplementedError
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over every shard on every rank; clips in place when max_norm > 0."""
+        raise NotImplementedError
+
+    def get_state_dicts(self, model: nn.Module, optimizer) -> StateDicts:
+        """(model_sd, optim_sd): sharded DTensor state dicts keyed by parameter name, in the format
+        of `torch.distributed.checkpoint.state_dict.get_state_dict`, so checkpoints cross engines."""
+        raise NotImplementedError
+
+    def set_state_dicts(self, model: nn.Module, optimizer, model_sd, optim_sd) -> None:
+        raise NotImplementedError
+
+    def step_counters(self, model: nn.Module) -> Dict[str, float]:
+        """Communication since `reset_counters`: exposed_comm_s, comm_bytes ({} if not counted)."""
+        return {}
+
+    def reset_counters(self, model: nn.Module) -> None:
+        pass
+
+
+class NativeEngine(ShardingEngine):
+    """Our engine (framework/distributed/fsdp): byte and exposed-time counters per unit."""
+
+    name = "native"
+
+    def api(self):
+        from framework.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
+
+    def clip_grad_norm(self, model, max_norm):
+        from framework.distributed.fsdp import clip_grad_norm_
+
+        return clip_grad_norm_(_grads_of(model), _limit(max_norm))
+
+    def get_state_dicts(self, model, optimizer):
+        from framework.distributed.fsdp import get_state_dicts
+
+        return get_state_dicts(model, optimizer)
+
+    def set_state_dicts(self, model, optimizer, model_sd, optim_sd):
+        from framework.distributed.fsdp import set_state_dicts
+
+        set_state_dicts(model, optimizer, model_sd, optim_sd)
+
+    def step_counters(self, model):
+        comm = model.comm_stats()
+        moved = sum(comm[k] for k in ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes",
+                                      "alltoall_bytes"))
+        return {"exposed_comm_s": comm["exposed_comm_s"], "comm_bytes": moved}
+
+    def reset_counters(self, model):
+        model.reset_comm_stats()
+
+
+class TorchEngine(ShardingEngine):
+    """torch's `fully_shard` (FSDP2), for side-by-side comparison; it keeps no counters."""
+
+    name = "torch"
+
+    def api(self):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
+
+    def clip_grad_norm(self, model, max_norm):
+        # Tensor parallel leaves DTensor gradients on two meshes (tp-split weights on (dp, tp), plain
+        # weights such as the norms' on dp only), which one foreach norm cannot mix: norm per mesh,
+        # then combine the global per-mesh norms.
+        by_mesh: dict = {}
+        for p in _grads_of(model):
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in group], 2.0) for group in by_mesh.values()]
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, _limit(max_norm), norm)
+        return norm
+
+    def get_state_dicts(self, model, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(model, optimizer)
+
+    def set_state_dicts(self, model, optimizer, model_sd, optim_sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+ENGINES: Dict[str, ShardingEngine] = {engine.name: engine for engine in (NativeEngine(), TorchEngine())}
+
+
+def engine_of(name) -> ShardingEngine:
+    """The engine `parallelism.engine` names (a config `Engine` or its string value)."""
+    return ENGINES[getattr(name, "value", name)]
+
+
+def _grads_of(model: nn.Module) -> list:
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+def _limit(max_norm: float) -> float:
+    return max_norm if max_norm > 0 else float("inf")  # 0: measure the norm, clip nothing
