@@ -200,7 +200,8 @@ def test_11_apptainer_is_clean_and_docker_runs_as_the_caller():
     sbatch = render_case("slurm_apptainer")["training.sbatch"]
     assert "apptainer exec --nv --no-home --cleanenv " in sbatch
     # The job's variables go in explicitly, still by reference (the secret's value is never written).
-    assert 'export APPTAINERENV_HF_TOKEN="${HF_TOKEN}"' in sbatch and 'export APPTAINERENV_HF_HOME="${HF_HOME}"' in sbatch
+    assert 'export APPTAINERENV_HF_TOKEN="${HF_TOKEN}"' in sbatch
+    assert 'export APPTAINERENV_HF_HOME="${HF_HOME}"' in sbatch
     docker = render_case("local_docker")["submit.sh"]
     assert 'docker run --rm --network=host --ipc=host --user "$(id -u):$(id -g)" ' in docker
 
