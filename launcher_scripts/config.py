@@ -334,6 +334,9 @@ def field_hint(key: str, backend: str) -> Optional[str]:
     if top != "cluster" or not name:
         return None
     owners = [b.value for b, schema in BACKENDS.items() if name in {f.name for f in dataclasses.fields(schema)}]
-    if not owners or backend in owners:
+    if backend in owners or name in TRAINING_CLUSTER_FIELDS:
         return None
+    if not owners:
+        return (f"{key}: no such setting of cluster={backend}; its settings are the fields of "
+                f"{BACKENDS[Backend(backend)].__name__} in launcher_scripts/config.py")
     return f"{key} is a setting of cluster={' or cluster='.join(owners)}; it does not apply to cluster={backend}"

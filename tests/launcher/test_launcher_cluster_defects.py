@@ -275,6 +275,7 @@ def test_pytorchjob_with_scheduling_fields_validates_against_the_schemas():
     (["cluster=k8s", "container.image=x:1", "cluster.image_pull_policy=Sometimes"], "cluster.image_pull_policy"),
     (["cluster=k8s", "container.image=x:1", "container.runtime=docker"], "container.runtime=docker"),
     (["cluster=slurm", "cluster.mem=lots"], "cluster.mem"),
+    (["cluster=slurm", "cluster.no_such=1"], "cluster.no_such: no such setting of cluster=slurm"),
     (["cluster=slurm", "cluster.local_ranks_filter=first"], "cluster.local_ranks_filter"),
     (["cluster=slurm", "cluster.max_restarts=-1"], "cluster.max_restarts"),
     (["cluster=local", "cluster.partition=batch"], "cluster.partition is a setting of cluster=slurm"),
