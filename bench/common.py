@@ -1,0 +1,251 @@
+"""Shared pieces of the benchmarks: GPT-like models, rank spawning on gloo or NCCL, counting the
+bytes peers put on the wire, and measuring a step's peak memory.
+
+The same code runs on CPU (gloo, one compute thread per rank) and on CUDA (NCCL, one GPU per rank):
+`device_and_backend()` picks by what the machine has.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import platform
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
+    "tiny": (1024, 128, 2, 4, 64, 4),
+    "25m": (16384, 512, 6, 8, 128, 2),  # 27.4M parameters (tied embedding)
+    "125m": (50304, 768, 12, 12, 128, 2),  # GPT-2 small: 124M parameters
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, d, layers, heads, seq):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def build_gpt(size: str, seed: int = 0) -> GPT:
+    vocab, d, layers, heads, seq, _ = SIZES[size]
+    torch.manual_seed(seed)
+    return GPT(vocab, d, layers, heads, seq)
+
+
+def flops_per_token(size: str) -> float:
+    """6 x non-embedding parameters + attention (12 x layers x d x seq), as the trainer counts."""
+    _vocab, d, layers, _heads, seq, _ = SIZES[size]
+    non_embedding = layers * (12 * d * d + 13 * d) + 2 * d
+    return 6.0 * non_embedding + 12.0 * layers * d * seq
+
+
+def batch(size: str, step: int, dp_rank: int, device) -> torch.Tensor:
+    vocab, _d, _layers, _heads, seq, mb = SIZES[size]
+    g = torch.Generator().manual_seed(step * 1000 + dp_rank)
+    return torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
+
+
+def loss_of(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1))
+
+
+# ------------------------------------------------------------------ ranks
+def device_and_backend(local_rank: int = 0):
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpus"] = torch.cuda.device_count()
+    try:
+        info["load_average"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    try:
+        import warnings
+
+        warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's deprecated collective names
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)  # as torchrun: gloo's threads get the other cores
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        device, backend = device_and_backend(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+        try:
+            out = fn(rank, world, device, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - every failure goes to the parent with its traceback
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 3600) -> list:
+    """Run `fn(rank, world, device, *args)` on `world` ranks; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue), daemon=False) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, ok, payload = queue.get(timeout=timeout_s)
+            except Exception as exc:
+                raise TimeoutError(f"no rank reported within {timeout_s}s") from exc
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world)]
+
+
+# ------------------------------------------------------------------ bytes on the wire
+class WireCounter:
+    """Counts the bytes this rank moves through torch.distributed's Python collectives (what
+    FSDP2 and DeepSpeed call; DDP's reducer calls the backend from C++ and is not seen), with the
+    same conventions as our engine's counters: an all-gather the bytes received, a reduce-scatter
+    or all-to-all the bytes sent, an all-reduce the ring volume 2 (n-1)/n x bytes."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._orig: dict = {}
+
+    def install(self) -> WireCounter:
+        def nb(t):
+            return t.numel() * t.element_size()
+
+        rules = {
+            "all_gather_into_tensor": lambda a, n: (n - 1) * nb(a["input_tensor"]),
+            "all_gather_single": lambda a, n: (n - 1) * nb(a["input_tensor"]),
+            "reduce_scatter_tensor": lambda a, n: (n - 1) * nb(a["input"]) // n,
+            "reduce_scatter_single": lambda a, n: (n - 1) * nb(a["input"]) // n,
+            "all_reduce": lambda a, n: 2 * (n - 1) * nb(a["tensor"]) // n,
+            "all_to_all_single": lambda a, n: (n - 1) * nb(a["input"]) // n,
+        }
+        for name, rule in rules.items():
+            if not hasattr(dist, name) or name in self._orig:
+                continue
+            orig = getattr(dist, name)
+            sig = inspect.signature(orig)
+
+            def counted(*args, _orig=orig, _sig=sig, _rule=rule, **kwargs):
+                bound = _sig.bind(*args, **kwargs)
+                n = dist.get_world_size(bound.arguments.get("group"))
+                if n > 1:
+                    self.bytes += _rule(bound.arguments, n)
+                return _orig(*args, **kwargs)
+
+            self._orig[name] = orig
+            setattr(dist, name, counted)
+        return self
+
+
+# ------------------------------------------------------------------ memory
+def peak_delta_bytes(fn, device) -> int:
+    """Highest net bytes allocated while `fn` runs: CUDA's allocator statistics on a GPU; on CPU
+    the profiler's allocation events (ops' own allocations and frees outside ops, in time order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    items = []
+    for e in prof.events():
+        usage = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        if usage:
+            items.append((e.time_range.start, usage))
+    cur = peak = 0
+    for _, usage in sorted(items):
+        cur += usage
+        peak = max(peak, cur)
+    return peak
+
+
+def live_tensor_bytes(model: nn.Module, opt: Any, extra: int = 0) -> int:
+    """Parameters + gradients + optimizer state held by this rank (local shards of DTensors),
+    plus `extra` (engine buffers)."""
+    def local(t):
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    seen, total = set(), extra
+    for p in model.parameters():
+        for t in (p, p.grad):
+            if t is None:
+                continue
+            st = local(t).untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    states = opt.state.values() if hasattr(opt, "state") else []
+    for st in states:
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and local(v).untyped_storage().data_ptr() not in seen:
+                seen.add(local(v).untyped_storage().data_ptr())
+                total += local(v).untyped_storage().nbytes()
+    return total
