@@ -44,6 +44,10 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     except UserInputError as exc:  # a section's own check; anything else is a bug (see errors.py)
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
+    if cfg.stage != Stage.data_preparation:
+        from framework.models.registry import check_model
+
+        problems += check_model(cfg.model)  # the model family's own refusals, before any rank starts
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)

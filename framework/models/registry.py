@@ -104,6 +104,8 @@ class ModelFamily:
     flops_per_token: Callable[[nn.Module, int], float] = _default_flops
     # The vocabulary size before the data is built (data=synthetic draws tokens below it).
     vocab_size: Callable[[ModelConfig], int] = lambda cfg: cfg.vocab_size
+    # Refuses (UserInputError) a configuration this family cannot build; run before any rank starts.
+    check: Callable[[ModelConfig], None] = lambda cfg: None
     # A directory whose weights initialise the model at the start (model=hf model.path); "" none.
     weights_dir: Callable[[ModelConfig], str] = lambda cfg: ""
 
@@ -129,6 +131,18 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 def registered_names() -> list[str]:
     return sorted(_FAMILIES)
+
+
+def check_model(cfg: ModelConfig) -> list[str]:
+    """Every refusal of the model section (an unknown name, the family's own checks), as lines."""
+    import framework.models  # noqa: F401  (every family registered)
+
+    try:
+        family = family_of(cfg)
+        family.check(cfg)
+    except UserInputError as exc:
+        return [str(exc)]
+    return []
 
 
 def family_of(cfg: ModelConfig) -> ModelFamily:

@@ -4,6 +4,7 @@ from framework.models.hf.model import (
     HFAdapter,
     blocks,
     build_hf,
+    check_config,
     flops_per_token,
     hf_config,
     init_weights,
@@ -15,6 +16,7 @@ from framework.models.tasks import get_task
 FAMILY = register_family(ModelFamily(
     names=("hf",),
     build=build_hf,
+    check=check_config,
     blocks=blocks,
     task=lambda cfg: get_task(cfg.task),
     init_weights=init_weights,

@@ -85,6 +85,13 @@ def _hf_config(config_json: str, task: str, num_labels: int):
     return config
 
 
+def check_config(cfg: ModelConfig) -> None:
+    """The refusals that need no transformers import: the task, model.path or model.config."""
+    if cfg.task not in TASK_CLASSES:
+        raise UserInputError(f"model.task={cfg.task!r}: choose one of {', '.join(TASK_CLASSES)}")
+    _config_dict(cfg)
+
+
 def hf_config(cfg: ModelConfig):
     """The transformers config of `cfg` (cached: every build and the data ask for it)."""
     if cfg.task not in TASK_CLASSES:

@@ -20,6 +20,7 @@ def _init_weights(model: Transformer, seed) -> None:
 FAMILY = register_family(ModelFamily(
     names=PRESETS,
     build=_build,
+    check=check_rope_scaling,
     blocks=lambda model: list(model.layers),
     init_weights=_init_weights,
     tp_plan=tp_plan,
