@@ -1,8 +1,9 @@
 """`fully_shard(module, ...)`: turn a module's not-yet-owned parameters into one sharded unit.
 
 Applied bottom-up (each block, then the root), like FSDP2. The module's class is swapped for a
-subclass that adds the FSDP2-style methods (`set_requires_gradient_sync`, `reshard`, `unshard`)
-and ours (`comm_stats`, `reset_comm_stats`, `sharded_tensor_bytes`).
+subclass that adds the FSDP2-style methods (`set_requires_gradient_sync`, `reshard`, `unshard`,
+`set_modules_to_forward_prefetch`, `set_modules_to_backward_prefetch`) and ours (`comm_stats`,
+`reset_comm_stats`, `sharded_tensor_bytes`).
 """
 
 from __future__ import annotations
