@@ -37,7 +37,7 @@ class MegatronSource:
         return torch.cat([item["tokens"], item["labels"][-1:]])
 
 
-def _check_splits(prefixes: Sequence[str], parts: List[float], split: str) -> int:
+def _check_splits(prefixes: Sequence[str], parts: List[float], split: str, tokenizer=None) -> int:
     """Total tokens of `prefixes`; refuses a split that would get no document of some path
     (megatron-core would loop forever on an empty split)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -49,6 +49,7 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str) -> in
     for prefix in prefixes:
         dataset = IndexedDataset(prefix)  # keep it alive: its arrays view the mapped index file
         _check_bin_size(prefix, dataset)
+        _check_token_ids(prefix, dataset, tokenizer)
         total += int(dataset.sequence_lengths.sum())
         n_docs = len(dataset)
         del dataset
@@ -71,6 +72,26 @@ def _check_bin_size(prefix: str, dataset) -> None:
     if have < needed:
         raise UserInputError(f"data.paths: {prefix}.bin has {have} bytes but {prefix}.idx describes {needed}: "
                              "the .bin is truncated (an interrupted copy?); copy or prepare it again")
+
+
+_ID_SAMPLE = 1 << 24  # token ids read from each end of a .bin to check them against the vocabulary
+
+
+def _check_token_ids(prefix: str, dataset, tokenizer) -> None:
+    """Refuse data whose token ids do not fit the tokenizer (data prepared with another one),
+    instead of an index error deep in the model's embedding. The first and last _ID_SAMPLE ids of
+    the .bin are checked (all of them in files up to 2 x 2^24 tokens)."""
+    vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
+    if vocab <= 0 or not len(dataset.index.sequence_lengths):
+        return
+    ids = numpy.memmap(prefix + ".bin", dtype=dataset.index.dtype, mode="r")
+    largest = max(int(ids[:_ID_SAMPLE].max()), int(ids[-_ID_SAMPLE:].max()))
+    del ids
+    if largest >= vocab:
+        where = f"the tokenizer {tokenizer.path}" if getattr(tokenizer, "path", None) else f"model.vocab_size={vocab}"
+        raise UserInputError(f"data.paths: {prefix}.bin holds token id {largest}, but {where} has only {vocab} ids: "
+                             "the data was prepared with another tokenizer; give that one with "
+                             "data.tokenizer=<its tokenizer.json> (or prepare the data again)")
 
 
 def _split_sizes(total: int, split: str) -> List[int]:
@@ -97,7 +118,7 @@ def build_indexed(paths: Sequence[str], weights: Sequence[float], *, split: str,
     if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:  # noqa: PLR2004
         raise UserInputError(f"data.split={split!r}: give three train,valid,test proportions with "
                              "train and valid > 0, e.g. 98,1,1")
-    samples = max(1, _check_splits(paths, parts, split) // seq_len)
+    samples = max(1, _check_splits(paths, parts, split, tokenizer) // seq_len)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_len, blend=(list(paths), list(weights) or None),
         split=split, path_to_cache=os.path.abspath(os.path.join(cache_dir, "index")),

@@ -45,8 +45,13 @@ def input_files(raw_inputs: Sequence[str]) -> List[str]:
 def iter_documents(files: Sequence[str]) -> Iterator[str]:
     for path in files:
         if path.endswith(JSONL_SUFFIXES):
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                for number, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        raise UserInputError(f"data.raw_inputs: {path}:{number} is not valid UTF-8 (byte {exc.start} "
+                                             f"of the line: {exc.reason}); convert the file to UTF-8") from None
                     if not line.strip():
                         continue
                     try:
@@ -63,13 +68,62 @@ def iter_documents(files: Sequence[str]) -> Iterator[str]:
                 yield f.read()
 
 
+# [Note: long documents]
+# The tokenizer's memory grows steeply with the length of one input string (a single 6 MB JSONL
+# line took 1.4 GB to train on and encode; 50 MB, ~10 GB). A document longer than PIECE_CHARS is
+# therefore handled in pieces cut just before a space: the byte-level BPE's pre-tokenizer splits at
+# the same place (a word keeps its leading space), so the ids are the same as for the whole
+# document, and memory stays bounded by the piece, not the document. Batches are bounded in
+# characters too.
+PIECE_CHARS = 200_000
+_BATCH_CHARS = 4_000_000
+
+
+def pieces(text: str, limit: int = 0) -> List[str]:
+    """`text` cut before spaces into pieces of at most `limit` (default PIECE_CHARS) characters (a
+    piece without a space in its second half is cut at the limit)."""
+    limit = limit or PIECE_CHARS
+    if len(text) <= limit:
+        return [text]
+    out, start = [], 0
+    while start < len(text):
+        end = min(start + limit, len(text))
+        if end < len(text):
+            cut = text.rfind(" ", start + limit // 2, end)
+            end = cut if cut > start else end
+        out.append(text[start:end])
+        start = end
+    return out
+
+
+def _all_pieces(docs: Iterator[str]) -> Iterator[str]:
+    for doc in docs:
+        yield from pieces(doc)
+
+
+def encode_documents(tok, docs: List[str]):
+    """Token ids of each document followed by the end-of-document id, as int64 arrays; long
+    documents are encoded piecewise (see [Note: long documents])."""
+    import numpy
+
+    eod = numpy.asarray([tok.eod], dtype=numpy.int64)
+    if all(len(d) <= PIECE_CHARS for d in docs):
+        return [numpy.concatenate([numpy.asarray(ids, dtype=numpy.int64), eod]) for ids in tok.encode_batch(docs)]
+    out = []
+    for doc in docs:
+        parts = [numpy.asarray(tok.encode_batch([part])[0], dtype=numpy.int64) for part in pieces(doc)]
+        out.append(numpy.concatenate(parts + [eod]))
+    return out
+
+
 def _batches(docs: Iterator[str]) -> Iterator[List[str]]:
-    batch = []
+    batch, chars = [], 0
     for doc in docs:
         batch.append(doc)
-        if len(batch) == _BATCH:
+        chars += len(doc)
+        if len(batch) == _BATCH or chars >= _BATCH_CHARS:
             yield batch
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield batch
 
@@ -85,14 +139,13 @@ def _init_worker(tokenizer_path: str) -> None:
 
 
 def _encode(batch: List[str]) -> List[List[int]]:
-    return _worker_tokenizer.encode_batch(batch)
+    return encode_documents(_worker_tokenizer, batch)
 
 
 def prepare(raw_inputs: Sequence[str], output_prefix: str, *, tokenizer: str = "", vocab_size: int = 2048,
             workers: int = 1, progress: bool = True) -> Tuple[str, str]:
     """Tokenize `raw_inputs` into `output_prefix`.bin/.idx; returns (prefix, tokenizer.json path).
     The outputs appear atomically (written under temporary names, renamed when complete)."""
-    import numpy
     import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
@@ -106,7 +159,7 @@ def prepare(raw_inputs: Sequence[str], output_prefix: str, *, tokenizer: str = "
     if tokenizer:
         tok = BPETokenizer(tokenizer)
     else:
-        tok = train_bpe(iter_documents(files), vocab_size, output_prefix + ".tokenizer.json")
+        tok = train_bpe(_all_pieces(iter_documents(files)), vocab_size, output_prefix + ".tokenizer.json")
     dtype = DType.optimal_dtype(tok.vocab_size)
     tmp = f"{output_prefix}.tmp-{os.getpid()}"
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
@@ -120,14 +173,14 @@ def prepare(raw_inputs: Sequence[str], output_prefix: str, *, tokenizer: str = "
         pool = mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(tok.path,))
         encoded = pool.imap(_encode, _batches(iter_documents(files)), chunksize=1)
     else:
-        encoded = (tok.encode_batch(b) for b in _batches(iter_documents(files)))
+        encoded = (encode_documents(tok, b) for b in _batches(iter_documents(files)))
     try:
         n_docs = n_tokens = 0
         for batch in encoded:
-            for ids in batch:
-                builder.add_item(torch.from_numpy(numpy.asarray(ids + [tok.eod], dtype=numpy.int64)))
+            for ids in batch:  # each ends with the end-of-document id
+                builder.add_item(torch.from_numpy(ids))
                 builder.end_document()
-                n_tokens += len(ids) + 1
+                n_tokens += len(ids)
             n_docs += len(batch)
             bar.update(len(batch))
     finally:
