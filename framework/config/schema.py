@@ -150,7 +150,7 @@ class ParallelismConfig:
 @dataclass
 class OptimizerConfig:
     name: OptimizerName = OptimizerName.adamw
-    lr: float = 3e-4  # peak learning rate
+    lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
     weight_decay: float = 0.1  # not applied to norms, biases and embeddings
     beta1: float = 0.9
@@ -175,10 +175,15 @@ class DataConfig:
     name: DataName = DataName.synthetic
     seq_len: int = 64  # tokens per sample fed to the model
     paths: List[str] = field(default_factory=list)  # indexed datasets: prefixes (without .bin/.idx)
-    weights: List[float] = field(default_factory=list)  # blend weights, one per path (empty: equal)
-    split: str = "98,1,1"  # train,valid,test proportions
-    cache_dir: str = "data_cache"  # prepared corpora, tokenizers and index caches
-    tokenizer: str = ""  # a tokenizer.json to use instead of training one
+    weights: List[float] = field(default_factory=list)  # blend weights, one per path (empty: by size)
+    # train,valid,test proportions; quote it on the command line: data.split="'90,10,0'"
+    split: str = "98,1,1"
+    # prepared corpora, tokenizers and megatron-core's shuffled index files (<cache_dir>/index);
+    # relative: to the working directory
+    cache_dir: str = "data_cache"
+    # a tokenizer.json; empty: the one data preparation wrote next to the first path
+    # (<path>.tokenizer.json), or for data=stdlib a byte-level BPE trained on the corpus
+    tokenizer: str = ""
     vocab_size: int = 2048  # size of the byte-level BPE trained by data preparation
     raw_inputs: List[str] = field(default_factory=list)  # data_preparation: text/JSONL files or dirs
     output_prefix: str = ""  # data_preparation: where to write <prefix>.bin/.idx
@@ -203,17 +208,17 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 20
-    global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
-    micro_batch_size: int = 2  # samples per rank per forward; the rest is gradient accumulation
-    eval_interval: int = 10  # steps between validation losses (0: never)
-    eval_iters: int = 2  # validation batches per evaluation
+    max_steps: int = 400
+    global_batch_size: int = 16  # samples per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 8  # samples per rank per forward; the rest is gradient accumulation
+    eval_interval: int = 100  # steps between validation losses (0: never)
+    eval_iters: int = 4  # validation batches per evaluation
     log_interval: int = 1  # steps between metrics records
     seed: int = 1234
     max_time_minutes: float = 0.0  # stop (with a checkpoint) after this wall time; 0: no limit
     device: str = "auto"  # auto | cpu | cuda
     progress_bar: bool = True
-    sample_tokens: int = 0  # tokens of text generated at the end of training (0: none)
+    sample_tokens: int = 160  # tokens of text generated at the end of training (0: none; needs a tokenizer)
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: look it up, unknown on CPU
     # A collective that waits longer than this for a rank fails, and the job ends naming the rank(s)
     # that did not arrive (a stopped process, a lost node); torch's own default is 30 minutes.
@@ -234,12 +239,12 @@ class TrainerConfig:
 class CheckpointConfig:
     dir: str = "checkpoints"  # relative paths are inside the run directory
     interval: int = 0  # steps between saves (0: only at the end)
-    resume: str = "none"  # auto (latest complete checkpoint in dir) | none | a checkpoint path
-    keep_last: int = 3  # complete checkpoints kept; older ones are deleted
-    async_save: bool = False  # write the previous state while training continues
-    save_final: bool = True
-    init_from: str = ""  # a model.safetensors (+ config.json) directory to start from
-    export_safetensors: bool = False  # write a Hugging Face style export at the end
+    resume: str = "none"
+    keep_last: int = 3  # complete checkpoints kept; older ones are deleted after each save
+    async_save: bool = False  # write in a background thread while training goes on (a CPU snapshot first)
+    save_final: bool = True  # save at the last step
+    init_from: str = ""  # fresh start from an exported model.safetensors + config.json directory
+    export_safetensors: bool = False  # write <dir>/export/model.safetensors + config.json (HF names) at the end
 
     def __post_init__(self) -> None:
         if self.interval < 0:

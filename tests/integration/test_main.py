@@ -5,13 +5,16 @@ import re
 
 import pytest
 
-from conftest import TINY, read_metrics, run_main
+from conftest import REPO, TINY, read_metrics, run_main
 
 
 def test_help_lists_groups_and_choices(tmp_path):
     out = run_main(["--help"], tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "model: debug, llama_125m, llama_13b, llama_1b, llama_350m, llama_70b, llama_7b" in out.stdout
+    groups = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    for group in ("model", "parallelism", "optimizer", "data"):  # every option file is offered
+        files = sorted(f[:-len(".yaml")] for f in os.listdir(REPO / "conf" / group))
+        assert sorted(groups[group].split(", ")) == files, (group, groups.get(group))
     assert "parallelism: fsdp, hybrid, torch_fsdp, tp" in out.stdout
     assert not (tmp_path / "outputs").exists()
 
@@ -68,8 +71,6 @@ def test_a_bug_in_a_rank_keeps_its_traceback_bad_paths_stay_one_line(tmp_path):
     and the rank, and the job fails with the crash status; a data path that does not hold a dataset,
     found by the ranks at start-up, is still one `error:` line and the bad-input status."""
     from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH
-
-    from conftest import REPO
 
     inject = tmp_path / "inject"
     inject.mkdir()
@@ -171,8 +172,6 @@ def test_sigterm_to_main_reaches_the_local_ranks(tmp_path):
     import sys
     import time
 
-    from conftest import REPO
-
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(REPO / "main.py"), *TINY, "trainer.max_steps=100000",
@@ -226,8 +225,6 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path):
     """Under torchrun every rank composes its own config; they must still agree on one run dir."""
     import subprocess
     import sys
-
-    from conftest import REPO
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -1,9 +1,14 @@
 """Config composition and validation, in-process through Hydra's compose()."""
+import dataclasses
+import os
+
 import pytest
 from hydra.errors import ConfigCompositionException
 
 from framework.config import compose_config, to_config, validate
-from framework.config.schema import Engine, Strategy
+from framework.config.compose import CONF_DIR
+from framework.config.schema import Config, Engine, Strategy
+from framework.errors import UserInputError
 
 
 def cfg_of(*overrides):
@@ -66,8 +71,8 @@ def test_cross_field_problems_name_the_field(overrides, world, needle):
     ("model.n_heads=5", "model.dim=192 is not divisible by model.n_heads=5"),
     ("parallelism.param_dtype=float8", "parallelism.param_dtype='float8'"),
 ])
-def test_section_checks_raise_value_error(override, needle):
-    with pytest.raises(ValueError) as info:
+def test_section_checks_raise_user_input_error(override, needle):
+    with pytest.raises(UserInputError) as info:
         cfg_of(override)
     assert needle in str(info.value)
 
@@ -94,3 +99,72 @@ def test_data_preparation_is_checked_for_its_own_inputs_only(tmp_path):
         f"data.paths: {prefix}.idx does not exist; prepare it with stage=data_preparation"]
     missing = validate(cfg_of("stage=data_preparation"), world_size=2)
     assert [p.split(" needs ")[1].split(" ")[0] for p in missing] == ["data.raw_inputs", "data.output_prefix"]
+
+
+# [Note: one source per default]
+# Every default lives in the dataclasses of framework/config/schema.py. A group option (a YAML file
+# under conf/<group>/) holds only what that choice changes; the options the main job selects by
+# default change nothing but the data set. So `Config()` (a test's, a benchmark's) is the command
+# line's job, up to the model preset and the data set the main job picks. Model presets (and
+# experiments) are exempt: a preset is a published shape, written out whole.
+_PRESET_GROUPS = ("model", "experiment")
+
+
+def _option_keys(group: str, option: str) -> set:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(os.path.join(CONF_DIR, group, f"{option}.yaml"))
+    return set(node.keys()) if node else set()
+
+
+def _default_options() -> dict:
+    from omegaconf import OmegaConf
+
+    options = {}
+    for entry in OmegaConf.load(os.path.join(CONF_DIR, "config.yaml")).defaults:
+        if not isinstance(entry, str) and len(entry) == 1:
+            (group, option), = entry.items()
+            if "/" not in group and " " not in group and option is not None:
+                options[group] = option
+    return options
+
+
+def test_the_default_composition_equals_the_dataclass_defaults():
+    composed, defaults = cfg_of(), Config()
+    options = _default_options()
+    assert options["data"] == "stdlib" and options["trainer"] == "default"  # the parse found them
+    for section in dataclasses.fields(Config):
+        ours, theirs = getattr(composed, section.name), getattr(defaults, section.name)
+        if not dataclasses.is_dataclass(ours):
+            if section.name != "run_dir":
+                assert ours == theirs, section.name
+            continue
+        if section.name in _PRESET_GROUPS:
+            continue
+        chosen = _option_keys(section.name, options[section.name]) if section.name in options else set()
+        for f in dataclasses.fields(ours):
+            if f.name not in chosen:
+                assert getattr(ours, f.name) == getattr(theirs, f.name), f"{section.name}.{f.name}"
+    # and the only section a default option changes is the data set
+    assert (composed.data.name, composed.data.seq_len) == ("stdlib", 128)
+    assert (defaults.data.name, defaults.data.seq_len) == ("synthetic", 64)
+
+
+def test_group_options_set_only_what_they_change():
+    """No option restates a dataclass default (its `name`, which says what it is, excepted)."""
+    from omegaconf import OmegaConf
+
+    defaults = Config()
+    checked = 0
+    for group in sorted(os.listdir(CONF_DIR)):
+        folder = os.path.join(CONF_DIR, group)
+        if group in _PRESET_GROUPS or not os.path.isdir(folder):
+            continue
+        section = getattr(defaults, group)
+        for option in sorted(os.listdir(folder)):
+            node = OmegaConf.load(os.path.join(folder, option)) or {}
+            for key, value in OmegaConf.to_container(node).items() if node else []:
+                if key != "name":
+                    assert value != getattr(section, key), f"conf/{group}/{option}: {key}: {value} is the default"
+                checked += 1
+    assert checked >= 10  # the options were read
