@@ -23,9 +23,9 @@ must hold a plain `step_N` name, every manifest entry and every file DCP's index
 plain relative path to a regular file (no `..`, no absolute path, no symlink) inside the
 checkpoint, and the manifest must list every file there (an unlisted file would be read
 unchecked). A path is refused before it is opened or its size looked at, so a refusal never says
-anything about a file outside. Nothing read is executed: tensors go through `torch.load(
-weights_only=True)`, DCP's `.metadata` through a restricted unpickler (`framework/checkpoint/
-safe_reader.py`), everything else is JSON.
+anything about a file outside. Nothing read is executed: tensors go through
+`torch.load(weights_only=True)`, DCP's `.metadata` through a restricted unpickler
+(framework/checkpoint/safe_reader.py), everything else is JSON.
 """
 from __future__ import annotations
 
