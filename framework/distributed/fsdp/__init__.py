@@ -12,6 +12,7 @@ from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, Tr
 from .clip import clip_grad_norm_
 from .fully_shard import ShardedModule, fully_shard
 from .state_dict import get_state_dicts, set_state_dicts
+from .unit import sharded_units
 
 __all__ = [
     "fully_shard",
@@ -24,4 +25,5 @@ __all__ = [
     "ShardedModule",
     "UnitState",
     "TrainingPhase",
+    "sharded_units",
 ]

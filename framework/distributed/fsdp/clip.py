@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from .unit import owner_of
 
 
 def clip_grad_norm_(
@@ -39,7 +40,8 @@ def clip_grad_norm_(
         if inf:
             acc = torch.maximum(acc, g.abs().max().double())
         else:
-            share = getattr(p, "_fsdp_norm_share", world)
+            owner = owner_of(p)  # [Note: records of sharded parameters] in unit.py
+            share = owner[0].norm_share(owner[1]) if owner is not None else world
             acc += torch.linalg.vector_norm(g, norm_type).double().pow(norm_type) / share
     if world > 1:
         if dist.get_backend() == "nccl" and acc.device.type != "cuda":  # e.g. CPU-offloaded grads

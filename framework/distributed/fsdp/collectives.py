@@ -23,13 +23,15 @@ as the theory says). Both still count as ONE collective in `num_collectives` (lo
 
 from __future__ import annotations
 
+import functools
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.profiler import record_function
 
 
 @dataclass
@@ -42,11 +44,21 @@ class CommStats:
     alltoall_bytes: int = 0
     num_collectives: int = 0
     exposed_comm_s: float = 0.0
+    # CUDA: (before, after) events around each wait on the compute stream, read by resolve()
+    _events: List[Tuple[Any, Any]] = field(default_factory=list, repr=False)
 
     def reset(self) -> None:
+        self.resolve()
         self.allgather_bytes = self.reduce_scatter_bytes = self.allreduce_bytes = 0
         self.alltoall_bytes = self.num_collectives = 0
         self.exposed_comm_s = 0.0
+
+    def resolve(self) -> None:
+        """Add the timed CUDA waits to exposed_comm_s (synchronizes on the last of them)."""
+        for before, after in self._events:
+            after.synchronize()
+            self.exposed_comm_s += before.elapsed_time(after) / 1000.0
+        self._events.clear()
 
 
 class Pending(NamedTuple):
@@ -59,17 +71,48 @@ class Pending(NamedTuple):
 
 
 def wait(p: Optional[Pending]) -> Optional[torch.Tensor]:
-    """Block until `p` is done; the blocked time counts as exposed communication."""
+    """Block until `p` is done; the blocked time counts as exposed communication.
+
+    On gloo (CPU) the host blocks in `work.wait()`: that time is measured on the host clock. On
+    CUDA `work.wait()` only makes the compute stream wait for the communication stream and
+    returns at once; what is exposed is the time the *stream* stalls, so it is timed with a pair
+    of CUDA events around the wait, read later by `CommStats.resolve()` (so timing never
+    synchronizes the step).
+    """
     if p is None:
         return None
     if p.work is not None:
-        t0 = time.perf_counter()
-        for w in p.work if isinstance(p.work, list) else [p.work]:
-            w.wait()
-        p.stats.exposed_comm_s += time.perf_counter() - t0
+        with record_function("fsdp::wait"):
+            cuda = p.output.is_cuda
+            if cuda:
+                before = torch.cuda.Event(enable_timing=True)
+                after = torch.cuda.Event(enable_timing=True)
+                before.record()
+            t0 = time.perf_counter()
+            for w in p.work if isinstance(p.work, list) else [p.work]:
+                w.wait()
+            if cuda:
+                after.record()
+                p.stats._events.append((before, after))
+                if len(p.stats._events) > 1024:  # bound the events kept between reads
+                    p.stats.resolve()
+            else:
+                p.stats.exposed_comm_s += time.perf_counter() - t0
     if p.finish is not None:
         p.finish()
     return p.output
+
+
+def _labelled(name: str) -> Callable:
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def _gloo(group: ProcessGroup) -> bool:
@@ -85,6 +128,7 @@ def reduce_scatter_scratch_numel(group: ProcessGroup, shard_numel: int) -> int:
     return (n - 1) * shard_numel if r in (0, n - 1) else n * shard_numel
 
 
+@_labelled("fsdp::all_gather")
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
     """Async all-gather of equal `shard`s into `output` (rank-major, N x shard)."""
     n = dist.get_world_size(group)
@@ -104,6 +148,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, s
     return Pending(works, output, stats)
 
 
+@_labelled("fsdp::reduce_scatter")
 def reduce_scatter(
     output: torch.Tensor,
     full: torch.Tensor,
@@ -152,6 +197,7 @@ def reduce_scatter(
     return Pending(work, output, stats, finish)
 
 
+@_labelled("fsdp::all_reduce")
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
     """Async in-place sum all-reduce (the replicate dimension of hybrid sharding, NO_SHARD)."""
     n = dist.get_world_size(group)
@@ -163,6 +209,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup, stats: CommStats) -> P
     return Pending(work, tensor, stats)
 
 
+@_labelled("fsdp::all_to_all")
 def all_to_all(output: torch.Tensor, chunks: torch.Tensor, group: ProcessGroup, stats: CommStats) -> Pending:
     """Async all-to-all of N equal rank-major chunks (quantized gradient reduction)."""
     n = dist.get_world_size(group)

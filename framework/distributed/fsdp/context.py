@@ -11,6 +11,7 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from .api import TrainingPhase
 from .unit import ShardUnit
@@ -20,11 +21,28 @@ from .unit import ShardUnit
 # gradient until its reduce-scatter completes. Usually it is the unit's own gathered storage
 # (see [Note: gradients reuse the gathered storage] in unit.py) and no pool buffer is used; the
 # pool serves units with frozen parameters, a reduce dtype different from the param dtype, or
-# int8 reduction outputs. The pool hands out buffers by (dtype, device, size)
-# and gets them back in `finish_reduce`; when none is free and two reductions are in flight it
-# first finishes the oldest, so at most ~3 buffers exist and, because every step asks for the same
-# sizes in the same order, nothing is allocated after step 1.
+# int8 reduction outputs, plus short-lived scratch (gloo reduce-scatter receive, dequantization).
+# Every buffer of one (tag, dtype, device) is cut to the largest size any unit of the model asks
+# for under that tag, so any free buffer fits any request and the pool never holds two sizes of
+# one kind. When none is free and MAX_IN_FLIGHT reductions are in flight it first finishes the
+# oldest, so each kind holds at most ~3 buffers of O(largest unit) and, because every step asks
+# in the same order, nothing is allocated after step 1.
 MAX_IN_FLIGHT = 2
+
+# [Note: reductions in a fixed order on their own group]
+# Every rank must issue the same collectives in the same order on a group. Which of a unit's
+# parameters get a gradient can depend on the data (MoE-style experts, a branch taken by some
+# rows only), so the moment a unit's last gradient arrives differs between ranks, and a
+# reduction issued then could pair with a different collective on another rank (a hang, or
+# silently summed wrong buffers). So: (1) reductions are issued strictly in one order that every
+# rank knows, the units with trainable parameters in reverse module order (the backward order of
+# a sequential model), each as soon as it and all before it are ready; units not run forward
+# this step are skipped (all ranks run the same units forward: their gathers must match too);
+# (2) the final callback issues whatever is left, in the same order, with zeros for gradients
+# this rank never saw; (3) reductions run on a group of their own (same ranks as the shard
+# group), so their order never interleaves with the backward's all-gathers, whose timing is the
+# data's. A unit that waits for an earlier one keeps its gradients, which costs memory only when
+# the order differs from the backward's.
 
 
 class ShardContext:
@@ -36,14 +54,22 @@ class ShardContext:
         self.phase = TrainingPhase.IDLE
         self.pending_units: List[ShardUnit] = []
         self.callback_queued = False
+        self.reduce_order: List[ShardUnit] = [u for u in reversed(units) if u.trainable]
+        self.next_reduce = 0  # index into reduce_order of the next reduction to issue
+        self.step = 0  # forward/backward rounds; a forward after a finished backward starts the next
+        self.backward_done = False
         self._pool: Dict[Tuple, List[torch.Tensor]] = {}
+        self._owned: Dict[int, Tuple[Tuple, torch.Tensor]] = {}  # id(buffer) -> (key, buffer): all, free or in use
+        self._caps: Dict[str, int] = {}
         self.rank = dist.get_rank()
         for u in units:
             u.ctx = self
 
     def set_phase(self, new: TrainingPhase) -> None:
         legal = {
-            TrainingPhase.IDLE: (TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD),  # a non-root's own forward
+            # PRE_BACKWARD from IDLE: a non-root's own forward, or a second backward over a
+            # retained graph (retain_graph=True)
+            TrainingPhase.IDLE: (TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD),
             TrainingPhase.FORWARD: (TrainingPhase.PRE_BACKWARD, TrainingPhase.IDLE, TrainingPhase.FORWARD),
             TrainingPhase.PRE_BACKWARD: (TrainingPhase.POST_BACKWARD,),
             TrainingPhase.POST_BACKWARD: (TrainingPhase.IDLE,),
@@ -53,22 +79,51 @@ class ShardContext:
         )
         self.phase = new
 
+    def note_forward(self, unit: ShardUnit) -> None:
+        """A unit's forward under grad mode (not a recomputation): count it in this step."""
+        if self.backward_done:
+            self.step += 1
+            self.backward_done = False
+        unit._used_step = self.step
+
+    # ------------------------------------------------------------ reductions in order
+    def on_unit_ready(self, unit: ShardUnit) -> None:
+        """A unit's last gradient arrived: issue every reduction now due, in the fixed order."""
+        order = self.reduce_order
+        while self.next_reduce < len(order):
+            u = order[self.next_reduce]
+            if u._ready:
+                u.reduce_grads()
+            elif u.used_this_step():
+                return  # an earlier unit in the order still waits for gradients
+            self.next_reduce += 1
+
     # ------------------------------------------------------------ buffer pool
-    def acquire_grad_buffer(self, numel: int, dtype: torch.dtype, device: torch.device, tag: str = "in") -> torch.Tensor:
+    def _cap(self, tag: str, numel: int) -> int:
+        if tag not in self._caps:
+            self._caps[tag] = max([u.buffer_numel(tag) for u in self.units] + [0])
+        return max(self._caps[tag], numel)
+
+    def acquire_buffer(self, unit: ShardUnit, numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> torch.Tensor:
+        """A buffer of at least `numel` elements (a view of exactly `numel`); give it back with
+        `release_buffer`. See [Note: the gradient buffer pool]."""
         key = (tag, dtype, device.type, device.index)
         while True:
             free = self._pool.setdefault(key, [])
             fits = [b for b in free if b.numel() >= numel]
             if fits:
-                buf = min(fits, key=lambda b: b.numel())
+                buf = fits[0]
                 del free[next(i for i, b in enumerate(free) if b is buf)]
                 return buf[:numel] if buf.numel() != numel else buf
             if len(self.pending_units) >= MAX_IN_FLIGHT:
                 self.pending_units.pop(0).finish_reduce()
                 continue
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            buf._pool_key = key
-            return buf
+            for small in free:  # a request above the cap (units added later): replace, never keep both
+                self._owned.pop(id(small), None)
+            free.clear()
+            buf = torch.empty(self._cap(tag, numel), dtype=dtype, device=device)
+            self._owned[id(buf)] = (key, buf)
+            return buf[:numel] if buf.numel() != numel else buf
 
     def add_pending(self, unit: ShardUnit) -> None:
         """Track an issued reduction; finish the oldest ones so at most MAX_IN_FLIGHT hold memory."""
@@ -76,31 +131,40 @@ class ShardContext:
         while len(self.pending_units) > MAX_IN_FLIGHT:
             self.pending_units.pop(0).finish_reduce()
 
-    def release_grad_buffer(self, buf: torch.Tensor) -> None:
+    def release_buffer(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base
-        self._pool.setdefault(base._pool_key, []).append(base)
+        rec = self._owned.get(id(base))
+        if rec is not None and rec[1] is base:  # else a buffer the pool dropped meanwhile: let it go
+            self._pool.setdefault(rec[0], []).append(base)
 
     def pool_bytes(self) -> int:
-        return sum(b.untyped_storage().nbytes() for bufs in self._pool.values() for b in bufs)
+        """Bytes of every pooled buffer, free or in use."""
+        return sum(b.untyped_storage().nbytes() for _, b in self._owned.values())
+
+    def pool_buffers(self) -> List[torch.Tensor]:
+        return [b for _, b in self._owned.values()]
 
     # ------------------------------------------------------------ end of backward
     def finish_backward(self) -> None:
         """Final callback of the root: drain reductions, reshard everything, go idle."""
-        self.set_phase(TrainingPhase.POST_BACKWARD)
-        # Units whose last gradient never arrived (unused or partly-used params) reduce now, in a
-        # fixed order so all ranks issue the same collectives.
-        for u in reversed(self.order or self.units):
-            if u._grads_seen > 0 and not u._reduce_issued:
-                u.reduce_grads()
-        while self.pending_units:
-            self.pending_units.pop(0).finish_reduce()
-        for dev in {u.compute_device for u in self.units if u.offload and u.compute_device.type == "cuda"}:
-            torch.cuda.current_stream(dev).synchronize()  # offloaded grad shards were copied non-blocking
-        for u in self.units:
-            u.reshard()
-            u.reset_backward()
-        self.callback_queued = False
-        self.set_phase(TrainingPhase.IDLE)
+        with record_function("fsdp::finish_backward"):
+            self.set_phase(TrainingPhase.POST_BACKWARD)
+            # What the fixed order still holds (units waiting for an earlier one, units with
+            # parameters unused on this rank): issue it now, in that order, on every rank alike.
+            for u in self.reduce_order[self.next_reduce:]:
+                if u._ready or u.used_this_step():
+                    u.reduce_grads()
+            self.next_reduce = 0
+            while self.pending_units:
+                self.pending_units.pop(0).finish_reduce()
+            for dev in {u.compute_device for u in self.units if u.offload and u.compute_device.type == "cuda"}:
+                torch.cuda.current_stream(dev).synchronize()  # offloaded grad shards were copied non-blocking
+            for u in self.units:
+                u.reshard()
+                u.reset_backward()
+            self.callback_queued = False
+            self.backward_done = True
+            self.set_phase(TrainingPhase.IDLE)
 
     def reshard_all(self) -> None:
         for u in self.units:

@@ -41,7 +41,7 @@ class TPSpec:
     stride: tuple
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlatEntry:
     """One distinct parameter of a unit (tied parameters appear once, with several users)."""
 
@@ -100,7 +100,7 @@ def build_layout(entries: List[FlatEntry], world: int, rank: int, align: int = 1
     total = offset
     shard = max(1, -(-total // world))
     shard = -(-shard // align) * align
-    return FlatLayout(entries, total, shard, world, rank)
+    return FlatLayout(entries=entries, total=total, shard_numel=shard, world=world, rank=rank)
 
 
 def dim0_chunk(shape: torch.Size, world: int, rank: int) -> Tuple[int, int]:

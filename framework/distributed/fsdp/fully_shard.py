@@ -8,7 +8,7 @@ subclass that adds the FSDP2-style methods (`set_requires_gradient_sync`, `resha
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from . import hooks
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy
 from .flat import FlatEntry, TPSpec, build_layout
 from .state_dict import register_state_dict_hooks
-from .unit import ShardUnit
+from .unit import ShardUnit, claim, claimed_by, owner_of, sharded_units
 
 _DEFAULT_MESH: Dict[tuple, DeviceMesh] = {}
 
@@ -29,7 +29,7 @@ class ShardedModule:
     """Methods added to every module that `fully_shard` was applied to."""
 
     def _units(self) -> List[ShardUnit]:
-        return [m._fsdp_unit for m in self.modules() if getattr(m, "_fsdp_unit", None) is not None]
+        return sharded_units(self)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False for gradient-accumulation micro-steps: gradients accumulate unsharded, no communication."""
@@ -41,6 +41,7 @@ class ShardedModule:
         keys = ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes", "num_collectives", "exposed_comm_s")
         out = {k: 0 for k in keys}
         for u in self._units():
+            u.stats.resolve()  # CUDA: read the timed waits (see collectives.wait)
             for k in keys:
                 out[k] += getattr(u.stats, k)
         return out
@@ -50,20 +51,24 @@ class ShardedModule:
             u.stats.reset()
 
     def sharded_tensor_bytes(self) -> dict:
-        """Bytes held by the engine per rank: shards, grad shards, unsharded storage, buffers."""
+        """Bytes the engine holds on this rank: per unit its shard, grad shard, unsharded storage,
+        accumulation buffer, hpZ secondary shard and send buffer; once for the model its pooled
+        buffers (gradient inputs and outputs, reduce-scatter scratch, int8 receive buffers).
+        `total` is their sum: everything the engine holds besides the optimizer's state."""
         out: dict = {}
         for u in self._units():
             for k, v in u.tensor_bytes().items():
                 out[k] = out.get(k, 0) + v
-        root = self._fsdp_unit
-        out["grad_pool"] = root.ctx.pool_bytes() if root.ctx is not None else 0
+        ctx = self._fsdp_unit.ctx
+        out["grad_pool"] = ctx.pool_bytes() if ctx is not None else 0
+        out["total"] = sum(out.values())
         return out
 
     def _apply(self, fn, recurse=True):
         # `.to(device)`, `.to_empty(device=...)`, `.double()` replace the parameters' data; the
         # children (their own units) rebind in their own _apply, this unit after its parameters.
         result = super()._apply(fn, recurse)
-        self._fsdp_unit.rebind_after_apply()
+        self._fsdp_unit.rebind_after_apply(fn)
         hooks.register_param_hooks(self._fsdp_unit)
         return result
 
@@ -135,27 +140,67 @@ def _dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     return _STATE_MESH[key]
 
 
-_SECONDARY: Dict[tuple, dist.ProcessGroup] = {}
+_GROUPS: Dict[tuple, dist.ProcessGroup] = {}
+_ROWS: Dict[tuple, List[Tuple[int, ...]]] = {}
 
 
-def _secondary_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup, k: int):
-    """hpZ: the group of k consecutive ranks of this rank's shard group, and this rank's index in it.
+def _shard_rows(mesh: DeviceMesh) -> List[Tuple[int, ...]]:
+    """Every shard group of the world that `mesh` belongs to, as sorted rank tuples: the same
+    list on every rank. A mesh over part of the world (the dp dims beside tensor parallel) shows
+    each rank only its own rows, so the rows are gathered from all ranks (collective, once)."""
+    key = _mesh_key(mesh)
+    if key not in _ROWS:
+        rows = [tuple(r) for r in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()]
+        if mesh.size() != dist.get_world_size():
+            seen: List[Optional[list]] = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, rows)
+            rows = [tuple(r) for rs in seen for r in rs]
+        _ROWS[key] = sorted(set(rows))
+    return _ROWS[key]
 
-    Every rank must create every group in the same order, so all shard groups of the mesh (one per
-    replica row for a 2-D mesh) are enumerated and cut into blocks of k; created once per k.
-    """
-    rows = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+
+def secondary_blocks(rows: Sequence[Sequence[int]], k: int) -> List[Tuple[int, ...]]:
+    """hpZ: the groups of k consecutive ranks of each shard row, in creation order (every rank
+    must create every group, in this order; `rows` must be the whole world's, see _shard_rows)."""
+    return [tuple(row[i:i + k]) for row in sorted(tuple(r) for r in rows) for i in range(0, len(row), k)]
+
+
+def _groups_for(blocks: List[Tuple[int, ...]]) -> Dict[Tuple[int, ...], dist.ProcessGroup]:
+    """One group per rank tuple, created by every rank in the given order (cached per tuple)."""
+    out = {}
+    for ranks in blocks:
+        key = (_world_key(), ranks)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(ranks))
+        out[ranks] = _GROUPS[key]
+    return out
+
+
+def _secondary_group(mesh: DeviceMesh, k: int):
+    """hpZ: (the group of k consecutive ranks of this rank's shard row, k, this rank's index in it)."""
     me = dist.get_rank()
-    mine = None
-    for row in rows:
-        for i in range(0, len(row), k):
-            ranks = tuple(row[i:i + k])
-            key = (_world_key(), ranks)
-            if key not in _SECONDARY:
-                _SECONDARY[key] = dist.new_group(list(ranks))
-            if me in ranks:
-                mine = (_SECONDARY[key], k, ranks.index(me))
-    return mine
+    groups = _groups_for(secondary_blocks(_shard_rows(mesh), k))
+    mine = next(r for r in groups if me in r)
+    return groups[mine], k, mine.index(me)
+
+
+_REDUCE_GROUPS: Dict[tuple, dist.ProcessGroup] = {}
+
+
+def _reduce_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The twin of this rank's shard group that gradient reductions use ([Note: reductions in a
+    fixed order on their own group] in context.py); one per shard row, made on first use."""
+    if dist.get_world_size(shard_group) == 1:
+        return shard_group
+    key = _mesh_key(mesh)
+    if key not in _REDUCE_GROUPS:
+        me = dist.get_rank()
+        rows = _shard_rows(mesh)
+        made = []
+        for ranks in rows:  # new_group directly: a twin is a second group over the same ranks
+            made.append(dist.new_group(list(ranks)))
+        _REDUCE_GROUPS[key] = next(g for r, g in zip(rows, made) if me in r)
+    return _REDUCE_GROUPS[key]
 
 
 def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Optional[DeviceMesh] = None):
@@ -232,9 +277,9 @@ def fully_shard(
     owners: Dict[int, nn.Parameter] = {}  # the registered parameter objects
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
-            if p is None or getattr(p, "_fsdp_sharded", False):
+            if p is None or owner_of(p) is not None:
                 continue
-            claimed = getattr(p, "_fsdp_claimed_by", None)
+            claimed = claimed_by(p)
             if claimed is not None:
                 raise ValueError(
                     f"fully_shard: parameter {mod_name}.{name} is tied to a parameter of the already-sharded "
@@ -252,7 +297,8 @@ def fully_shard(
                         )
                     tp = TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
                     src = p._local_tensor
-                by_id[id(p)] = FlatEntry([], src.shape, 0, src.numel(), p.requires_grad, tp)
+                by_id[id(p)] = FlatEntry(users=[], shape=src.shape, offset=0, numel=src.numel(),
+                                         requires_grad=p.requires_grad, tp=tp)
                 params[id(p)] = src
                 owners[id(p)] = p
             by_id[id(p)].users.append((mod, name, fqn))
@@ -284,7 +330,7 @@ def fully_shard(
                     "fully_shard: reshard_after_forward=<int> (hpZ) together with QuantizedCommPolicy or "
                     "CPUOffloadPolicy is not supported; drop one"
                 )
-            hpz = _secondary_group(mesh, shard_group, k)
+            hpz = _secondary_group(mesh, k)
             reshard_after_forward = True
         else:
             raise ValueError(
@@ -295,8 +341,10 @@ def fully_shard(
     layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align)
     shard_dtype = originals[0].dtype if originals else torch.float32
     unit = ShardUnit(
-        module, entries, layout, shard_group, replicate_group, mesh, bool(reshard_after_forward),
-        mp_policy, offload_policy is not None, comm_policy, device, shard_dtype,
+        module, entries=entries, layout=layout, shard_group=shard_group,
+        reduce_group=_reduce_group(mesh, shard_group), replicate_group=replicate_group, mesh=mesh,
+        reshard_after_forward=bool(reshard_after_forward), mp=mp_policy, offload=offload_policy is not None,
+        comm=comm_policy, compute_device=device, shard_dtype=shard_dtype,
     )
     if hpz is not None:
         unit.set_secondary(*hpz)
@@ -310,16 +358,12 @@ def fully_shard(
         for e, p in zip(entries, originals):
             if e.local_numel:
                 unit.shard[layout.shard_slice(e)].copy_(p.detach().reshape(-1)[layout.piece_slice(e)])
-    for e, p in zip(entries, [owners[i] for i in by_id]):
+    for i, (e, p) in enumerate(zip(entries, [owners[i] for i in by_id])):
         sp = nn.Parameter(unit.shard[layout.shard_slice(e)], requires_grad=e.requires_grad)
-        sp._fsdp_sharded = True
-        sp._fsdp_unit_ref = unit
-        tp_sharded = e.tp is not None and any(not pl.is_replicate() for pl in e.tp.placements)
-        sp._fsdp_norm_share = unit.R * (1 if tp_sharded else unit.tp_size)  # copies of this piece in the world
-        unit.sharded_params.append(sp)
+        unit.set_sharded_param(i, sp)  # [Note: records of sharded parameters] in unit.py
         for mod, name, _ in e.users:
             mod._parameters[name] = sp
-        p._fsdp_claimed_by = f"{type(module).__name__} unit"
+        claim(p, f"{type(module).__name__} unit")
         if not isinstance(p, DTensor):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # release the unsharded original
     module._fsdp_unit = unit

@@ -13,15 +13,17 @@ final callback     : ShardContext.finish_backward: wait for all reductions befor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, List
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.profiler import record_function
 
 from .api import TrainingPhase, UnitState
 from .context import ShardContext
-from .unit import ShardUnit
+from .unit import ShardUnit, sharded_units
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -45,9 +47,52 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
     return out
 
 
+def _labelled(name: str) -> Callable:
+    """Run the hook under a profiler label, so a trace reads by engine phase (as FSDP2's does)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once everything the unit computed
+    from them has run backward. See [Note: frozen parameters reshard after the unit's whole
+    backward] in unit.py."""
+
+    @staticmethod
+    def forward(ctx, unit: ShardUnit, *tensors: torch.Tensor):
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        with record_function("fsdp::post_backward"):
+            ctx.unit.post_backward()
+        return (None, *grads)
+
+
+def _hook_post_backward(unit: ShardUnit, args: tuple, kwargs: dict):
+    """(args, kwargs) with the inputs that need a gradient passed through _PostBackward; None
+    when no input needs one (the final callback reshards the unit then)."""
+    needs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    if not needs:
+        return None
+    outs = _PostBackward.apply(unit, *needs)
+    swap = {id(t): o for t, o in zip(needs, outs)}
+    unit.note_forward_use()
+    return _map_tensors((args, kwargs), lambda t: swap.get(id(t), t))
+
+
 def _lazy_init(unit: ShardUnit) -> None:
     """The first unit to run forward without a context is the root of its model."""
-    units = [m._fsdp_unit for m in unit.module.modules() if getattr(m, "_fsdp_unit", None) is not None]
+    units = sharded_units(unit.module)
     for u in units:
         assert u.ctx is None, (
             f"[rank {u.rank}] unit {u.name} already belongs to a sharded model rooted at "
@@ -57,6 +102,7 @@ def _lazy_init(unit: ShardUnit) -> None:
     ShardContext(unit, units)
 
 
+@_labelled("fsdp::pre_forward")
 def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
     if unit.ctx is None:
         _lazy_init(unit)
@@ -88,6 +134,13 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
         if 0 <= i < len(ctx.order) - 1:
             ctx.order[i + 1].unshard()
     unit.wait_unshard()
+    if torch.is_grad_enabled():
+        ctx.note_forward(unit)
+        if unit.has_frozen:
+            hooked = _hook_post_backward(unit, args, kwargs)
+            if hooked is not None:
+                args, kwargs = hooked
+                moved = True
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
         dt = unit.mp.param_dtype
         cast = lambda t: t.to(dt) if torch.is_floating_point(t) else t
@@ -95,6 +148,7 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
     return (args, kwargs) if moved else None
 
 
+@_labelled("fsdp::post_forward")
 def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
     ctx = unit.ctx
     if ctx.phase == TrainingPhase.PRE_BACKWARD:  # recomputation, see pre_forward
@@ -119,6 +173,7 @@ def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, 
     return output
 
 
+@_labelled("fsdp::pre_backward")
 def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
     ctx = unit.ctx
     if ctx.phase in (TrainingPhase.FORWARD, TrainingPhase.IDLE):  # IDLE: forward ran through a non-root unit only
@@ -126,7 +181,7 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
     if not ctx.callback_queued:
         ctx.callback_queued = True
         Variable._execution_engine.queue_callback(ctx.finish_backward)
-    if unit._reduce_issued:
+    if unit._reduce_issued or unit._ready:
         return  # a late hook on an output whose unit already finished its backward
     unit.unshard()
     if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch replaces the implicit order
@@ -135,11 +190,13 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
                 other.unshard()
     else:
         i = ctx.order.index(unit) if unit in ctx.order else -1
-        if i > 0 and ctx.order[i - 1].state == UnitState.SHARDED:
-            ctx.order[i - 1].unshard()
+        prev = ctx.order[i - 1] if i > 0 else None
+        if prev is not None and prev.state == UnitState.SHARDED and not (prev._ready or prev._bwd_done):
+            prev.unshard()
     unit.wait_unshard()
 
 
+@_labelled("fsdp::post_accumulate_grad")
 def post_accumulate_grad(unit: ShardUnit, full: torch.Tensor) -> None:
     unit.assert_state(UnitState.UNSHARDED, what="post-accumulate-grad")
     unit.on_grad()

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import collectives as C
 from .flat import FlatEntry, dim0_chunk
+from .unit import sharded_units
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -102,7 +103,7 @@ def register_state_dict_hooks(unit: "ShardUnit") -> None:
 
 # ------------------------------------------------------------------ optimizer
 def _units(model: nn.Module) -> List["ShardUnit"]:
-    return [m._fsdp_unit for m in model.modules() if getattr(m, "_fsdp_unit", None) is not None]
+    return sharded_units(model)
 
 
 def _init_optimizer_state(optim: torch.optim.Optimizer) -> None:

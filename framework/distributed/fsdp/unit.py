@@ -8,12 +8,15 @@ See [Note: flat storage] in flat.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, NamedTuple, Optional
+import weakref
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
 from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
@@ -30,10 +33,64 @@ class _Reduction(NamedTuple):
     pooled_input: Optional[torch.Tensor]  # reduce-scatter input to give back to the pool
     direct: bool  # the output is the grad shard itself
     fresh: bool  # the sharded params had no .grad: assign views instead of accumulating
-    pre_divided: bool  # 16-bit reduce: divided by dp before the sum
+    post_divide: float  # divide the reduced shard by this (see grad_divide_factors)
     out: Optional[torch.Tensor]  # pooled output buffer when not direct
     in_place: bool  # the input is the unit's gathered storage: reshard when done
     scratch: Optional[torch.Tensor]  # reduce-scatter receive scratch to give back
+    quantized: Optional[torch.Tensor]  # qgZ: the int8 chunks received, to dequantize and sum
+    quantized_pooled: bool  # ... received into a pooled buffer (not inside the input)
+
+
+# [Note: records of sharded parameters]
+# What the engine knows about a sharded parameter (its unit, its entry) lives here, never as
+# attributes on the tensor: `to_empty()` / `.to()` replace the Parameter objects, and attributes
+# would silently stay behind on the old ones (gradient clipping then took every piece for a
+# replicated one and came out sqrt(N) too small). Keys are held weakly, values name the unit
+# weakly, so the table never keeps a model alive; `rebind_after_apply` records the new objects.
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # sharded Parameter -> (weakref to unit, entry index)
+_CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original (pre-sharding) parameter -> owning unit's name
+
+
+def owner_of(param: torch.Tensor) -> Optional[Tuple["ShardUnit", int]]:
+    """(unit, entry index) of a parameter our engine sharded, None for any other tensor."""
+    rec = _SHARDED.get(param)
+    if rec is None:
+        return None
+    unit = rec[0]()
+    return None if unit is None else (unit, rec[1])
+
+
+def claimed_by(param: torch.Tensor) -> Optional[str]:
+    """The unit that already took `param` (an original parameter replaced by its shard), if any."""
+    return _CLAIMED.get(param)
+
+
+def claim(param: torch.Tensor, owner: str) -> None:
+    _CLAIMED[param] = owner
+
+
+def sharded_units(module: nn.Module) -> List["ShardUnit"]:
+    """The units at and below `module`, in module order (the same on every rank)."""
+    return [m._fsdp_unit for m in module.modules() if getattr(m, "_fsdp_unit", None) is not None]
+
+
+def grad_divide_factors(dp: int, reduce_dtype: torch.dtype) -> Tuple[float, float]:
+    """(divide before the sum, divide after it), whose product is the data-parallel size `dp`.
+
+    fp32 sums first and divides once. bf16 has fp32's exponent range: divide first so the sum
+    cannot overflow. fp16 can both overflow (summing first) and underflow (dividing the whole
+    world first, e.g. 1e-5 / 1024 is below fp16's smallest normal): split dp into a power of two
+    near sqrt(dp) before and the rest after, so each side loses at most ~sqrt(dp) of range (the
+    same split FSDP2 makes). Powers of two divide exactly.
+    """
+    if dp <= 1 or reduce_dtype == torch.float32 or reduce_dtype == torch.float64:
+        return 1.0, float(dp)
+    if reduce_dtype != torch.float16:
+        return float(dp), 1.0
+    pre = 1
+    while (pre * 2) * (pre * 2) <= dp:
+        pre *= 2
+    return float(pre), dp / pre
 
 # [Note: unsharded storage keeps its identity]
 # Autograd saves the full parameters (and views of them, e.g. `weight.t()` inside linear) for
@@ -64,9 +121,11 @@ class ShardUnit:
     def __init__(
         self,
         module: nn.Module,
+        *,
         entries: List[FlatEntry],
         layout: FlatLayout,
         shard_group: dist.ProcessGroup,
+        reduce_group: Optional[dist.ProcessGroup],
         replicate_group: Optional[dist.ProcessGroup],
         mesh,
         reshard_after_forward: bool,
@@ -81,6 +140,9 @@ class ShardUnit:
         self.entries = entries
         self.layout = layout
         self.shard_group = shard_group
+        # the same ranks as shard_group, for gradient reductions only: see [Note: reductions in a
+        # fixed order on their own group] in context.py
+        self.reduce_group = reduce_group if reduce_group is not None else shard_group
         self.replicate_group = replicate_group
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
@@ -106,6 +168,7 @@ class ShardUnit:
         self.forward_prefetch: Optional[List["ShardUnit"]] = None
         self.backward_prefetch: Optional[List["ShardUnit"]] = None
         self.trainable = [e for e in entries if e.requires_grad]
+        self.has_frozen = len(self.trainable) < len(entries)
         shard_device = torch.device("cpu") if offload else compute_device
         pin = offload and compute_device.type == "cuda"
         S = layout.shard_numel
@@ -119,9 +182,14 @@ class ShardUnit:
         self._reduce_issued = False
         self._written = [False] * len(entries)  # grad already written in place this backward
         self._pending: Optional[_Reduction] = None
-        self._send: Optional[torch.Tensor] = None
-        self._recv_packed: Optional[torch.Tensor] = None
+        self._send: Optional[torch.Tensor] = None  # the shard cast to param_dtype / moved to the compute device
         self._gather: Optional[C.Pending] = None
+        # Per step (see [Note: reductions in a fixed order on their own group], and [Note: frozen
+        # parameters reshard after the unit's whole backward]):
+        self._used_step = -1  # ctx.step of this unit's last forward under grad mode
+        self._ready = False  # every trainable gradient of this backward has arrived
+        self._fwd_uses = 0  # forward calls of this step whose inputs carry the post-backward hook
+        self._bwd_done = 0  # of those, how many have finished their backward
         self._gather_quantized = False
         self._hpz: Optional[tuple] = None  # (group, k, index) for hpZ, see [Note: hpZ secondary shards]
         self._secondary: Optional[torch.Tensor] = None
@@ -130,7 +198,9 @@ class ShardUnit:
 
     # ---------------------------------------------------------------- construction
     def _zero_copy(self) -> bool:
-        return self.N == 1 and self.param_dtype == self.shard_dtype and not self.offload
+        # A unit without parameters of its own (e.g. a root whose blocks are all units) has
+        # nothing to gather: it never communicates and never allocates (FSDP2 skips it too).
+        return not self.entries or (self.N == 1 and self.param_dtype == self.shard_dtype and not self.offload)
 
     def _build_full_storage(self) -> None:
         L = self.layout
@@ -143,6 +213,7 @@ class ShardUnit:
             self.storage.resize_(0)
         base = self.full_flat.untyped_storage()
         self.full_params = []
+        self._tp_views: List[Optional[DTensor]] = [None] * len(self.entries)
         for e in self.entries:
             t = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
             with torch.no_grad():
@@ -150,10 +221,44 @@ class ShardUnit:
             t.requires_grad_(e.requires_grad)
             self.full_params.append(t)
 
-    def rebind_after_apply(self) -> None:
-        """After `module.to(...)` / `to_empty(...)` / `.double()` replaced the sharded parameters'
-        data: rebuild the shard buffers on the new device/dtype from the parameters' new values,
-        make the parameters views into them again, and rebuild the unsharded storage.
+    def buffer_numel(self, tag: str) -> int:
+        """Elements this unit asks the model's pool for under `tag` (see [Note: the gradient
+        buffer pool]); the pool cuts every buffer of a tag to the largest unit's size."""
+        L = self.layout
+        if not self.trainable and tag not in ("dequant",):
+            return 0
+        if tag == "in":
+            return L.padded_total
+        if tag in ("out", "q", "qtmp", "dequant"):
+            return L.shard_numel
+        if tag == "rs":
+            return C.reduce_scatter_scratch_numel(self.reduce_group, L.shard_numel)
+        if tag == "qrecv":
+            return self.N * packed_nbytes(L.shard_numel, self.comm.block_size) if self.comm is not None else 0
+        raise KeyError(tag)
+
+    def set_sharded_param(self, index: int, param: nn.Parameter) -> None:
+        """Record `param` as entry `index`'s sharded piece (see [Note: records of sharded parameters])."""
+        if index < len(self.sharded_params):
+            self.sharded_params[index] = param
+        else:
+            assert index == len(self.sharded_params)
+            self.sharded_params.append(param)
+        _SHARDED[param] = (weakref.ref(self), index)
+
+    def norm_share(self, index: int) -> int:
+        """How many ranks hold an identical copy of entry `index`'s local piece (gradient clipping
+        divides its squared norm by this): the replicas, times the tensor-parallel ranks unless TP
+        splits the parameter."""
+        e = self.entries[index]
+        tp_sharded = e.tp is not None and any(not pl.is_replicate() for pl in e.tp.placements)
+        return self.R * (1 if tp_sharded else self.tp_size)
+
+    def rebind_after_apply(self, fn) -> None:
+        """After `module.to(...)` / `to_empty(...)` / `.double()` (`fn`, as passed to `_apply`)
+        replaced the sharded parameters' data: rebuild the shard buffers on the new device/dtype
+        from the parameters' new values, make the parameters views into them again, record the
+        (possibly new) Parameter objects, and rebuild the unsharded storage.
 
         Call between steps only (no gather or reduction in flight).
         """
@@ -161,7 +266,11 @@ class ShardUnit:
             f"[rank {self.rank}] unit {self.name}: moved while {self.state.value}; move the model between steps"
         )
         params = [e.users[0][0]._parameters[e.users[0][1]] for e in self.entries]
-        if not params:
+        if not params:  # nothing of its own: only follow the move (the device its inputs go to)
+            self.shard = fn(self.shard)
+            self.compute_device = self.shard.device
+            self.shard_dtype = self.shard.dtype
+            self.full_flat = self.shard
             return
         device, dtype = params[0].device, params[0].dtype
         self.compute_device = device
@@ -183,11 +292,9 @@ class ShardUnit:
                 sp.grad = None
                 for mod, name, _ in e.users:
                     mod._parameters[name] = sp
-                self.sharded_params[i] = sp
-        self._send = self._recv_packed = self._secondary = self._accum = None
+                self.set_sharded_param(i, sp)
+        self._send = self._secondary = self._accum = None
         self._accum_valid = self._secondary_valid = False
-        if getattr(self, "_q_send", None) is not None:
-            self._q_send = self._q_recv = None
         self._build_full_storage()  # new unsharded params: the caller re-registers their hooks
 
     def assert_state(self, *allowed: UnitState, what: str) -> None:
@@ -226,12 +333,16 @@ class ShardUnit:
         qp = self.comm is not None and self.comm.params and self.N > 1
         self._gather_quantized = qp
         if qp:
+            # [Note: int8 buffers live inside the unit's own storage] the packed chunks are received
+            # into the tail of the storage just resized for the full parameters (1 + 4/block bytes
+            # per value fit in the 2 or 4 of the param dtype), this rank's own chunk is quantized
+            # straight into its slot, and wait_unshard dequantizes front to back, each chunk ending
+            # before the next packed one starts. No int8 buffer outlives the gather.
+            packed = self._packed_tail()
             nb = packed_nbytes(L.shard_numel, self.comm.block_size)
-            if self._send is None:
-                self._send = torch.empty(nb, dtype=torch.uint8, device=self.compute_device)
-                self._recv_packed = torch.empty(nb * self.N, dtype=torch.uint8, device=self.compute_device)
-            quantize_into(self.shard, self._send, self.comm.block_size)
-            self._gather = C.all_gather(self._recv_packed, self._send, self.shard_group, self.stats)
+            own = packed[L.rank * nb:(L.rank + 1) * nb]
+            quantize_into(self.shard, own, self.comm.block_size)
+            self._gather = C.all_gather(packed, own, self.shard_group, self.stats)
         else:
             src = self.shard
             if self.param_dtype != self.shard_dtype or self.shard.device != self.compute_device:
@@ -250,23 +361,70 @@ class ShardUnit:
         C.wait(self._gather)
         self._gather = None
         if self._gather_quantized:
-            S, nb = self.layout.shard_numel, packed_nbytes(self.layout.shard_numel, self.comm.block_size)
-            for r in range(self.N):
-                dequantize_into(self._recv_packed[r * nb:(r + 1) * nb], self.full_flat[r * S:(r + 1) * S], self.comm.block_size)
+            self._dequantize_gathered()
         self.set_state(UnitState.UNSHARDED)
         self._expose()
+
+    def _packed_tail(self) -> torch.Tensor:
+        """The last N x packed-shard bytes of the (resized) unsharded storage, as uint8."""
+        nb = packed_nbytes(self.layout.shard_numel, self.comm.block_size) * self.N
+        total = self.storage.nbytes()
+        t = torch.empty(0, dtype=torch.uint8, device=self.compute_device)
+        return t.set_(self.storage, total - nb, (nb,), (1,))
+
+    def _dequantize_gathered(self) -> None:
+        """See [Note: int8 buffers live inside the unit's own storage]."""
+        S, b = self.layout.shard_numel, self.comm.block_size
+        nb = packed_nbytes(S, b)
+        packed = self._packed_tail()
+        start = packed.storage_offset()  # byte offset of chunk 0 in the storage
+        esize = self.full_flat.element_size()
+        tmp = None
+        with record_function("fsdp::dequantize"):
+            for r in range(self.N):
+                dst = self.full_flat[r * S:(r + 1) * S]
+                if esize * (r + 1) * S > start + r * nb:  # would overwrite its own packed chunk
+                    if tmp is None:
+                        tmp = self._scratch(S, self.full_flat.dtype, "dequant")
+                    dequantize_into(packed[r * nb:(r + 1) * nb], tmp, b)
+                    dst.copy_(tmp)
+                else:
+                    dequantize_into(packed[r * nb:(r + 1) * nb], dst, b)
+        if tmp is not None:
+            self._give_back(tmp)
+
+    def _scratch(self, numel: int, dtype: torch.dtype, tag: str) -> torch.Tensor:
+        """A short-lived buffer: from the model's pool once it exists, else a plain allocation."""
+        if self.ctx is None:
+            return torch.empty(numel, dtype=dtype, device=self.compute_device)
+        return self.ctx.acquire_buffer(self, numel, dtype, self.compute_device, tag)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        if self.ctx is not None:
+            self.ctx.release_buffer(buf)
 
     def _expose(self) -> None:
         # The modules read the full parameter through the instance __dict__, which Python consults
         # before nn.Module.__getattr__ (and so before _parameters, which keeps the sharded piece
         # that named_parameters() and the optimizer see).
-        for e, full in zip(self.entries, self.full_params):
+        grad = torch.is_grad_enabled()
+        for i, (e, full) in enumerate(zip(self.entries, self.full_params)):
             if e.tp is not None:
                 # [Note: tensor parallel composition] the engine shards the TP-local tensor over
                 # the dp mesh; the module gets back the full-over-dp, still TP-sharded DTensor, made
-                # fresh each time with the differentiable from_local, so gradients arrive as local
-                # tensors on `full` and take the same reduce-scatter path as plain parameters.
-                full = DTensor.from_local(full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride)
+                # with the differentiable from_local, so gradients arrive as local tensors on
+                # `full` and take the same reduce-scatter path as plain parameters.
+                # [Note: the recomputed forward sees the forward's DTensors] A forward under grad
+                # mode makes the DTensors afresh and keeps them; a re-exposure without grad mode
+                # (backward's re-gather after a ZeRO-3 reshard, an eval forward) reuses them. A
+                # DTensor made inside backward would have no autograd edge to `full`, so an
+                # activation-checkpointed block would recompute a different graph (fewer saved
+                # tensors) and lose its weight gradients.
+                cached = self._tp_views[i]
+                if grad or cached is None:
+                    cached = DTensor.from_local(full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride)
+                    self._tp_views[i] = cached
+                full = cached
             for mod, attr, _ in e.users:
                 mod.__dict__[attr] = full
 
@@ -334,13 +492,48 @@ class ShardUnit:
         return dst
 
     def on_grad(self) -> None:
-        """Post-accumulate-grad of one trainable full parameter; the last one reduces the unit."""
+        """Post-accumulate-grad of one trainable full parameter; after the last one the unit is
+        ready, and the context issues its reduction in the model's fixed order."""
         self._grads_seen += 1
         if self._grads_seen == len(self.trainable):
-            self.reduce_grads()
+            self._ready = True
+            self.ctx.on_unit_ready(self)
+
+    def used_this_step(self) -> bool:
+        return self.ctx is not None and self._used_step == self.ctx.step
+
+    # [Note: frozen parameters reshard after the unit's whole backward]
+    # A unit whose parameters are all trainable is done with them once its last gradient is in
+    # (see [Note: gradients reuse the gathered storage]). A frozen parameter has no gradient to
+    # say so: a frozen layer run before a trainable one in forward is still needed by backward
+    # after the trainable one's gradient arrived. Such a unit therefore reshards when its whole
+    # backward is done, as FSDP2 does: the forward pre-hook passes the unit's inputs through an
+    # identity autograd function (hooks.py) whose backward runs after everything the unit
+    # computed; once every forward use of this step has come back, the unit reshards. Uses whose
+    # inputs need no gradient never come back; the final callback reshards those units.
+    def note_forward_use(self) -> None:
+        """A forward under grad mode whose inputs carry the post-backward hook (frozen units)."""
+        self._fwd_uses += 1
+
+    def post_backward(self) -> None:
+        """The backward of one forward use is complete (see the note above)."""
+        self._bwd_done += 1
+        if self._bwd_done >= self._fwd_uses and self.state != UnitState.SHARDED and self._pending_reshard_ok():
+            with record_function("fsdp::post_backward_reshard"):
+                self.reshard()
+
+    def _pending_reshard_ok(self) -> bool:
+        # an in-place reduction still reads the gathered storage; it reshards when it finishes
+        return self._pending is None or not self._pending.in_place
+
+    def _backward_done(self) -> bool:
+        return not self.has_frozen or (self._fwd_uses > 0 and self._bwd_done >= self._fwd_uses)
 
     def reduce_grads(self) -> None:
-        """Put the unit's full grads in one flat buffer and issue the reduce-scatter (async)."""
+        """Put the unit's full grads in one flat buffer and issue the reduce-scatter (async).
+
+        Called by the context only (in the fixed order of [Note: reductions in a fixed order on
+        their own group]); a parameter without a gradient on this rank contributes zeros."""
         if self._reduce_issued or not self.trainable:
             return
         self._reduce_issued = True
@@ -350,41 +543,48 @@ class ShardUnit:
                 self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
             self._write_grads(self._accum, accumulate=self._accum_valid)
             self._accum_valid = True
-            self.reshard()
+            if self._backward_done():
+                self.reshard()
             return
         in_place = False
-        if self._accum_valid:
-            self._write_grads(self._accum, accumulate=True)
-            buf, pooled = self._accum, False
-        elif self._can_reduce_in_place():
-            buf, pooled, in_place = self.full_flat, False, True
-            self._write_grads(buf, accumulate=False)
-        else:
-            buf = self.ctx.acquire_grad_buffer(L.padded_total, self.reduce_dtype, self.compute_device)
-            self._write_grads(buf, accumulate=False)
-            pooled = True
-        low_precision = self.reduce_dtype in (torch.float16, torch.bfloat16)
-        if low_precision:
-            buf.div_(self.dp)  # pre-divide so a 16-bit sum cannot overflow
+        with record_function("fsdp::copy_grads"):
+            if self._accum_valid:
+                self._write_grads(self._accum, accumulate=True)
+                buf, pooled = self._accum, False
+            elif self._can_reduce_in_place():
+                buf, pooled, in_place = self.full_flat, False, True
+                self._write_grads(buf, accumulate=False)
+            else:
+                buf = self.ctx.acquire_buffer(self, L.padded_total, self.reduce_dtype, self.compute_device, "in")
+                self._write_grads(buf, accumulate=False)
+                pooled = True
+        pre, post = grad_divide_factors(self.dp, self.reduce_dtype)
+        if pre != 1.0:
+            buf.div_(pre)  # see grad_divide_factors: 16-bit sums must not overflow
         fresh = all(p.grad is None for p in self._trainable_sharded())
         direct = fresh and buf.dtype == self.shard_dtype and self.grad_shard.device == buf.device
         quant = self.comm is not None and self.comm.grads and self.N > 1
-        scratch = None
+        scratch = q_recv = None
+        q_pooled = False
         if quant:
-            out = self.ctx.acquire_grad_buffer(L.shard_numel, torch.float32, self.compute_device, tag="q")
-            pending = self._issue_quantized_reduce(buf, out)
+            out = self.ctx.acquire_buffer(self, L.shard_numel, torch.float32, self.compute_device, "q")
+            pending, q_recv, q_pooled = self._issue_quantized_reduce(buf)
             direct = False
         else:
-            out = self.grad_shard if direct else self.ctx.acquire_grad_buffer(
-                L.shard_numel, self.reduce_dtype, self.compute_device, tag="out"
+            out = self.grad_shard if direct else self.ctx.acquire_buffer(
+                self, L.shard_numel, self.reduce_dtype, self.compute_device, "out"
             )
-            k = C.reduce_scatter_scratch_numel(self.shard_group, L.shard_numel)
-            scratch = self.ctx.acquire_grad_buffer(k, buf.dtype, self.compute_device, tag="rs") if k else None
-            pending = C.reduce_scatter(out, buf, self.shard_group, self.stats, scratch)
-        self._pending = _Reduction(pending, buf if pooled else None, direct, fresh, low_precision, None if direct else out, in_place, scratch)
+            k = C.reduce_scatter_scratch_numel(self.reduce_group, L.shard_numel)
+            scratch = self.ctx.acquire_buffer(self, k, buf.dtype, self.compute_device, "rs") if k else None
+            pending = C.reduce_scatter(out, buf, self.reduce_group, self.stats, scratch)
+        self._pending = _Reduction(
+            pending=pending, pooled_input=buf if pooled else None, direct=direct, fresh=fresh, post_divide=post,
+            out=None if direct else out, in_place=in_place, scratch=scratch, quantized=q_recv,
+            quantized_pooled=q_pooled,
+        )
         if in_place:
             self._hide()  # the storage now holds gradients; resharded when the reduction finishes
-        else:
+        elif self._backward_done():
             self.reshard()
         self.ctx.add_pending(self)
 
@@ -416,61 +616,83 @@ class ShardUnit:
             if not accumulate and L.padded_total > L.total:
                 buf[L.total:].zero_()
 
-    def _issue_quantized_reduce(self, buf: torch.Tensor, out: torch.Tensor) -> C.Pending:
-        """qgZ: quantize all N chunks, all-to-all them, sum the dequantized chunks in finish_reduce."""
-        b = self.comm.block_size
-        nb = packed_nbytes(self.layout.shard_numel, b)
-        if getattr(self, "_q_send", None) is None:
-            self._q_send = torch.empty(nb * self.N, dtype=torch.uint8, device=self.compute_device)
-            self._q_recv = torch.empty(nb * self.N, dtype=torch.uint8, device=self.compute_device)
-        S = self.layout.shard_numel
-        for r in range(self.N):
-            quantize_into(buf[r * S:(r + 1) * S], self._q_send[r * nb:(r + 1) * nb], b)
-        return C.all_to_all(self._q_recv, self._q_send, self.shard_group, self.stats)
+    def _issue_quantized_reduce(self, buf: torch.Tensor) -> Tuple[C.Pending, torch.Tensor, bool]:
+        """qgZ: quantize all N chunks, all-to-all them; finish_reduce sums the dequantized chunks.
+
+        See [Note: int8 buffers live inside the unit's own storage]: the chunks are packed in place
+        at the front of `buf` (chunk r's packed bytes end before chunk r+1's values start, and
+        `quantize_into` reads a chunk whole before writing), and with a 4-byte reduce dtype the
+        received chunks land behind them in `buf` too; a 2-byte one receives into a pooled buffer.
+        """
+        b, S = self.comm.block_size, self.layout.shard_numel
+        nb = packed_nbytes(S, b)
+        raw = buf.view(torch.uint8)
+        send = raw[: self.N * nb]
+        with record_function("fsdp::quantize"):
+            for r in range(self.N):
+                quantize_into(buf[r * S:(r + 1) * S], send[r * nb:(r + 1) * nb], b)
+        pooled = raw.numel() < 2 * self.N * nb
+        if pooled:
+            recv = self.ctx.acquire_buffer(self, self.N * nb, torch.uint8, self.compute_device, "qrecv")
+        else:
+            recv = raw[self.N * nb: 2 * self.N * nb]
+        return C.all_to_all(recv, send, self.reduce_group, self.stats), recv, pooled
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
         if self._pending is None:
             return
-        pending, buf, direct, fresh, pre_divided, out, in_place, scratch = self._pending
+        red = self._pending
         self._pending = None
-        C.wait(pending)
-        if in_place:
-            self.reshard()
-        if scratch is not None:
-            self.ctx.release_grad_buffer(scratch)
-        if self.comm is not None and self.comm.grads and self.N > 1:
+        C.wait(red.pending)
+        out = red.out
+        if red.quantized is not None:  # sum the dequantized chunks before their buffer goes back
             b, S = self.comm.block_size, self.layout.shard_numel
             nb = packed_nbytes(S, b)
-            tmp = torch.empty(S, dtype=torch.float32, device=out.device)
-            for r in range(self.N):
-                dequantize_into(self._q_recv[r * nb:(r + 1) * nb], tmp, b)
-                out.copy_(tmp) if r == 0 else out.add_(tmp)
-        if buf is not None:
-            self.ctx.release_grad_buffer(buf)
+            tmp = self.ctx.acquire_buffer(self, S, torch.float32, self.compute_device, "qtmp")
+            with record_function("fsdp::dequantize"):
+                dequantize_into(red.quantized[:nb], out, b)
+                for r in range(1, self.N):
+                    dequantize_into(red.quantized[r * nb:(r + 1) * nb], tmp, b)
+                    out.add_(tmp)
+            self.ctx.release_buffer(tmp)
+            if red.quantized_pooled:
+                self.ctx.release_buffer(red.quantized)
+        if red.in_place:
+            self.reshard()
+        if red.scratch is not None:
+            self.ctx.release_buffer(red.scratch)
+        if red.pooled_input is not None:
+            self.ctx.release_buffer(red.pooled_input)
         if self._accum_valid:
-            self._accum_valid = False  # the accumulated grads went into this reduction
-        reduced = self.grad_shard if direct else out
+            # the accumulated grads went into this reduction: free them until the next no-sync step
+            self._accum_valid = False
+            self._accum = None
+        reduced = self.grad_shard if red.direct else out
         if self.R > 1:
             C.wait(C.all_reduce(reduced, self.replicate_group, self.stats))
-        if not pre_divided:
-            reduced.div_(self.dp)
+        if red.post_divide != 1.0:
+            reduced.div_(red.post_divide)
         params = self._trainable_sharded()
         with torch.no_grad():
-            if fresh:
-                if not direct:
+            if red.fresh:
+                if not red.direct:
                     self.grad_shard.copy_(reduced, non_blocking=True)
                 for p, e in zip(params, self.trainable):
                     p.grad = self.grad_shard[self.layout.shard_slice(e)]
             else:
+                # gradients persist (zero_grad(set_to_none=False), or a second synced backward):
+                # accumulate where they live, so bring the reduced shard there first (CPU offload
+                # keeps them on the host, the reduction ran on the compute device)
+                host = reduced.to(self.grad_shard.device)
                 for p, e in zip(params, self.trainable):
-                    piece = reduced[self.layout.shard_slice(e)].to(p.dtype)
+                    piece = host[self.layout.shard_slice(e)].to(p.dtype)
                     if p.grad is None:
                         p.grad = piece.clone()
                     else:
                         p.grad.add_(piece)
         if out is not None and out is not self.grad_shard:
-            self.ctx.release_grad_buffer(out)
+            self.ctx.release_buffer(out)
         # Autograd never accumulates into the sharded parameters (the modules compute with the
         # unsharded ones), so their post-accumulate-grad hooks run here, once the reduced gradient
         # is in place (as in FSDP2): e.g. an optimizer stepped per parameter inside backward.
@@ -485,11 +707,14 @@ class ShardUnit:
         self.drop_secondary()
         self._grads_seen = 0
         self._reduce_issued = False
+        self._ready = False
+        self._bwd_done = 0
         self._written = [False] * len(self.entries)
 
     # ---------------------------------------------------------------- accounting
     def tensor_bytes(self) -> dict:
-        """Bytes held by this unit's persistent tensors (for tests and the benchmark)."""
+        """Bytes held by this unit's persistent tensors (for tests and the benchmark); the model's
+        pooled buffers are counted once, by `ShardedModule.sharded_tensor_bytes`."""
         nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()
         return {
             "shard": nbytes(self.shard),
@@ -497,6 +722,7 @@ class ShardUnit:
             "unsharded": 0 if self.storage is None else self.storage.nbytes(),
             "accum": nbytes(self._accum),
             "secondary": nbytes(self._secondary),
+            "send": nbytes(self._send),
         }
 
 
