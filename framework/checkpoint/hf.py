@@ -125,6 +125,11 @@ def weight_files(directory: str, where: str) -> dict[str, str]:
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
+        outside = [v for v in weight_map.values() if not isinstance(v, str) or os.path.basename(v) != v
+                   or v in ("", ".", "..")]
+        if outside:  # shards are read from this directory only (see [Note: files stay inside])
+            raise UserInputError(f"{where}: {INDEX_FILE} names {str(outside[0])[:80]!r}, which is not a file "
+                                 "beside it; shards are read only from the checkpoint's own directory")
         missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(directory, v))})
         if missing:
             raise UserInputError(f"{where}: {INDEX_FILE} names {missing[0]} ({len(missing)} file(s) missing); "

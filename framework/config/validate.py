@@ -84,6 +84,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
                       "'auto' or 'none'")
     if cfg.checkpoint.init_from and not os.path.exists(cfg.checkpoint.init_from):
         errors.append(f"checkpoint.init_from={cfg.checkpoint.init_from}: no such directory")
+    if os.path.isabs(cfg.checkpoint.dir) and os.path.isfile(cfg.checkpoint.dir):  # relative: checked at start
+        errors.append(f"checkpoint.dir={cfg.checkpoint.dir} is a file, not a directory; name a directory "
+                      "(it is created if missing)")
     if t.device == "cuda":
         try:
             import torch
