@@ -47,9 +47,22 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
     tok = resolve_tokenizer(cfg, is_main=not distributed or dist.get_rank() == 0,
                             barrier=dist.barrier if distributed else (lambda: None))
     f, t = cfg.finetune, cfg.trainer
-    if not f.train_file:
-        raise UserInputError("stage=fine_tuning needs finetune.train_file (a JSONL file of records)")
-    records = read_records(f.train_file)
+    train_file = f.train_file
+    if f.dataset:
+        from framework.finetune.stdlib_tasks import ensure_dataset
+
+        if not distributed or dist.get_rank() == 0:
+            train_file = ensure_dataset(f.dataset, cfg.data.cache_dir)
+        if distributed:
+            dist.barrier()
+        train_file = ensure_dataset(f.dataset, cfg.data.cache_dir)  # written by now: only its path
+    if not train_file:
+        raise UserInputError("stage=fine_tuning needs finetune.train_file (a JSONL file of records) "
+                             "or finetune.dataset=stdlib_functions")
+    if f.packing and cfg.model.name == "hf":
+        raise UserInputError("finetune.packing=true needs a model that takes per-document positions (our "
+                             "Llama); with model=hf set finetune.packing=false (padded rows)")
+    records = read_records(train_file)
     if f.valid_file:
         train, valid = records, read_records(f.valid_file)
     else:

@@ -49,6 +49,14 @@ class SFTTokenizer:
         self.tokenizer, self.eod, self.hf = tokenizer, eod, hf
 
     @property
+    def path(self):
+        """The tokenizer.json behind it (an export copies it), or None."""
+        if self.hf is not None:
+            found = os.path.join(getattr(self.hf, "name_or_path", ""), "tokenizer.json")
+            return found if os.path.isfile(found) else None
+        return getattr(self.tokenizer, "path", None)
+
+    @property
     def vocab_size(self) -> int:
         return len(self.hf) if self.hf is not None else self.tokenizer.vocab_size
 

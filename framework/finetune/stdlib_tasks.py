@@ -1,0 +1,81 @@
+"""An embedded instruction set: "complete this function" pairs cut from this Python's standard library.
+
+For each top-level function or method of the stdlib modules *not* in the pre-training corpus
+(`framework/data/stdlib.py` takes the first ~2 MB of modules in name order; these are the rest),
+the prompt is an instruction, the function's signature and its docstring, and the response is the
+body that follows. Only short functions are kept (at most MAX_BODY_LINES body lines and
+MAX_CHARS characters in all) so a record fits a 256-token row. Written once as JSONL into the data
+cache; the same Python gives the same file.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import sysconfig
+
+from framework.data.stdlib import stdlib_files
+
+INSTRUCTION = "# Complete this function.\n"
+MAX_BODY_LINES = 8
+MAX_CHARS = 600
+DATASETS = ("stdlib_functions",)
+
+
+def _pairs_of(path: str):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        source = f.read()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        body = node.body
+        first = body[0]
+        has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+            and isinstance(first.value.value, str)
+        rest = body[1:] if has_doc else body
+        if not rest:
+            continue
+        head_end = rest[0].lineno - 1  # lines [def ... docstring] end before the first statement
+        start = node.lineno - 1 - len(node.decorator_list)
+        end = node.end_lineno
+        if end - head_end > MAX_BODY_LINES:
+            continue
+        indent = len(lines[start]) - len(lines[start].lstrip())
+        prompt = "".join(line[indent:] for line in lines[start:head_end])
+        response = "".join(line[indent:] for line in lines[head_end:end])
+        if len(prompt) + len(response) <= MAX_CHARS and response.strip():
+            yield {"prompt": INSTRUCTION + prompt, "response": response}
+
+
+def stdlib_function_records(limit: int = 4000) -> list:
+    """Up to `limit` records, from the modules after those of the pre-training corpus."""
+    root = sysconfig.get_paths()["stdlib"]
+    seen = set(stdlib_files())
+    modules = [os.path.join(root, n) for n in sorted(os.listdir(root))
+               if n.endswith(".py") and not n.startswith("_") and os.path.join(root, n) not in seen]
+    records = []
+    for path in modules:
+        for record in _pairs_of(path):
+            records.append(record)
+            if len(records) >= limit:
+                return records
+    return records
+
+
+def ensure_dataset(name: str, cache_dir: str) -> str:
+    """The JSONL file of the embedded set `name`, written into `cache_dir` once (atomically)."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    path = os.path.join(os.path.abspath(cache_dir), f"sft-{name}-py{version}.jsonl")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(record) + "\n" for record in stdlib_function_records())
+        os.replace(tmp, path)
+    return path

@@ -1,0 +1,64 @@
+"""The recipes end to end through `python main.py`, on tiny settings: the digits CNN learns, and a
+LoRA fine-tune starts from an export, checkpoints its adapters only and exports a plain model."""
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import read_metrics, run_main
+from safetensors import safe_open
+
+QUIET = ["trainer.progress_bar=false", "logging.tensorboard=false", "trainer.sample_tokens=0"]
+
+
+def test_digits_cnn_learns(tmp_path):
+    out = run_main(["experiment=digits_cnn", "trainer.max_steps=40", "trainer.eval_interval=40",
+                    f"hydra.run.dir={tmp_path}/run"] + QUIET, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = [m for m in read_metrics(tmp_path / "run") if "val_acc" in m][-1]
+    # 40 steps (~2 epochs) reach ~0.9 on the 360 held-out images; chance is 0.1. The full recipe
+    # (200 steps) reaches >= 0.98, see docs/fine_tuning.md.
+    assert final["step"] == 40 and final["val_acc"] > 0.6, final
+
+
+def _files(tmp_path):
+    from framework.data.tokenizer import train_bpe
+
+    texts = [f"def f{i}(a):\n    return a + {i}\n" for i in range(50)]
+    tok = train_bpe(texts, 300, str(tmp_path / "tok.json"))
+    with open(tmp_path / "sft.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"def f{i}(a):\n", "response": f"    return a + {i}\n"}) + "\n"
+                     for i in range(24))
+        f.write(json.dumps({"messages": [{"role": "user", "content": "def g():"},
+                                         {"role": "assistant", "content": "    pass"}]}) + "\n")
+    return tok.vocab_size
+
+
+def test_lora_fine_tuning_from_an_export(tmp_path):
+    vocab = _files(tmp_path)
+    pre = run_main(["model=debug", "data=synthetic", f"model.vocab_size={vocab}", "trainer.max_steps=2",
+                    "checkpoint.export_safetensors=true", f"hydra.run.dir={tmp_path}/pre"] + QUIET, tmp_path)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    base_dir = tmp_path / "pre" / "checkpoints" / "export"
+    ft = run_main(["model=debug", "stage=fine_tuning", f"finetune.train_file={tmp_path}/sft.jsonl",
+                   f"finetune.tokenizer={tmp_path}/tok.json", f"checkpoint.init_from={base_dir}",
+                   "peft.lora.enabled=true", "peft.lora.targets=[q_proj,v_proj]", "trainer.max_steps=4",
+                   "trainer.eval_interval=4", "optimizer.lr=0.01", "data.seq_len=32",
+                   "checkpoint.export_safetensors=true", f"hydra.run.dir={tmp_path}/ft"] + QUIET, tmp_path)
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    assert "LoRA rank 8 on 4 layers" in ft.stdout + ft.stderr
+    metrics = read_metrics(tmp_path / "ft")
+    assert "val_loss" in metrics[-1]
+    # The checkpoint holds the adapters only (and their optimizer state).
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(tmp_path / "ft" / "checkpoints" / "step_00000004")).read_metadata()
+    model_keys = {k for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert model_keys == {f"model.layers.{i}.attention.{w}.lora_{ab}" for i in (0, 1) for w in ("wq", "wv")
+                          for ab in ("a", "b")}
+    # The export is a plain Llama: the base's tensor names, the adapters folded into q and v only.
+    with safe_open(str(base_dir / "model.safetensors"), "pt") as base, \
+            safe_open(str(tmp_path / "ft" / "checkpoints" / "export" / "model.safetensors"), "pt") as tuned:
+        assert set(base.keys()) == set(tuned.keys())
+        changed = {k for k in base.keys() if not torch.equal(base.get_tensor(k), tuned.get_tensor(k))}  # noqa: SIM118
+    assert changed == {f"model.layers.{i}.self_attn.{w}.weight" for i in (0, 1) for w in ("q_proj", "v_proj")}
