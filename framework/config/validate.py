@@ -78,6 +78,18 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         if cfg.data.name == DataName.indexed and not os.path.exists(prefix + ".idx"):
             errors.append(f"data.paths: {prefix}.idx does not exist; prepare it with stage=data_preparation")
 
+    f = cfg.finetune
+    if cfg.stage == Stage.fine_tuning and not f.dataset and not f.train_file:
+        errors.append("stage=fine_tuning needs finetune.train_file (a JSONL file of {\"prompt\", \"response\"} or "
+                      "{\"messages\": [...]} records) or finetune.dataset=stdlib_functions")
+    for name in ("train_file", "valid_file", "tokenizer"):
+        path = getattr(f, name)
+        if cfg.stage == Stage.fine_tuning and path and not os.path.exists(path):
+            errors.append(f"finetune.{name}={path}: no such file; give an existing path")
+    if cfg.peft.lora.enabled and p.tp > 1:
+        errors.append("peft.lora.enabled=true with parallelism.tp > 1: the adapters are not split for tensor "
+                      "parallelism; use parallelism.tp=1 (the base weights are still sharded)")
+
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none", "") and not os.path.exists(resume):
         errors.append(f"checkpoint.resume={resume}: no such checkpoint; give an existing path, "
