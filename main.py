@@ -37,5 +37,5 @@ if __name__ == "__main__":
         # Hydra exits 1 when it refuses a composition (a typo, a wrong type, an unknown group
         # option); report that as bad input, like every other config error.
         if exc.code == 1 and not _started and os.environ.get("RANK", "0") == "0":
-            raise SystemExit(EXIT_BAD_INPUT)
+            raise SystemExit(EXIT_BAD_INPUT) from None
         raise

@@ -8,8 +8,8 @@ import logging
 import os
 from typing import List, Optional
 
-from framework.config.schema import Config, DataName, Stage
 from framework.config.degrees import ParallelDims, resolve_parallel_dims
+from framework.config.schema import Config, DataName, Stage
 from framework.errors import UserInputError
 
 

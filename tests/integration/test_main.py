@@ -4,7 +4,6 @@ import os
 import re
 
 import pytest
-
 from conftest import REPO, TINY, read_metrics, run_main
 
 
@@ -27,7 +26,8 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
 
 @pytest.mark.parametrize("overrides, needle", [
     (["parallelism.dp_shard=3"], "must equal the world size (2)"),
-    (["parallelism.tp=2", "model.n_heads=3", "model.dim=96", "model.n_kv_heads=3"], "model.n_heads=3 is not divisible by parallelism.tp=2"),
+    (["parallelism.tp=2", "model.n_heads=3", "model.dim=96", "model.n_kv_heads=3"],
+     "model.n_heads=3 is not divisible by parallelism.tp=2"),
     (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible"),
     (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=128"),
     (["model=gpt9"], "Could not find 'model/gpt9'"),
@@ -45,7 +45,7 @@ def test_bad_config_one_line_exit_2_nothing_written(tmp_path, overrides, needle)
     assert "Traceback" not in out.stderr
     assert sorted(os.listdir(tmp_path)) == ["keep.txt"]  # no run directory, nothing else touched
     if overrides[0].startswith(("parallelism.dp", "trainer", "data", "optimizer", "checkpoint")):
-        assert len([l for l in out.stderr.splitlines() if l.startswith("error:")]) == 1
+        assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
 _FAULT_IN_FORWARD = """

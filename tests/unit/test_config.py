@@ -54,7 +54,8 @@ def test_unknown_engine_is_refused():
 
 @pytest.mark.parametrize("overrides, world, needle", [
     (["parallelism.dp_shard=3"], 2, "must equal the world size (2)"),
-    (["model=debug", "parallelism.tp=3", "parallelism.dp_shard=1"], 3, "model.n_heads=4 is not divisible by parallelism.tp=3"),
+    (["model=debug", "parallelism.tp=3", "parallelism.dp_shard=1"], 3,
+     "model.n_heads=4 is not divisible by parallelism.tp=3"),
     (["trainer.global_batch_size=6", "trainer.micro_batch_size=4"], 2, "trainer.global_batch_size=6 is not divisible"),
     (["model=debug", "data.seq_len=4096"], 2, "data.seq_len=4096 is longer than model.max_seq_len=128"),
     (["checkpoint.resume=/no/such/ckpt"], 2, "checkpoint.resume=/no/such/ckpt: no such checkpoint"),
