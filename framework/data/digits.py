@@ -8,21 +8,36 @@ in `framework/data/loader.py`): the loader's whole state is the number of sample
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from framework.data.loader import GlobalBatchLoader
+from framework.errors import UserInputError
 
 NUM_CLASSES = 10
 IMAGE_SIZE = 8
 
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    """All images as (N, 1, 8, 8) float32 in [0, 1], and their labels (N,) int64."""
-    from sklearn.datasets import load_digits
+    """All images as (N, 1, 8, 8) float32 in [0, 1], and their labels (N,) int64.
 
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    return images, torch.tensor(bunch.target, dtype=torch.long)
+    Read straight from the CSV file scikit-learn ships (`sklearn/datasets/data/digits.csv.gz`: 64
+    pixel values then the label per line), without importing scikit-learn: its native libraries
+    (its own OpenMP runtime) would be loaded into every training rank for one small file."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise UserInputError("data=digits needs scikit-learn installed (it ships the digits file); "
+                             "pip install the version pinned in requirements.lock")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
+    with gzip.open(path, "rt") as f:
+        rows = [[int(v) for v in line.split(",")] for line in f if line.strip()]
+    table = torch.tensor(rows, dtype=torch.float32)
+    images = table[:, :64].reshape(-1, 1, IMAGE_SIZE, IMAGE_SIZE) / 16.0
+    return images, table[:, 64].long()
 
 
 class DigitsSplit:
