@@ -275,8 +275,8 @@ def run_gpu(args) -> None:
         "exposed_comm_s": statistics.median(max(r["exposed"][i] for r in res) for i in range(args.steps)),
     }
     mfu = "n/a (unknown GPU: pass --peak-tflops)" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-    print(f"\nGPT {args.model_size} ({row['params'] / 1e9:.2f}B params), ours, {args.ranks} x {row['gpu']}, bf16 compute, "
-          f"{args.steps} steps, medians")
+    print(f"\nGPT {args.model_size} ({row['params'] / 1e9:.2f}B params), ours, {args.ranks} x {row['gpu']}, "
+          f"bf16 compute, {args.steps} steps, medians")
     print(f"step {step_s:.3f} s  tokens/s {tok_s:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.1f} GiB/GPU  "
           f"exposed comm {row['exposed_comm_s']:.3f} s/step")
     out = "bench/engine_gpu.json" if args.out == "bench/engine_results.json" else args.out

@@ -60,9 +60,7 @@ def _batch(step: int, dev: torch.device, rank: int = 0, n: int = 1, width: int =
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(GB, width, generator=g), torch.randn(GB, 1, generator=g)
     per = GB // n
-    return x[rank * per : (rank + 1) * per].to(dev), y[
-        rank * per : (rank + 1) * per
-    ].to(dev)
+    return x[rank * per : (rank + 1) * per].to(dev), y[rank * per : (rank + 1) * per].to(dev)
 
 
 def _train(model, loss_fn: Callable, dev, rank, n, steps=STEPS, opt=None, accum=1):
@@ -106,10 +104,7 @@ def _full_params(model: nn.Module, names) -> dict:
     from torch.distributed.tensor import DTensor
 
     sd = model.state_dict()  # collective for a sharded model
-    return {
-        k: (sd[k].full_tensor() if isinstance(sd[k], DTensor) else sd[k]).detach().cpu()
-        for k in names
-    }
+    return {k: (sd[k].full_tensor() if isinstance(sd[k], DTensor) else sd[k]).detach().cpu() for k in names}
 
 
 def _snapshot(model: nn.Module) -> dict:
@@ -127,9 +122,7 @@ def _compare(init: dict, ref, ours, ref_losses, our_losses) -> dict:
     }
 
 
-def _parity(
-    build: Callable, shard: Callable, loss_fn: Callable, rank, n, build_ref=None, **kw
-) -> dict:
+def _parity(build: Callable, shard: Callable, loss_fn: Callable, rank, n, build_ref=None, **kw) -> dict:
     """Our engine vs the single-process reference, same initial weights, same global batches."""
     dev = _device(rank)
     ref = (build_ref or build)().to(dev)
@@ -139,9 +132,7 @@ def _parity(
     our_losses = _train(ours, loss_fn, dev, rank, n, **kw)
     out = _compare(init, ref, ours, ref_losses, our_losses)
     # what the optimizer sees: plain 1-D tensors, this rank's slice of each unit's flat buffer
-    out["param_kinds"] = sorted(
-        {(type(p).__name__, p.dim()) for p in ours.parameters()}
-    )
+    out["param_kinds"] = sorted({(type(p).__name__, p.dim()) for p in ours.parameters()})
     return out
 
 
@@ -310,9 +301,7 @@ class TiedLM(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.tok = nn.Embedding(self.vocab, D)
-        self.blocks = nn.ModuleList(
-            CkptBlock() if checkpointed else _Plain() for _ in range(2)
-        )
+        self.blocks = nn.ModuleList(CkptBlock() if checkpointed else _Plain() for _ in range(2))
         self.ln = nn.LayerNorm(D)
         self.head = nn.Linear(D, self.vocab, bias=False)
         self.head.weight = self.tok.weight
@@ -330,9 +319,7 @@ class _Plain(CkptBlock):
 
 
 def _lm_loss(model, step, x, y):
-    idx = (
-        x.abs() * 9
-    ).long() % TiedLM.vocab  # tokens made from this rank's rows: (rows, D)
+    idx = (x.abs() * 9).long() % TiedLM.vocab  # tokens made from this rank's rows: (rows, D)
     out = model(idx[:, :-1])
     return F.cross_entropy(out.reshape(-1, TiedLM.vocab), idx[:, 1:].reshape(-1))
 
@@ -428,9 +415,7 @@ class Unused(nn.Module):
 
     def forward(self, x):
         h = self.a(x)
-        return self.head(h), self.side(
-            h
-        )  # the second output feeds no loss; `never` never runs
+        return self.head(h), self.side(h)  # the second output feeds no loss; `never` never runs
 
 
 def b_unused_outputs_and_submodules(rank, n):
@@ -502,9 +487,7 @@ def b_containers_cast_forward_inputs(rank, n):
         for name in ("l", "t", "d", "p"):
             c = getattr(m, name)
             _fs(c, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
-            c.register_forward_pre_hook(
-                lambda mod, args, name=name: seen.__setitem__(name, _dtypes(args))
-            )
+            c.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, _dtypes(args)))
         return _fs(m)
 
     out = _parity(Containers, shard, _mse, rank, n)
@@ -571,9 +554,7 @@ def b_fp16_one_submodule(rank, n):
             child = getattr(m, which)
             _fs(child, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, **kw))
             for name in ("c1", "c2"):
-                getattr(m, name).register_forward_pre_hook(
-                    lambda mod, a, name=name: seen.__setitem__(name, _dtypes(a))
-                )
+                getattr(m, name).register_forward_pre_hook(lambda mod, a, name=name: seen.__setitem__(name, _dtypes(a)))
             return _fs(m)
 
         r = _parity(
@@ -647,27 +628,17 @@ def b_explicit_prefetch(rank, n):
         for lin in L:
             _fs(lin)
         for i, lin in enumerate(L):
-            lin.set_modules_to_forward_prefetch(
-                [L[j] for j in (i + 1, i + 2) if j < len(L)]
-            )
-            lin.set_modules_to_backward_prefetch(
-                [L[j] for j in (i - 1, i - 2) if j >= 0]
-            )
+            lin.set_modules_to_forward_prefetch([L[j] for j in (i + 1, i + 2) if j < len(L)])
+            lin.set_modules_to_backward_prefetch([L[j] for j in (i - 1, i - 2) if j >= 0])
         # after layer 0's pre-forward (ours runs first), layers 1 and 2 must be gathered or gathering
         L[0].register_forward_pre_hook(
-            lambda mod, a: states.append(
-                [L[j]._fsdp_unit.state != UnitState.SHARDED for j in (1, 2, 3)]
-            )
+            lambda mod, a: states.append([L[j]._fsdp_unit.state != UnitState.SHARDED for j in (1, 2, 3)])
         )
 
         # when layer 3's backward starts (our hook on its output runs first), layers 2 and 1
         # must be gathered or gathering, layer 0 not yet
         def bwd_probe(mod, a, output):
-            output.register_hook(
-                lambda g: bwd.append(
-                    [L[j]._fsdp_unit.state != UnitState.SHARDED for j in (2, 1, 0)]
-                )
-            )
+            output.register_hook(lambda g: bwd.append([L[j]._fsdp_unit.state != UnitState.SHARDED for j in (2, 1, 0)]))
 
         L[3].register_forward_hook(bwd_probe)
         return _fs(m)
@@ -687,9 +658,7 @@ def b_hsdp_ckpt_offload_accum(rank, n):
 
     dev = _device(rank)
     # 2 x 2 on 4 ranks (2 x 1, replication only, when FSDP_TEST_WORLD=2)
-    mesh = init_device_mesh(
-        dev.type, (2, n // 2), mesh_dim_names=("replicate", "shard")
-    )
+    mesh = init_device_mesh(dev.type, (2, n // 2), mesh_dim_names=("replicate", "shard"))
     kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
 
     def shard(m):
@@ -744,9 +713,7 @@ _COLLECTIVES = (
 
 def world_size_1(rank, n):
     calls = []
-    originals = {
-        name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)
-    }
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
     def counting(name, fn):
         def f(*a, **k):
@@ -790,18 +757,14 @@ def _worker(rank, n, names):
 def _world() -> int:
     """4 ranks; `FSDP_TEST_WORLD` (1, 2, 4 or 8) fits the run to the GPUs of a machine."""
     n = int(os.environ.get("FSDP_TEST_WORLD", "4"))
-    assert n in (1, 2, 4, 8), (
-        f"FSDP_TEST_WORLD={n}: use 1, 2, 4 or 8 (the global batch of {GB} rows splits evenly)"
-    )
+    assert n in (1, 2, 4, 8), f"FSDP_TEST_WORLD={n}: use 1, 2, 4 or 8 (the global batch of {GB} rows splits evenly)"
     return n
 
 
 @pytest.fixture(scope="module")
 def results4():
     n = _world()
-    names = (
-        sorted(BEHAVIOURS_4) if n > 1 else sorted(set(BEHAVIOURS_4) - set(NEEDS_RANKS))
-    )
+    names = sorted(BEHAVIOURS_4) if n > 1 else sorted(set(BEHAVIOURS_4) - set(NEEDS_RANKS))
     return run_ranks(_worker, n, args=(names,), timeout_s=300)[0]
 
 
@@ -824,21 +787,14 @@ def _ok(r: dict, tol: float = TOL) -> None:
     assert "error" not in r, r.get("error")
     assert r["loss_diff"] < tol, r
     assert r["param_diff"] < tol, r
-    assert r["params_moved"] > 10 * tol, (
-        r
-    )  # training changed the weights: the comparison means something
+    assert r["params_moved"] > 10 * tol, r  # training changed the weights: the comparison means something
 
 
 XFAIL: dict = {}
 
 
 def _params(names):
-    return [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
-        if n in XFAIL
-        else n
-        for n in names
-    ]
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n])) if n in XFAIL else n for n in names]
 
 
 PLAIN = [
@@ -865,18 +821,13 @@ def test_layer_by_layer_shared_params(results4):
     _ok(r)
     assert r["param_kinds"] == [("Parameter", 1)], r  # flat 1-D slices, not DTensors
     # A parameter shared by two units is refused when the second unit is built, naming the fix.
-    assert (
-        r["cross_unit_error"]
-        and "tied parameters must belong to one unit" in r["cross_unit_error"]
-    ), r
+    assert r["cross_unit_error"] and "tied parameters must belong to one unit" in r["cross_unit_error"], r
 
 
 def test_post_accumulate_grad_hooks_step_optimizer(results4):
     r = _result(results4, "post_accumulate_grad_hooks")
     _ok(r)
-    assert r["our_calls"] == r["ref_calls"] > 0, (
-        r
-    )  # once per parameter per step, as in the reference
+    assert r["our_calls"] == r["ref_calls"] > 0, r  # once per parameter per step, as in the reference
 
 
 def test_containers_cast_forward_inputs(results4):
@@ -926,9 +877,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 _GPU_CHECK = os.path.join(_REPO, "bench", "gpu_check.sh")
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="a GPU is visible: run bench/gpu_check.sh itself"
-)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run bench/gpu_check.sh itself")
 def test_gpu_check_refuses_without_gpu(tmp_path):
     report = tmp_path / "report.txt"
     p = subprocess.run(
@@ -941,9 +890,7 @@ def test_gpu_check_refuses_without_gpu(tmp_path):
     )
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(
-        "error: bench/gpu_check.sh needs a CUDA GPU"
-    ), p.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: bench/gpu_check.sh needs a CUDA GPU"), p.stderr
     assert not report.exists()  # nothing half-written
 
 
@@ -952,7 +899,5 @@ def test_gpu_check_is_shellcheck_clean():
     sc = sc if os.path.exists(sc) else shutil.which("shellcheck")
     if sc is None:
         pytest.skip("shellcheck not installed (requirements-test.lock provides it)")
-    p = subprocess.run(
-        [sc, _GPU_CHECK], check=False, capture_output=True, text=True, timeout=60
-    )
+    p = subprocess.run([sc, _GPU_CHECK], check=False, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout
