@@ -167,7 +167,13 @@ def job_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
         problems = [p for p in problems if not PATH_PROBLEM.search(p)]
     if Stage.data_preparation in stages:  # this job writes the datasets the check looks for
         problems = [p for p in problems if "prepare it with stage=data_preparation" not in p]
-    return problems + launcher_problems(cfg, launch)
+    problems = problems + launcher_problems(cfg, launch)
+    if not problems and Stage.training in stages and not launch.cluster.force:
+        # Will it fit? Arithmetic only, no torch (framework/planner, docs/planner.md).
+        from framework.planner import fit_problems
+
+        problems += fit_problems(checked, cfg.cluster.nodes * cfg.cluster.nproc_per_node)
+    return problems
 
 
 def advice(cfg: Config, launch: LauncherConfig, keys: Sequence[str] = ()) -> List[str]:
@@ -176,17 +182,12 @@ def advice(cfg: Config, launch: LauncherConfig, keys: Sequence[str] = ()) -> Lis
     notes = []
     if "hydra.run.dir" in keys:
         notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; your value is ignored")
-    if (isinstance(c, SlurmCluster) and not c.cpus_per_task and not slurm.exclusive(cfg, _probe_job(launch))
+    if (isinstance(c, SlurmCluster) and not c.cpus_per_task and not slurm.exclusive(cfg, c)
             and cfg.cluster.nproc_per_node > 1):
         notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {cfg.cluster.nproc_per_node} "
                      "ranks share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
                      "cluster.exclusive=true")
     return notes
-
-
-def _probe_job(launch: LauncherConfig) -> Job:
-    return Job(name="", job_dir="", repo_dir="", python="", overrides=(), cluster=launch.cluster,
-               container=launch.container)
 
 
 def _compose_training(overrides: List[str]) -> Tuple[DictConfig, str]:

@@ -35,9 +35,8 @@ def _cluster(job: Job) -> SlurmCluster:
     return job.cluster
 
 
-def exclusive(cfg: Config, job: Job) -> bool:
+def exclusive(cfg: Config, c: SlurmCluster) -> bool:
     """Whole nodes: cluster.exclusive, or by default on GPU jobs (as NeMo's cluster config does)."""
-    c = _cluster(job)
     return bool(cfg.cluster.gpus_per_node) if c.exclusive is None else c.exclusive
 
 
@@ -55,7 +54,7 @@ def _sbatch_options(cfg: Config, job: Job, stage: Stage) -> List[str]:
         mem = c.mem or ("0" if shape.gpus_per_node else "")
         if mem:
             opts.append(f"--mem={mem}")  # 0: all of the node's memory
-        if exclusive(cfg, job):
+        if exclusive(cfg, c):
             opts.append("--exclusive")
     else:
         # Data preparation: one CPU task, never the training's whole nodes or GPUs.

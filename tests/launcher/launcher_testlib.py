@@ -1,6 +1,7 @@
 """Shared by the launcher tests: the rendered cases, fake cluster commands, running the launcher."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -8,7 +9,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -95,7 +96,20 @@ def plan_of(overrides: List[str]) -> Plan:
 
 def render_case(name: str, job_dir: str = JOB_DIR, repo_dir: str = REPO_DIR,
                 python: str = PYTHON) -> Dict[str, str]:
-    """The files of a case, rendered with fixed paths (config.yaml left out)."""
+    """The files of a case, rendered with fixed paths (config.yaml and launcher.yaml left out).
+
+    Rendering is pure, so each case is rendered once per test session (`render_case_fresh` renders
+    again, for the test that checks the purity itself)."""
+    return dict(_render_once(name, job_dir, repo_dir, python))
+
+
+@functools.lru_cache(maxsize=None)
+def _render_once(name: str, job_dir: str, repo_dir: str, python: str) -> Tuple[Tuple[str, str], ...]:
+    return tuple(render_case_fresh(name, job_dir, repo_dir, python).items())
+
+
+def render_case_fresh(name: str, job_dir: str = JOB_DIR, repo_dir: str = REPO_DIR,
+                      python: str = PYTHON) -> Dict[str, str]:
     p = plan(CASES[name])
     job = make_job(p, job_dir, repo_dir, python)
     files = render_job(p, job, job_dir)

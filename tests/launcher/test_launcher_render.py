@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from launcher_testlib import CASES, GOLDEN, JOB_DIR, plan_of, render_case, shellcheck
+from launcher_testlib import CASES, GOLDEN, JOB_DIR, plan_of, render_case, render_case_fresh, shellcheck
 
 from launcher_scripts import k8s
 from launcher_scripts.plan import Refused, make_job
@@ -36,7 +36,7 @@ def test_golden(case):
         assert text == golden, (f"{case}/{name} differs from its golden file; if the change is intended, "
                                 "regenerate with LAUNCHER_UPDATE_GOLDEN=1 and review the diff")
     # Rendering twice gives the same bytes (no clock, no environment).
-    assert render_case(case) == files
+    assert render_case_fresh(case) == files
 
 
 def test_goldens_hold_no_machine_paths():
