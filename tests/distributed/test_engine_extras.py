@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,9 @@ def bytes_and_memory(rank, ws, d):
         M.train_steps("gpt", model, opt, 2, M_GB, rank, ws)
         pool_before = sorted(id(b) for bufs in model._fsdp_unit.ctx._pool.values() for b in bufs)
         model.reset_comm_stats()
+        tic = time.perf_counter()
         M.train_steps("gpt", model, opt, 3, M_GB, rank, ws, start=2)
+        wall = time.perf_counter() - tic
         pool_after = sorted(id(b) for bufs in model._fsdp_unit.ctx._pool.values() for b in bufs)
         st = model.comm_stats()
         units = _units(model)
@@ -136,7 +139,7 @@ def bytes_and_memory(rank, ws, d):
         total = sum(u.layout.total for u in units)
         out[f"counters_reshard={reshard}"] = {
             "ag": st["allgather_bytes"], "exp_ag": exp_ag, "rs": st["reduce_scatter_bytes"], "exp_rs": exp_rs,
-            "ar": st["allreduce_bytes"], "exposed": st["exposed_comm_s"], "n": st["num_collectives"],
+            "ar": st["allreduce_bytes"], "exposed": st["exposed_comm_s"], "wall": wall, "n": st["num_collectives"],
             "exp_n": 3 * sum(gathers(u) + 1 for u in units), "pool_stable": pool_before == pool_after,
         }
         out[f"memory_reshard={reshard}"] = {

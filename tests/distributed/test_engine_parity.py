@@ -11,6 +11,7 @@ summed shard by shard), so results differ by fp32 rounding: ~1e-7 relative per s
 
 from __future__ import annotations
 
+import math
 
 import pytest
 
@@ -174,7 +175,8 @@ def test_comm_counters_equal_theory(results2, results4, ws, reshard):
     c = (results2 if ws == 2 else results4)[f"counters_reshard={reshard}"]
     assert c["ag"] == c["exp_ag"] and c["rs"] == c["exp_rs"] and c["ar"] == 0, c
     assert c["n"] == c["exp_n"], c  # one all-gather (two with ZeRO-3) and one reduce-scatter per unit per step
-    assert c["exposed"] > 0
+    # The time the training thread waited on collectives: some, and part of those 3 steps' wall time.
+    assert 0 < c["exposed"] <= c["wall"], c
     assert c["pool_stable"], "gradient buffers were reallocated after the first step"
 
 
@@ -202,7 +204,7 @@ def test_move_after_sharding_and_meta_init(results2):
 def test_eval_forward_under_no_grad(results2):
     ev = results2["eval"]
     assert ev["diff"] < TOL and ev["resharded"], ev
-    assert ev["loss_after"] == ev["loss_after"]  # a training step after eval runs (not NaN)
+    assert math.isfinite(ev["loss_after"]), ev  # a training step after eval runs (not NaN or inf)
 
 
 # ---------------------------------------------------------------- errors, quantized, mixed precision
@@ -216,7 +218,7 @@ def test_quantized_comm_bytes_and_loss_bound(results2):
     # int8 + one fp32 scale per 256 values = (1 + 4/256) / 2 of bf16's bytes
     assert q["ag_ratio_vs_bf16"] <= 0.51 and q["grad_ratio_vs_bf16"] <= 0.51, q
     # 10 AdamW steps: losses stay within 2% of the exact run (observed ~1%), the end within 1%
-    assert q["max_loss_diff"] < 0.02 * max(q["final_loss"]) + 0.3, q
+    assert q["max_loss_diff"] < 0.02 * max(q["final_loss"]), q
     assert abs(q["final_loss"][0] - q["final_loss"][1]) < 0.01 * q["final_loss"][0], q
 
 
