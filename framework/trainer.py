@@ -218,6 +218,12 @@ class Trainer:
                 text = self.sample(t.sample_tokens)
                 if rt.is_main:
                     logger.write("--- sample ---\n" + text + "\n--------------")
+            if self.task.name == "seq2seq" and self.data.tokenizer is not None:
+                from framework.finetune.examples import seq2seq_examples
+
+                text = seq2seq_examples(self.model, self.data.valid, self.data.tokenizer, rt.device)
+                if rt.is_main:
+                    logger.write(text)
         finally:
             logger.close()
             if self.ckpt is not None:

@@ -261,8 +261,9 @@ class CheckpointConfig:
 class FineTuneConfig:
     """stage=fine_tuning: supervised fine-tuning (framework/finetune/); see docs/fine_tuning.md."""
     train_file: str = ""  # JSONL: {"prompt", "response"} or {"messages": [{"role", "content"}, ...]} per line
-    # An embedded set instead of train_file, written into data.cache_dir once: stdlib_functions
-    # ("complete this function" pairs cut from this Python's standard library).
+    # An embedded set instead of train_file, written into data.cache_dir once (cut from this Python's
+    # standard library): stdlib_functions ("complete this function" pairs) or stdlib_docstrings
+    # (function source -> the first line of its docstring, for a sequence-to-sequence model).
     dataset: str = ""
     valid_file: str = ""  # held-out records; empty: hold out valid_fraction of train_file
     valid_fraction: float = 0.1
@@ -274,9 +275,9 @@ class FineTuneConfig:
     def __post_init__(self) -> None:
         if not 0 < self.valid_fraction < 1:
             raise UserInputError(f"finetune.valid_fraction={self.valid_fraction}: must be between 0 and 1")
-        if self.dataset not in ("", "stdlib_functions"):
-            raise UserInputError(f"finetune.dataset={self.dataset!r}: unknown; choose stdlib_functions, "
-                                 "or leave it empty and give finetune.train_file")
+        if self.dataset not in ("", "stdlib_functions", "stdlib_docstrings"):
+            raise UserInputError(f"finetune.dataset={self.dataset!r}: unknown; choose stdlib_functions or "
+                                 "stdlib_docstrings, or leave it empty and give finetune.train_file")
 
 
 @dataclass

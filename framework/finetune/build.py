@@ -15,6 +15,7 @@ from framework.finetune.data import (
     build_rows,
     load_tokenizer,
     read_records,
+    seq2seq_rows,
     split_records,
 )
 
@@ -59,7 +60,7 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
     if not train_file:
         raise UserInputError("stage=fine_tuning needs finetune.train_file (a JSONL file of records) "
                              "or finetune.dataset=stdlib_functions")
-    if f.packing and cfg.model.name == "hf":
+    if f.packing and cfg.model.name == "hf" and cfg.model.task != "seq2seq":
         raise UserInputError("finetune.packing=true needs a model that takes per-document positions (our "
                              "Llama); with model=hf set finetune.packing=false (padded rows)")
     records = read_records(train_file)
@@ -68,7 +69,12 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
     else:
         train, valid = split_records(records, f.valid_fraction, t.seed)
     seq_len = cfg.data.seq_len
-    train_rows, valid_rows = (build_rows(r, tok, seq_len, f.packing) for r in (train, valid))
+    from framework.models.registry import family_of
+
+    if family_of(cfg.model).task(cfg.model).name == "seq2seq":  # source -> target, target a quarter as long
+        train_rows, valid_rows = (seq2seq_rows(r, tok, seq_len, max(1, seq_len // 4)) for r in (train, valid))
+    else:
+        train_rows, valid_rows = (build_rows(r, tok, seq_len, f.packing) for r in (train, valid))
     if not train_rows or not valid_rows:
         raise UserInputError(f"finetune: no {'training' if not train_rows else 'validation'} record has a "
                              f"response token within data.seq_len={seq_len}; raise data.seq_len")

@@ -260,3 +260,21 @@ class RowBatchLoader(GlobalBatchLoader):
 def build_rows(records: list, tok: SFTTokenizer, seq_len: int, packing: bool) -> list:
     documents = [encode_record(r, tok) for r in records]
     return (pack if packing else pad_rows)(documents, seq_len, pad_id=tok.eod)
+
+
+def seq2seq_rows(records: list, tok: SFTTokenizer, source_len: int, target_len: int) -> list:
+    """Rows for an encoder-decoder: the prompt is the encoder's input (cut to `source_len`, padded,
+    with its attention mask), the response and the end-of-document token the decoder's labels
+    (cut to `target_len`, padded with -100). The model shifts the labels right itself."""
+    out = []
+    for record in records:
+        if "messages" in record:
+            raise UserInputError("a sequence-to-sequence model takes {\"prompt\", \"response\"} records, not chat")
+        source = tok.encode(record["prompt"])[:source_len]
+        target = (tok.encode(record["response"]) + [tok.eod])[:target_len]
+        out.append({
+            "input_ids": torch.tensor(source + [tok.eod] * (source_len - len(source))),
+            "attention_mask": torch.tensor([1] * len(source) + [0] * (source_len - len(source))),
+            "labels": torch.tensor(target + [IGNORE_INDEX] * (target_len - len(target))),
+        })
+    return out

@@ -1,11 +1,14 @@
-"""An embedded instruction set: "complete this function" pairs cut from this Python's standard library.
+"""Embedded fine-tuning sets cut from this Python's standard library, written once as JSONL into
+the data cache (the same Python gives the same file).
 
-For each top-level function or method of the stdlib modules *not* in the pre-training corpus
-(`framework/data/stdlib.py` takes the first ~2 MB of modules in name order; these are the rest),
-the prompt is an instruction, the function's signature and its docstring, and the response is the
-body that follows. Only short functions are kept (at most MAX_BODY_LINES body lines and
-MAX_CHARS characters in all) so a record fits a 256-token row. Written once as JSONL into the data
-cache; the same Python gives the same file.
+`stdlib_functions`: "complete this function" pairs. For each function or method of the stdlib
+modules *not* in the pre-training corpus (`framework/data/stdlib.py` takes the first ~2 MB of
+modules in name order; these are the rest), the prompt is an instruction, the function's
+signature and its docstring, the response the body that follows; only short functions (at most
+MAX_BODY_LINES body lines, MAX_CHARS characters) so a record fits a 256-token row.
+
+`stdlib_docstrings` (every public module), for a sequence-to-sequence model: a function's source
+without its docstring -> the docstring's first line (at most MAX_SOURCE_CHARS / MAX_DOC_CHARS).
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from framework.data.stdlib import stdlib_files
 INSTRUCTION = "# Complete this function.\n"
 MAX_BODY_LINES = 8
 MAX_CHARS = 600
-DATASETS = ("stdlib_functions",)
+DATASETS = ("stdlib_functions", "stdlib_docstrings")
+MAX_SOURCE_CHARS = 700
+MAX_DOC_CHARS = 80
 
 
 def _pairs_of(path: str):
@@ -51,6 +56,44 @@ def _pairs_of(path: str):
         response = "".join(line[indent:] for line in lines[head_end:end])
         if len(prompt) + len(response) <= MAX_CHARS and response.strip():
             yield {"prompt": INSTRUCTION + prompt, "response": response}
+
+
+def _docstring_pairs_of(path: str):
+    """(function source without its docstring -> the docstring's first line) of one module."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        source = f.read()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+            continue
+        doc = ast.get_docstring(node, clean=True)
+        if not doc or not doc.strip().splitlines()[0].strip():
+            continue
+        first = doc.strip().splitlines()[0].strip()
+        start = node.lineno - 1 - len(node.decorator_list)
+        doc_node = node.body[0]
+        indent = len(lines[start]) - len(lines[start].lstrip())
+        kept = lines[start: doc_node.lineno - 1] + lines[doc_node.end_lineno: node.end_lineno]
+        code = "".join(line[indent:] for line in kept)
+        if len(code) <= MAX_SOURCE_CHARS and len(first) <= MAX_DOC_CHARS:
+            yield {"prompt": code, "response": first}
+
+
+def stdlib_docstring_records(limit: int = 4000) -> list:
+    """Up to `limit` (function source -> first docstring line) pairs from every public stdlib module."""
+    root = sysconfig.get_paths()["stdlib"]
+    records = []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py") and not name.startswith("_"):
+            for record in _docstring_pairs_of(os.path.join(root, name)):
+                records.append(record)
+                if len(records) >= limit:
+                    return records
+    return records
 
 
 def stdlib_function_records(limit: int = 4000) -> list:

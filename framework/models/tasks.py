@@ -59,6 +59,28 @@ def _seq2seq(model, batch) -> torch.Tensor:
     return cross_entropy(logits_of(model(**kwargs)), batch["labels"])
 
 
+@torch.no_grad()
+def greedy_decode(model, batch, steps: int) -> torch.Tensor:
+    """Greedy decoding of an encoder-decoder for exactly `steps` tokens (no early stop: every rank
+    of a sharded model must run the same forwards). Returns (batch, steps) token ids."""
+    config = getattr(model, "config", None)
+    start = getattr(config, "decoder_start_token_id", None) or 0
+    dec = torch.full((batch["input_ids"].shape[0], 1), start, dtype=torch.long, device=batch["input_ids"].device)
+    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
+    for _ in range(steps):
+        logits = logits_of(model(**kwargs, decoder_input_ids=dec))
+        dec = torch.cat([dec, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return dec[:, 1:]
+
+
+def _seq2seq_exact_match(model, batch) -> dict:
+    """A generated target equals the labels up to and including its end token."""
+    labels = batch["labels"]
+    generated = greedy_decode(model, batch, labels.shape[1])
+    same = ((generated == labels) | (labels == IGNORE_INDEX)).all(dim=1)
+    return {"exact_match": (same.float().sum(), torch.tensor(float(labels.shape[0]), device=labels.device))}
+
+
 def _sequence_classification(model, batch) -> torch.Tensor:
     kwargs = {"input_ids": batch["input_ids"]}
     if "attention_mask" in batch:
@@ -103,7 +125,7 @@ def get_task(name: str) -> Task:
     return _TASKS[name]
 
 
-for _task in (Task("causal_lm", _causal_lm), Task("seq2seq", _seq2seq, "seq2seq"),
+for _task in (Task("causal_lm", _causal_lm), Task("seq2seq", _seq2seq, "seq2seq", _seq2seq_exact_match),
               Task("sequence_classification", _sequence_classification, "sequence_label"),
               Task("image_classification", _image_classification, "image_label", _image_accuracy)):
     register_task(_task)
