@@ -15,7 +15,8 @@ def prepared(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("faults")
     corpus = root / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum  dolor, sit amet! " * (5 + i)}) + "\n"
+    line = "lorem ipsum  dolor, sit amet! "
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + line * (5 + i)}) + "\n"
                               for i in range(40)))
     prefix, tok = prepare([str(corpus)], str(root / "c"), vocab_size=300, progress=False)
     return root, prefix, tok

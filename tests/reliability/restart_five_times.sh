@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Five 2-rank runs in a row under `torchrun --max-restarts=2 --rdzv-backend=c10d`, each with one rank
-# SIGKILLed at step 5; each must finish, and its losses after the restart must equal an uninterrupted
+# SIGKILLed at step 5 (and, after that restart, the other raising an OSError at step 7); each must
+# finish, and its losses after the restarts must equal an uninterrupted
 # run's (1e-6). About 5 x 40 s on 2 CPU cores. Run from the repository root:
 #     tests/reliability/restart_five_times.sh
 set -euo pipefail

@@ -84,7 +84,8 @@ def test_dcp_metadata_may_not_name_a_shard_outside(copy, tmp_path):
     first = next(iter(metadata.storage_data))
     metadata.storage_data[first].relative_path = "../../outside.distcp"
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointError, match=r"'\.\./\.\./outside\.distcp', which is not a plain relative path") as exc:
+    refusal = r"'\.\./\.\./outside\.distcp', which is not a plain relative path"
+    with pytest.raises(CheckpointError, match=refusal) as exc:
         read_checked_metadata(str(copy))
     _one_line(str(exc.value))
 

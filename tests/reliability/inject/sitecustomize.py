@@ -2,10 +2,11 @@
 on PYTHONPATH (main.py, the ranks it spawns, torchrun's workers). Nothing in the framework knows
 about it.
 
-FRAMEWORK_TEST_FAULT=<kind>:<rank>:<step>[:<attempt>] makes the loss computation of that rank, at
-that step (counting its calls of cross_entropy in training), do <kind>:
+FRAMEWORK_TEST_FAULT=<kind>:<rank>:<call>[:<attempt>][,<another fault>...] makes the loss computation
+of that rank, at its <call>-th call of cross_entropy in that process (the step, when each step
+computes the loss once and nothing else does), do <kind>:
   runtime  raise RuntimeError     oserror  raise OSError       kill  SIGKILL itself
-<attempt> (default 0) is torchrun's restart count the fault happens in (later attempts run clean).
+<attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean).
 """
 import os
 
@@ -15,21 +16,23 @@ if _spec:
 
     import torch.nn.functional as F
 
-    _parts = _spec.split(":")
-    _kind, _rank, _step = _parts[0], _parts[1], int(_parts[2])
-    _attempt = _parts[3] if len(_parts) > 3 else "0"
+    _faults = []
+    for _one in _spec.split(","):
+        _parts = _one.split(":")
+        _faults.append((_parts[0], _parts[1], int(_parts[2]), _parts[3] if len(_parts) > 3 else "0"))
     _original = F.cross_entropy
     _calls = [0]
 
     def _faulty_cross_entropy(*args, **kwargs):
-        if os.environ.get("RANK") == _rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == _attempt:
-            _calls[0] += 1
-            if _calls[0] == _step:
-                if _kind == "runtime":
-                    raise RuntimeError(f"injected fault on rank {_rank} at call {_step}")
-                if _kind == "oserror":
+        _calls[0] += 1
+        for kind, rank, call, attempt in _faults:
+            if (os.environ.get("RANK") == rank and _calls[0] == call
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt):
+                if kind == "runtime":
+                    raise RuntimeError(f"injected fault on rank {rank} at call {call}")
+                if kind == "oserror":
                     raise OSError(28, "No space left on device (injected)")
-                if _kind == "kill":
+                if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
         return _original(*args, **kwargs)
 
