@@ -119,6 +119,7 @@ def ensure_dataset(name: str, cache_dir: str) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(record) + "\n" for record in stdlib_function_records())
+            make = stdlib_docstring_records if name == "stdlib_docstrings" else stdlib_function_records
+            f.writelines(json.dumps(record) + "\n" for record in make())
         os.replace(tmp, path)
     return path
