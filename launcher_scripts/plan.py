@@ -212,7 +212,8 @@ def plan(argv: Sequence[str]) -> Plan:
 
     user = list(argv)
     keys = [override_key(o) for o in user]
-    training_argv, launcher_argv = split_overrides([o for o, k in zip(user, keys, strict=True) if k not in DROPPED_KEYS])
+    kept = [o for o, k in zip(user, keys, strict=True) if k not in DROPPED_KEYS]
+    training_argv, launcher_argv = split_overrides(kept)
     try:
         composed, backend = _compose_training(training_argv)
     except (HydraException, OmegaConfBaseException) as exc:
