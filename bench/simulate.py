@@ -168,7 +168,8 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
     p = cfg.parallelism
     dist.init_process_group("fake", rank=0, world_size=world)
     try:
-        dims = resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world, 8)
+        dims = resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
+                                     world_size=world, nproc_per_node=8)
         mesh = init_device_mesh("cpu", (dims.dp_replicate, dims.dp_shard, dims.tp),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         dim_of = {}

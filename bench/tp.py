@@ -49,7 +49,7 @@ def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str,
     from framework.models.llama import build_llama
     from framework.trainer import loss_fn
 
-    dims = ParallelDims(1, dp_shard, tp, world)
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, tp=tp, world_size=world)
     mesh = build_mesh(dims, "cpu")
     torch.manual_seed(0)
     model = build_llama(MODEL)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from framework.errors import UserInputError
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
@@ -52,7 +52,7 @@ class ParallelDims:
         return self.tp > 1
 
 
-def resolve_parallel_dims(strategy: str, dp_replicate: int, dp_shard: int, tp: int,
+def resolve_parallel_dims(strategy: str, *, dp_replicate: int, dp_shard: int, tp: int,
                           world_size: int, nproc_per_node: int) -> ParallelDims:
     """Fill in the degrees a strategy implies, then check them against the world size.
 
@@ -75,7 +75,7 @@ def resolve_parallel_dims(strategy: str, dp_replicate: int, dp_shard: int, tp: i
             dp_replicate = 1
     if tp == -1 and (dp_replicate == -1 or dp_shard == -1):
         raise UserInputError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
-    dims = ParallelDims(dp_replicate, dp_shard, tp, world_size)
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size)
     if strategy == "hybrid" and dims.dp_replicate < 2:
         raise UserInputError(f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "
                              "set parallelism.dp_replicate or choose strategy=full")

@@ -31,8 +31,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
 
     dims: Optional[ParallelDims] = None
     try:
-        dims = resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world,
-                                     cfg.cluster.nproc_per_node)
+        dims = parallel_dims_of(cfg, world)
     except UserInputError as exc:
         errors.append(str(exc))
 
@@ -126,8 +125,8 @@ def _advise(message: str) -> None:
 
 def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
     p = cfg.parallelism
-    return resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world_size,
-                                 cfg.cluster.nproc_per_node)
+    return resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
+                                 world_size=world_size, nproc_per_node=cfg.cluster.nproc_per_node)
 
 
 def _validate_data_preparation(cfg: Config) -> List[str]:

@@ -41,7 +41,8 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     """The job `cfg` describes; raises ValueError (naming the field) when the mesh cannot be built."""
     c, p, t, m = cfg.cluster, cfg.parallelism, cfg.trainer, cfg.model
     world = world_size or c.nodes * c.nproc_per_node
-    dims = resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world, c.nproc_per_node)
+    dims = resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
+                                 world_size=world, nproc_per_node=c.nproc_per_node)
     key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
     if key not in DEVICES:
         raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")

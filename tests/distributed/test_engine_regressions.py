@@ -254,7 +254,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
 
     T = _tp_model_cfg()
     cfg_model = T.model_cfg(T.MODEL.vocab_size)
-    dims = ParallelDims(1, ws // 2, 2, ws)
+    dims = ParallelDims(dp_replicate=1, dp_shard=ws // 2, tp=2, world_size=ws)
     mesh = build_mesh(dims, "cpu")
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), ws // 2
     out = {}

@@ -188,7 +188,8 @@ def _engine_worker(rank: int, world: int, names):
     for name in names:
         cfg = _config(name)
         p = cfg.parallelism
-        dims = resolve_parallel_dims(p.strategy.value, p.dp_replicate, p.dp_shard, p.tp, world, 4)
+        dims = resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
+                                     world_size=world, nproc_per_node=4)
         mesh = init_device_mesh("cpu", (dims.dp_replicate, dims.dp_shard, dims.tp),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         torch.manual_seed(0)

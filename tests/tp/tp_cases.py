@@ -109,7 +109,7 @@ class EngineRefused(Exception):
 
 
 def _build(layout: Layout, world: int):
-    dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, world)
+    dims = ParallelDims(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, world_size=world)
     mesh = build_mesh(dims, "cpu")
     torch.manual_seed(SEED)
     model = build_llama(model_cfg(layout.vocab, layout.tie))
