@@ -28,6 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, REPO)
 
+from framework.errors import EXIT_BAD_INPUT  # noqa: E402  (no torch: the launcher's statuses are the job's)
 from launcher_scripts.lifecycle import ACTIONS, lifecycle_commands, read_job  # noqa: E402
 from launcher_scripts.plan import Plan, Refused, make_job, plan, render_job  # noqa: E402
 
@@ -78,14 +79,14 @@ def lifecycle(action: str, job_dir: str) -> int:
     if not os.path.isfile(os.path.join(job_dir, "launcher.yaml")):
         print(f"error: {job_dir!r} is not a job directory written by the launcher (no launcher.yaml); give "
               "the directory the launcher printed last", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     job = read_job(job_dir)
     commands = lifecycle_commands(action, job["backend"], job["name"], job["job_dir"], job["ids"],
                                   job["namespace"])
     if not commands:
         print(f"error: {action} is not available for a job on this machine: it runs in the foreground of "
               "its submit.sh; stop that process (Ctrl-C)", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     rc = 0
     for command in commands:
         print(f"$ {shlex.join(command)}", flush=True)
@@ -105,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv and argv[0] in ACTIONS:
         if len(argv) != 2:
             print(f"error: usage: python launcher_scripts/main.py {argv[0]} <job dir>", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         return lifecycle(argv[0], argv[1])
     # Advice from the config checks (a job that can start but may not be what you want).
     logging.basicConfig(format="launcher: warning: %(message)s", level=logging.WARNING, stream=sys.stderr)
@@ -114,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Refused as refused:
         for problem in refused.problems:
             print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     job_dir = write_job(p, argv)
     print(f"wrote {job_dir}: {', '.join(sorted(os.listdir(job_dir)))}")
     if p.launch.dry_run:

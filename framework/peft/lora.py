@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.errors import UserInputError
+
 ADAPTER_MARKER = ".lora_"
 
 
@@ -73,8 +75,8 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, targets: list[str],
     layers = target_layers(model, targets, alias)
     if not layers:
         available = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and _shape_of(m)})
-        raise ValueError(f"peft.lora.targets={list(targets)} matches no linear layer of this model; "
-                         f"its linear layers are named {', '.join(available)}")
+        raise UserInputError(f"peft.lora.targets={list(targets)} matches no linear layer of this model; "
+                             f"its linear layers are named {', '.join(available)}")
     for param in model.parameters():
         param.requires_grad_(False)
     for module in layers.values():
