@@ -128,54 +128,73 @@ def optimizer_bytes(job: Job, lay: UnitLayout) -> int:
     return 4 * lay.real if job.momentum > 0 else 0
 
 
+def _requests(job: Job, lay: UnitLayout, rank: int) -> list[tuple[str, int, int]]:
+    """(tag, elements, element size) a unit's gradient reduction takes from the pool, in order."""
+    rb = BYTES[job.reduce_dtype]
+    out = []
+    in_place = not _zero_copy(job, lay) and job.reduce_dtype == job.param_dtype
+    if not in_place and job.accum == 1:  # with accumulation the reduction reads the accum buffer
+        out.append(("in", lay.padded, rb))
+    direct = rb == 4 and not job.offload
+    if job.quantized and lay.N > 1:
+        out.append(("q", lay.S, 4))
+        nb = packed_nbytes(lay.S, job.block_size)
+        if lay.padded * rb < 2 * lay.N * nb:  # the received chunks do not fit behind the sent ones
+            out.append(("qrecv", lay.N * nb, 1))
+    else:
+        if not direct:
+            out.append(("out", lay.S, rb))
+        if job.gloo and lay.N > 2:  # gloo's reduce-scatter receive scratch (collectives.py)
+            k = (lay.N - 1) * lay.S if rank in (0, lay.N - 1) else lay.N * lay.S
+            out.append(("rs", k, rb))
+    return out
+
+
 def grad_pool_bytes(job: Job, lays: list[UnitLayout], rank: int = 0) -> int:
-    """Bytes the engine's gradient-buffer pool holds after a step ([Note: the gradient buffer
-    pool] in context.py), by replaying its acquire/release order over one backward."""
+    """Bytes the engine's buffer pool holds after a step ([Note: the gradient buffer pool] in
+    context.py), by replaying its acquire/release order over one backward: every buffer of a tag
+    is cut to the largest request any unit makes under it, a request takes any free buffer, and
+    when none is free while MAX_IN_FLIGHT = 2 reductions are pending the oldest finishes first."""
     in_flight_max = 2
-    pool: dict[tuple[str, int], list[int]] = {}
-    created = 0
-    pending: list[list[tuple[tuple[str, int], int]]] = []
+    reqs = {id(lay): _requests(job, lay, rank) for lay in lays}
+    cap: dict[str, tuple[int, int]] = {}
+    for lay in lays:
+        for tag, n, esize in reqs[id(lay)]:
+            cap[tag] = (max(cap.get(tag, (0, 0))[0], n), esize)
+    free: dict[str, int] = {}
+    created: dict[str, int] = {}
+    pending: list[list[str]] = []
 
     def finish_oldest() -> None:
-        for key, n in pending.pop(0):
-            pool.setdefault(key, []).append(n)
+        for tag in pending.pop(0):
+            free[tag] = free.get(tag, 0) + 1
 
-    def acquire(tag: str, numel: int, esize: int) -> tuple[tuple[str, int], int]:
-        nonlocal created
-        key = (tag, esize)
+    def acquire(tag: str) -> None:
         while True:
-            free = pool.setdefault(key, [])
-            fits = [n for n in free if n >= numel]
-            if fits:
-                n = min(fits)
-                free.remove(n)
-                return key, n
+            if free.get(tag, 0):
+                free[tag] -= 1
+                return
             if len(pending) >= in_flight_max:
                 finish_oldest()
                 continue
-            created += numel * esize
-            return key, numel
+            created[tag] = created.get(tag, 0) + 1
+            return
 
-    _pb, rb = BYTES[job.param_dtype], BYTES[job.reduce_dtype]
-    order = list(reversed(lays[1:])) + lays[:1]  # backward: last block first, the root last
-    for lay in order:
+    for lay in list(reversed(lays[1:])) + lays[:1]:  # backward: last block first, the root last
         held = []
-        in_place = not _zero_copy(job, lay) and job.reduce_dtype == job.param_dtype
-        if not in_place and job.accum == 1:  # with accumulation the reduction reads the accum buffer
-            held.append(acquire("in", lay.padded, rb))
-        direct = rb == 4 and not job.offload
-        quant = job.quantized and lay.N > 1
-        if quant:
-            held.append(acquire("q", lay.S, 4))
-        elif not direct:
-            held.append(acquire("out", lay.S, rb))
-        if not quant and job.gloo and lay.N > 2:
-            k = (lay.N - 1) * lay.S if rank in (0, lay.N - 1) else lay.N * lay.S
-            held.append(acquire("rs", k, rb))
+        for tag, _, _ in reqs[id(lay)]:
+            acquire(tag)
+            held.append(tag)
         pending.append(held)
         while len(pending) > in_flight_max:
             finish_oldest()
-    return created
+    total = sum(count * cap[tag][0] * cap[tag][1] for tag, count in created.items())
+    if job.quantized and any(lay.N > 1 for lay in lays):
+        # One fp32 shard to sum dequantized chunks into (finish_reduce), one param-dtype shard to
+        # dequantize a gathered chunk that would overwrite its own packed bytes (wait_unshard).
+        S = max(lay.S for lay in lays)
+        total += S * 4 + S * BYTES[job.param_dtype]
+    return total
 
 
 @dataclass
@@ -185,12 +204,12 @@ class Memory:
     params: int = 0  # fp32 shards (the optimizer's parameters)
     grads: int = 0  # fp32 gradient shards
     optimizer: int = 0
-    accumulation: int = 0  # unsharded gradients kept across micro-batches (accum > 1)
+    accumulation: int = 0  # unsharded gradients kept across micro-batches (accum > 1), during a step
     grad_pool: int = 0  # reduce-scatter inputs/outputs/scratch (pooled)
     send_buffers: int = 0  # cast (bf16) or packed (int8) shards, persistent per unit
-    int8_buffers: int = 0  # int8 receive and all-to-all buffers
+    int8_buffers: int = 0  # int8 buffers outside the units' storage (none in this engine version)
     gathered_root: int = 0  # unsharded from forward to the end of backward (root; every unit in ZeRO-2)
-    gathered_blocks: int = 0  # a block in backward, its prefetched neighbour, one full gradient
+    gathered_blocks: int = 0  # blocks gathered in backward, one full gradient, the block's working set
     largest_gather: int = 0  # the largest unit's gathered bytes (and its prefetched neighbour)
     activations: int = 0  # saved for backward, all blocks, as configured
     activations_no_ckpt: int = 0
@@ -204,8 +223,7 @@ class Memory:
 
     @property
     def between_steps(self) -> int:
-        return (self.model_state + self.accumulation + self.grad_pool + self.send_buffers
-                + self.int8_buffers)
+        return self.model_state + self.grad_pool + self.send_buffers + self.int8_buffers
 
     @property
     def gathered_peak(self) -> int:
@@ -217,7 +235,7 @@ class Memory:
         """Backward starts with every block's activations saved and the root gathered; first the
         loss and the head (logits-wide tensors), then the last blocks gathered again, whichever
         is larger."""
-        return (self.between_steps + self.activations + self.gathered_root
+        return (self.between_steps + self.accumulation + self.activations + self.gathered_root
                 + max(self.logits, self.gathered_blocks))
 
 
@@ -269,13 +287,11 @@ def memory(job: Job, rank: int = 0) -> Memory:
         mem.params += 4 * lay.S
         mem.grads += 4 * lay.S
         mem.optimizer += optimizer_bytes(job, lay)
-        if job.accum > 1:
+        if job.accum > 1:  # unsharded gradients across the micro-batches, freed by the reduction
             mem.accumulation += lay.padded * rb
-        if job.quantized and lay.N > 1:
-            nb = packed_nbytes(lay.S, job.block_size)
-            mem.send_buffers += nb
-            mem.int8_buffers += nb * lay.N + 2 * nb * lay.N  # gather receive; all-to-all send + receive
-        elif job.param_dtype != "float32" or job.offload:
+        # int8 packing happens inside the unit's own storage ([Note: int8 buffers live inside the
+        # unit's own storage]); a cast to 16 bits (or a copy to the device) needs a send buffer.
+        if not (job.quantized and lay.N > 1) and (job.param_dtype != "float32" or job.offload):
             mem.send_buffers += lay.S * pb
     mem.grad_pool = grad_pool_bytes(job, lays, rank)
     if job.offload:
@@ -296,6 +312,10 @@ def memory(job: Job, rank: int = 0) -> Memory:
         in_place = job.reduce_dtype == job.param_dtype and job.accum == 1 and not _zero_copy(job, biggest)
         mem.gathered_root = full(root)
         mem.gathered_blocks = min(4 if in_place else 2, len(blocks)) * full(biggest) + largest_param * pb
+    # The block being differentiated holds a few gradients of its own activations at once (its
+    # SwiGLU's two f-wide ones and two d-wide ones at the widest point).
+    tokens = job.micro_batch * job.seq_len
+    mem.gathered_blocks += tokens * (2 * -(-job.model.ffn_dim // job.tp) + 2 * job.model.dim) * pb
     big = max(lays, key=lambda lay: lay.padded)
     mem.largest_gather = full(big) + (full(biggest) if big is not root else 0)
     mem.activations_no_ckpt = sum(block_activation_bytes(job, "none"))

@@ -199,10 +199,12 @@ def advise(job: Job, limit: int = 4) -> list[Change]:
         if job.param_dtype == "float32":
             base_ov.append("parallelism.param_dtype=bfloat16")
             base = replace(base, param_dtype="bfloat16")
-        for overrides, why, new in dict(_candidates(base))["ranks"]:
+        options = [([], "same ranks", base)] + dict(_candidates(base))["ranks"]
+        for overrides, why, new in options:
             est = estimate(new)
             if est.fits:
-                found.append(Change(base_ov + overrides, f"{why}, with checkpointing and bf16 compute", est))
+                if overrides or not found:  # with the same ranks it only repeats the single changes
+                    found.append(Change(base_ov + overrides, f"{why}, with checkpointing and bf16 compute", est))
                 break
     found.sort(key=lambda c: c.estimate.timing.step_s)
     return found[:limit]
@@ -265,7 +267,8 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
         f"  accumulation buffers            {_gib(mem.accumulation)}",
         f"  reduce buffers (pool)           {_gib(mem.grad_pool)}",
         f"  send buffers (cast / int8)      {_gib(mem.send_buffers + mem.int8_buffers)}",
-        f"  gathered units at the peak      {_gib(mem.gathered_peak)}   (largest unit's all-gather + prefetch: {mem.largest_gather / GIB:.2f})",
+        f"  gathered units at the peak      {_gib(mem.gathered_peak)}   "
+        f"(largest unit's all-gather + prefetch: {mem.largest_gather / GIB:.2f})",
         (f"  activations ({job.activation_checkpointing:>9})        {_gib(mem.activations)}   "
         f"(none: {mem.activations_no_ckpt / GIB:.2f}, full checkpointing: {mem.activations_full_ckpt / GIB:.2f})"),
         f"  logits and loss                 {_gib(mem.logits)}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,8 @@ def _engine_worker(rank: int, world: int, names):
         for _ in range(2):
             step()
         model.reset_comm_stats()
+        step()
+        stats = model.comm_stats()  # one step's traffic
         tb = model.sharded_tensor_bytes()
         opt_bytes = sum(v.untyped_storage().nbytes() if v.numel() else (4 if v.dim() == 0 else 0)
                         for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
@@ -213,7 +216,6 @@ def _engine_worker(rank: int, world: int, names):
         persistent = tb.get("total", sum(tb.values())) + opt_bytes + _other_unit_buffers(model)
         # The lowest of three steps: frees that gloo's threads make late can only raise a reading.
         peak = persistent + min(_peak_delta(step) for _ in range(3))
-        stats = model.comm_stats()
         stats.pop("exposed_comm_s")
         out[name] = {"tensor_bytes": tb, "optimizer": opt_bytes, "peak": peak, "comm": stats, "persistent": persistent,
                      "shard_rank": mesh["dp_shard"].get_local_rank()}
@@ -248,7 +250,9 @@ def test_plan_stage_prints_and_advises(tmp_path):
                                     cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     ok = run("model=llama_70b", "cluster.nodes=16", "cluster.nproc_per_node=8", "cluster.gpus_per_node=8")
     assert ok.returncode == 0, ok.stderr
-    assert "Verdict: fits" in ok.stdout and (tmp_path / "plan.json").exists()
+    assert "Memory per rank" in ok.stdout and "Verdict:" in ok.stdout and (tmp_path / "plan.json").exists()
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["job"]["dp_shard"] == 128 and saved["params"] > 68e9
     bad = run("model=llama_70b", "cluster.nodes=1", "cluster.nproc_per_node=1", "cluster.gpus_per_node=8")
     assert bad.returncode == 0, bad.stderr
     assert "does NOT fit" in bad.stdout and "Smallest changes that fit" in bad.stdout
@@ -262,7 +266,8 @@ def test_plan_stage_prints_and_advises(tmp_path):
 def test_estimate_is_torch_free():
     code = ("import sys, framework.planner, framework.config; "
             "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=False)
     assert res.returncode == 0, res.stderr
 
 
