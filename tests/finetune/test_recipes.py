@@ -62,3 +62,28 @@ def test_lora_fine_tuning_from_an_export(tmp_path):
         assert set(base.keys()) == set(tuned.keys())
         changed = {k for k in base.keys() if not torch.equal(base.get_tensor(k), tuned.get_tensor(k))}  # noqa: SIM118
     assert changed == {f"model.layers.{i}.self_attn.{w}.weight" for i in (0, 1) for w in ("q_proj", "v_proj")}
+
+
+def test_t5_docstrings_trains_then_fine_tunes_from_its_export(tmp_path):
+    vocab = _files(tmp_path)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"def f{i}(a):\n    return a + {i}\n",
+                                         "response": f"Add {i}."}) + "\n" for i in range(16)))
+    tiny = ["experiment=t5_docstrings", f"model.config.vocab_size={vocab}", "model.config.d_model=32",
+            "model.config.d_ff=64", "model.config.d_kv=8", "model.config.num_layers=1",
+            "model.config.num_decoder_layers=1", "finetune.dataset=", f"finetune.train_file={pairs}",
+            f"finetune.tokenizer={tmp_path}/tok.json", "data.seq_len=32", "trainer.micro_batch_size=2",
+            "trainer.global_batch_size=4", "trainer.eval_iters=1"] + QUIET
+    first = run_main(tiny + ["trainer.max_steps=2", "trainer.eval_interval=2", f"hydra.run.dir={tmp_path}/t5"],
+                     tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "val_exact_match" in read_metrics(tmp_path / "t5")[-1]
+    assert "expected:  Add" in first.stdout + first.stderr and "generated:" in first.stdout + first.stderr
+    again = run_main(tiny + ["trainer.max_steps=1", "trainer.eval_interval=1", "checkpoint.export_safetensors=false",
+                             f"checkpoint.init_from={tmp_path}/t5/checkpoints/export",
+                             f"hydra.run.dir={tmp_path}/t5_again"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "initialised" in again.stderr
+    # Starting from the export, the first validation loss is the trained model's, not a fresh one's.
+    fresh_first = read_metrics(tmp_path / "t5")[0]["loss"]
+    assert read_metrics(tmp_path / "t5_again")[0]["loss"] < fresh_first
