@@ -161,7 +161,12 @@ class _Heartbeat:
 
     @classmethod
     def stop(cls) -> None:
+        """End the heartbeat thread before the process ends: a thread still inside the store's C++
+        client when the interpreter exits aborts the process ("terminate called without an active
+        exception")."""
         cls._stop.set()
+        if cls._thread is not None:
+            cls._thread.join(timeout=10)
         cls._thread = None
 
     @classmethod
