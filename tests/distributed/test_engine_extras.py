@@ -101,7 +101,9 @@ def dcp_load_1(rank, ws, d):
 
 
 def _units(model):
-    return [m._fsdp_unit for m in model.modules() if getattr(m, "_fsdp_unit", None) is not None]
+    from framework.distributed.fsdp import sharded_units
+
+    return sharded_units(model)
 
 
 def bytes_and_memory(rank, ws, d):

@@ -9,17 +9,14 @@ mantissa bits: ~4e-3 relative per rounding, a few roundings per value).
 
 from __future__ import annotations
 
-import copy
-
 import pytest
+import test_engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.distributed.harness import run_ranks
-
-import test_engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -270,7 +267,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
 
     per = T.GLOBAL_BATCH // dp
     for ac in ac_modes:
-        def run():
+        def run(ac=ac):
             model = build(ac)
             opt = torch.optim.SGD(model.parameters(), lr=T.LR, momentum=T.MOMENTUM)
             losses = []
@@ -317,9 +314,8 @@ def _frozen_cases(rank, ws):
     for kind in ("orders", "repeat", "lora"):
         make = lambda kind=kind: FrozenNet(kind)
         out[f"frozen_{kind}"] = _guard(_compare, make, 3, _plain_batch, rank, ws)
-        out[f"frozen_{kind}_bf16"] = _guard(
-            _compare, make, 3, _plain_batch, rank, ws, shard_kw={"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
-        )
+        bf16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
+        out[f"frozen_{kind}_bf16"] = _guard(_compare, make, 3, _plain_batch, rank, ws, shard_kw=bf16)
     return out
 
 
@@ -397,7 +393,7 @@ def _quantized_memory(rank, ws):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         x, y = _plain_batch(0, rank, ws)
         sizes = []
-        for step in range(4):
+        for _ in range(4):
             model.set_requires_gradient_sync(False)  # one accumulation micro-step, then a synced one
             F.mse_loss(model(x), y).backward()
             model.set_requires_gradient_sync(True)
@@ -407,7 +403,8 @@ def _quantized_memory(rank, ws):
             sizes.append(model.sharded_tensor_bytes())
         units = sharded_units(model)
         seen, held = set(), 0  # every tensor a unit or the pool keeps, each storage once
-        for t in [v for u in units for v in vars(u).values() if isinstance(v, torch.Tensor)] + model._fsdp_unit.ctx.pool_buffers():
+        tensors = [v for u in units for v in vars(u).values() if isinstance(v, torch.Tensor)]
+        for t in tensors + model._fsdp_unit.ctx.pool_buffers():
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())

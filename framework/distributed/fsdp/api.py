@@ -61,7 +61,9 @@ class QuantizedCommPolicy:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 4:
-            raise ValueError(f"QuantizedCommPolicy.block_size={self.block_size}: use a positive multiple of 4 (e.g. 256)")
+            raise ValueError(
+                f"QuantizedCommPolicy.block_size={self.block_size}: use a positive multiple of 4 (e.g. 256)"
+            )
 
 
 class UnitState(enum.Enum):

@@ -104,7 +104,9 @@ class ShardContext:
             self._caps[tag] = max([u.buffer_numel(tag) for u in self.units] + [0])
         return max(self._caps[tag], numel)
 
-    def acquire_buffer(self, unit: ShardUnit, numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> torch.Tensor:
+    def acquire_buffer(
+        self, unit: ShardUnit, numel: int, dtype: torch.dtype, device: torch.device, tag: str
+    ) -> torch.Tensor:
         """A buffer of at least `numel` elements (a view of exactly `numel`); give it back with
         `release_buffer`. See [Note: the gradient buffer pool]."""
         key = (tag, dtype, device.type, device.index)

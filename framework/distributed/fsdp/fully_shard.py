@@ -38,7 +38,8 @@ class ShardedModule:
 
     def comm_stats(self) -> dict:
         """Communication since `reset_comm_stats()`, summed over the units at and below this module."""
-        keys = ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes", "num_collectives", "exposed_comm_s")
+        keys = ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes", "num_collectives",
+                "exposed_comm_s")
         out = {k: 0 for k in keys}
         for u in self._units():
             u.stats.resolve()  # CUDA: read the timed waits (see collectives.wait)
@@ -205,7 +206,9 @@ def _reduce_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup) -> dist.Proc
 
 def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Optional[DeviceMesh] = None):
     if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs an initialised process group: call torch.distributed.init_process_group first")
+        raise RuntimeError(
+            "fully_shard needs an initialised process group: call torch.distributed.init_process_group first"
+        )
     world = dist.get_world_size()
     if mesh is None:
         if device.type == "meta":  # built on meta, materialised later with to_empty
@@ -220,7 +223,9 @@ def _resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opt
             f"2-D mesh (replicate, shard) for hybrid sharding, e.g. mesh['dp_replicate', 'dp_shard']"
         )
     if world % mesh.size() != 0:
-        raise ValueError(f"fully_shard: mesh size {mesh.size()} does not divide world size {world}; build the mesh over all ranks")
+        raise ValueError(
+            f"fully_shard: mesh size {mesh.size()} does not divide world size {world}; build the mesh over all ranks"
+        )
     if tp_mesh is not None:
         # [Note: tensor parallel composition] holds for a 2-D (replicate, shard) dp mesh as for a
         # 1-D one: the TP-local tensors are sharded over the shard dim, their gradients
@@ -270,7 +275,9 @@ def fully_shard(
     if comm_policy is None and mp_policy.quantized_comm:
         comm_policy = QuantizedCommPolicy()
     if offload_policy is not None and comm_policy is not None:
-        raise NotImplementedError("fully_shard: CPUOffloadPolicy together with QuantizedCommPolicy is not supported; drop one")
+        raise NotImplementedError(
+            "fully_shard: CPUOffloadPolicy together with QuantizedCommPolicy is not supported; drop one"
+        )
     # Collect the distinct parameters not owned by a sub-unit, with every (module, name) using them.
     by_id: Dict[int, FlatEntry] = {}
     params: Dict[int, torch.Tensor] = {}  # the values to shard (a DTensor's TP-local tensor)
@@ -310,10 +317,14 @@ def fully_shard(
         device = originals[0].device
         dtypes = {p.dtype for p in originals}
         if len(dtypes) > 1:
-            raise NotImplementedError(f"fully_shard: one unit with several parameter dtypes {dtypes} is not supported; cast the model first")
+            raise NotImplementedError(
+                f"fully_shard: one unit with several parameter dtypes {dtypes} is not supported; cast the model first"
+            )
     tp_meshes = {_mesh_key(e.tp.mesh): e.tp.mesh for e in entries if e.tp is not None}
     if len(tp_meshes) > 1:
-        raise NotImplementedError("fully_shard: parameters on several tensor parallel meshes in one unit are not supported")
+        raise NotImplementedError(
+            "fully_shard: parameters on several tensor parallel meshes in one unit are not supported"
+        )
     tp_mesh = next(iter(tp_meshes.values()), None)
     mesh, shard_group, replicate_group, tp_mesh = _resolve_mesh(mesh, device, tp_mesh)
     n_shard = dist.get_world_size(shard_group)

@@ -49,7 +49,9 @@ def _to_dtensor(unit: "ShardUnit", e: FlatEntry, full_flat: torch.Tensor) -> DTe
         # TP placement over tp) on the 2-D or 3-D state mesh. Built from the global value so nested
         # sharding of one dim follows DTensor's own order.
         if e.tp is not None:
-            glob = DTensor.from_local(full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride).full_tensor()
+            glob = DTensor.from_local(
+                full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride
+            ).full_tensor()
             tp_placement = e.tp.placements[0]
         else:
             glob, tp_placement = full, Replicate()
@@ -154,14 +156,14 @@ def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple
         sts = [optimizer.state.get(sp, {}) for _, sp in entries]
         for k in _sharded_keys(sts, [sp for _, sp in entries]):
             local = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=unit.shard.device)
-            for (e, sp), st in zip(entries, sts):
+            for (e, _), st in zip(entries, sts):
                 if k in st:
                     local[unit.layout.shard_slice(e)] = st[k]
             full_flat = _gather_flat(unit, local)
             for (e, sp), st in zip(entries, sts):
                 if k in st:
                     state.setdefault(fqn_of[id(sp)], {})[k] = _to_dtensor(unit, e, full_flat).to(st[k].dtype)
-        for (e, sp), st in zip(entries, sts):
+        for (_, sp), st in zip(entries, sts):
             handled.add(id(sp))
             for k, v in st.items():
                 if k not in state.get(fqn_of[id(sp)], {}):
@@ -196,7 +198,8 @@ def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
                 continue
             st = {}
             for k, v in sorted(src[fqn].items()):
-                if k != "step" and isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == math.prod(e.global_shape):
+                sharded = isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == math.prod(e.global_shape)
+                if k != "step" and sharded:
                     st[k] = _local_piece(unit, e, _full_value(v))
                 else:
                     st[k] = v

@@ -173,7 +173,9 @@ class ShardUnit:
         pin = offload and compute_device.type == "cuda"
         S = layout.shard_numel
         self.shard = torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin)
-        self.grad_shard = torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin) if self.trainable else None
+        self.grad_shard = (
+            torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin) if self.trainable else None
+        )
         self.sharded_params: List[nn.Parameter] = []
         self.full_params: List[torch.Tensor] = []
         self._accum: Optional[torch.Tensor] = None  # unsharded grads kept across no-sync micro-steps
@@ -422,7 +424,9 @@ class ShardUnit:
                 # tensors) and lose its weight gradients.
                 cached = self._tp_views[i]
                 if grad or cached is None:
-                    cached = DTensor.from_local(full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride)
+                    cached = DTensor.from_local(
+                        full, e.tp.mesh, e.tp.placements, run_check=False, shape=e.tp.shape, stride=e.tp.stride
+                    )
                     self._tp_views[i] = cached
                 full = cached
             for mod, attr, _ in e.users:
