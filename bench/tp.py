@@ -41,11 +41,11 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str, steps: int) -> dict:
-    from framework.distributed.parallel_dims import ParallelDims, build_mesh
     from framework.distributed.engines import engine_of
+    from framework.distributed.parallel_dims import ParallelDims, build_mesh
     from framework.distributed.parallelize import parallelize
-    from framework.models.llama import FAMILY as LLAMA
     from framework.distributed.tensor_parallel import full, loss_context
+    from framework.models.llama import FAMILY as LLAMA
     from framework.models.llama import build_llama
     from framework.trainer import loss_fn
 

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from framework.config.schema import Engine, ModelConfig, ParallelismConfig, Strategy
-from framework.distributed.parallel_dims import ParallelDims, build_mesh
 from framework.distributed.engines import engine_of
+from framework.distributed.parallel_dims import ParallelDims, build_mesh
 from framework.distributed.parallelize import parallelize
 from framework.distributed.tensor_parallel import full, loss_context
-from framework.models.llama import build_llama
 from framework.models.llama import FAMILY as LLAMA
+from framework.models.llama import build_llama
 from framework.trainer import loss_fn
 
 SEED = 1234
