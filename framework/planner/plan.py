@@ -11,8 +11,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from framework.config.degrees import resolve_parallel_dims
 from framework.config.schema import Config
-from framework.distributed.parallel_dims import resolve_parallel_dims
+from framework.errors import EXIT_BAD_INPUT
 from framework.planner.devices import DEVICES, device_for
 from framework.planner.estimate import (
     GIB,
@@ -27,8 +28,6 @@ from framework.planner.estimate import (
     traffic,
 )
 from framework.planner.shapes import ModelShape
-
-EXIT_BAD_INPUT = 2
 
 
 def _vocab(cfg: Config) -> int:

@@ -27,10 +27,11 @@ import pytest
 import torch
 from conftest import REPO, TINY, read_metrics, run_main
 
+from framework.errors import EXIT_REQUEUE
+
 COMMON = TINY + ["trainer.eval_interval=0", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
                  "trainer.max_steps=12"]
 WORLD_TOLERANCE = 1e-5  # see the module docstring
-EXIT_REQUEUE = 75
 
 
 def _losses(run_dir: Path) -> dict:

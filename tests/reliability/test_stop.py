@@ -10,8 +10,9 @@ import time
 
 from conftest import REPO, TINY, read_metrics, run_main
 
+from framework.errors import EXIT_REQUEUE
+
 NO_CHECKPOINTS = ["checkpoint.interval=0", "checkpoint.save_final=false"]
-EXIT_REQUEUE = 75
 
 
 def test_time_limit_stops_without_checkpoints(tmp_path):
