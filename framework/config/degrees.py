@@ -11,6 +11,13 @@ from dataclasses import dataclass
 from framework.errors import UserInputError
 
 
+def check_degrees(**degrees: int) -> None:
+    """Each degree is positive, or -1 for "infer from the world size"."""
+    for name, value in degrees.items():
+        if value == 0 or value < -1:
+            raise UserInputError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
+
+
 @dataclass(kw_only=True)
 class ParallelDims:
     dp_replicate: int
@@ -19,10 +26,7 @@ class ParallelDims:
     world_size: int
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp"):
-            value = getattr(self, name)
-            if value == 0 or value < -1:
-                raise UserInputError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
+        check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
         unknown = [n for n in ("dp_replicate", "dp_shard", "tp") if getattr(self, n) == -1]
         if len(unknown) > 1:
             raise UserInputError(f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
+from framework.config.degrees import check_degrees
 from framework.errors import UserInputError
 
 
@@ -135,10 +136,7 @@ class ParallelismConfig:
         self.strategy = _choice("parallelism", "strategy", self.strategy, Strategy)
         self.activation_checkpointing = _choice("parallelism", "activation_checkpointing",
                                                 self.activation_checkpointing, ActivationCheckpointing)
-        for name in ("dp_replicate", "dp_shard", "tp"):
-            value = getattr(self, name)
-            if value == 0 or value < -1:
-                raise UserInputError(f"parallelism.{name}={value}: must be a positive degree or -1 (infer)")
+        check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise UserInputError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
