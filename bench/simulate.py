@@ -13,8 +13,9 @@ engine holds, the optimizer state) and the bytes of every collective call, inter
 `torch.distributed` and converted to per-rank bytes by the ring formulas of
 `framework/distributed/fsdp/collectives.py`; then we compare with the planner's prediction for
 the same job. Layouts: full (ZeRO-3 over all ranks), hybrid (sharded over 8 ranks per node,
-replicated across nodes), tp8 (tensor parallel over 8, ZeRO-3 over the rest). Tensor-parallel
-activation traffic goes through DTensor's functional collectives and is not in the table.
+replicated across nodes), tp8 (tensor parallel over 8, ZeRO-3 over the rest). Tensor parallel's
+activation traffic goes through torch's functional collectives, counted where they are dispatched
+(`torch.utils._python_dispatch.TorchDispatchMode`, the documented way to intercept ops).
 """
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+try:  # the dispatch-mode base class lives in a private module (there is no public one)
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # then tensor-parallel traffic is not counted (and not compared)
+    TorchDispatchMode = object
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,25 +73,56 @@ def job_config(model: str, world: int, layout: str, seq: int, micro: int) -> Con
 
 
 # ------------------------------------------------------------------ recording collectives
+class _FunctionalCollectives(TorchDispatchMode):
+    """DTensor (tensor parallel) communicates through torch's functional collectives, which never
+    pass through the Python functions above: count them where they are dispatched. In these
+    layouts only tensor parallel uses them, over groups of `tp` ranks."""
+
+    RING = {"all_reduce": lambda n, b: 2 * (n - 1) * b // n,
+            "all_gather_into_tensor": lambda n, b: (n - 1) * b,
+            "reduce_scatter_tensor": lambda n, b: (n - 1) * b // n}
+
+    def __init__(self, recorder: "Recorder", tp: int) -> None:
+        super().__init__()
+        self.recorder, self.tp = recorder, tp
+
+    enabled = TorchDispatchMode is not object
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ns, _, name = str(func).partition(".")
+        name = name.split(".")[0]
+        if ns == "_c10d_functional" and name in self.RING and self.tp > 1:
+            t = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            key = (name.removesuffix("_into_tensor").removesuffix("_tensor"), self.tp, ("tp",))
+            self.recorder.bytes[key] += self.RING[name](self.tp, t.numel() * t.element_size())
+            self.recorder.calls[key] += 1
+        return func(*args, **(kwargs or {}))
+
+
 class Recorder:
     """Wraps torch.distributed's collectives in this process; per-rank bytes by group."""
 
     NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
              "all_reduce", "all_to_all_single", "broadcast")
 
-    def __init__(self) -> None:
-        self.bytes = defaultdict(int)  # (collective, group ranks) -> bytes
+    def __init__(self, tp: int = 1) -> None:
+        self.bytes = defaultdict(int)  # (collective, group size, group ranks) -> bytes
         self.calls = defaultdict(int)
         self._orig = {}
+        self._mode = _FunctionalCollectives(self, tp)
 
     def __enter__(self):
         for name in self.NAMES:
             if hasattr(dist, name):
                 self._orig[name] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, self._orig[name]))
+        if self._mode.enabled:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._mode.enabled:
+            self._mode.__exit__(*exc)
         for name, fn in self._orig.items():
             setattr(dist, name, fn)
 
@@ -175,12 +212,13 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
         dim_of = {}
         for name in ("dp_replicate", "dp_shard", "tp"):
             dim_of[tuple(dist.get_process_group_ranks(mesh[name].get_group()))] = name
+        dim_of[("tp",)] = "tp"
         model_ = build_llama(cfg.model, "meta")
         with _mesh_coordinates(dims):
             model_ = _parallelize(model_, dims, mesh, p, cfg.model)
         opt = torch.optim.AdamW(model_.parameters(), lr=1e-4, foreach=False)
         tokens = torch.zeros(micro, seq + 1, dtype=torch.long, device="meta")
-        with Recorder() as rec, loss_context(model_):
+        with Recorder(dims.tp) as rec, loss_context(model_):
             logits = model_(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
             loss.backward()
@@ -189,7 +227,7 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
         opt_bytes = sum(v.untyped_storage().nbytes() if v.dim() else 4
                         for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
         traffic_by = defaultdict(int)
-        for (kind, n, ranks), b in rec.bytes.items():
+        for (kind, _n, ranks), b in rec.bytes.items():
             traffic_by[(kind, dim_of.get(ranks, "other"))] += b
         engine_stats = model_.comm_stats()
     finally:
@@ -217,7 +255,7 @@ def predict_row(model: str, world: int, layout: str, seq: int = 2048, micro: int
     tr = traffic(job)
     by = defaultdict(int)
     for r in tr.rows:
-        if r["dim"] != "tp":
+        if r["dim"] != "tp" or _FunctionalCollectives.enabled:
             by[f"{r['collective']}/{r['dim']}"] += r["bytes"]
     return {"shards": mem.params + mem.grads, "grad_pool": mem.grad_pool, "optimizer": mem.optimizer,
             "traffic": dict(by)}
@@ -255,8 +293,9 @@ def run(models, worlds, layouts, seq=2048, micro=1):
 def format_table(rows) -> str:
     gib = lambda b: b / 2**30
     lines = [("| model | ranks | layout | shards+grads GiB sim / plan | optimizer GiB sim / plan | "
-             "gather GiB/step sim / plan | reduce GiB/step sim / plan | all-reduce GiB/step sim / plan | max error |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+             "gather GiB/step sim / plan | reduce GiB/step sim / plan | all-reduce dp GiB/step sim / plan | "
+             "all-reduce tp GiB/step sim / plan | max error |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     def pair(s, p, prefix):
         a = sum(v for k, v in s["traffic"].items() if k.startswith(prefix))
         b = sum(v for k, v in p["traffic"].items() if k.startswith(prefix))
@@ -264,9 +303,11 @@ def format_table(rows) -> str:
 
     for r in rows:
         s, p = r["sim"], r["pred"]
-        lines.append(f"| {s['model']} | {s['world']} | {s['layout']} | {gib(s['shards']):.2f} / {gib(p['shards']):.2f} | "
+        lines.append(f"| {s['model']} | {s['world']} | {s['layout']} | "
+                     f"{gib(s['shards']):.2f} / {gib(p['shards']):.2f} | "
                      f"{gib(s['optimizer']):.2f} / {gib(p['optimizer']):.2f} | {pair(s, p, 'all_gather')} | "
-                     f"{pair(s, p, 'reduce_scatter')} | {pair(s, p, 'all_reduce')} | {100 * r['max_err']:.2f}% |")
+                     f"{pair(s, p, 'reduce_scatter')} | {pair(s, p, 'all_reduce/dp')} | "
+                     f"{pair(s, p, 'all_reduce/tp')} | {100 * r['max_err']:.2f}% |")
     return "\n".join(lines)
 
 
