@@ -122,7 +122,8 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: A
             torch.set_num_threads(1)  # as torchrun: gloo's threads get the other cores
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         device, backend = device_and_backend(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                device_id=device if device.type == "cuda" else None)
         try:
             out = fn(rank, world, device, *args)
         finally:
