@@ -29,6 +29,31 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def _drop_steps_after(path: str, step: int) -> None:
+    """A run resumed at `step` (after a crash, a requeue or a restart) redoes the steps after it:
+    their records from the attempt that did not finish (and a last line a crash cut short) are dropped,
+    so every step appears once and the file reads like an uninterrupted run's. The file is replaced atomically."""
+    if not os.path.exists(path):
+        return
+    with open(path) as handle:
+        lines = handle.readlines()
+    keep = [line for line in lines if line.endswith("\n") and _step_of(line) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.writelines(keep)
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> float:
+    """The record's step; a line cut short by a crash (not JSON) counts as after every step."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLogger:
     """Writes on rank 0 only; every other rank gets a logger that does nothing."""
 
@@ -40,7 +65,9 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         if jsonl:
-            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+            path = os.path.join(run_dir, "metrics.jsonl")
+            _drop_steps_after(path, start_step)
+            self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -1,0 +1,32 @@
+"""metrics.jsonl after a resume: every step once, as in an uninterrupted run."""
+import json
+
+from framework.metrics import MetricsLogger
+
+
+def _logger(run_dir, start_step):
+    return MetricsLogger(str(run_dir), enabled=True, total_steps=10, start_step=start_step, jsonl=True,
+                         tensorboard=False, progress_bar=False)
+
+
+def test_resume_drops_the_unfinished_attempts_later_steps(tmp_path):
+    first = _logger(tmp_path, 0)
+    for step in range(1, 6):
+        first.log(step, {"loss": 10.0 - step})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "lo')  # the crash cut the last record short
+    # The restarted attempt resumes from the checkpoint of step 3 and redoes steps 4 and 5.
+    second = _logger(tmp_path, 3)
+    for step in range(4, 7):
+        second.log(step, {"loss": 100.0 + step})
+    second.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == [9.0, 8.0, 7.0, 104.0, 105.0, 106.0]
+
+
+def test_a_fresh_start_keeps_nothing_to_drop(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    _logger(tmp_path, 1).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
