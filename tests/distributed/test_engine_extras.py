@@ -10,11 +10,10 @@ import copy
 import os
 import time
 
+import test_engine_models as M
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
-import test_engine_models as M
 
 CONT = 3  # steps before the checkpoint; the same number after it
 
@@ -122,7 +121,7 @@ def bytes_and_memory(rank, ws, d):
         st = model.comm_stats()
         units = _units(model)
         N = ws
-        gathers = lambda u: 1 if (u is model._fsdp_unit or not reshard) else 2
+        gathers = lambda u, root=model._fsdp_unit, reshard=reshard: 1 if (u is root or not reshard) else 2
         if reshard is True or reshard is False:
             exp_ag = 3 * sum((N - 1) * u.layout.shard_numel * 4 * gathers(u) for u in units)
         else:  # hpZ: forward over N ranks, backward over k ranks from the N S / k secondary shard
@@ -136,7 +135,8 @@ def bytes_and_memory(rank, ws, d):
         per = M_GB // ws
         M.loss_fn("gpt", model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
         opt.step()
-        owned = sum(max(0, min(u.layout.shard_numel, u.layout.total - u.layout.rank * u.layout.shard_numel)) for u in units)
+        owned = sum(max(0, min(u.layout.shard_numel, u.layout.total - u.layout.rank * u.layout.shard_numel))
+                    for u in units)
         trainable = sum(e.local_numel for u in units for e in u.trainable)
         total = sum(u.layout.total for u in units)
         out[f"counters_reshard={reshard}"] = {
@@ -180,7 +180,8 @@ def no_sync_is_silent(rank, ws, d):
     opt = M.make_optimizer("sgd", fresh)
     after = M.train_steps("gpt", fresh, opt, 1, M_GB, rank, ws)
     return {
-        "no_sync": {"micro_rs": micro["reduce_scatter_bytes"] + micro["allreduce_bytes"], "sync_rs": sync["reduce_scatter_bytes"]},
+        "no_sync": {"micro_rs": micro["reduce_scatter_bytes"] + micro["allreduce_bytes"],
+                    "sync_rs": sync["reduce_scatter_bytes"]},
         "eval": {"diff": diff, "resharded": resharded, "loss_after": after[0]},
     }
 
@@ -188,7 +189,7 @@ def no_sync_is_silent(rank, ws, d):
 def errors(rank, ws, d):
     """Each bad input must raise the named error with a message that says the fix."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor, Shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from framework.distributed.fsdp import CPUOffloadPolicy, QuantizedCommPolicy, fully_shard
 
@@ -197,7 +198,7 @@ def errors(rank, ws, d):
     def expect(name, exc, words, fn):
         try:
             fn()
-            cases[name] = f"no error raised"
+            cases[name] = "no error raised"
         except exc as e:  # noqa: PERF203
             msg = str(e)
             cases[name] = "ok" if all(w in msg for w in words) else f"message lacks {words}: {msg}"
@@ -221,13 +222,16 @@ def errors(rank, ws, d):
         fully_shard(m)
 
     expect("sharded_twice", ValueError, ["already sharded", "once per module"], twice)
-    expect("mesh_3d", ValueError, ["1-D", "2-D"], lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (1, 1, ws))))
+    expect("mesh_3d", ValueError, ["1-D", "2-D"],
+           lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (1, 1, ws))))
     expect("submesh", NotImplementedError, ["mesh over all ranks"],
-           lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("a", "b"))["b"]))
+           lambda: fully_shard(M.make_model("mlp"),
+                               mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("a", "b"))["b"]))
     expect("hpz_int_not_dividing", ValueError, ["reshard_after_forward", "divide"],
            lambda: fully_shard(M.make_model("mlp"), reshard_after_forward=ws + 1))
     expect("offload_and_quant", NotImplementedError, ["CPUOffloadPolicy", "QuantizedCommPolicy"],
-           lambda: fully_shard(M.make_model("mlp"), offload_policy=CPUOffloadPolicy(), comm_policy=QuantizedCommPolicy()))
+           lambda: fully_shard(M.make_model("mlp"), offload_policy=CPUOffloadPolicy(),
+                               comm_policy=QuantizedCommPolicy()))
     expect("tied_across_units", ValueError, ["tied", "one unit"], tied_split)
     expect("tp_mesh_size_mismatch", ValueError, ["tp mesh size", "world size"], dtensor_param)
     expect("bad_block", ValueError, ["block_size"], lambda: QuantizedCommPolicy(block_size=3))
@@ -267,7 +271,8 @@ def mixed_precision(rank, ws, d):
     res = {}
     for reduce in (torch.float32, torch.bfloat16):
         out = {}
-        for engine, mp in (("ours", MixedPrecisionPolicy(torch.bfloat16, reduce)), ("torch", TorchMP(torch.bfloat16, reduce))):
+        policies = (("ours", MixedPrecisionPolicy(torch.bfloat16, reduce)), ("torch", TorchMP(torch.bfloat16, reduce)))
+        for engine, mp in policies:
             model = M.shard_model(M.make_model("gpt"), "gpt", engine, None, True, mp_policy=mp)
             opt = M.make_optimizer("sgd", model)
             out[engine] = M.train_steps("gpt", model, opt, 5, M_GB, rank, ws, engine=engine)
@@ -351,14 +356,16 @@ def tp_compose_4(rank, ws, d):
     losses = _tp_train(model, opt, 5, 0, dp_rank, 2, dp_group, 0.5, clip_grad_norm_)
     msd, osd = get_state_dicts(model, opt)
     saved = {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in msd.items()}
-    saved_opt = {k: {kk: vv.to_local().clone() if isinstance(vv, DTensor) else vv for kk, vv in st.items()} for k, st in osd["state"].items()}
+    saved_opt = {k: {kk: vv.to_local().clone() if isinstance(vv, DTensor) else vv for kk, vv in st.items()}
+                 for k, st in osd["state"].items()}
     losses += _tp_train(model, opt, 3, 5, dp_rank, 2, dp_group, 0.5, clip_grad_norm_)
     sd = model.state_dict()
     full = {k: v.full_tensor() for k, v in sd.items()}
     out = {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "param_diff": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
-        "placements": {k: (str(v.placements), v.device_mesh.mesh_dim_names) for k, v in sd.items() if k.startswith("blocks.0.") or k == "ln.weight"},
+        "placements": {k: (str(v.placements), v.device_mesh.mesh_dim_names) for k, v in sd.items()
+                       if k.startswith("blocks.0.") or k == "ln.weight"},
     }
     # reload the step-5 state (in place into fresh DTensors) and replay steps 5..7: same losses
     for k, v in msd.items():

@@ -14,10 +14,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import test_engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 
 from tests.distributed.harness import run_ranks
-
-import test_engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 
 # The spawned groups have their own deadlines (run_ranks timeout_s); this is the outer bound.
 pytestmark = pytest.mark.timeout(900)
@@ -52,7 +51,8 @@ def _compare(rank, ws, cfg):
 
         kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if cfg.get("offload") else {}
         M.Block.checkpoint = bool(cfg.get("ac"))
-        model = M.shard_model(M.make_model(kind), kind, engine, _mesh(cfg.get("mesh", "full"), ws), cfg.get("reshard", True), **kw)
+        mesh = _mesh(cfg.get("mesh", "full"), ws)
+        model = M.shard_model(M.make_model(kind), kind, engine, mesh, cfg.get("reshard", True), **kw)
         opt = M.make_optimizer(opt_name, model)
         losses = M.train_steps(kind, model, opt, STEPS, GB, rank, ws, clip=clip, accum=accum, engine=engine)
         fp = M.full_params(model)

@@ -120,21 +120,40 @@ def packed_nbytes(n: int, block: int) -> int:
     return n + 4 * (n // block)
 
 
+# Quantization works through a unit in pieces of _PIECE blocks, so its temporaries (fp32 copies,
+# the int8 values) stay a few MB whatever the unit's size; see also [Note: int8 buffers live
+# inside the unit's own storage] in unit.py, which relies on the write order below.
+_PIECE = 4096
+
+
 def quantize_into(x: torch.Tensor, out: torch.Tensor, block: int) -> None:
-    """Quantize flat `x` (n values) into the packed uint8 buffer `out`."""
+    """Quantize flat `x` (n values) into the packed uint8 buffer `out`.
+
+    Piece by piece, front to back: each piece of `x` is read whole before its int8 values are
+    written, and the scales are written last, so `out` may start at or before `x` in the same
+    memory (packing in place) as long as it never runs ahead of the part of `x` not yet read.
+    """
     n = x.numel()
-    xb = x.reshape(-1, block).float()
-    scale = xb.abs().amax(dim=1).clamp_min_(1e-30).div_(127.0)
-    q = torch.round(xb / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    out[:n].copy_(q.view(-1).view(torch.uint8))
-    out[n:].copy_(scale.view(torch.uint8))
+    step = block * _PIECE
+    scales = torch.empty(n // block, dtype=torch.float32, device=x.device)
+    for a in range(0, n, step):
+        xb = x[a:a + step].reshape(-1, block).float()
+        scale = scales[a // block:a // block + xb.shape[0]]
+        torch.amax(xb.abs(), dim=1, out=scale)
+        scale.clamp_min_(1e-30).div_(127.0)
+        q = torch.round(xb / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        out[a:a + q.numel()].copy_(q.view(-1).view(torch.uint8))
+    out[n:].copy_(scales.view(torch.uint8))
 
 
-def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int) -> None:
-    """Inverse of `quantize_into`, writing n values into `out` (any float dtype)."""
+def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int, accumulate: bool = False) -> None:
+    """Inverse of `quantize_into`, writing (or with `accumulate`, adding) n values into `out`
+    (any float dtype), piece by piece. `packed` must not overlap `out`."""
     n = out.numel()
-    q = packed[:n].view(torch.int8).view(-1, block)
-    scale = packed[n:].view(torch.float32)
-    torch.mul(q, scale[:, None], out=out.view(-1, block)) if out.dtype == torch.float32 else out.view(
-        -1, block
-    ).copy_(q.float() * scale[:, None])
+    step = block * _PIECE
+    scales = packed[n:].view(torch.float32)
+    for a in range(0, n, step):
+        q = packed[a:min(a + step, n)].view(torch.int8).view(-1, block)
+        vals = q.float().mul_(scales[a // block:a // block + q.shape[0], None])
+        dst = out[a:a + vals.numel()].view(-1, block)
+        dst.add_(vals) if accumulate else dst.copy_(vals)

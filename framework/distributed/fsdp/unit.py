@@ -227,11 +227,11 @@ class ShardUnit:
         """Elements this unit asks the model's pool for under `tag` (see [Note: the gradient
         buffer pool]); the pool cuts every buffer of a tag to the largest unit's size."""
         L = self.layout
-        if not self.trainable and tag not in ("dequant",):
+        if not self.trainable:
             return 0
         if tag == "in":
             return L.padded_total
-        if tag in ("out", "q", "qtmp", "dequant"):
+        if tag in ("out", "q"):
             return L.shard_numel
         if tag == "rs":
             return C.reduce_scatter_scratch_numel(self.reduce_group, L.shard_numel)
@@ -381,29 +381,12 @@ class ShardUnit:
         packed = self._packed_tail()
         start = packed.storage_offset()  # byte offset of chunk 0 in the storage
         esize = self.full_flat.element_size()
-        tmp = None
         with record_function("fsdp::dequantize"):
             for r in range(self.N):
-                dst = self.full_flat[r * S:(r + 1) * S]
-                if esize * (r + 1) * S > start + r * nb:  # would overwrite its own packed chunk
-                    if tmp is None:
-                        tmp = self._scratch(S, self.full_flat.dtype, "dequant")
-                    dequantize_into(packed[r * nb:(r + 1) * nb], tmp, b)
-                    dst.copy_(tmp)
-                else:
-                    dequantize_into(packed[r * nb:(r + 1) * nb], dst, b)
-        if tmp is not None:
-            self._give_back(tmp)
-
-    def _scratch(self, numel: int, dtype: torch.dtype, tag: str) -> torch.Tensor:
-        """A short-lived buffer: from the model's pool once it exists, else a plain allocation."""
-        if self.ctx is None:
-            return torch.empty(numel, dtype=dtype, device=self.compute_device)
-        return self.ctx.acquire_buffer(self, numel, dtype, self.compute_device, tag)
-
-    def _give_back(self, buf: torch.Tensor) -> None:
-        if self.ctx is not None:
-            self.ctx.release_buffer(buf)
+                src = packed[r * nb:(r + 1) * nb]
+                if esize * (r + 1) * S > start + r * nb:  # would overwrite its own packed chunk:
+                    src = src.clone()  # a transient copy of the int8 chunk (1/4 of an fp32 shard)
+                dequantize_into(src, self.full_flat[r * S:(r + 1) * S], b)
 
     def _expose(self) -> None:
         # The modules read the full parameter through the instance __dict__, which Python consults
@@ -570,10 +553,12 @@ class ShardUnit:
         quant = self.comm is not None and self.comm.grads and self.N > 1
         scratch = q_recv = None
         q_pooled = False
-        if quant:
-            out = self.ctx.acquire_buffer(self, L.shard_numel, torch.float32, self.compute_device, "q")
+        if quant:  # the chunks are summed in fp32: straight into the grad shard when it is fp32 and fresh
+            direct = fresh and self.shard_dtype == torch.float32 and self.grad_shard.device == buf.device
+            out = self.grad_shard if direct else self.ctx.acquire_buffer(
+                self, L.shard_numel, torch.float32, self.compute_device, "q"
+            )
             pending, q_recv, q_pooled = self._issue_quantized_reduce(buf)
-            direct = False
         else:
             out = self.grad_shard if direct else self.ctx.acquire_buffer(
                 self, L.shard_numel, self.reduce_dtype, self.compute_device, "out"
@@ -653,13 +638,10 @@ class ShardUnit:
         if red.quantized is not None:  # sum the dequantized chunks before their buffer goes back
             b, S = self.comm.block_size, self.layout.shard_numel
             nb = packed_nbytes(S, b)
-            tmp = self.ctx.acquire_buffer(self, S, torch.float32, self.compute_device, "qtmp")
+            total = self.grad_shard if red.direct else out
             with record_function("fsdp::dequantize"):
-                dequantize_into(red.quantized[:nb], out, b)
-                for r in range(1, self.N):
-                    dequantize_into(red.quantized[r * nb:(r + 1) * nb], tmp, b)
-                    out.add_(tmp)
-            self.ctx.release_buffer(tmp)
+                for r in range(self.N):
+                    dequantize_into(red.quantized[r * nb:(r + 1) * nb], total, b, accumulate=r > 0)
             if red.quantized_pooled:
                 self.ctx.release_buffer(red.quantized)
         if red.in_place:
