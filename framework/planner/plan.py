@@ -268,7 +268,7 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
         f"  send buffers (cast / int8)      {_gib(mem.send_buffers + mem.int8_buffers)}",
         f"  gathered units at the peak      {_gib(mem.gathered_peak)}   "
         f"(largest unit's all-gather + prefetch: {mem.largest_gather / GIB:.2f})",
-        (f"  activations ({job.activation_checkpointing:>9})        {_gib(mem.activations)}   "
+        (f"  {'activations (' + job.activation_checkpointing + ')':<32}{_gib(mem.activations)}   "
         f"(none: {mem.activations_no_ckpt / GIB:.2f}, full checkpointing: {mem.activations_full_ckpt / GIB:.2f})"),
         f"  logits and loss                 {_gib(mem.logits)}",
         f"  peak (start of backward)        {_gib(mem.peak)}   of {job.budget_bytes / GIB:.1f}",
