@@ -284,14 +284,16 @@ def table(result: dict) -> str:
              f"{result['steps']} interleaved steps"),
              "",
              "| engine | median step s (min-max) | / ours ZeRO-3 | peak MB / rank | RSS peak MB | MB / step "
-             "| exposed comm s |",
-             "|---|---|---|---|---|---|---|"]
+             "| exposed comm s | tokens/s / rank | MFU (bf16 peak) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e, r in result["rows"].items():
         wire = None if r["bytes_per_step"] is None else r["bytes_per_step"] / 2**20
+        mfu = None if r.get("mfu_bf16") is None else 100 * r["mfu_bf16"]
         lines.append(f"| {LABELS.get(e, e)} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
                      f"{r['ratio_to_ours']:.2f} | {fmt(r.get('peak_mb'), '.0f')} | "
                      f"{fmt(r.get('rss_peak_mb'), '.0f')} | "
-                     f"{fmt(wire, '.1f')} | {fmt(r['exposed_comm_s'], '.3f')} |")
+                     f"{fmt(wire, '.1f')} | {fmt(r['exposed_comm_s'], '.3f')} | "
+                     f"{r['tokens_per_s_per_rank']:.0f} | {fmt(mfu, '.1f')}{'%' if mfu is not None else ''} |")
     return "\n".join(lines)
 
 
