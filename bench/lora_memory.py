@@ -141,7 +141,8 @@ def main() -> None:
     for mode, r in rows.items():
         print(f"{mode:6} {r['params_mb']:9.1f} {r['grads_mb']:9.1f} {r['optimizer_mb']:10.1f} {r['rss_peak_mb']:10.0f}")
     tensor_drop = (full["grads_mb"] + full["optimizer_mb"]) - (lora["grads_mb"] + lora["optimizer_mb"])
-    print(f"tensor bytes drop {tensor_drop:.1f} MiB; RSS peak drop {full['rss_peak_mb'] - lora['rss_peak_mb']:.0f} MiB; "
+    rss_drop = full["rss_peak_mb"] - lora["rss_peak_mb"]
+    print(f"tensor bytes drop {tensor_drop:.1f} MiB; RSS peak drop {rss_drop:.0f} MiB; "
           f"optimizer state of the frozen weights {frozen_optim_mb:.1f} MiB per rank")
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "steps": args.steps, "seq": args.seq, "full": full, "lora": lora,
