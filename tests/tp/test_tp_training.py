@@ -40,7 +40,9 @@ ENGINES = ["torch", "native"]
 
 FOUR_RANK = [Layout(2, 2, sp, engine) for engine in ENGINES for sp in (False, True)]
 # Hybrid sharding composed with tp: replicate 2 x shard 1 x tp 2.
-HYBRID = [Layout(1, 2, False, "torch", dp_replicate=2)] + [Layout(1, 2, sp, "native", dp_replicate=2) for sp in (False, True)]
+HYBRID = [Layout(1, 2, False, "torch", dp_replicate=2)] + [
+    Layout(1, 2, sp, "native", dp_replicate=2) for sp in (False, True)
+]
 TWO_RANK = [Layout(1, 2, sp, engine) for engine in ENGINES for sp in (False, True)]
 UNEVEN_VOCAB = [Layout(1, 2, sp, "torch", vocab=255) for sp in (False, True)]
 TIED = [Layout(1, 2, True, "torch", tie=True)]
@@ -91,40 +93,41 @@ def _check(result: dict, ref, first_step: int = 0) -> None:
         got = torch.from_numpy(result["params"][name])
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
         err = (got - want).abs().max().item()
-        assert err <= (LOGITS_TOL if name == "logits" else TOL), f"{name}: max |diff| {err:.2e} from the single-process run"
+        tol = LOGITS_TOL if name == "logits" else TOL
+        assert err <= tol, f"{name}: max |diff| {err:.2e} from the single-process run"
 
 
-@pytest.mark.parametrize("layout", FOUR_RANK, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", FOUR_RANK, ids=lambda layout: layout.name)
 def test_dp2_tp2_matches_single_process(four_rank, ref, layout):
     _check(four_rank[job_key(Job(layout))], ref)
 
 
-@pytest.mark.parametrize("layout", HYBRID, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", HYBRID, ids=lambda layout: layout.name)
 def test_hybrid_rep2_dp1_tp2_matches_single_process(four_rank, ref, layout):
     """Gradients reduce-scattered over dp_shard, then all-reduced over dp_replicate, of TP-local
     tensors: the same numbers as one process."""
     _check(four_rank[job_key(Job(layout))], ref)
 
 
-@pytest.mark.parametrize("layout", TWO_RANK, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", TWO_RANK, ids=lambda layout: layout.name)
 def test_tp2_matches_single_process(two_rank, ref, layout):
     _check(two_rank[job_key(Job(layout))], ref)
 
 
-@pytest.mark.parametrize("layout", UNEVEN_VOCAB, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", UNEVEN_VOCAB, ids=lambda layout: layout.name)
 def test_tp2_uneven_vocabulary_matches_single_process(two_rank, layout):
     """255 rows over 2 ranks (128 + 127): DTensor's uneven shards give the same numbers, which
     is why validation only warns when tp does not divide the vocabulary."""
     _check(two_rank[job_key(Job(layout))], reference(vocab=layout.vocab))
 
 
-@pytest.mark.parametrize("layout", TIED, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", TIED, ids=lambda layout: layout.name)
 def test_tp2_tied_embeddings_match_single_process(two_rank, layout):
     """The head and the embedding share one vocabulary-sharded table after the plan is applied."""
     _check(two_rank[job_key(Job(layout))], reference(tie=True))
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda l: l.name)
+@pytest.mark.parametrize("target", TARGETS, ids=lambda layout: layout.name)
 def test_checkpoint_reshards_and_continues(two_rank, ref, ckpt_dir, target):
     """Written at dp2 x tp2 (+SP) after 5 steps, loaded into another layout: steps 6-10 and the
     final weights are those of the uninterrupted single-process run."""
