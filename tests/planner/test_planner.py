@@ -292,3 +292,19 @@ def test_simulation_agrees_with_planner():
     for row in rows:
         assert row["max_err"] <= TOLERANCE, (row["sim"], row["pred"], row["err"])
         assert row["sim"]["traffic"], row["sim"]  # the step really issued collectives
+
+
+def test_launcher_refuses_a_job_that_will_not_fit():
+    """The launcher runs the planner before it writes a job: a misfit is refused with the advice,
+    and cluster.force=true lets it through."""
+    from launcher_scripts.plan import Refused, plan
+
+    job = ["cluster=slurm", "model=llama_70b", "cluster.nodes=1", "cluster.nproc_per_node=1",
+           "cluster.gpus_per_node=8", "data=synthetic"]
+    with pytest.raises(Refused) as refused:
+        plan(job)
+    message = " ".join(refused.value.problems)
+    assert "does NOT fit" in message and "cluster.nodes=" in message and "cluster.force=true" in message
+    plan([*job, "cluster.force=true"])  # written anyway
+    plan(["cluster=slurm", "model=llama_7b", "cluster.nodes=4", "cluster.gpus_per_node=8",
+          "cluster.nproc_per_node=8", "data=synthetic", "trainer.global_batch_size=256"])  # fits
