@@ -162,31 +162,40 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 3600) -
 
 # ------------------------------------------------------------------ bytes on the wire
 class WireCounter:
-    """Counts the bytes this rank moves through torch.distributed's Python collectives (what
-    FSDP2 and DeepSpeed call; DDP's reducer calls the backend from C++ and is not seen), with the
-    same conventions as our engine's counters: an all-gather the bytes received, a reduce-scatter
-    or all-to-all the bytes sent, an all-reduce the ring volume 2 (n-1)/n x bytes."""
+    """Counts the bytes this rank moves through torch.distributed's collectives (what FSDP2 and
+    DeepSpeed call; DDP's reducer calls the backend from C++ and is not seen), with the same
+    conventions as our engine's counters: an all-gather the bytes received, a reduce-scatter or
+    all-to-all the bytes sent, an all-reduce the ring volume 2 (n-1)/n x bytes, a reduce (n-1)/n.
+
+    The wrappers replace the functions in `torch.distributed.distributed_c10d`'s namespace, where
+    the deprecated spellings (`all_gather_into_tensor`, `_all_gather_base`, `reduce_scatter_tensor`)
+    forward to `all_gather_single` / `reduce_scatter_single`: a caller that kept a reference to
+    any of them (DeepSpeed does) is counted once, at the function that does the work."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self._orig: dict = {}
 
-    def install(self) -> WireCounter:
+    def install(self) -> "WireCounter":
+        from torch.distributed import distributed_c10d as c10d
+
         def nb(t):
             return t.numel() * t.element_size()
 
         rules = {
-            "all_gather_into_tensor": lambda a, n: (n - 1) * nb(a["input_tensor"]),
             "all_gather_single": lambda a, n: (n - 1) * nb(a["input_tensor"]),
-            "reduce_scatter_tensor": lambda a, n: (n - 1) * nb(a["input"]) // n,
             "reduce_scatter_single": lambda a, n: (n - 1) * nb(a["input"]) // n,
             "all_reduce": lambda a, n: 2 * (n - 1) * nb(a["tensor"]) // n,
+            "all_reduce_coalesced": lambda a, n: 2 * (n - 1) * sum(nb(t) for t in a["tensors"]) // n,
             "all_to_all_single": lambda a, n: (n - 1) * nb(a["input"]) // n,
+            "all_gather": lambda a, n: (n - 1) * nb(a["tensor"]),
+            "reduce_scatter": lambda a, n: (n - 1) * nb(a["output"]),
+            "reduce": lambda a, n: (n - 1) * nb(a["tensor"]) // n,
         }
         for name, rule in rules.items():
-            if not hasattr(dist, name) or name in self._orig:
+            if not hasattr(c10d, name) or name in self._orig:
                 continue
-            orig = getattr(dist, name)
+            orig = getattr(c10d, name)
             sig = inspect.signature(orig)
 
             def counted(*args, _orig=orig, _sig=sig, _rule=rule, **kwargs):
@@ -197,7 +206,9 @@ class WireCounter:
                 return _orig(*args, **kwargs)
 
             self._orig[name] = orig
-            setattr(dist, name, counted)
+            setattr(c10d, name, counted)
+            if getattr(dist, name, None) is orig:
+                setattr(dist, name, counted)
         return self
 
 
