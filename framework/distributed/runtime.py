@@ -75,8 +75,6 @@ def init_distributed(requested_device: str, collective_timeout_s: float = 300.0)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(requested_device, local_rank)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
@@ -95,8 +93,12 @@ def _job_store(rank: int, world: int, timeout: datetime.timedelta):
     under fixed keys, so after a restart the new ranks could read the dead ranks' addresses: gloo's
     connectFullMesh then fails with "Connection refused" on every attempt, or a barrier counter left
     over hangs. Every key is therefore prefixed with torchrun's restart count. The store waits up
-    to `timeout` for ranks that start late (slow, uneven start-up after a restart)."""
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    to `timeout` for ranks that start late (slow, uneven start-up after a restart).
+    A world of one process needs no sockets: an in-process store (so the jobs of a sweep, run one
+    after the other in one process, never compete for a port)."""
+    if world == 1 and "MASTER_PORT" not in os.environ:
+        return dist.HashStore()
+    addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     is_master = rank == 0 and not _store_hosted_outside()
     store = dist.TCPStore(addr, port, world_size=world, is_master=is_master, timeout=timeout,
                           wait_for_workers=False)
