@@ -115,7 +115,8 @@ def _parity_rank(rank, world, run_dir, source):
         out[label] = {"logits": (ours - ref).abs().max().item(), "losses": losses, "ref_losses": ref_losses,
                       "blocks": len(trainer.family.blocks(trainer.model))}
         del trainer
-    out["sliced_load"] = {engine: _load_from_path(rank, world, run_dir, source, engine) for engine in ("native", "torch")}
+    out["sliced_load"] = {engine: _load_from_path(rank, world, run_dir, source, engine)
+                          for engine in ("native", "torch")}
     return out
 
 

@@ -117,7 +117,8 @@ def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
                        ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
                        ("num_key_value_heads", "n_kv_heads"), ("head_dim", None)):
         if key in hf and hf[key] is not None and hf[key] != want[key]:
-            fix = f"set model.{field}={hf[key]}" if field else "this head size is not dim / n_heads, which our Llama needs"
+            fix = f"set model.{field}={hf[key]}" if field else \
+                "this head size is not dim / n_heads, which our Llama needs"
             refuse(f"{key}={hf[key]} but model={cfg.name} has {want[key]}; {fix} (or choose the matching preset)")
     if hf.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act={hf['hidden_act']!r}; our Llama's feed-forward is SwiGLU (silu) only")
