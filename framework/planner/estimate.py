@@ -137,7 +137,8 @@ def _requests(job: Job, lay: UnitLayout, rank: int) -> list[tuple[str, int, int]
         out.append(("in", lay.padded, rb))
     direct = rb == 4 and not job.offload
     if job.quantized and lay.N > 1:
-        out.append(("q", lay.S, 4))
+        if job.offload:  # the chunks are summed in fp32, into the grad shard when it is on the device
+            out.append(("q", lay.S, 4))
         nb = packed_nbytes(lay.S, job.block_size)
         if lay.padded * rb < 2 * lay.N * nb:  # the received chunks do not fit behind the sent ones
             out.append(("qrecv", lay.N * nb, 1))
@@ -188,13 +189,9 @@ def grad_pool_bytes(job: Job, lays: list[UnitLayout], rank: int = 0) -> int:
         pending.append(held)
         while len(pending) > in_flight_max:
             finish_oldest()
-    total = sum(count * cap[tag][0] * cap[tag][1] for tag, count in created.items())
-    if job.quantized and any(lay.N > 1 for lay in lays):
-        # One fp32 shard to sum dequantized chunks into (finish_reduce), one param-dtype shard to
-        # dequantize a gathered chunk that would overwrite its own packed bytes (wait_unshard).
-        S = max(lay.S for lay in lays)
-        total += S * 4 + S * BYTES[job.param_dtype]
-    return total
+    # int8 communication needs no buffer of its own beyond transients: packed chunks live inside
+    # the unit's storage and the dequantized chunks are summed into the gradient shard.
+    return sum(count * cap[tag][0] * cap[tag][1] for tag, count in created.items())
 
 
 @dataclass
