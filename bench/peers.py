@@ -97,7 +97,11 @@ def _ds_config(stage: int, size: str) -> dict:
         "train_micro_batch_size_per_gpu": mb,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        # Buckets sized for these models (50M elements, 200 MB fp32): DeepSpeed's defaults (500M
+        # elements) target billion-parameter models and would allocate 2 GB per bucket per rank here.
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7,
+                              "stage3_prefetch_bucket_size": 5e7},
         "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
