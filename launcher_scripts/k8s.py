@@ -16,8 +16,7 @@ from typing import Any, Dict, List
 
 from framework.config import Config
 from launcher_scripts.config import K8sCluster
-from launcher_scripts.job import (Job, join_lines, main_args, script_header, shell_line, stages_of,
-                                  torchrun_args)
+from launcher_scripts.job import Job, join_lines, main_args, script_header, shell_line, stages_of, torchrun_args
 
 API_VERSION = "kubeflow.org/v1"
 DATA_MOUNT = "/data"

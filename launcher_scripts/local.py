@@ -10,9 +10,23 @@ from typing import List
 
 from framework.config import Config, Stage
 from launcher_scripts.config import ContainerRuntime
-from launcher_scripts.job import (Job, Raw, arg_groups, derived_port, env_lines, env_names, join_lines,
-                                  main_args, run_dir, script_header, shell_command, shell_line, stages_of,
-                                  torchrun_args, torchrun_options)
+from launcher_scripts.job import (
+    Job,
+    Raw,
+    arg_groups,
+    derived_port,
+    env_lines,
+    env_names,
+    join_lines,
+    main_args,
+    run_dir,
+    script_header,
+    shell_command,
+    shell_line,
+    stages_of,
+    torchrun_args,
+    torchrun_options,
+)
 
 LOCK_NAME = "job.lock"
 

@@ -19,9 +19,18 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from framework.config import Config, Stage, register_schema, to_config, validate
 from framework.config.compose import CONF_DIR as TRAINING_CONF_DIR
 from launcher_scripts import k8s, local, slurm
-from launcher_scripts.config import (Backend, ContainerRuntime, K8sCluster, LauncherConfig, SlurmCluster,
-                                     compose_launcher, field_hint, override_key, split_overrides,
-                                     to_launcher_config)
+from launcher_scripts.config import (
+    Backend,
+    ContainerRuntime,
+    K8sCluster,
+    LauncherConfig,
+    SlurmCluster,
+    compose_launcher,
+    field_hint,
+    override_key,
+    split_overrides,
+    to_launcher_config,
+)
 from launcher_scripts.job import Job, stages_of
 
 # Keys the launcher sets itself; the user's value is dropped (with a warning).

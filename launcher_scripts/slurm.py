@@ -23,8 +23,22 @@ from typing import List
 
 from framework.config import Config, Stage
 from launcher_scripts.config import ContainerRuntime, SlurmCluster
-from launcher_scripts.job import (PORT_BASE, PORT_SPAN, Job, Raw, arg_groups, env_lines, join_lines, main_args,
-                                  run_dir, script_header, shell_command, shell_line, stages_of, torchrun_args)
+from launcher_scripts.job import (
+    PORT_BASE,
+    PORT_SPAN,
+    Job,
+    Raw,
+    arg_groups,
+    env_lines,
+    join_lines,
+    main_args,
+    run_dir,
+    script_header,
+    shell_command,
+    shell_line,
+    stages_of,
+    torchrun_args,
+)
 
 SCRIPT_NAMES = {Stage.data_preparation: "data_preparation.sbatch", Stage.training: "training.sbatch",
                 Stage.fine_tuning: "fine_tuning.sbatch"}

@@ -20,14 +20,24 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from framework.checkpoint import layout
+from framework.checkpoint.dcp import (
+    dcp_load,
+    get_state_dicts,
+    join_optim,
+    read_rng,
+    set_rng_state,
+    set_state_dicts,
+    split_optim,
+    write_rng,
+)
 from framework.checkpoint.hf import export_safetensors, import_safetensors, read_config
-from framework.checkpoint.dcp import (dcp_load, get_state_dicts, join_optim, read_rng, set_rng_state,
-                                        set_state_dicts, split_optim, write_rng)
 from framework.config.schema import Config
 from framework.distributed.runtime import Runtime
 from framework.errors import EXIT_BAD_INPUT as EXIT_BAD_CHECKPOINT
-from framework.errors import EXIT_REQUEUE  # noqa: F401  (re-exported)
-from framework.errors import UserInputError
+from framework.errors import (
+    EXIT_REQUEUE,  # noqa: F401  (re-exported)
+    UserInputError,
+)
 from framework.peft.lora import adapter_state, is_adapter, merged_sharded_state
 
 
@@ -253,7 +263,8 @@ class CheckpointManager:
         try:
             manifest = layout.read_manifest(path)
         except layout.CheckpointError as exc:  # name the previous good checkpoint, as below
-            raise layout.CheckpointError(layout.integrity_message(path, [str(exc)], find_good=self.rt.is_main)) from None
+            message = layout.integrity_message(path, [str(exc)], find_good=self.rt.is_main)
+            raise layout.CheckpointError(message) from None
         expected = manifest["files"]
         mine = sorted(expected)[self.rt.rank::self.rt.world_size]
         problems = [None] * self.rt.world_size
@@ -296,7 +307,9 @@ class CheckpointManager:
                 "or start afresh from its weights with checkpoint.resume=none and checkpoint.init_from")
         # The optimizer's param groups (lr, betas, weight decay, ...) and the LR schedule's state
         # come from the checkpoint, so these values given now do not take effect.
-        keys = ("lr", "weight_decay", "beta1", "beta2", "eps") + (("momentum",) if _plain(now.get(name)) == "sgd" else ())
+        keys = ("lr", "weight_decay", "beta1", "beta2", "eps")
+        if _plain(now.get(name)) == "sgd":
+            keys += ("momentum",)
         overridden = [f"optimizer.{k}={_plain(now[k])} (the checkpoint's {_plain(saved[k])} is used)"
                       for k in keys if k in saved and k in now and _plain(saved[k]) != _plain(now[k])]
         if overridden and self.rt.is_main:

@@ -184,7 +184,7 @@ def test_corrupted_shard_is_refused_naming_the_previous_checkpoint(source, tmp_p
     out = run_main(COMMON + ["parallelism.engine=torch", "cluster.nproc_per_node=1", "checkpoint.resume=auto",
                              "trainer.max_steps=13", f"hydra.run.dir={run}"], tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
-    line = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+    line = [text for text in out.stderr.splitlines() if text.startswith("error:")]
     assert line and "failed its integrity check" in line[0] and "__1_0.distcp" in line[0], out.stderr[-2000:]
     assert f"checkpoint.resume={_ckpt(run, 6)}" in line[0]
     assert "Traceback" not in out.stderr
@@ -194,8 +194,8 @@ def test_safetensors_export_equals_sharded_weights(source):
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
-    from framework.models.llama.adapter import to_hf_name
     from framework.checkpoint.dcp import TensorsOnlyLoadPlanner
+    from framework.models.llama.adapter import to_hf_name
 
     export = source / "checkpoints" / "export"
     config = json.loads((export / "config.json").read_text())
@@ -219,11 +219,11 @@ def _import_rank(rank, world, export_dir, run_dir):
     the file (plain strings: tensors through the harness's queue would outlive their sender)."""
     from safetensors import safe_open
 
-    from framework.models.llama.adapter import to_hf_name
     from framework.checkpoint.dcp import get_state_dicts
     from framework.config import to_config
     from framework.config.compose import compose_config
     from framework.distributed.runtime import Runtime
+    from framework.models.llama.adapter import to_hf_name
     from framework.trainer import Trainer
 
     cfg = to_config(compose_config(COMMON + ["parallelism.engine=torch", f"checkpoint.init_from={export_dir}"]))

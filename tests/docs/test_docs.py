@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 import pytest
-
 from conftest import REPO, run_main
 
 DOC_FILES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "bench").glob("*.md")])

@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from launcher_testlib import CASES, JOB_DIR, RECORDER, TINY, plan_of, render_case, run_launcher, write_exe
 from pytorchjob_schema import PYTORCHJOB
 
 from launcher_scripts import lifecycle
 from launcher_scripts.job import derived_port
 from launcher_scripts.plan import Refused, make_job, render_job
-
 
 SMALL = ["model=debug", "data=synthetic", "cluster.nproc_per_node=2", "cluster.gpus_per_node=0"]
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import slurm_cluster
 from launcher_testlib import TINY, free_port, run_launcher
 

@@ -12,7 +12,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from launcher_testlib import CASES, GOLDEN, JOB_DIR, plan_of, render_case, render_case_fresh, shellcheck
 
 from launcher_scripts import k8s

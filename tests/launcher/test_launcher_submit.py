@@ -15,10 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher_testlib import INJECTED_VALUE, INJECTION, RECORDER, TINY, render_case, run_launcher, write_exe
 from omegaconf import OmegaConf
-
-from launcher_testlib import (INJECTED_VALUE, INJECTION, RECORDER, TINY, render_case, run_launcher,
-                              write_exe)
 
 from framework.config import Config, to_config
 from launcher_scripts.config import LauncherConfig, SlurmCluster, to_launcher_config
