@@ -179,9 +179,13 @@ def _compare(make, steps, batch, rank, ws, *, shard_kw=None, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = _train_mse(model, opt, steps, rank, ws, batch, **kw)
     fp = M.full_params(model)
+    from framework.distributed.fsdp import sharded_units
+
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "param_diff": max((fp[k].float() - ref_params[k]).abs().max().item() for k in ref_params),
+        # forward uses a unit counts for its post-backward reshard: per step, never accumulating
+        "max_fwd_uses": max(u._fwd_uses for u in sharded_units(model)),
     }
 
 
@@ -512,6 +516,7 @@ def test_clip_norm_after_meta_init_with_tensor_parallel(world, two, four):
 def test_frozen_parameters_train_like_the_reference(kind, two):
     r = _ok(two[f"frozen_{kind}"])
     assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+    assert r["max_fwd_uses"] == (2 if kind == "repeat" else 1), r  # after 3 steps: this step's uses only
     r = _ok(two[f"frozen_{kind}_bf16"])
     assert r["loss_diff"] <= BF16_TOL and r["param_diff"] <= BF16_TOL, r
 

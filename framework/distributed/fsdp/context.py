@@ -84,6 +84,8 @@ class ShardContext:
         if self.backward_done:
             self.step += 1
             self.backward_done = False
+        if unit._used_step != self.step:  # its first forward of this step
+            unit._fwd_uses = 0
         unit._used_step = self.step
 
     # ------------------------------------------------------------ reductions in order
