@@ -106,11 +106,16 @@ def _overrides(args: str) -> List[str]:
 
 @pytest.mark.parametrize("where, args, errors", [c for c in MAIN_ONLY if not c[2]],
                          ids=lambda v: v if isinstance(v, str) else None)
-def test_main_command_in_docs_is_a_valid_job(where, args, errors):
+def test_main_command_in_docs_is_a_valid_job(tmp_path, where, args, errors):
     if PLACEHOLDER.search(args):
         pytest.skip("a placeholder the reader fills in")
     if "--help" in args:
         return  # covered by tests/integration (and always valid)
+    if "stage=plan" in args:  # the planner allocates nothing: run it as shown (a few seconds)
+        out = run_main(shlex.split(args) + [f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
+        assert out.returncode == 0, f"{where}: `python main.py {args}`:\n{out.stdout}\n{out.stderr}"
+        assert (tmp_path / "run" / "plan.json").exists()
+        return
     from framework.config import compose_config, to_config, validate
 
     try:
