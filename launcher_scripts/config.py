@@ -140,7 +140,7 @@ class ClusterBase:
             if SECRET_LIKE.search(key.upper()):
                 raise _bad(f"cluster.env.{key} looks like a credential; never write it into the job: set "
                            f"cluster.secret_env.{key} to a reference instead")
-        stages = [Stage.data_preparation.value, Stage.training.value]
+        stages = [Stage.data_preparation.value, Stage.training.value, Stage.fine_tuning.value]
         for stage in self.stages:
             if stage not in stages:
                 raise _bad(f"cluster.stages: {stage!r} is not a stage the launcher runs; choose from "

@@ -66,15 +66,37 @@ def stages_of(job: Job, cfg: Config) -> List[Stage]:
 
 
 def run_dir(job: Job, stage: Stage) -> str:
-    """Where main.py writes (hydra.run.dir): fixed per job, so every rank and every requeue shares it."""
-    return f"{job.job_dir}/run" if stage != Stage.data_preparation else f"{job.job_dir}/{stage.value}"
+    """Where main.py writes (hydra.run.dir): fixed per job, so every rank and every requeue shares it.
+    Training writes to `run/`; data preparation and fine-tuning to a folder named after the stage,
+    so a fine-tuning stage never resumes the training stage's checkpoints."""
+    return f"{job.job_dir}/run" if stage == Stage.training else f"{job.job_dir}/{stage.value}"
+
+
+def training_export(job: Job) -> str:
+    """The training stage's Hugging Face-layout export, which a following fine-tuning stage starts from."""
+    return f"{run_dir(job, Stage.training)}/checkpoints/export"
+
+
+def _sets(job: Job, key: str) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in job.overrides)
 
 
 def main_args(job: Job, stage: Stage) -> List[str]:
-    """`main.py` and its overrides: the user's unchanged, then the launcher's own."""
+    """`main.py` and its overrides: the user's unchanged, then the launcher's own.
+
+    With `cluster.stages=[training, fine_tuning]`, training also exports its weights
+    (`checkpoint.export_safetensors=true`) and fine-tuning starts from that export
+    (`checkpoint.init_from`), unless the user set either."""
     args = [f"{job.repo_dir}/main.py", *job.overrides]
     if stage != Stage.data_preparation:
         args += job.training_only
+    stages = [Stage(s) for s in job.cluster.stages]
+    chained = Stage.training in stages and Stage.fine_tuning in stages \
+        and stages.index(Stage.training) < stages.index(Stage.fine_tuning)
+    if chained and stage == Stage.training and not _sets(job, "checkpoint.export_safetensors"):
+        args.append("checkpoint.export_safetensors=true")
+    if chained and stage == Stage.fine_tuning and not _sets(job, "checkpoint.init_from"):
+        args.append(f"checkpoint.init_from={training_export(job)}")
     if job.cluster.stages:
         args.append(f"stage={stage.value}")
     args.append(f"hydra.run.dir={run_dir(job, stage)}")

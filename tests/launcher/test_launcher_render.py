@@ -12,7 +12,18 @@ import subprocess
 
 import pytest
 import yaml
-from launcher_testlib import CASES, GOLDEN, JOB_DIR, plan_of, render_case, render_case_fresh, shellcheck
+from launcher_testlib import (
+    CASES,
+    GOLDEN,
+    JOB_DIR,
+    PYTHON,
+    REPO_DIR,
+    TINY,
+    plan_of,
+    render_case,
+    render_case_fresh,
+    shellcheck,
+)
 
 from launcher_scripts import k8s
 from launcher_scripts.plan import Refused, make_job
@@ -238,3 +249,27 @@ def test_the_training_job_never_sees_the_launchers_settings():
         "nodes", "nproc_per_node", "gpus_per_node", "gpu_type", "gpu_memory_gib"}
     assert not {"container", "dry_run"} & {f.name for f in dataclasses.fields(Config)}
     assert set(p.resolved.cluster.keys()) == {f.name for f in dataclasses.fields(ClusterConfig)}
+
+
+def test_fine_tuning_stage_starts_from_the_training_stages_export(tmp_path):
+    from launcher_scripts.plan import make_job, render_job
+
+    argv = ["cluster=slurm", "cluster.nodes=1", "cluster.nproc_per_node=2", "cluster.gpus_per_node=0",
+            "cluster.cpus_per_task=2", "cluster.stages=[training,fine_tuning]",
+            "finetune.train_file=/shared/data/sft.jsonl", *TINY]
+    p = plan_of(argv)
+    files = render_job(p, make_job(p, JOB_DIR, REPO_DIR, PYTHON), JOB_DIR)
+    train, tune, submit = files["training.sbatch"], files["fine_tuning.sbatch"], files["submit.sh"]
+    assert "stage=training" in train and "checkpoint.export_safetensors=true" in train
+    assert f"hydra.run.dir={JOB_DIR}/run" in train
+    # Fine-tuning writes its own run directory (it must not resume training's checkpoints) and
+    # starts from the training stage's export.
+    assert "stage=fine_tuning" in tune and f"hydra.run.dir={JOB_DIR}/fine_tuning" in tune
+    assert f"checkpoint.init_from={JOB_DIR}/run/checkpoints/export" in tune
+    assert "checkpoint.resume=auto" in tune  # a requeued fine-tuning continues where it stopped
+    assert submit.index("training.sbatch") < submit.index("fine_tuning.sbatch")
+    assert submit.count('--dependency="afterok:${id},singleton"') == 1
+    # A starting point the user chose is kept.
+    mine = plan_of([*argv, f"checkpoint.init_from={tmp_path}"])
+    tune = render_job(mine, make_job(mine, JOB_DIR, REPO_DIR, PYTHON), JOB_DIR)["fine_tuning.sbatch"]
+    assert f"checkpoint.init_from={tmp_path}" in tune and "/run/checkpoints/export" not in tune
