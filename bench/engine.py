@@ -294,7 +294,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/engine_results.json")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--tp", action="store_true",
-                    help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)")
+                    help="then the tensor-parallel rows "
+                         "(bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: our engine only, one rank per GPU, bf16 compute; tokens/s, MFU, peak memory "
                          "(use --model-size 1b; writes bench/engine_gpu.json)")
@@ -324,14 +325,16 @@ def main() -> None:
             "comm_mb_per_step": statistics.median(r0["traffic"][e]) / 2**20 if r0["traffic"][e] else None,
             "exposed_comm_s": statistics.median(r0["exposed"]) if e == "ours" else None,
         }
-    hdr = f"{'engine':8} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} {'comm MB/step':>13} {'exposed s':>10}"
+    hdr = (f"{'engine':8} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
+           f"{'comm MB/step':>13} {'exposed s':>10}")
     print(f"\nGPT {args.model_size} ({r0['params'] / 1e6:.1f}M params), {args.ranks} gloo ranks, CPU fp32, "
           f"{args.steps} interleaved steps, medians; total {time.time() - t0:.0f}s")
     print(hdr)
     fmt = lambda v, f: "n/a" if v is None else format(v, f)
     for e, r in rows.items():
         print(f"{e:8} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
-              f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} {fmt(r['comm_mb_per_step'], '13.1f'):>13} "
+              f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} "
+              f"{fmt(r['comm_mb_per_step'], '13.1f'):>13} "
               f"{fmt(r['exposed_comm_s'], '10.3f'):>10}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

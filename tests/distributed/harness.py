@@ -92,7 +92,8 @@ def run_ranks(
             except Exception:  # queue.Empty: check for ranks that died without reporting
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
-                    raise RankFailure(f"rank(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                    codes = [procs[r].exitcode for r in dead]
+                    raise RankFailure(f"rank(s) {dead} died with exit codes {codes}") from None
                 continue
             if not ok:
                 raise RankFailure(f"rank {rank} failed:\n{payload}")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
+import engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 import pytest
-import test_engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 
 from tests.distributed.harness import run_ranks
 
@@ -108,21 +108,21 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results2(ckpt_dir):
-    import test_engine_extras as X
+    import engine_workers as X
 
     return run_ranks(_worker, 2, args=(CONFIGS_2, X.EXTRAS_2, ckpt_dir), timeout_s=240)[0]
 
 
 @pytest.fixture(scope="module")
 def results4(results2, ckpt_dir):
-    import test_engine_extras as X
+    import engine_workers as X
 
     return run_ranks(_worker, 4, args=(CONFIGS_4, X.EXTRAS_4, ckpt_dir), timeout_s=240)[0]
 
 
 @pytest.fixture(scope="module")
 def results1(results2, ckpt_dir):
-    import test_engine_extras as X
+    import engine_workers as X
 
     return run_ranks(_worker, 1, args=({}, X.EXTRAS_1, ckpt_dir), timeout_s=120)[0]
 

@@ -9,8 +9,8 @@ mantissa bits: ~4e-3 relative per rounding, a few roundings per value).
 
 from __future__ import annotations
 
+import engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 import pytest
-import test_engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -10,7 +10,7 @@ import copy
 import os
 import time
 
-import test_engine_models as M
+import engine_models as M
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
