@@ -1,9 +1,10 @@
 """Entry point: compose the config, validate it, then train (or prepare data) on every rank.
 
-    python main.py                              # the main job: a small GPT on 2 local ranks
-    python main.py model=debug data=synthetic trainer.max_steps=10
-    torchrun --nproc_per_node=4 main.py parallelism.tp=2
+python main.py                              # the main job: a small GPT on 2 local ranks
+python main.py model=debug data=synthetic trainer.max_steps=10
+torchrun --nproc_per_node=4 main.py parallelism.tp=2
 """
+
 import os
 import sys
 

@@ -4,6 +4,7 @@ bytes peers put on the wire, and measuring a step's peak memory.
 The same code runs on CPU (gloo, one compute thread per rank) and on CUDA (NCCL, one GPU per rank):
 `device_and_backend()` picks by what the machine has.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -93,8 +94,12 @@ def device_and_backend(local_rank: int = 0):
 
 
 def machine() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
@@ -116,14 +121,21 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: A
         import warnings
 
         warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's deprecated collective names
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+        )
         if not torch.cuda.is_available():
             torch.set_num_threads(1)  # as torchrun: gloo's threads get the other cores
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         device, backend = device_and_backend(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None
+        )
         try:
             out = fn(rank, world, device, *args)
         finally:
@@ -242,6 +254,7 @@ def peak_delta_bytes(fn, device) -> int:
 def live_tensor_bytes(model: nn.Module, opt: Any, extra: int = 0) -> int:
     """Parameters + gradients + optimizer state held by this rank (local shards of DTensors),
     plus `extra` (engine buffers)."""
+
     def local(t):
         return t._local_tensor if hasattr(t, "_local_tensor") else t
 

@@ -177,7 +177,7 @@ def timing_worker(rank, ws, size, steps, warmup):
     traffic = {e: [] for e in engines}
     exposed = []
     for r in range(warmup + steps):
-        order = engines[r % 3:] + engines[: r % 3]
+        order = engines[r % 3 :] + engines[: r % 3]
         for e in order:
             model, opt = built[e]
             if e == "ours":
@@ -197,13 +197,18 @@ def timing_worker(rank, ws, size, steps, warmup):
     tb = {}
     for e in engines:  # one more step without zero_grad so gradients count in the accounting
         model, opt = built[e]
-        vocab, *_ , seq, mb = SIZES[size]
+        vocab, *_, seq, mb = SIZES[size]
         idx = torch.randint(0, vocab, (mb, seq + 1))
         F.cross_entropy(model(idx[:, :-1]).reshape(-1, vocab), idx[:, 1:].reshape(-1)).backward()
         opt.step()
         tb[e] = tensor_bytes(e, model, opt)
-    return {"times": times, "traffic": traffic, "exposed": exposed, "tensor_bytes": tb,
-            "params": sum(p.numel() for p in built["ddp"][0].parameters())}
+    return {
+        "times": times,
+        "traffic": traffic,
+        "exposed": exposed,
+        "tensor_bytes": tb,
+        "params": sum(p.numel() for p in built["ddp"][0].parameters()),
+    }
 
 
 def memory_worker(rank, ws, engine, size):
@@ -250,9 +255,16 @@ def gpu_worker(rank, ws, size, steps, warmup, peak_tflops):
             exposed.append(model.comm_stats()["exposed_comm_s"])
     # training FLOPs per token: 6 x parameters (matmuls fwd+bwd) + 12 x layers x d x seq (attention)
     flops_per_token = 6 * n_params + 12 * layers * d * seq
-    return {"times": times, "exposed": exposed, "params": n_params, "tokens_per_step": mb * seq,
-            "flops_per_token": flops_per_token, "peak_tflops": device_peak_tflops(dev, peak_tflops),
-            "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "gpu": torch.cuda.get_device_name(dev)}
+    return {
+        "times": times,
+        "exposed": exposed,
+        "params": n_params,
+        "tokens_per_step": mb * seq,
+        "flops_per_token": flops_per_token,
+        "peak_tflops": device_peak_tflops(dev, peak_tflops),
+        "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+        "gpu": torch.cuda.get_device_name(dev),
+    }
 
 
 def run_gpu(args) -> None:
@@ -269,16 +281,24 @@ def run_gpu(args) -> None:
     tok_s = args.ranks * r0["tokens_per_step"] / step_s
     peak = r0["peak_tflops"]
     row = {
-        "gpu": r0["gpu"], "ranks": args.ranks, "params": r0["params"], "median_step_s": step_s, "tokens_per_s": tok_s,
+        "gpu": r0["gpu"],
+        "ranks": args.ranks,
+        "params": r0["params"],
+        "median_step_s": step_s,
+        "tokens_per_s": tok_s,
         "mfu": tok_s * r0["flops_per_token"] / (args.ranks * peak * 1e12) if peak else None,
         "peak_mem_gib": max(r["peak_mem_gib"] for r in res),
         "exposed_comm_s": statistics.median(max(r["exposed"][i] for r in res) for i in range(args.steps)),
     }
     mfu = "n/a (unknown GPU: pass --peak-tflops)" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-    print(f"\nGPT {args.model_size} ({row['params'] / 1e9:.2f}B params), ours, {args.ranks} x {row['gpu']}, "
-          f"bf16 compute, {args.steps} steps, medians")
-    print(f"step {step_s:.3f} s  tokens/s {tok_s:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.1f} GiB/GPU  "
-          f"exposed comm {row['exposed_comm_s']:.3f} s/step")
+    print(
+        f"\nGPT {args.model_size} ({row['params'] / 1e9:.2f}B params), ours, {args.ranks} x {row['gpu']}, "
+        f"bf16 compute, {args.steps} steps, medians"
+    )
+    print(
+        f"step {step_s:.3f} s  tokens/s {tok_s:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.1f} GiB/GPU  "
+        f"exposed comm {row['exposed_comm_s']:.3f} s/step"
+    )
     out = "bench/engine_gpu.json" if args.out == "bench/engine_results.json" else args.out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -293,12 +313,18 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--out", default="bench/engine_results.json")
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--tp", action="store_true",
-                    help="then the tensor-parallel rows "
-                         "(bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="cuda: our engine only, one rank per GPU, bf16 compute; tokens/s, MFU, peak memory "
-                         "(use --model-size 1b; writes bench/engine_gpu.json)")
+    ap.add_argument(
+        "--tp",
+        action="store_true",
+        help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: our engine only, one rank per GPU, bf16 compute; tokens/s, MFU, peak memory "
+        "(use --model-size 1b; writes bench/engine_gpu.json)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak for MFU; 0: look it up")
     args = ap.parse_args()
     if args.device == "cuda":
@@ -325,17 +351,23 @@ def main() -> None:
             "comm_mb_per_step": statistics.median(r0["traffic"][e]) / 2**20 if r0["traffic"][e] else None,
             "exposed_comm_s": statistics.median(r0["exposed"]) if e == "ours" else None,
         }
-    hdr = (f"{'engine':8} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
-           f"{'comm MB/step':>13} {'exposed s':>10}")
-    print(f"\nGPT {args.model_size} ({r0['params'] / 1e6:.1f}M params), {args.ranks} gloo ranks, CPU fp32, "
-          f"{args.steps} interleaved steps, medians; total {time.time() - t0:.0f}s")
+    hdr = (
+        f"{'engine':8} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
+        f"{'comm MB/step':>13} {'exposed s':>10}"
+    )
+    print(
+        f"\nGPT {args.model_size} ({r0['params'] / 1e6:.1f}M params), {args.ranks} gloo ranks, CPU fp32, "
+        f"{args.steps} interleaved steps, medians; total {time.time() - t0:.0f}s"
+    )
     print(hdr)
     fmt = lambda v, f: "n/a" if v is None else format(v, f)
     for e, r in rows.items():
-        print(f"{e:8} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
-              f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} "
-              f"{fmt(r['comm_mb_per_step'], '13.1f'):>13} "
-              f"{fmt(r['exposed_comm_s'], '10.3f'):>10}")
+        print(
+            f"{e:8} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
+            f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} "
+            f"{fmt(r['comm_mb_per_step'], '13.1f'):>13} "
+            f"{fmt(r['exposed_comm_s'], '10.3f'):>10}"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "params": r0["params"], "rows": rows, "raw": res, "memory": mem}, f, indent=1)

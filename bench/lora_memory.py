@@ -16,6 +16,7 @@ steps. Reported per rank, after the last step, before `zero_grad`:
 The expected drop is at least the optimizer state of the frozen weights: 2 x 4 bytes x (frozen
 parameters / ranks). Writes a table to stdout and JSON to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,16 +86,30 @@ def _worker(rank: int, world: int, port: int, model_name: str, lora: bool, steps
             if step < steps - 1:
                 opt.zero_grad(set_to_none=True)
         engine = model.sharded_tensor_bytes()
-        optim = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
-        queue.put((rank, {
-            "params_mb": engine["shard"] / 2**20,
-            "grads_mb": (engine["grad_shard"] + engine.get("accum", 0) + engine.get("unsharded", 0)
-                         + engine.get("grad_pool", 0)) / 2**20,
-            "optimizer_mb": optim / 2**20,
-            "rss_peak_mb": _rss_hwm_mb(),
-            "frozen_numel": frozen,
-        }))
+        optim = sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        queue.put(
+            (
+                rank,
+                {
+                    "params_mb": engine["shard"] / 2**20,
+                    "grads_mb": (
+                        engine["grad_shard"]
+                        + engine.get("accum", 0)
+                        + engine.get("unsharded", 0)
+                        + engine.get("grad_pool", 0)
+                    )
+                    / 2**20,
+                    "optimizer_mb": optim / 2**20,
+                    "rss_peak_mb": _rss_hwm_mb(),
+                    "frozen_numel": frozen,
+                },
+            )
+        )
     finally:
         dist.destroy_process_group()
 
@@ -130,8 +145,9 @@ def main() -> None:
     parser.add_argument("--model", default="llama_125m")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                      "lora_memory_results.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora_memory_results.json")
+    )
     args = parser.parse_args()
     rows = {mode: run_mode(args.model, mode == "lora", args.steps, args.seq) for mode in ("full", "lora")}
     full, lora = rows["full"], rows["lora"]
@@ -142,11 +158,23 @@ def main() -> None:
         print(f"{mode:6} {r['params_mb']:9.1f} {r['grads_mb']:9.1f} {r['optimizer_mb']:10.1f} {r['rss_peak_mb']:10.0f}")
     tensor_drop = (full["grads_mb"] + full["optimizer_mb"]) - (lora["grads_mb"] + lora["optimizer_mb"])
     rss_drop = full["rss_peak_mb"] - lora["rss_peak_mb"]
-    print(f"tensor bytes drop {tensor_drop:.1f} MiB; RSS peak drop {rss_drop:.0f} MiB; "
-          f"optimizer state of the frozen weights {frozen_optim_mb:.1f} MiB per rank")
+    print(
+        f"tensor bytes drop {tensor_drop:.1f} MiB; RSS peak drop {rss_drop:.0f} MiB; "
+        f"optimizer state of the frozen weights {frozen_optim_mb:.1f} MiB per rank"
+    )
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "steps": args.steps, "seq": args.seq, "full": full, "lora": lora,
-                   "frozen_optimizer_state_mb_per_rank": frozen_optim_mb}, f, indent=2)
+        json.dump(
+            {
+                "model": args.model,
+                "steps": args.steps,
+                "seq": args.seq,
+                "full": full,
+                "lora": lora,
+                "frozen_optimizer_state_mb_per_rank": frozen_optim_mb,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

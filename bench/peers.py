@@ -24,6 +24,7 @@ The same script runs unchanged on CUDA machines (NCCL, one GPU per rank); there 
 tokens/s per GPU and MFU against the GPU's bf16 peak (from framework/planner/devices.py).
 Writes bench/peers_results.json, a markdown table (stdout) and bench/peers.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,18 @@ from bench.common import (
 )
 
 ENGINES = ["ours_full", "ours_grad_op", "ours_hybrid", "ours_int8", "fsdp2", "ddp", "ds_zero2", "ds_zero3"]
-LABELS = {"ours_full": "ours ZeRO-3", "ours_grad_op": "ours ZeRO-2", "ours_hybrid": "ours hybrid",
-          "ours_int8": "ours int8 comm", "fsdp2": "torch FSDP2", "ddp": "torch DDP",
-          "ds_zero2": "DeepSpeed ZeRO-2", "ds_zero3": "DeepSpeed ZeRO-3",
-          "ours_full+compile": "ours ZeRO-3 + compile", "fsdp2+compile": "FSDP2 + compile"}
+LABELS = {
+    "ours_full": "ours ZeRO-3",
+    "ours_grad_op": "ours ZeRO-2",
+    "ours_hybrid": "ours hybrid",
+    "ours_int8": "ours int8 comm",
+    "fsdp2": "torch FSDP2",
+    "ddp": "torch DDP",
+    "ds_zero2": "DeepSpeed ZeRO-2",
+    "ds_zero3": "DeepSpeed ZeRO-3",
+    "ours_full+compile": "ours ZeRO-3 + compile",
+    "fsdp2+compile": "FSDP2 + compile",
+}
 LR = 1e-4
 
 
@@ -99,11 +108,16 @@ def _ds_config(stage: int, size: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
         # Buckets sized for these models (50M elements, 200 MB fp32): DeepSpeed's defaults (500M
         # elements) target billion-parameter models and would allocate 2 GB per bucket per rank here.
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                              "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7,
-                              "stage3_prefetch_bucket_size": 5e7},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 5e7,
+            "allgather_bucket_size": 5e7,
+            "stage3_prefetch_bucket_size": 5e7,
+        },
         "gradient_clipping": 0.0,
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
@@ -141,8 +155,9 @@ def build(name: str, size: str, device, world: int) -> Built:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_ds_config(int(base[-1]), size))
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=_ds_config(int(base[-1]), size)
+        )
         return Built(name, engine, ds=engine)
     else:
         raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
@@ -180,8 +195,12 @@ def timing_worker(rank, world, device, size, engines, steps, warmup):
             times[e].append(dt)
             stats = b.comm()
             if stats is not None:
-                wire[e].append(stats["allgather_bytes"] + stats["reduce_scatter_bytes"] + stats["allreduce_bytes"]
-                               + stats["alltoall_bytes"])
+                wire[e].append(
+                    stats["allgather_bytes"]
+                    + stats["reduce_scatter_bytes"]
+                    + stats["allreduce_bytes"]
+                    + stats["alltoall_bytes"]
+                )
                 exposed[e].append(stats["exposed_comm_s"])
             elif e == "ddp":
                 grads = sum(p.numel() * p.element_size() for p in b.model.parameters())
@@ -219,9 +238,13 @@ def measure(size: str, world: int, engines, steps: int, warmup: int, memory: boo
     rows = {}
     for e in engines:
         per_step = [max(r["times"][e][i] for r in res) for i in range(steps)]
-        rows[e] = {"median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
-                   "bytes_per_step": statistics.median(res[0]["wire"][e]) if res[0]["wire"][e] else None,
-                   "exposed_comm_s": statistics.median(res[0]["exposed"][e]) if res[0]["exposed"][e] else None}
+        rows[e] = {
+            "median_s": statistics.median(per_step),
+            "min_s": min(per_step),
+            "max_s": max(per_step),
+            "bytes_per_step": statistics.median(res[0]["wire"][e]) if res[0]["wire"][e] else None,
+            "exposed_comm_s": statistics.median(res[0]["exposed"][e]) if res[0]["exposed"][e] else None,
+        }
         if memory:
             mem = spawn(memory_worker, world, args=(size, e))
             rows[e]["peak_mb"] = max(m["peak_bytes"] for m in mem) / 2**20
@@ -275,29 +298,41 @@ def scaling(size: str, ranks, steps: int) -> list:
         state = max(r["model_state_bytes"] for r in res)
         # fp32 Adam without a 16-bit copy: 4 B parameters + 4 B gradients + 8 B moments.
         formula = zero_model_state_bytes(params, n, 3, k=8, param_bytes=4, grad_bytes=4)
-        out.append({"ranks": n, "median_s": statistics.median(per_step), "model_state_mb": state / 2**20,
-                    "zero3_formula_mb": formula / 2**20,
-                    "ddp_formula_mb": zero_model_state_bytes(params, n, 0, k=8, param_bytes=4, grad_bytes=4) / 2**20})
+        out.append(
+            {
+                "ranks": n,
+                "median_s": statistics.median(per_step),
+                "model_state_mb": state / 2**20,
+                "zero3_formula_mb": formula / 2**20,
+                "ddp_formula_mb": zero_model_state_bytes(params, n, 0, k=8, param_bytes=4, grad_bytes=4) / 2**20,
+            }
+        )
     return out
 
 
 # ------------------------------------------------------------------ reporting
 def table(result: dict) -> str:
     fmt = lambda v, f: "n/a" if v is None else format(v, f)
-    lines = [(f"GPT {result['size']} ({result['params'] / 1e6:.1f}M parameters), {result['ranks']} ranks, "
-             f"{result['steps']} interleaved steps"),
-             "",
-             "| engine | median step s (min-max) | / ours ZeRO-3 | peak MB / rank | RSS peak MB | MB / step "
-             "| exposed comm s | tokens/s / rank | MFU (bf16 peak) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"GPT {result['size']} ({result['params'] / 1e6:.1f}M parameters), {result['ranks']} ranks, "
+            f"{result['steps']} interleaved steps"
+        ),
+        "",
+        "| engine | median step s (min-max) | / ours ZeRO-3 | peak MB / rank | RSS peak MB | MB / step "
+        "| exposed comm s | tokens/s / rank | MFU (bf16 peak) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for e, r in result["rows"].items():
         wire = None if r["bytes_per_step"] is None else r["bytes_per_step"] / 2**20
         mfu = None if r.get("mfu_bf16") is None else 100 * r["mfu_bf16"]
-        lines.append(f"| {LABELS.get(e, e)} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
-                     f"{r['ratio_to_ours']:.2f} | {fmt(r.get('peak_mb'), '.0f')} | "
-                     f"{fmt(r.get('rss_peak_mb'), '.0f')} | "
-                     f"{fmt(wire, '.1f')} | {fmt(r['exposed_comm_s'], '.3f')} | "
-                     f"{r['tokens_per_s_per_rank']:.0f} | {fmt(mfu, '.1f')}{'%' if mfu is not None else ''} |")
+        lines.append(
+            f"| {LABELS.get(e, e)} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
+            f"{r['ratio_to_ours']:.2f} | {fmt(r.get('peak_mb'), '.0f')} | "
+            f"{fmt(r.get('rss_peak_mb'), '.0f')} | "
+            f"{fmt(wire, '.1f')} | {fmt(r['exposed_comm_s'], '.3f')} | "
+            f"{r['tokens_per_s_per_rank']:.0f} | {fmt(mfu, '.1f')}{'%' if mfu is not None else ''} |"
+        )
     return "\n".join(lines)
 
 
@@ -313,8 +348,13 @@ def plot(results: list, path: str) -> None:
         med = [res["rows"][e]["median_s"] for e in names]
         lo = [m - res["rows"][e]["min_s"] for m, e in zip(med, names)]
         hi = [res["rows"][e]["max_s"] - m for m, e in zip(med, names)]
-        ax.bar(range(len(names)), med, yerr=[lo, hi], capsize=3,
-               color=["tab:blue" if e.startswith("ours") else "tab:gray" for e in names])
+        ax.bar(
+            range(len(names)),
+            med,
+            yerr=[lo, hi],
+            capsize=3,
+            color=["tab:blue" if e.startswith("ours") else "tab:gray" for e in names],
+        )
         ax.set_xticks(range(len(names)), [LABELS.get(e, e) for e in names], rotation=60, ha="right", fontsize=7)
         ax.set_title(f"GPT {res['size']}, {res['ranks']} ranks")
         ax.set_ylabel("step time (s), median with min-max")
@@ -336,8 +376,7 @@ def main() -> int:
     args = ap.parse_args()
     engines = args.engines or [e for e in ENGINES if not e.startswith("ds_") or have_deepspeed()]
     t0 = time.time()
-    report = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "results": []}
+    report = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "results": []}
     for size in args.sizes:
         for world in args.ranks:
             res = measure(size, world, engines, args.steps, args.warmup, not args.skip_memory)
@@ -348,12 +387,20 @@ def main() -> int:
         print("| ranks | median step s | model state MB / rank | ZeRO-3 formula MB | DDP formula MB |")
         print("|---|---|---|---|---|")
         for row in next(iter(report["scaling"].values())):
-            print(f"| {row['ranks']} | {row['median_s']:.3f} | {row['model_state_mb']:.1f} | "
-                  f"{row['zero3_formula_mb']:.1f} | {row['ddp_formula_mb']:.1f} |")
+            print(
+                f"| {row['ranks']} | {row['median_s']:.3f} | {row['model_state_mb']:.1f} | "
+                f"{row['zero3_formula_mb']:.1f} | {row['ddp_formula_mb']:.1f} |"
+            )
         print()
     if args.compile:
-        res = measure(args.sizes[0], args.ranks[0], ["ours_full", "ours_full+compile", "fsdp2", "fsdp2+compile"],
-                      args.steps, args.warmup, memory=False)
+        res = measure(
+            args.sizes[0],
+            args.ranks[0],
+            ["ours_full", "ours_full+compile", "fsdp2", "fsdp2+compile"],
+            args.steps,
+            args.warmup,
+            memory=False,
+        )
         report["compile"] = res
         print(table(res) + "\n")
     report["seconds"] = time.time() - t0

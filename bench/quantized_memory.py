@@ -34,8 +34,7 @@ def _status_kb(field: str) -> int:
     return 0
 
 
-def _rank(rank: int, world: int, port: int, model_name: str, quantized: bool, steps: int, seq: int,
-          queue) -> None:
+def _rank(rank: int, world: int, port: int, model_name: str, quantized: bool, steps: int, seq: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -68,10 +67,20 @@ def _rank(rank: int, world: int, port: int, model_name: str, quantized: bool, st
         opt.step()
         opt.zero_grad(set_to_none=True)
     engine = model.sharded_tensor_bytes()
-    optim = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                if isinstance(v, torch.Tensor))
-    queue.put((rank, {"peak_rss_mb": _status_kb("VmHWM") / 1024, "rss_mb": _status_kb("VmRSS") / 1024,
-                      "tensor_mb": (engine["total"] + optim) / 2**20, "engine": engine}))
+    optim = sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
+    queue.put(
+        (
+            rank,
+            {
+                "peak_rss_mb": _status_kb("VmHWM") / 1024,
+                "rss_mb": _status_kb("VmRSS") / 1024,
+                "tensor_mb": (engine["total"] + optim) / 2**20,
+                "engine": engine,
+            },
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -83,8 +92,9 @@ def run(model: str, quantized: bool, steps: int, seq: int, world: int = 2) -> li
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model, quantized, steps, seq, queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, port, model, quantized, steps, seq, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     out = {}

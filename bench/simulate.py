@@ -17,6 +17,7 @@ replicated across nodes), tp8 (tensor parallel over 8, ZeRO-3 over the rest). Te
 activation traffic goes through torch's functional collectives, counted where they are dispatched
 (`torch.utils._python_dispatch.TorchDispatchMode`, the documented way to intercept ops).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,13 @@ def model_config(name: str) -> ModelConfig:
 def job_config(model: str, world: int, layout: str, seq: int, micro: int) -> Config:
     p = ParallelismConfig(**LAYOUTS[layout](world))
     dp = world // p.tp
-    return Config(model=model_config(model), parallelism=p, data=DataConfig(name="synthetic", seq_len=seq),
-                  trainer=TrainerConfig(micro_batch_size=micro, global_batch_size=micro * dp),
-                  cluster=ClusterConfig(nodes=max(1, world // 8), nproc_per_node=min(8, world), gpus_per_node=8))
+    return Config(
+        model=model_config(model),
+        parallelism=p,
+        data=DataConfig(name="synthetic", seq_len=seq),
+        trainer=TrainerConfig(micro_batch_size=micro, global_batch_size=micro * dp),
+        cluster=ClusterConfig(nodes=max(1, world // 8), nproc_per_node=min(8, world), gpus_per_node=8),
+    )
 
 
 # ------------------------------------------------------------------ recording collectives
@@ -78,9 +83,11 @@ class _FunctionalCollectives(TorchDispatchMode):
     pass through the Python functions above: count them where they are dispatched. In these
     layouts only tensor parallel uses them, over groups of `tp` ranks."""
 
-    RING = {"all_reduce": lambda n, b: 2 * (n - 1) * b // n,
-            "all_gather_into_tensor": lambda n, b: (n - 1) * b,
-            "reduce_scatter_tensor": lambda n, b: (n - 1) * b // n}
+    RING = {
+        "all_reduce": lambda n, b: 2 * (n - 1) * b // n,
+        "all_gather_into_tensor": lambda n, b: (n - 1) * b,
+        "reduce_scatter_tensor": lambda n, b: (n - 1) * b // n,
+    }
 
     def __init__(self, recorder: "Recorder", tp: int) -> None:
         super().__init__()
@@ -102,8 +109,15 @@ class _FunctionalCollectives(TorchDispatchMode):
 class Recorder:
     """Wraps torch.distributed's collectives in this process; per-rank bytes by group."""
 
-    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-             "all_reduce", "all_to_all_single", "broadcast")
+    NAMES = (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "all_to_all_single",
+        "broadcast",
+    )
 
     def __init__(self, tp: int = 1) -> None:
         self.bytes = defaultdict(int)  # (collective, group size, group ranks) -> bytes
@@ -205,10 +219,17 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
     p = cfg.parallelism
     dist.init_process_group("fake", rank=0, world_size=world)
     try:
-        dims = resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
-                                     world_size=world, nproc_per_node=8)
-        mesh = init_device_mesh("cpu", (dims.dp_replicate, dims.dp_shard, dims.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dims = resolve_parallel_dims(
+            p.strategy.value,
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            tp=p.tp,
+            world_size=world,
+            nproc_per_node=8,
+        )
+        mesh = init_device_mesh(
+            "cpu", (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
         dim_of = {}
         for name in ("dp_replicate", "dp_shard", "tp"):
             dim_of[tuple(dist.get_process_group_ranks(mesh[name].get_group()))] = name
@@ -224,18 +245,28 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
             loss.backward()
         _optimizer_state(opt)
         tb = model_.sharded_tensor_bytes()
-        opt_bytes = sum(v.untyped_storage().nbytes() if v.dim() else 4
-                        for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        opt_bytes = sum(
+            v.untyped_storage().nbytes() if v.dim() else 4
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
         traffic_by = defaultdict(int)
         for (kind, _n, ranks), b in rec.bytes.items():
             traffic_by[(kind, dim_of.get(ranks, "other"))] += b
         engine_stats = model_.comm_stats()
     finally:
         dist.destroy_process_group()
-    return {"model": model, "world": world, "layout": layout,
-            "shards": tb["shard"] + tb["grad_shard"], "grad_pool": tb["grad_pool"], "optimizer": opt_bytes,
-            "traffic": {f"{k}/{d}": v for (k, d), v in sorted(traffic_by.items())},
-            "engine_counters": {k: v for k, v in engine_stats.items() if k.endswith("_bytes")}}
+    return {
+        "model": model,
+        "world": world,
+        "layout": layout,
+        "shards": tb["shard"] + tb["grad_shard"],
+        "grad_pool": tb["grad_pool"],
+        "optimizer": opt_bytes,
+        "traffic": {f"{k}/{d}": v for (k, d), v in sorted(traffic_by.items())},
+        "engine_counters": {k: v for k, v in engine_stats.items() if k.endswith("_bytes")},
+    }
 
 
 def _optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -244,9 +275,11 @@ def _optimizer_state(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             if p.grad is not None:
-                opt.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                opt.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
 
 
 def predict_row(model: str, world: int, layout: str, seq: int = 2048, micro: int = 1) -> dict:
@@ -257,8 +290,12 @@ def predict_row(model: str, world: int, layout: str, seq: int = 2048, micro: int
     for r in tr.rows:
         if r["dim"] != "tp" or _FunctionalCollectives.enabled:
             by[f"{r['collective']}/{r['dim']}"] += r["bytes"]
-    return {"shards": mem.params + mem.grads, "grad_pool": mem.grad_pool, "optimizer": mem.optimizer,
-            "traffic": dict(by)}
+    return {
+        "shards": mem.params + mem.grads,
+        "grad_pool": mem.grad_pool,
+        "optimizer": mem.optimizer,
+        "traffic": dict(by),
+    }
 
 
 def compare(sim: dict, pred: dict) -> dict:
@@ -285,17 +322,23 @@ def run(models, worlds, layouts, seq=2048, micro=1):
                 sim = simulate_row(model, world, layout, seq, micro)
                 pred = predict_row(model, world, layout, seq, micro)
                 err = compare(sim, pred)
-                rows.append({"sim": sim, "pred": pred, "err": err, "max_err": max(err.values()),
-                             "seconds": time.time() - t0})
+                rows.append(
+                    {"sim": sim, "pred": pred, "err": err, "max_err": max(err.values()), "seconds": time.time() - t0}
+                )
     return rows
 
 
 def format_table(rows) -> str:
     gib = lambda b: b / 2**30
-    lines = [("| model | ranks | layout | shards+grads GiB sim / plan | optimizer GiB sim / plan | "
-             "gather GiB/step sim / plan | reduce GiB/step sim / plan | all-reduce dp GiB/step sim / plan | "
-             "all-reduce tp GiB/step sim / plan | max error |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| model | ranks | layout | shards+grads GiB sim / plan | optimizer GiB sim / plan | "
+            "gather GiB/step sim / plan | reduce GiB/step sim / plan | all-reduce dp GiB/step sim / plan | "
+            "all-reduce tp GiB/step sim / plan | max error |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
     def pair(s, p, prefix):
         a = sum(v for k, v in s["traffic"].items() if k.startswith(prefix))
         b = sum(v for k, v in p["traffic"].items() if k.startswith(prefix))
@@ -303,11 +346,13 @@ def format_table(rows) -> str:
 
     for r in rows:
         s, p = r["sim"], r["pred"]
-        lines.append(f"| {s['model']} | {s['world']} | {s['layout']} | "
-                     f"{gib(s['shards']):.2f} / {gib(p['shards']):.2f} | "
-                     f"{gib(s['optimizer']):.2f} / {gib(p['optimizer']):.2f} | {pair(s, p, 'all_gather')} | "
-                     f"{pair(s, p, 'reduce_scatter')} | {pair(s, p, 'all_reduce/dp')} | "
-                     f"{pair(s, p, 'all_reduce/tp')} | {100 * r['max_err']:.2f}% |")
+        lines.append(
+            f"| {s['model']} | {s['world']} | {s['layout']} | "
+            f"{gib(s['shards']):.2f} / {gib(p['shards']):.2f} | "
+            f"{gib(s['optimizer']):.2f} / {gib(p['optimizer']):.2f} | {pair(s, p, 'all_gather')} | "
+            f"{pair(s, p, 'reduce_scatter')} | {pair(s, p, 'all_reduce/dp')} | "
+            f"{pair(s, p, 'all_reduce/tp')} | {100 * r['max_err']:.2f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -323,8 +368,10 @@ def main() -> int:
     rows = run(args.models, args.worlds, args.layouts, args.seq)
     print(format_table(rows))
     worst = max(r["max_err"] for r in rows)
-    print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s; largest planner-vs-simulation difference "
-          f"{100 * worst:.3f}% (bound {100 * TOLERANCE:.0f}%)")
+    print(
+        f"\n{len(rows)} rows in {time.time() - t0:.0f} s; largest planner-vs-simulation difference "
+        f"{100 * worst:.3f}% (bound {100 * TOLERANCE:.0f}%)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,6 +13,7 @@ a row saying so. On CPU with gloo the tp collectives (two all-reduces per block 
 backward) dominate at this size; the table is for relative comparison on one machine, not for
 extrapolating to GPUs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config.schema import Engine, ModelConfig, ParallelismConfig  # noqa: E402
 
-MODEL = ModelConfig(name="bench", vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
-                    ffn_dim=688, max_seq_len=128)
+MODEL = ModelConfig(
+    name="bench", vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=128
+)
 GLOBAL_BATCH = 8  # samples of 128 tokens per step, split over the dp ranks: 1,024 tokens/step
 
 
@@ -103,13 +105,17 @@ def run(ranks: int, steps: int, engines, out: str | None = None) -> dict:
                 row["refused"] = res[0]["refused"]
             else:
                 step_s = statistics.median(max(r["times"][i] for r in res) for i in range(steps))
-                row.update(median_step_s=step_s,
-                           tokens_per_s=GLOBAL_BATCH * MODEL.max_seq_len / step_s,
-                           tensor_mb_per_rank=max(r["tensor_bytes"] for r in res) / 2**20)
+                row.update(
+                    median_step_s=step_s,
+                    tokens_per_s=GLOBAL_BATCH * MODEL.max_seq_len / step_s,
+                    tensor_mb_per_rank=max(r["tensor_bytes"] for r in res) / 2**20,
+                )
             rows.append(row)
     n_params = sum(p.numel() for p in _plain_model().parameters())
-    print(f"\nLlama {n_params / 1e6:.1f}M params, {ranks} gloo ranks, CPU fp32, {GLOBAL_BATCH} x "
-          f"{MODEL.max_seq_len} tokens/step, median of {steps} steps")
+    print(
+        f"\nLlama {n_params / 1e6:.1f}M params, {ranks} gloo ranks, CPU fp32, {GLOBAL_BATCH} x "
+        f"{MODEL.max_seq_len} tokens/step, median of {steps} steps"
+    )
     print(f"{'engine':7} {'dp x tp':>8} {'SP':>3} {'step s':>8} {'tok/s':>8} {'tensor MB/rank':>15}")
     for r in rows:
         layout = f"{r['dp_shard']}x{r['tp']}"
@@ -117,8 +123,10 @@ def run(ranks: int, steps: int, engines, out: str | None = None) -> dict:
         if "refused" in r:
             print(f"{r['engine']:7} {layout:>8} {sp:>3}  refused: {r['refused'][:90]}")
         else:
-            print(f"{r['engine']:7} {layout:>8} {sp:>3} {r['median_step_s']:8.3f} {r['tokens_per_s']:8.0f} "
-                  f"{r['tensor_mb_per_rank']:15.1f}")
+            print(
+                f"{r['engine']:7} {layout:>8} {sp:>3} {r['median_step_s']:8.3f} {r['tokens_per_s']:8.0f} "
+                f"{r['tensor_mb_per_rank']:15.1f}"
+            )
     result = {"model": dataclasses.asdict(MODEL), "ranks": ranks, "steps": steps, "rows": rows}
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

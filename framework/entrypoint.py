@@ -1,4 +1,5 @@
 """From a composed config to running ranks: validation, the run directory, local rank start."""
+
 from __future__ import annotations
 
 import os

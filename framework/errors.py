@@ -8,6 +8,7 @@ traceback (with the rank that raised it) and the job exits with `EXIT_CRASH`. Ne
 `ValueError` from deep inside a library into a `UserInputError`: raise one where the input is
 checked, naming the field, the bad value and the fix.
 """
+
 from __future__ import annotations
 
 EXIT_OK = 0  # finished: max_steps reached

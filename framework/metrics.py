@@ -1,4 +1,5 @@
 """Rank 0's reporting: a progress bar, metrics.jsonl and TensorBoard events in the run directory."""
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,17 @@ def _step_of(line: str) -> float:
 class MetricsLogger:
     """Writes on rank 0 only; every other rank gets a logger that does nothing."""
 
-    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, start_step: int,
-                 jsonl: bool, tensorboard: bool, progress_bar: bool):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        jsonl: bool,
+        tensorboard: bool,
+        progress_bar: bool,
+    ):
         self.enabled = enabled
         self._jsonl = self._tb = self._bar = None
         if not enabled:
@@ -75,15 +85,22 @@ class MetricsLogger:
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                             file=sys.stderr, mininterval=0.5)
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5
+            )
 
     def log(self, step: int, values: Dict[str, float]) -> None:
         if not self.enabled:
             return
         # Non-finite numbers become null: NaN is not JSON, and strict readers refuse it.
-        record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                   for k, v in values.items() if v is not None}}
+        record = {
+            "step": step,
+            **{
+                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in values.items()
+                if v is not None
+            },
+        }
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb:
@@ -93,8 +110,9 @@ class MetricsLogger:
 
     def progress(self, values: Dict[str, float]) -> None:
         if self._bar is not None:
-            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items()},
-                                  refresh=False)
+            self._bar.set_postfix(
+                {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items()}, refresh=False
+            )
             self._bar.update(1)
 
     def write(self, message: str) -> None:

@@ -11,6 +11,7 @@ others wait for it in the next step's collectives. So every step each rank contr
 (signalled, past the time limit) to one tiny all-reduce with MAX: all ranks see the same result and
 stop after the same step.
 """
+
 from __future__ import annotations
 
 import signal
@@ -42,8 +43,11 @@ class StopPolicy:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             try:
-                print(f"rank {self.rank}: received {self.signal_name}; stopping after this step",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"rank {self.rank}: received {self.signal_name}; stopping after this step",
+                    file=sys.stderr,
+                    flush=True,
+                )
             except RuntimeError:  # the signal interrupted another write to stderr (reentrant call)
                 pass
 
@@ -55,8 +59,9 @@ class StopPolicy:
         """True on every rank when any rank was signalled or is past the time limit. One collective
         per call; every rank must call it at the same step. See [Note: ranks agree to stop]."""
         note_step(step)
-        flags = torch.tensor([1.0 if self.signal_name else 0.0, 1.0 if self.past_time_limit() else 0.0],
-                             device=self.device)
+        flags = torch.tensor(
+            [1.0 if self.signal_name else 0.0, 1.0 if self.past_time_limit() else 0.0], device=self.device
+        )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, late = (bool(f) for f in flags.tolist())

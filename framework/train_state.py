@@ -1,4 +1,5 @@
 """What a training run holds between steps: everything a checkpoint saves and restores."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

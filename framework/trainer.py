@@ -1,4 +1,5 @@
 """The training loop: build everything from the config, then step. Short; delegates the rest."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,9 @@ class Trainer:
         self.dims = parallel_dims_of(cfg, rt.world_size)
         self.mesh = build_mesh(self.dims, rt.device.type)
         # This rank's position among the data-parallel ranks (replicate-major, as the mesh is laid out).
-        self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard
-                        + self.mesh.get_local_rank("dp_shard"))
+        self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank(
+            "dp_shard"
+        )
         torch.manual_seed(t.seed)
 
         # The model family (framework/models/registry.py) and its task: how a batch becomes a loss.
@@ -58,17 +60,25 @@ class Trainer:
 
             self.data = build_finetune_data(cfg, dp_rank=self.dp_rank, dp_size=self.dims.dp)
         else:
-            self.data = build_data(cfg.data, vocab_size=family.vocab_size(cfg.model),
-                                   micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-                                   dp_rank=self.dp_rank, dp_size=self.dims.dp, seed=t.seed,
-                                   sample_kind=self.task.sample_kind, num_labels=cfg.model.num_labels)
+            self.data = build_data(
+                cfg.data,
+                vocab_size=family.vocab_size(cfg.model),
+                micro_batch_size=t.micro_batch_size,
+                global_batch_size=t.global_batch_size,
+                dp_rank=self.dp_rank,
+                dp_size=self.dims.dp,
+                seed=t.seed,
+                sample_kind=self.task.sample_kind,
+                num_labels=cfg.model.num_labels,
+            )
         model_cfg = dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size)
         # Small models are materialised identically on every rank (same seed, then sharded), so a
         # run's numbers do not depend on its layout; large ones are built on the meta device and
         # initialised shard by shard after sharding, never whole on one rank.
         self.num_params = family.num_params(family.build(model_cfg, "meta"))
-        meta = cfg.model.meta_init if cfg.model.meta_init is not None \
-            else 4 * self.num_params > 4 * 2**30  # fp32 bytes of the whole model
+        meta = (
+            cfg.model.meta_init if cfg.model.meta_init is not None else 4 * self.num_params > 4 * 2**30
+        )  # fp32 bytes of the whole model
         model = family.build(model_cfg, "meta" if meta else "cpu")
         if not meta:
             family.init_weights(model, t.seed)
@@ -94,8 +104,14 @@ class Trainer:
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data.train)
         self.ckpt = None
         c = cfg.checkpoint
-        if c.save_final or c.interval or c.resume != "none" or c.init_from or c.export_safetensors \
-                or family.weights_dir(cfg.model):
+        if (
+            c.save_final
+            or c.interval
+            or c.resume != "none"
+            or c.init_from
+            or c.export_safetensors
+            or family.weights_dir(cfg.model)
+        ):
             from framework.checkpoint import CheckpointManager
 
             self.ckpt = CheckpointManager(cfg, cfg.run_dir, rt)
@@ -117,9 +133,11 @@ class Trainer:
         grad_norm = self.engine.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
         loss_value = _world_mean(total)  # the global batch's mean loss
         if not math.isfinite(loss_value):
-            raise TrainingDiverged(f"loss is {loss_value} at step {self.state.step + 1}; stopping "
-                                   "before the optimizer step (no checkpoint of this state is written). "
-                                   "Lower optimizer.lr or enable optimizer.clip_grad_norm")
+            raise TrainingDiverged(
+                f"loss is {loss_value} at step {self.state.step + 1}; stopping "
+                "before the optimizer step (no checkpoint of this state is written). "
+                "Lower optimizer.lr or enable optimizer.clip_grad_norm"
+            )
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -171,16 +189,24 @@ class Trainer:
         cfg, t, rt = self.cfg, self.cfg.trainer, self.rt
         if self.ckpt is not None:
             self.state.step = self.ckpt.resume(self.state)
-        logger = MetricsLogger(cfg.run_dir, enabled=rt.is_main, total_steps=t.max_steps,
-                               start_step=self.state.step, jsonl=cfg.logging.jsonl,
-                               tensorboard=cfg.logging.tensorboard, progress_bar=t.progress_bar)
+        logger = MetricsLogger(
+            cfg.run_dir,
+            enabled=rt.is_main,
+            total_steps=t.max_steps,
+            start_step=self.state.step,
+            jsonl=cfg.logging.jsonl,
+            tensorboard=cfg.logging.tensorboard,
+            progress_bar=t.progress_bar,
+        )
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         d = self.dims
-        logger.write(f"model={cfg.model.name} ({self.num_params / 1e6:.1f}M parameters) on {rt.world_size} "
-                     f"rank(s) of {rt.device.type}: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
-                     f"tp={d.tp}, engine={cfg.parallelism.engine.value}, strategy={cfg.parallelism.strategy.value}, "
-                     f"{tokens_per_step} tokens/step ({t.micro_batch_size} micro x {d.dp} dp x "
-                     f"{self.data.train.accum_steps} accumulation x {cfg.data.seq_len} seq); run dir {cfg.run_dir}")
+        logger.write(
+            f"model={cfg.model.name} ({self.num_params / 1e6:.1f}M parameters) on {rt.world_size} "
+            f"rank(s) of {rt.device.type}: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
+            f"tp={d.tp}, engine={cfg.parallelism.engine.value}, strategy={cfg.parallelism.strategy.value}, "
+            f"{tokens_per_step} tokens/step ({t.micro_batch_size} micro x {d.dp} dp x "
+            f"{self.data.train.accum_steps} accumulation x {cfg.data.seq_len} seq); run dir {cfg.run_dir}"
+        )
         if self.state.step:
             logger.write(f"resumed at step {self.state.step}")
         self.stop.started = time.monotonic()  # the time limit counts training, not start-up
@@ -192,8 +218,11 @@ class Trainer:
                 step_time = time.perf_counter() - tic
                 self.state.step += 1
                 step = self.state.step
-                metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
-                               peak_memory_gib=peak_memory_gib(rt.device))
+                metrics.update(
+                    step_time_s=step_time,
+                    tokens_per_s=tokens_per_step / step_time,
+                    peak_memory_gib=peak_memory_gib(rt.device),
+                )
                 achieved = self.flops_per_token * tokens_per_step / step_time / rt.world_size / 1e12
                 metrics["tflops_per_device"] = achieved
                 if self.peak_tflops:
@@ -202,12 +231,14 @@ class Trainer:
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                     metrics["val_loss"] = self.evaluate()
                     metrics.update(self.evaluate_metrics())
-                    logger.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                                                              if k.startswith("val_")))
+                    logger.write(
+                        f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
+                    )
                 if step % t.log_interval == 0 or step == t.max_steps:
                     logger.log(step, metrics)
-                logger.progress({"loss": metrics["loss"], "tok/s": round(metrics["tokens_per_s"]),
-                                 "step_s": round(step_time, 3)})
+                logger.progress(
+                    {"loss": metrics["loss"], "tok/s": round(metrics["tokens_per_s"]), "step_s": round(step_time, 3)}
+                )
                 if self.stop.should_stop(step) and step < t.max_steps:
                     return self.stop_early(step)
                 if self.ckpt is not None and self.ckpt.should_save(step):
@@ -236,9 +267,11 @@ class Trainer:
         from framework.errors import EXIT_REQUEUE
 
         if self.rt.is_main:
-            then = ("checkpoint, then exit {s} for a requeue; the next start with checkpoint.resume=auto "
-                    "continues from it" if self.ckpt is not None else
-                    "no checkpoint (checkpointing is off), exit {s}").format(s=EXIT_REQUEUE)
+            then = (
+                "checkpoint, then exit {s} for a requeue; the next start with checkpoint.resume=auto continues from it"
+                if self.ckpt is not None
+                else "no checkpoint (checkpointing is off), exit {s}"
+            ).format(s=EXIT_REQUEUE)
             print(f"stopping at step {step} ({self.stop.reason}): {then}", file=sys.stderr, flush=True)
         if self.ckpt is not None:
             self.ckpt.save(self.state, blocking=True)

@@ -12,6 +12,7 @@ container.image=...`); `split_overrides` sends each override to its side: a `clu
 the training schema goes to training, any other `cluster.*`, `container*` and `dry_run` to the
 launcher, the `cluster=<backend>` choice to both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,12 +80,15 @@ class ContainerConfig:
         try:
             self.runtime = ContainerRuntime(self.runtime)
         except ValueError:
-            raise _bad(f"container.runtime={self.runtime!r}: unknown; choose one of "
-                       f"{', '.join(r.value for r in ContainerRuntime)}") from None
+            raise _bad(
+                f"container.runtime={self.runtime!r}: unknown; choose one of "
+                f"{', '.join(r.value for r in ContainerRuntime)}"
+            ) from None
         for mount in self.mounts:
             if mount.count(":") not in (1, 2) or "," in mount or not mount.startswith("/"):
-                raise _bad(f"container.mounts: {mount!r}: write /host/path:/container/path[:flags], one "
-                           "mount per entry")
+                raise _bad(
+                    f"container.mounts: {mount!r}: write /host/path:/container/path[:flags], one mount per entry"
+                )
         if not self.workdir.startswith("/"):
             raise _bad(f"container.workdir={self.workdir!r}: must be an absolute path in the image")
 
@@ -138,13 +142,16 @@ class ClusterBase:
                     raise _bad(f"cluster.{section}.{key}: not a valid environment variable name")
         for key in list(self.env) + list(self.nccl_env):
             if SECRET_LIKE.search(key.upper()):
-                raise _bad(f"cluster.env.{key} looks like a credential; never write it into the job: set "
-                           f"cluster.secret_env.{key} to a reference instead")
+                raise _bad(
+                    f"cluster.env.{key} looks like a credential; never write it into the job: set "
+                    f"cluster.secret_env.{key} to a reference instead"
+                )
         stages = [Stage.data_preparation.value, Stage.training.value, Stage.fine_tuning.value]
         for stage in self.stages:
             if stage not in stages:
-                raise _bad(f"cluster.stages: {stage!r} is not a stage the launcher runs; choose from "
-                           f"{', '.join(stages)}")
+                raise _bad(
+                    f"cluster.stages: {stage!r} is not a stage the launcher runs; choose from {', '.join(stages)}"
+                )
         if self.local_ranks_filter and not re.fullmatch(r"\d+(,\d+)*", self.local_ranks_filter):
             raise _bad(f"cluster.local_ranks_filter={self.local_ranks_filter!r}: give local ranks such as 0 or 0,1")
 
@@ -184,8 +191,10 @@ class SlurmCluster(ClusterBase):
             raise _bad(f"cluster.mem={self.mem!r}: Slurm memory such as 0 (all), 500G or 64000M")
         for entry in self.sbatch_extra:
             if not re.fullmatch(r"--?[A-Za-z][-A-Za-z0-9_]*(=[^\s'\"\\$`]+)?", entry):
-                raise _bad(f"cluster.sbatch_extra: {entry!r}: give one sbatch option per entry, such as "
-                           "--constraint=h100 (no spaces or quotes: #SBATCH lines are not parsed by a shell)")
+                raise _bad(
+                    f"cluster.sbatch_extra: {entry!r}: give one sbatch option per entry, such as "
+                    "--constraint=h100 (no spaces or quotes: #SBATCH lines are not parsed by a shell)"
+                )
         for line in self.setup:
             if "\n" in line:
                 raise _bad("cluster.setup: one command per entry, without newlines")
@@ -225,35 +234,40 @@ class K8sCluster(ClusterBase):
         # <job_name>-YYYYmmdd-HHMMSS[-n] names the PyTorchJob; its pods' Services add -worker-<i>:
         # at most 63 characters, a DNS-1035 label.
         if not DNS1035_LABEL.fullmatch(self.job_name) or len(self.job_name) > 30:
-            raise _bad(f"cluster.job_name={self.job_name!r}: Kubernetes names start with a lowercase letter, "
-                       "then lowercase letters, digits and '-', at most 30 characters here (e.g. llama-7b)")
+            raise _bad(
+                f"cluster.job_name={self.job_name!r}: Kubernetes names start with a lowercase letter, "
+                "then lowercase letters, digits and '-', at most 30 characters here (e.g. llama-7b)"
+            )
         if not DNS1123_LABEL.fullmatch(self.namespace) or len(self.namespace) > 63:
-            raise _bad(f"cluster.namespace={self.namespace!r}: a Kubernetes namespace is lowercase letters, "
-                       "digits and '-', starting and ending with a letter or digit")
+            raise _bad(
+                f"cluster.namespace={self.namespace!r}: a Kubernetes namespace is lowercase letters, "
+                "digits and '-', starting and ending with a letter or digit"
+            )
         names = [("image_pull_secrets", n) for n in self.image_pull_secrets]
         names += [(k, getattr(self, k)) for k in ("service_account", "priority_class") if getattr(self, k)]
         for key, name in names:
             if not DNS1123_SUBDOMAIN.fullmatch(name) or len(name) > 253:
-                raise _bad(f"cluster.{key}: {name!r} is not a Kubernetes name (lowercase letters, digits, "
-                           "'-' and '.')")
+                raise _bad(f"cluster.{key}: {name!r} is not a Kubernetes name (lowercase letters, digits, '-' and '.')")
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-            raise _bad(f"cluster.image_pull_policy={self.image_pull_policy!r}: choose Always, IfNotPresent "
-                       "or Never")
+            raise _bad(f"cluster.image_pull_policy={self.image_pull_policy!r}: choose Always, IfNotPresent or Never")
         for key in ("shm_size",) + (("mem",) if self.mem else ()):
             if not K8S_QUANTITY.fullmatch(getattr(self, key)):
                 raise _bad(f"cluster.{key}={getattr(self, key)!r}: a Kubernetes quantity such as 64Gi")
         for key, ref in sorted(self.secret_env.items()):
             secret, _, secret_key = ref.partition("/")
             if not DNS1123_SUBDOMAIN.fullmatch(secret) or (secret_key and not SECRET_KEY.fullmatch(secret_key)):
-                raise _bad(f"cluster.secret_env.{key}={ref!r}: with cluster=k8s give a Secret as "
-                           "'secret-name/key' (or 'secret-name' for the key named like the variable)")
+                raise _bad(
+                    f"cluster.secret_env.{key}={ref!r}: with cluster=k8s give a Secret as "
+                    "'secret-name/key' (or 'secret-name' for the key named like the variable)"
+                )
         for name, count in self.ib_resources.items():
             if count <= 0 or "/" not in name:
-                raise _bad(f"cluster.ib_resources.{name}={count}: give a device-plugin resource such as "
-                           "rdma/ib and a count > 0")
+                raise _bad(
+                    f"cluster.ib_resources.{name}={count}: give a device-plugin resource such as "
+                    "rdma/ib and a count > 0"
+                )
         if self.gang_scheduling and not self.scheduler_name:
-            raise _bad("cluster.gang_scheduling=true needs cluster.scheduler_name (the gang scheduler, e.g. "
-                       "volcano)")
+            raise _bad("cluster.gang_scheduling=true needs cluster.scheduler_name (the gang scheduler, e.g. volcano)")
 
 
 BACKENDS = {Backend.local: LocalCluster, Backend.slurm: SlurmCluster, Backend.k8s: K8sCluster}
@@ -314,10 +328,14 @@ def compose_launcher(backend: str, overrides: Sequence[str]) -> DictConfig:
     register()
     # `cluster.node_selector={a: b}` replaces a whole mapping; Hydra only adds keys to an empty typed
     # mapping with `++` (the values are still checked against the schema).
-    mappings = {f"cluster.{f.name}" for f in dataclasses.fields(BACKENDS[Backend(backend)])
-                if f.type.startswith("Dict")}
-    rest = [f"++{o}" if override_key(o) in mappings and o[0] not in "+~" else o
-            for o in overrides if override_key(o) != "cluster"]
+    mappings = {
+        f"cluster.{f.name}" for f in dataclasses.fields(BACKENDS[Backend(backend)]) if f.type.startswith("Dict")
+    }
+    rest = [
+        f"++{o}" if override_key(o) in mappings and o[0] not in "+~" else o
+        for o in overrides
+        if override_key(o) != "cluster"
+    ]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="launcher", overrides=[f"cluster={backend}", *rest])
@@ -337,6 +355,8 @@ def field_hint(key: str, backend: str) -> Optional[str]:
     if backend in owners or name in TRAINING_CLUSTER_FIELDS:
         return None
     if not owners:
-        return (f"{key}: no such setting of cluster={backend}; its settings are the fields of "
-                f"{BACKENDS[Backend(backend)].__name__} in launcher_scripts/config.py")
+        return (
+            f"{key}: no such setting of cluster={backend}; its settings are the fields of "
+            f"{BACKENDS[Backend(backend)].__name__} in launcher_scripts/config.py"
+        )
     return f"{key} is a setting of cluster={' or cluster='.join(owners)}; it does not apply to cluster={backend}"

@@ -5,6 +5,7 @@ and paths as the job will see them, the training overrides) and return text or a
 reads the clock, the environment or the disk, so the same inputs give byte-identical output (golden
 files).
 """
+
 from __future__ import annotations
 
 import shlex
@@ -91,8 +92,11 @@ def main_args(job: Job, stage: Stage) -> List[str]:
     if stage != Stage.data_preparation:
         args += job.training_only
     stages = [Stage(s) for s in job.cluster.stages]
-    chained = Stage.training in stages and Stage.fine_tuning in stages \
+    chained = (
+        Stage.training in stages
+        and Stage.fine_tuning in stages
         and stages.index(Stage.training) < stages.index(Stage.fine_tuning)
+    )
     if chained and stage == Stage.training and not _sets(job, "checkpoint.export_safetensors"):
         args.append("checkpoint.export_safetensors=true")
     if chained and stage == Stage.fine_tuning and not _sets(job, "checkpoint.init_from"):
@@ -137,13 +141,22 @@ def torchrun_args(cfg: Config, job: Job, endpoint: str, rdzv_id: str) -> List[st
     """torchrun (as `python -m torch.distributed.run`, which needs no PATH entry) with c10d rendezvous.
 
     `endpoint` and `rdzv_id` may be `Raw` shell expansions (Slurm's head node and job id)."""
+
     def option(name: str, value: str) -> str:
         return Raw(f"--{name}={value}") if isinstance(value, Raw) else f"--{name}={value}"
 
-    return [job.python, "-m", "torch.distributed.run", f"--nnodes={cfg.cluster.nodes}",
-            f"--nproc-per-node={cfg.cluster.nproc_per_node}", "--rdzv-backend=c10d",
-            option("rdzv-endpoint", endpoint), option("rdzv-id", rdzv_id),
-            f"--rdzv-conf=join_timeout={job.cluster.rdzv_join_timeout_s}", *torchrun_options(cfg, job)]
+    return [
+        job.python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={cfg.cluster.nodes}",
+        f"--nproc-per-node={cfg.cluster.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        option("rdzv-endpoint", endpoint),
+        option("rdzv-id", rdzv_id),
+        f"--rdzv-conf=join_timeout={job.cluster.rdzv_join_timeout_s}",
+        *torchrun_options(cfg, job),
+    ]
 
 
 def env_lines(job: Job) -> List[str]:
@@ -178,8 +191,13 @@ def env_names(job: Job) -> List[str]:
 
 def script_header(what: str) -> List[str]:
     # SC2016: a `$(...)` inside a user's value is single-quoted on purpose; it must never expand.
-    return ["#!/usr/bin/env bash", "# shellcheck disable=SC2016", f"# {what}",
-            "# Written by launcher_scripts/main.py; re-run the launcher rather than editing it.", ""]
+    return [
+        "#!/usr/bin/env bash",
+        "# shellcheck disable=SC2016",
+        f"# {what}",
+        "# Written by launcher_scripts/main.py; re-run the launcher rather than editing it.",
+        "",
+    ]
 
 
 def join_lines(lines: Iterable[str]) -> str:

@@ -10,6 +10,7 @@ resumes from the latest checkpoint. On deletion or eviction the pods get SIGTERM
 terminationGracePeriodSeconds (cluster.signal_seconds) to save; torchrun's --shutdown-timeout
 matches it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -45,8 +46,9 @@ def escape(value: str) -> str:
 
 def _env(job: Job) -> List[Dict[str, Any]]:
     c = job.cluster
-    env: List[Dict[str, Any]] = [{"name": k, "value": escape(str(v))}
-                                 for k, v in sorted(c.nccl_env.items()) + sorted(c.env.items())]
+    env: List[Dict[str, Any]] = [
+        {"name": k, "value": escape(str(v))} for k, v in sorted(c.nccl_env.items()) + sorted(c.env.items())
+    ]
     for key, ref in sorted(c.secret_env.items()):
         secret, _, secret_key = ref.partition("/")
         env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": secret_key or key}}})
@@ -70,10 +72,11 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
     command = torchrun_args(cfg, job, "$(MASTER_ADDR):$(MASTER_PORT)", job.name)
     command += [escape(a) for a in main_args(job, stages_of(job, cfg)[0])]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes: List[Dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}}]
-    for name, claim, path in (("data", c.data_volume, DATA_MOUNT),
-                              ("checkpoints", c.checkpoint_volume, CHECKPOINT_MOUNT)):
+    volumes: List[Dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}}]
+    for name, claim, path in (
+        ("data", c.data_volume, DATA_MOUNT),
+        ("checkpoints", c.checkpoint_volume, CHECKPOINT_MOUNT),
+    ):
         if claim:
             mounts.append({"name": name, "mountPath": path})
             volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim}})
@@ -95,9 +98,12 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     # fsGroup: the volumes are writable by the image's user; OnRootMismatch: a large checkpoint
     # volume is not re-chowned file by file on every pod start.
-    spec: Dict[str, Any] = {"containers": [container], "volumes": volumes,
-                            "terminationGracePeriodSeconds": c.signal_seconds,
-                            "securityContext": {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"}}
+    spec: Dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": c.signal_seconds,
+        "securityContext": {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"},
+    }
     if c.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in c.image_pull_secrets]
     if c.node_selector:
@@ -112,8 +118,11 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
         spec["serviceAccountName"] = c.service_account
     if c.scheduler_name:
         spec["schedulerName"] = c.scheduler_name
-    labels = {"app.kubernetes.io/name": c.job_name, "app.kubernetes.io/instance": job.name,
-              "app.kubernetes.io/component": role.lower()}
+    labels = {
+        "app.kubernetes.io/name": c.job_name,
+        "app.kubernetes.io/instance": job.name,
+        "app.kubernetes.io/component": role.lower(),
+    }
     metadata: Dict[str, Any] = {"labels": labels}
     if c.annotations:
         metadata["annotations"] = dict(c.annotations)
@@ -124,12 +133,14 @@ def render_pytorchjob(cfg: Config, job: Job) -> Dict[str, Any]:
     """The PyTorchJob manifest as a dict (pure: same inputs, same dict)."""
     c = _cluster(job)
     replicas: Dict[str, Any] = {
-        "Master": {"replicas": 1, "restartPolicy": "OnFailure",
-                   "template": _pod_template(cfg, job, "Master")},
+        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": _pod_template(cfg, job, "Master")},
     }
     if cfg.cluster.nodes > 1:
-        replicas["Worker"] = {"replicas": cfg.cluster.nodes - 1, "restartPolicy": "OnFailure",
-                              "template": _pod_template(cfg, job, "Worker")}
+        replicas["Worker"] = {
+            "replicas": cfg.cluster.nodes - 1,
+            "restartPolicy": "OnFailure",
+            "template": _pod_template(cfg, job, "Worker"),
+        }
     run_policy: Dict[str, Any] = {"cleanPodPolicy": "None", "backoffLimit": c.backoff_limit}
     if c.ttl_seconds_after_finished >= 0:
         run_policy["ttlSecondsAfterFinished"] = c.ttl_seconds_after_finished
@@ -140,17 +151,22 @@ def render_pytorchjob(cfg: Config, job: Job) -> Dict[str, Any]:
         if c.priority_class:
             policy["priorityClass"] = c.priority_class
         run_policy["schedulingPolicy"] = policy
-    metadata: Dict[str, Any] = {"name": job.name, "namespace": c.namespace,
-                                "labels": {"app.kubernetes.io/name": c.job_name,
-                                           "app.kubernetes.io/managed-by": "launcher_scripts"}}
+    metadata: Dict[str, Any] = {
+        "name": job.name,
+        "namespace": c.namespace,
+        "labels": {"app.kubernetes.io/name": c.job_name, "app.kubernetes.io/managed-by": "launcher_scripts"},
+    }
     if c.annotations:
         metadata["annotations"] = dict(c.annotations)
     return {
         "apiVersion": API_VERSION,
         "kind": "PyTorchJob",
         "metadata": metadata,
-        "spec": {"runPolicy": run_policy, "nprocPerNode": str(cfg.cluster.nproc_per_node),
-                 "pytorchReplicaSpecs": replicas},
+        "spec": {
+            "runPolicy": run_policy,
+            "nprocPerNode": str(cfg.cluster.nproc_per_node),
+            "pytorchReplicaSpecs": replicas,
+        },
     }
 
 
@@ -159,10 +175,14 @@ def pod_documents(manifest: Dict[str, Any]) -> List[Dict[str, Any]]:
     docs = []
     for role, spec in manifest["spec"]["pytorchReplicaSpecs"].items():
         template = spec["template"]
-        docs.append({"apiVersion": "v1", "kind": "Pod",
-                     "metadata": {"name": f"{manifest['metadata']['name']}-{role.lower()}-0",
-                                  **template["metadata"]},
-                     "spec": {**template["spec"], "restartPolicy": spec["restartPolicy"]}})
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"{manifest['metadata']['name']}-{role.lower()}-0", **template["metadata"]},
+                "spec": {**template["spec"], "restartPolicy": spec["restartPolicy"]},
+            }
+        )
     return docs
 
 

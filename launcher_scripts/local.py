@@ -4,6 +4,7 @@ machine, so rendezvous across nodes is exercised for real without a cluster). Ea
 multi-node GPU job gets its own slice of the GPUs (CUDA_VISIBLE_DEVICES). submit.sh holds a lock on
 the job directory while it runs, so a second run of the same job refuses instead of training beside it.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -37,8 +38,17 @@ def container_prefix(cfg: Config, job: Job) -> List[str]:
     mounts = list(job.mounts)
     if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
         # --user: the job directory belongs to whoever runs the launcher, not the image's uid 1000.
-        args = [k.runtime.value, "run", "--rm", "--network=host", "--ipc=host", "--user",
-                Raw('"$(id -u):$(id -g)"'), "--workdir", k.workdir]
+        args = [
+            k.runtime.value,
+            "run",
+            "--rm",
+            "--network=host",
+            "--ipc=host",
+            "--user",
+            Raw('"$(id -u):$(id -g)"'),
+            "--workdir",
+            k.workdir,
+        ]
         if cfg.cluster.gpus_per_node:
             docker = k.runtime == ContainerRuntime.docker
             args += ["--gpus", "all"] if docker else ["--device", "nvidia.com/gpu=all"]  # podman: CDI
@@ -49,8 +59,18 @@ def container_prefix(cfg: Config, job: Job) -> List[str]:
         return args + [k.image]
     if k.runtime == ContainerRuntime.apptainer:
         nv = ["--nv"] if cfg.cluster.gpus_per_node else []
-        return ["apptainer", "exec", *nv, "--no-home", "--cleanenv", "--bind", ",".join(mounts),
-                "--pwd", k.workdir, k.image]
+        return [
+            "apptainer",
+            "exec",
+            *nv,
+            "--no-home",
+            "--cleanenv",
+            "--bind",
+            ",".join(mounts),
+            "--pwd",
+            k.workdir,
+            k.image,
+        ]
     return []
 
 
@@ -69,8 +89,14 @@ def _agent_groups(cfg: Config, job: Job, stage: Stage) -> List[List[List[str]]]:
     shape = cfg.cluster
     if shape.nodes == 1:
         # --standalone: a private c10d rendezvous on a free port; nothing else to agree on.
-        torchrun = [job.python, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={shape.nproc_per_node}", *torchrun_options(cfg, job)]
+        torchrun = [
+            job.python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={shape.nproc_per_node}",
+            *torchrun_options(cfg, job),
+        ]
         return [[prefix, torchrun, *args]]
     port = job.cluster.rdzv_port or derived_port(job.name)
     torchrun = torchrun_args(cfg, job, f"127.0.0.1:{port}", job.name)
@@ -98,7 +124,7 @@ def render_local(cfg: Config, job: Job) -> str:
         f"mkdir -p {shell_line([job.job_dir])}",
         f"exec 9>>{shell_line([lock])} || exit 1",
         "if ! flock -n 9; then",
-        f'    echo {shell_line([f"error: this job is already running (lock {lock}); wait for it to end"])} >&2',
+        f"    echo {shell_line([f'error: this job is already running (lock {lock}); wait for it to end'])} >&2",
         "    exit 2",
         "fi",
         "",
@@ -118,13 +144,25 @@ def render_local(cfg: Config, job: Job) -> str:
             for node in range(len(agents) - 1, -1, -1):
                 log = f"{job.job_dir}/logs/{stage.value}-node{node}.log"
                 redirect = f" \\\n    > {shell_line([log])} 2>&1 &" if node else " &"
-                lines += [f"# agent {node} of {len(agents)}", shell_command(*agents[node]) + redirect,
-                          'pids+=("$!")']
+                lines += [f"# agent {node} of {len(agents)}", shell_command(*agents[node]) + redirect, 'pids+=("$!")']
             # An agent that fails leaves the others waiting in the rendezvous: stop them.
-            lines += ["status=0", 'for _ in "${pids[@]}"; do', "    wait -n", "    rc=$?",
-                      '    if [ "$rc" != 0 ] && [ "$status" = 0 ]; then', "        status=$rc",
-                      '        echo "an agent failed ($rc); stopping the others" >&2',
-                      '        kill -TERM "${pids[@]}" 2>/dev/null', "    fi", "done"]
-        lines += ['if [ "$status" != 0 ]; then', f'    echo "stage {stage.value} failed ($status)" >&2',
-                  '    exit "$status"', "fi", ""]
+            lines += [
+                "status=0",
+                'for _ in "${pids[@]}"; do',
+                "    wait -n",
+                "    rc=$?",
+                '    if [ "$rc" != 0 ] && [ "$status" = 0 ]; then',
+                "        status=$rc",
+                '        echo "an agent failed ($rc); stopping the others" >&2',
+                '        kill -TERM "${pids[@]}" 2>/dev/null',
+                "    fi",
+                "done",
+            ]
+        lines += [
+            'if [ "$status" != 0 ]; then',
+            f'    echo "stage {stage.value} failed ($status)" >&2',
+            '    exit "$status"',
+            "fi",
+            "",
+        ]
     return join_lines(lines)

@@ -11,6 +11,7 @@ writes the job's directory under cluster.jobs_dir (scripts or manifest, config.y
 launcher.yaml, submit.sh: the exact submit command) and runs submit.sh, unless dry_run=true. The
 last line on stdout is the job's directory.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,8 +68,10 @@ def submit(p: Plan, job_dir: str) -> int:
     script = os.path.join(job_dir, "submit.sh")
     tool = {"slurm": "sbatch", "k8s": "kubectl"}.get(p.launch.cluster.type.value)
     if tool and shutil.which(tool) is None:
-        print(f"{tool} not found here; the job is written: submit it with `bash {script}` where "
-              f"{tool} is available", file=sys.stderr)
+        print(
+            f"{tool} not found here; the job is written: submit it with `bash {script}` where {tool} is available",
+            file=sys.stderr,
+        )
         return 1 if tool == "sbatch" else 0
     sys.stdout.flush()
     return subprocess.call(["bash", script])
@@ -77,15 +80,20 @@ def submit(p: Plan, job_dir: str) -> int:
 def lifecycle(action: str, job_dir: str) -> int:
     """`status`, `logs` or `cancel` of a written job; the status of the last command run."""
     if not os.path.isfile(os.path.join(job_dir, "launcher.yaml")):
-        print(f"error: {job_dir!r} is not a job directory written by the launcher (no launcher.yaml); give "
-              "the directory the launcher printed last", file=sys.stderr)
+        print(
+            f"error: {job_dir!r} is not a job directory written by the launcher (no launcher.yaml); give "
+            "the directory the launcher printed last",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     job = read_job(job_dir)
-    commands = lifecycle_commands(action, job["backend"], job["name"], job["job_dir"], job["ids"],
-                                  job["namespace"])
+    commands = lifecycle_commands(action, job["backend"], job["name"], job["job_dir"], job["ids"], job["namespace"])
     if not commands:
-        print(f"error: {action} is not available for a job on this machine: it runs in the foreground of "
-              "its submit.sh; stop that process (Ctrl-C)", file=sys.stderr)
+        print(
+            f"error: {action} is not available for a job on this machine: it runs in the foreground of "
+            "its submit.sh; stop that process (Ctrl-C)",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     rc = 0
     for command in commands:

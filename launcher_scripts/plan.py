@@ -3,6 +3,7 @@
 Nothing here writes or submits; `main.py` does both with what `plan()` returns. Every check of a job
 before it is written happens in `job_problems` (one place: the planner's fit check belongs there).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,12 +70,20 @@ def derive_mesh(cfg: DictConfig, user_keys: Sequence[str]) -> List[str]:
     c, p = cfg.cluster, cfg.parallelism
     clash = [k for k in MESH_KEYS[:2] if k in user_keys]
     if clash:
-        raise Refused([f"cluster.derive_mesh=true sets {' and '.join(clash)} from the cluster shape; "
-                       "drop that override or set cluster.derive_mesh=false"])
+        raise Refused(
+            [
+                f"cluster.derive_mesh=true sets {' and '.join(clash)} from the cluster shape; "
+                "drop that override or set cluster.derive_mesh=false"
+            ]
+        )
     tp = int(p.tp)
     if tp < 1 or c.nproc_per_node % tp:
-        raise Refused([f"cluster.derive_mesh: cluster.nproc_per_node={c.nproc_per_node} is not divisible by "
-                       f"parallelism.tp={tp}; choose a tp that divides the ranks per node"])
+        raise Refused(
+            [
+                f"cluster.derive_mesh: cluster.nproc_per_node={c.nproc_per_node} is not divisible by "
+                f"parallelism.tp={tp}; choose a tp that divides the ranks per node"
+            ]
+        )
     derived = [f"parallelism.dp_replicate={c.nodes}", f"parallelism.dp_shard={c.nproc_per_node // tp}"]
     if c.nodes > 1:
         derived.append("parallelism.strategy=hybrid")  # shard within a node, replicate across nodes
@@ -114,47 +123,65 @@ def launcher_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
     problems: List[str] = []
     runtime = k.runtime.value
     if k.runtime != ContainerRuntime.none and not k.image:
-        problems.append(f"container.runtime={runtime} needs container.image "
-                        "(e.g. container.image=registry.example/org/train:1.0)")
+        problems.append(
+            f"container.runtime={runtime} needs container.image (e.g. container.image=registry.example/org/train:1.0)"
+        )
     if isinstance(c, SlurmCluster):
         limit = slurm_seconds(c.time_limit)
         if c.requeue and c.signal_seconds and limit <= c.signal_seconds:
-            problems.append(f"cluster.signal_seconds={c.signal_seconds} is not shorter than "
-                            f"cluster.time_limit={c.time_limit} ({limit}s); lower signal_seconds or raise "
-                            "the time limit")
+            problems.append(
+                f"cluster.signal_seconds={c.signal_seconds} is not shorter than "
+                f"cluster.time_limit={c.time_limit} ({limit}s); lower signal_seconds or raise "
+                "the time limit"
+            )
         if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
-            problems.append(f"container.runtime={runtime} runs containers on this machine only; with "
-                            "cluster=slurm choose container.runtime=pyxis, apptainer or none")
+            problems.append(
+                f"container.runtime={runtime} runs containers on this machine only; with "
+                "cluster=slurm choose container.runtime=pyxis, apptainer or none"
+            )
         jobs_dir = os.path.abspath(c.jobs_dir)
         if not SBATCH_SAFE_PATH.fullmatch(jobs_dir):
-            problems.append(f"cluster.jobs_dir={jobs_dir!r}: #SBATCH lines cannot quote a path; choose one "
-                            "of letters, digits and . _ + - /")
+            problems.append(
+                f"cluster.jobs_dir={jobs_dir!r}: #SBATCH lines cannot quote a path; choose one "
+                "of letters, digits and . _ + - /"
+            )
     elif isinstance(c, K8sCluster):
         if not k.image:
             problems.append("cluster=k8s needs container.image (the image every pod runs)")
         if len(stages_of_launch(cfg, launch)) > 1:
-            problems.append("cluster.stages with cluster=k8s: submit one stage per job "
-                            "(stage=data_preparation, then stage=training)")
+            problems.append(
+                "cluster.stages with cluster=k8s: submit one stage per job "
+                "(stage=data_preparation, then stage=training)"
+            )
         if shape.nodes > 1 and not c.checkpoint_volume:
-            problems.append(f"cluster.nodes={shape.nodes} with cluster=k8s needs cluster.checkpoint_volume: "
-                            "every pod writes its checkpoint shards and verifies the others', so give a "
-                            "PersistentVolumeClaim with accessModes ReadWriteMany")
+            problems.append(
+                f"cluster.nodes={shape.nodes} with cluster=k8s needs cluster.checkpoint_volume: "
+                "every pod writes its checkpoint shards and verifies the others', so give a "
+                "PersistentVolumeClaim with accessModes ReadWriteMany"
+            )
         if k.runtime not in (ContainerRuntime.none,):
-            problems.append(f"container.runtime={runtime} with cluster=k8s: the pods run container.image "
-                            "themselves; drop container.runtime")
+            problems.append(
+                f"container.runtime={runtime} with cluster=k8s: the pods run container.image "
+                "themselves; drop container.runtime"
+            )
     else:
         if k.runtime == ContainerRuntime.pyxis:
-            problems.append("container.runtime=pyxis needs srun; with cluster=local choose docker, podman, "
-                            "apptainer or none")
+            problems.append(
+                "container.runtime=pyxis needs srun; with cluster=local choose docker, podman, apptainer or none"
+            )
         if shape.nodes > 1 and k.runtime != ContainerRuntime.none:
-            problems.append(f"cluster.nodes={shape.nodes} with cluster=local runs the agents side by side "
-                            f"without a container; set container.runtime=none or cluster.nodes=1")
+            problems.append(
+                f"cluster.nodes={shape.nodes} with cluster=local runs the agents side by side "
+                f"without a container; set container.runtime=none or cluster.nodes=1"
+            )
     if not isinstance(c, K8sCluster):
         for key, ref in sorted(c.secret_env.items()):
             if ref and not ENV_NAME.fullmatch(ref):
-                problems.append(f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name "
-                                "of a variable in the environment you submit from (or leave it empty for the "
-                                "same name)")
+                problems.append(
+                    f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name "
+                    "of a variable in the environment you submit from (or leave it empty for the "
+                    "same name)"
+                )
     return problems
 
 
@@ -191,11 +218,17 @@ def advice(cfg: Config, launch: LauncherConfig, keys: Sequence[str] = ()) -> Lis
     notes = []
     if "hydra.run.dir" in keys:
         notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; your value is ignored")
-    if (isinstance(c, SlurmCluster) and not c.cpus_per_task and not slurm.exclusive(cfg, c)
-            and cfg.cluster.nproc_per_node > 1):
-        notes.append(f"cluster.cpus_per_task=0: each node's torchrun and its {cfg.cluster.nproc_per_node} "
-                     "ranks share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
-                     "cluster.exclusive=true")
+    if (
+        isinstance(c, SlurmCluster)
+        and not c.cpus_per_task
+        and not slurm.exclusive(cfg, c)
+        and cfg.cluster.nproc_per_node > 1
+    ):
+        notes.append(
+            f"cluster.cpus_per_task=0: each node's torchrun and its {cfg.cluster.nproc_per_node} "
+            "ranks share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
+            "cluster.exclusive=true"
+        )
     return notes
 
 
@@ -240,11 +273,13 @@ def plan(argv: Sequence[str]) -> Plan:
     runtime_chosen = any(k == "container.runtime" or k == "container" for k in keys)
     if launch.container.image and launch.container.runtime == ContainerRuntime.none and not runtime_chosen:
         default = {Backend.slurm: ContainerRuntime.pyxis, Backend.local: ContainerRuntime.docker}.get(
-            launch.cluster.type)
+            launch.cluster.type
+        )
         if default:
             logging.getLogger("launcher").warning(
                 f"container.image given without container.runtime: running it with {default.value} "
-                "(set container.runtime to choose apptainer, podman or none)")
+                "(set container.runtime to choose apptainer, podman or none)"
+            )
             launch.container.runtime = default
             launch_composed.container.runtime = default.value
 
@@ -256,8 +291,11 @@ def plan(argv: Sequence[str]) -> Plan:
         # start there is nothing to resume and training begins at step 0. An explicit choice is kept.
         if "checkpoint.resume" not in keys and composed.checkpoint.resume == "none":
             training_only.append("checkpoint.resume=auto")
-        if (isinstance(launch.cluster, SlurmCluster) and "trainer.max_time_minutes" not in keys
-                and not composed.trainer.max_time_minutes):
+        if (
+            isinstance(launch.cluster, SlurmCluster)
+            and "trainer.max_time_minutes" not in keys
+            and not composed.trainer.max_time_minutes
+        ):
             training_only.append(f"trainer.max_time_minutes={derived_max_time_minutes(launch.cluster)}")
     # The values main.py will get, so validation sees the job's own config.
     for override in extra + training_only:
@@ -273,8 +311,14 @@ def plan(argv: Sequence[str]) -> Plan:
         raise Refused(problems)
     for note in advice(cfg, launch, keys):
         logging.getLogger("launcher").warning(note)
-    return Plan(cfg=cfg, launch=launch, resolved=composed, launcher_resolved=launch_composed,
-                overrides=training_argv + extra, training_only=training_only)
+    return Plan(
+        cfg=cfg,
+        launch=launch,
+        resolved=composed,
+        launcher_resolved=launch_composed,
+        overrides=training_argv + extra,
+        training_only=training_only,
+    )
 
 
 def auto_mounts(cfg: Config, launch: LauncherConfig, stages: Sequence[Stage]) -> Tuple[List[str], List[str]]:
@@ -305,11 +349,20 @@ def make_job(p: Plan, job_dir: str, repo_dir: str, python: str) -> Job:
     """The job's names and paths as the job sees them: inside a container, the image's workdir and python."""
     name = os.path.basename(job_dir)
     launch = p.launch
-    common = dict(name=name, overrides=tuple(p.overrides), training_only=tuple(p.training_only),
-                  cluster=launch.cluster, container=launch.container)
+    common = dict(
+        name=name,
+        overrides=tuple(p.overrides),
+        training_only=tuple(p.training_only),
+        cluster=launch.cluster,
+        container=launch.container,
+    )
     if isinstance(launch.cluster, K8sCluster):
-        return Job(job_dir=k8s.k8s_job_dir(launch.cluster, launch.container.workdir, name),
-                   repo_dir=launch.container.workdir, python="python", **common)
+        return Job(
+            job_dir=k8s.k8s_job_dir(launch.cluster, launch.container.workdir, name),
+            repo_dir=launch.container.workdir,
+            python="python",
+            **common,
+        )
     if launch.container.runtime != ContainerRuntime.none:
         repo_dir, python = launch.container.workdir, "python"
     folders, create = auto_mounts(p.cfg, launch, stages_of_launch(p.cfg, launch))
@@ -320,8 +373,10 @@ def make_job(p: Plan, job_dir: str, repo_dir: str, python: str) -> Job:
 def render_job(p: Plan, job: Job, script_dir: str) -> Dict[str, str]:
     """Every file of the job by name; `script_dir` is the job directory on the submitting machine."""
     cfg = p.cfg
-    files = {"config.yaml": OmegaConf.to_yaml(p.resolved, resolve=True),
-             "launcher.yaml": OmegaConf.to_yaml(p.launcher_resolved, resolve=True)}
+    files = {
+        "config.yaml": OmegaConf.to_yaml(p.resolved, resolve=True),
+        "launcher.yaml": OmegaConf.to_yaml(p.launcher_resolved, resolve=True),
+    }
     backend = p.launch.cluster.type
     if backend == Backend.slurm:
         files.update(slurm.render_files(cfg, job, script_dir))
@@ -334,5 +389,14 @@ def render_job(p: Plan, job: Job, script_dir: str) -> Dict[str, str]:
     return files
 
 
-__all__ = ["Plan", "Refused", "plan", "make_job", "render_job", "job_problems", "launcher_problems",
-           "derive_mesh", "stages_of"]
+__all__ = [
+    "Plan",
+    "Refused",
+    "plan",
+    "make_job",
+    "render_job",
+    "job_problems",
+    "launcher_problems",
+    "derive_mesh",
+    "stages_of",
+]

@@ -17,6 +17,7 @@ time limit are also chained: cluster.chain more copies of the training job, each
 `--dependency=afterany:<previous>,singleton` (the job name is the job directory's, unique: a copy,
 or a second `submit.sh` of a live job, waits until no job of that name runs or is requeued).
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -40,8 +41,11 @@ from launcher_scripts.job import (
     torchrun_args,
 )
 
-SCRIPT_NAMES = {Stage.data_preparation: "data_preparation.sbatch", Stage.training: "training.sbatch",
-                Stage.fine_tuning: "fine_tuning.sbatch"}
+SCRIPT_NAMES = {
+    Stage.data_preparation: "data_preparation.sbatch",
+    Stage.training: "training.sbatch",
+    Stage.fine_tuning: "fine_tuning.sbatch",
+}
 
 
 def _cluster(job: Job) -> SlurmCluster:
@@ -77,9 +81,12 @@ def _sbatch_options(cfg: Config, job: Job, stage: Stage) -> List[str]:
     for flag, value in (("partition", c.partition), ("account", c.account), ("qos", c.qos)):
         if value:
             opts.append(f"--{flag}={value}")
-    opts += [f"--output={job.job_dir}/logs/%x-%j.out", f"--error={job.job_dir}/logs/%x-%j.err",
-             "--open-mode=append",  # a requeued run appends to the same log
-             "--kill-on-invalid-dep=yes"]  # a failed stage before it cancels this one, not pending forever
+    opts += [
+        f"--output={job.job_dir}/logs/%x-%j.out",
+        f"--error={job.job_dir}/logs/%x-%j.err",
+        "--open-mode=append",  # a requeued run appends to the same log
+        "--kill-on-invalid-dep=yes",
+    ]  # a failed stage before it cancels this one, not pending forever
     if not prep and c.requeue:
         if c.signal_seconds:
             opts.append(f"--signal=B:USR1@{c.signal_seconds}")  # see [Note: pre-emption]
@@ -96,14 +103,28 @@ def container_args(cfg: Config, job: Job, stage: Stage = Stage.training) -> List
     k = job.container
     mounts = list(job.mounts)
     if k.runtime == ContainerRuntime.pyxis:
-        return [f"--container-image={k.image}", f"--container-mounts={','.join(mounts)}",
-                f"--container-workdir={k.workdir}", "--no-container-mount-home"]
+        return [
+            f"--container-image={k.image}",
+            f"--container-mounts={','.join(mounts)}",
+            f"--container-workdir={k.workdir}",
+            "--no-container-mount-home",
+        ]
     if k.runtime == ContainerRuntime.apptainer:
         nv = ["--nv"] if cfg.cluster.gpus_per_node and stage != Stage.data_preparation else []
         # --no-home --cleanenv: neither $HOME nor the host's environment leaks in; the job's own
         # variables come as APPTAINERENV_<NAME> (see env_lines).
-        return ["apptainer", "exec", *nv, "--no-home", "--cleanenv", "--bind", ",".join(mounts),
-                "--pwd", k.workdir, k.image]
+        return [
+            "apptainer",
+            "exec",
+            *nv,
+            "--no-home",
+            "--cleanenv",
+            "--bind",
+            ",".join(mounts),
+            "--pwd",
+            k.workdir,
+            k.image,
+        ]
     return []
 
 
@@ -144,8 +165,7 @@ def render_sbatch(cfg: Config, job: Job, stage: Stage = Stage.training) -> str:
             "# c10d rendezvous on the first node of the allocation; the job id names it and picks the port.",
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             rdzv_port_line(job),
-            'echo "job ${SLURM_JOB_ID}: ${SLURM_JOB_NUM_NODES} node(s), rendezvous on '
-            '${head_node}:${rdzv_port}"',
+            'echo "job ${SLURM_JOB_ID}: ${SLURM_JOB_NUM_NODES} node(s), rendezvous on ${head_node}:${rdzv_port}"',
             "",
         ]
         program = torchrun_args(cfg, job, Raw('"${head_node}:${rdzv_port}"'), Raw('"${SLURM_JOB_ID}"'))
@@ -210,8 +230,8 @@ def render_submit(cfg: Config, job: Job, script_dir: str) -> str:
     for i, (stage, kind, label) in enumerate(entries):
         dep = f'--dependency="{kind}:${{id}},singleton"' if i else "--dependency=singleton"
         lines += [
-            f'id=$(sbatch --parsable {dep} {shell_line([f"{script_dir}/{SCRIPT_NAMES[stage]}"])})',
-            'id=${id%%;*}',
+            f"id=$(sbatch --parsable {dep} {shell_line([f'{script_dir}/{SCRIPT_NAMES[stage]}'])})",
+            "id=${id%%;*}",
             f'echo "{label}: ${{id}}"',
             'echo "$id" >> "$ids"',
         ]

@@ -5,6 +5,7 @@ Model and optimizer state are sharded DTensor state dicts in the format of
 either engine, so DCP can reshard them on load: a checkpoint saved on 2 ranks loads on 1 or 4,
 and one saved by the torch engine loads into the native engine and back.
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,14 +38,17 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
     pickled entry in the shards means the files are not ours: refuse it."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; this "
-                         "framework writes tensors only and does not unpickle checkpoint data")
+        raise ValueError(
+            f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; this "
+            "framework writes tensors only and does not unpickle checkpoint data"
+        )
 
 
 def split_optim(optim_sd: Dict[str, Any]) -> Tuple[Dict[str, Any], list]:
     """(tensor state for DCP, param_groups as plain JSON data)."""
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-              for g in optim_sd.get("param_groups", [])]
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_sd.get("param_groups", [])
+    ]
     return {"state": optim_sd.get("state", {})}, groups
 
 
@@ -61,8 +65,9 @@ def dcp_load(state: Dict[str, Any], path: str) -> None:
 
     read_checked_metadata(path)  # refused here, in one line, before DCP reads anything
     try:
-        dcp.load(state, checkpoint_id=path, planner=TensorsOnlyLoadPlanner(),
-                 storage_reader=SafeFileSystemReader(path))  # no unpickling of .metadata
+        dcp.load(
+            state, checkpoint_id=path, planner=TensorsOnlyLoadPlanner(), storage_reader=SafeFileSystemReader(path)
+        )  # no unpickling of .metadata
     except dcp.CheckpointException as exc:
         errors = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
         first = next((str(e).strip().splitlines()[0] for e in errors if str(e).strip()), "unknown error")
@@ -70,6 +75,7 @@ def dcp_load(state: Dict[str, Any], path: str) -> None:
 
 
 # ---- RNG: every rank's generators, as JSON (no pickle) ----
+
 
 def _bytes(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().numpy().tobytes()).decode()

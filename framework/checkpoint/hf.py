@@ -15,6 +15,7 @@ the files lazily (`safe_open`) and reads only its own slice of each tensor (`get
 from the DTensor's placements (torch.chunk sizes per mesh dim, left to right), so a model larger
 than one rank's memory loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,16 @@ import torch
 
 from framework.errors import UserInputError
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-           torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
@@ -74,8 +83,14 @@ def _write_file(path: str, entries: list[tuple[str, torch.Tensor]], rank: int) -
         os.replace(path + ".tmp", path)
 
 
-def export_safetensors(model_sd: dict[str, torch.Tensor], adapter, config: dict, out_dir: str, rank: int,
-                       max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str | None:
+def export_safetensors(
+    model_sd: dict[str, torch.Tensor],
+    adapter,
+    config: dict,
+    out_dir: str,
+    rank: int,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> str | None:
     """Write `out_dir` as `from_pretrained` reads it: safetensors (one file, or shards plus index)
     and `config.json`. Every rank must call it (the gathers are collectives); see [Note: streamed
     export]. Returns the directory on rank 0."""
@@ -94,16 +109,21 @@ def export_safetensors(model_sd: dict[str, torch.Tensor], adapter, config: dict,
         for stale in os.listdir(out_dir):  # a previous export's files would confuse from_pretrained
             if stale.endswith(".safetensors") or stale == INDEX_FILE:
                 os.remove(os.path.join(out_dir, stale))
-    names = [SINGLE_FILE] if len(groups) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = (
+        [SINGLE_FILE]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     for file_name, keys in zip(names, groups):
         _write_file(os.path.join(out_dir, file_name), [(k, by_key[k]) for k in keys], rank)
     if rank != 0:
         return None
     if len(groups) > 1:
         total = sum(t.numel() * t.element_size() for _, t in entries)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: f for f, keys in zip(names, groups) for k in keys}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: f for f, keys in zip(names, groups) for k in keys},
+        }
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -113,27 +133,34 @@ def export_safetensors(model_sd: dict[str, torch.Tensor], adapter, config: dict,
 
 # ---------------------------------------------------------------------------------------- import
 
+
 def weight_files(directory: str, where: str) -> dict[str, str]:
     """{hf tensor name: file path} of a Hugging Face directory (one file or shards + index).
     A file instead of its directory, or a directory above the checkpoint, is refused in one line."""
     if os.path.isfile(directory):
-        raise UserInputError(f"{where}: this is a file; give the directory that holds it "
-                             f"({os.path.dirname(os.path.abspath(directory))})")
+        raise UserInputError(
+            f"{where}: this is a file; give the directory that holds it ({os.path.dirname(os.path.abspath(directory))})"
+        )
     if not os.path.isdir(directory):
         raise UserInputError(f"{where}: no such directory")
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        outside = [v for v in weight_map.values() if not isinstance(v, str) or os.path.basename(v) != v
-                   or v in ("", ".", "..")]
+        outside = [
+            v for v in weight_map.values() if not isinstance(v, str) or os.path.basename(v) != v or v in ("", ".", "..")
+        ]
         if outside:  # shards are read from this directory only (see [Note: files stay inside])
-            raise UserInputError(f"{where}: {INDEX_FILE} names {str(outside[0])[:80]!r}, which is not a file "
-                                 "beside it; shards are read only from the checkpoint's own directory")
+            raise UserInputError(
+                f"{where}: {INDEX_FILE} names {str(outside[0])[:80]!r}, which is not a file "
+                "beside it; shards are read only from the checkpoint's own directory"
+            )
         missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(directory, v))})
         if missing:
-            raise UserInputError(f"{where}: {INDEX_FILE} names {missing[0]} ({len(missing)} file(s) missing); "
-                                 "copy the whole checkpoint directory")
+            raise UserInputError(
+                f"{where}: {INDEX_FILE} names {missing[0]} ({len(missing)} file(s) missing); "
+                "copy the whole checkpoint directory"
+            )
         return {k: os.path.join(directory, v) for k, v in weight_map.items()}
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.isfile(single):
@@ -141,14 +168,20 @@ def weight_files(directory: str, where: str) -> dict[str, str]:
 
         with safe_open(single, framework="pt") as f:
             return {k: single for k in f.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
-    below = sorted(d for d in os.listdir(directory)
-                   if os.path.isfile(os.path.join(directory, d, SINGLE_FILE))
-                   or os.path.isfile(os.path.join(directory, d, INDEX_FILE)))
+    below = sorted(
+        d
+        for d in os.listdir(directory)
+        if os.path.isfile(os.path.join(directory, d, SINGLE_FILE))
+        or os.path.isfile(os.path.join(directory, d, INDEX_FILE))
+    )
     if below:
-        raise UserInputError(f"{where}: no {SINGLE_FILE} here, but {os.path.join(directory, below[0])} "
-                             "holds one; give that directory")
-    raise UserInputError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE} in this directory; give a directory "
-                         "written by checkpoint.export_safetensors or transformers' save_pretrained")
+        raise UserInputError(
+            f"{where}: no {SINGLE_FILE} here, but {os.path.join(directory, below[0])} holds one; give that directory"
+        )
+    raise UserInputError(
+        f"{where}: no {SINGLE_FILE} or {INDEX_FILE} in this directory; give a directory "
+        "written by checkpoint.export_safetensors or transformers' save_pretrained"
+    )
 
 
 def read_config(directory: str) -> dict | None:
@@ -190,18 +223,29 @@ def _read_piece(handle, key: str, like: torch.Tensor) -> torch.Tensor:
     box = _local_box(like) if like.dim() else None
     if box is None:
         # src_data_rank=None: every rank already has the full tensor; cut locally, communicate nothing.
-        return distribute_tensor(handle.get_tensor(key).to(like.dtype), like.device_mesh, like.placements,
-                                 src_data_rank=None)
+        return distribute_tensor(
+            handle.get_tensor(key).to(like.dtype), like.device_mesh, like.placements, src_data_rank=None
+        )
     if any(hi <= lo for lo, hi in box):
         local = torch.empty([hi - lo for lo, hi in box], dtype=like.dtype)
     else:
         local = handle.get_slice(key)[tuple(slice(lo, hi) for lo, hi in box)].to(like.dtype)
-    return DTensor.from_local(local.to(like.device_mesh.device_type), like.device_mesh, like.placements,
-                              run_check=False, shape=like.shape, stride=like.stride())
+    return DTensor.from_local(
+        local.to(like.device_mesh.device_type),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
-def import_safetensors(directory: str, model_sd: dict[str, torch.Tensor], adapter, where: str,
-                       ) -> tuple[dict[str, torch.Tensor], int]:
+def import_safetensors(
+    directory: str,
+    model_sd: dict[str, torch.Tensor],
+    adapter,
+    where: str,
+) -> tuple[dict[str, torch.Tensor], int]:
     """A state dict shaped like `model_sd` (sharded) with values read from `directory`; every
     tensor of the files must be used. `where` names the config field in messages."""
     from safetensors import safe_open
@@ -216,15 +260,19 @@ def import_safetensors(directory: str, model_sd: dict[str, torch.Tensor], adapte
             fallback = adapter.from_hf_fallback(name)
             key = fallback if fallback in files else key
         if key is None or key not in files:
-            raise UserInputError(f"{where}: the checkpoint has no tensor {key or name} (our {name}); it is "
-                                 "not a checkpoint of this model")
+            raise UserInputError(
+                f"{where}: the checkpoint has no tensor {key or name} (our {name}); it is "
+                "not a checkpoint of this model"
+            )
         plan[name] = key
     ignorable = getattr(adapter, "ignorable", lambda key: False)
     unused = sorted(k for k in set(files) - set(plan.values()) if not ignorable(k))
     if unused:
-        raise UserInputError(f"{where}: the checkpoint holds {len(unused)} tensor(s) this model does not use "
-                             f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); it computes "
-                             "differently from the configured model")
+        raise UserInputError(
+            f"{where}: the checkpoint holds {len(unused)} tensor(s) this model does not use "
+            f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); it computes "
+            "differently from the configured model"
+        )
     out: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[str]] = {}
     for name, key in plan.items():

@@ -27,6 +27,7 @@ anything about a file outside. Nothing read is executed: tensors go through
 `torch.load(weights_only=True)`, DCP's `.metadata` through a restricted unpickler
 (framework/checkpoint/safe_reader.py), everything else is JSON.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -138,9 +139,11 @@ def latest_checkpoint(root: str) -> Optional[str]:
             raw = f.read(256)
         name = raw.decode("utf-8", errors="replace").strip()
         if not _STEP_DIR.fullmatch(name):
-            raise CheckpointError(f"{pointer} holds {name[:80]!r}, not the name of a step_N directory "
-                                  f"beside it; delete it (resume=auto then takes the newest complete "
-                                  "checkpoint) or name a checkpoint with checkpoint.resume=<path>")
+            raise CheckpointError(
+                f"{pointer} holds {name[:80]!r}, not the name of a step_N directory "
+                f"beside it; delete it (resume=auto then takes the newest complete "
+                "checkpoint) or name a checkpoint with checkpoint.resume=<path>"
+            )
         path = os.path.join(root, name)
         if os.path.isfile(os.path.join(path, MANIFEST)):
             check_inside(root, path, what=pointer)
@@ -166,8 +169,10 @@ def check_inside(root: str, path: str, what: str) -> None:
     real_root = os.path.realpath(root)
     real = os.path.realpath(path)
     if real != real_root and not real.startswith(real_root + os.sep):
-        raise CheckpointError(f"{what} leads outside {root} (to {path}, a symlink or '..'); a checkpoint "
-                              "is only read from inside its own directory: remove the link")
+        raise CheckpointError(
+            f"{what} leads outside {root} (to {path}, a symlink or '..'); a checkpoint "
+            "is only read from inside its own directory: remove the link"
+        )
 
 
 def _bad_name(name) -> Optional[str]:
@@ -185,8 +190,10 @@ def read_manifest(ckpt: str) -> dict:
     with its sha256 and size, every name a plain relative path. See [Note: files stay inside]."""
     path = os.path.join(ckpt, MANIFEST)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{ckpt} has no {MANIFEST}: it is not a complete checkpoint "
-                              "(a save that did not finish); resume from an earlier one")
+        raise CheckpointError(
+            f"{ckpt} has no {MANIFEST}: it is not a complete checkpoint "
+            "(a save that did not finish); resume from an earlier one"
+        )
     if os.path.islink(path):
         raise CheckpointError(f"{path} is a symlink; a checkpoint's files must be its own")
     try:
@@ -197,16 +204,20 @@ def read_manifest(ckpt: str) -> dict:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path} is not a JSON object; the checkpoint cannot be verified")
     if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt}: checkpoint format {manifest.get('format')} is not "
-                              f"{FORMAT_VERSION}, the one this version reads")
+        raise CheckpointError(
+            f"{ckpt}: checkpoint format {manifest.get('format')} is not {FORMAT_VERSION}, the one this version reads"
+        )
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
-        raise CheckpointError(f"{path} lists no files (`files` is {'missing' if files is None else repr(files)[:40]}): "
-                              "a manifest must vouch for every file of its checkpoint")
+        raise CheckpointError(
+            f"{path} lists no files (`files` is {'missing' if files is None else repr(files)[:40]}): "
+            "a manifest must vouch for every file of its checkpoint"
+        )
     for name, entry in files.items():
         why = _bad_name(name)
-        if why is None and not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
-                                and isinstance(entry.get("bytes"), int)):
+        if why is None and not (
+            isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int)
+        ):
             why = "has no sha256 and size"
         if why:
             raise CheckpointError(f"{path}: the entry {name!r:.80} {why}")
@@ -256,6 +267,9 @@ def integrity_message(ckpt: str, problems: List[str], find_good: bool = True) ->
         if not verify_files(candidate, files, sorted(files)):
             good = candidate
             break
-    hint = (f"resume from the previous good checkpoint with checkpoint.resume={good}" if good
-            else "no earlier checkpoint there passes the check; start with checkpoint.resume=none")
+    hint = (
+        f"resume from the previous good checkpoint with checkpoint.resume={good}"
+        if good
+        else "no earlier checkpoint there passes the check; start with checkpoint.resume=none"
+    )
     return f"checkpoint {ckpt} failed its integrity check ({'; '.join(problems[:3])}); {hint}"

@@ -4,6 +4,7 @@ signal or the time limit is decided by framework/stop.py; this class only saves.
 The trainer talks to this class only; the on-disk layout is in `layout.py` (see [Note: atomic
 checkpoints]) and the state gathering in `dcp.py`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,9 @@ from framework.peft.lora import adapter_state, is_adapter, merged_sharded_state
 def _git_revision() -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, timeout=10).returncode
         return rev + ("-dirty" if dirty else "") if rev else "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -80,10 +82,15 @@ class CheckpointManager:
         dist.broadcast_object_list(token, src=0)
         self._token = token[0]  # names this job's temp directories (the same on every rank)
         if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise UserInputError(f"checkpoint.dir={c.dir}: {self.root} is a file, not a directory; name a "
-                                 "directory (it is created if missing)")
-        self._together(lambda: os.makedirs(self.root, exist_ok=True), f"checkpoint.dir={c.dir}: cannot create "
-                       f"{self.root}", "give a writable directory")
+            raise UserInputError(
+                f"checkpoint.dir={c.dir}: {self.root} is a file, not a directory; name a "
+                "directory (it is created if missing)"
+            )
+        self._together(
+            lambda: os.makedirs(self.root, exist_ok=True),
+            f"checkpoint.dir={c.dir}: cannot create {self.root}",
+            "give a writable directory",
+        )
         if rt.rank == 0:
             self._git = _git_revision()
 
@@ -111,9 +118,15 @@ class CheckpointManager:
             os.makedirs(tmp, exist_ok=True)
             write_rng(tmp, self.rt.rank)
             if self.rt.is_main:
-                layout.write_json_atomic(os.path.join(tmp, layout.TRAIN_STATE), {
-                    "step": step, "scheduler": state.scheduler.state_dict(),
-                    "train_loader": state.train_loader.state_dict(), "optimizer_param_groups": groups})
+                layout.write_json_atomic(
+                    os.path.join(tmp, layout.TRAIN_STATE),
+                    {
+                        "step": step,
+                        "scheduler": state.scheduler.state_dict(),
+                        "train_loader": state.train_loader.state_dict(),
+                        "optimizer_param_groups": groups,
+                    },
+                )
 
         self._writing(write_small_files, tmp)
         if self.cfg.checkpoint.async_save and not blocking:
@@ -159,9 +172,11 @@ class CheckpointManager:
             previous = None
         keep = f"{previous} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
         try:
-            self._together(fn, f"checkpoint.dir: could not write {tmp}",
-                           f"{keep}; free space or make checkpoint.dir writable, then resume with "
-                           "checkpoint.resume=auto")
+            self._together(
+                fn,
+                f"checkpoint.dir: could not write {tmp}",
+                f"{keep}; free space or make checkpoint.dir writable, then resume with checkpoint.resume=auto",
+            )
         except CheckpointWriteError:
             if self.rt.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -185,7 +200,7 @@ class CheckpointManager:
         mine = {}
 
         def checksum_my_share() -> None:
-            for name in names[self.rt.rank::self.rt.world_size]:
+            for name in names[self.rt.rank :: self.rt.world_size]:
                 path = os.path.join(tmp, name)
                 layout.fsync_file(path)
                 mine[name] = {"sha256": layout.sha256_of(path), "bytes": os.path.getsize(path)}
@@ -212,12 +227,22 @@ class CheckpointManager:
         dims = parallel_dims_of(self.cfg, self.rt.world_size)
         p = self.cfg.parallelism
         return {
-            "format": layout.FORMAT_VERSION, "step": step, "complete": True,
+            "format": layout.FORMAT_VERSION,
+            "step": step,
+            "complete": True,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "world": {"world_size": self.rt.world_size, "dp_replicate": dims.dp_replicate,
-                      "dp_shard": dims.dp_shard, "tp": dims.tp, "engine": p.engine.value,
-                      "strategy": p.strategy.value, "device": self.rt.device.type},
-            "config": dataclasses.asdict(self.cfg), "versions": _versions(), "git": self._git,
+            "world": {
+                "world_size": self.rt.world_size,
+                "dp_replicate": dims.dp_replicate,
+                "dp_shard": dims.dp_shard,
+                "tp": dims.tp,
+                "engine": p.engine.value,
+                "strategy": p.strategy.value,
+                "device": self.rt.device.type,
+            },
+            "config": dataclasses.asdict(self.cfg),
+            "versions": _versions(),
+            "git": self._git,
             "files": files,
         }
 
@@ -234,8 +259,10 @@ class CheckpointManager:
         elif os.path.isdir(c.resume) and layout.step_of(c.resume) is None:
             path = layout.latest_checkpoint(c.resume)  # a checkpoints directory: its latest
             if path is None:
-                self._refuse(f"checkpoint.resume={c.resume}: no complete checkpoint in this directory; "
-                             "name a step_* directory, or use 'auto' or 'none'")
+                self._refuse(
+                    f"checkpoint.resume={c.resume}: no complete checkpoint in this directory; "
+                    "name a step_* directory, or use 'auto' or 'none'"
+                )
         else:
             path = c.resume
         try:
@@ -266,7 +293,7 @@ class CheckpointManager:
             message = layout.integrity_message(path, [str(exc)], find_good=self.rt.is_main)
             raise layout.CheckpointError(message) from None
         expected = manifest["files"]
-        mine = sorted(expected)[self.rt.rank::self.rt.world_size]
+        mine = sorted(expected)[self.rt.rank :: self.rt.world_size]
         problems = [None] * self.rt.world_size
         dist.all_gather_object(problems, layout.verify_files(path, expected, mine))
         problems = [p for share in problems for p in share] + layout.unlisted_files(path, expected)
@@ -281,17 +308,25 @@ class CheckpointManager:
         dcp_load(app, path)
         with open(os.path.join(path, layout.TRAIN_STATE)) as f:
             saved = json.load(f)
-        set_state_dicts(state.model, state.optimizer, {**model_sd, **app["model"]},
-                        join_optim(app["optim"], saved["optimizer_param_groups"]), self.engine)
+        set_state_dicts(
+            state.model,
+            state.optimizer,
+            {**model_sd, **app["model"]},
+            join_optim(app["optim"], saved["optimizer_param_groups"]),
+            self.engine,
+        )
         state.scheduler.load_state_dict(saved["scheduler"])
         state.train_loader.load_state_dict(saved["train_loader"])
         set_rng_state(read_rng(path, self.rt.rank))
         self._last_saved = saved["step"]
         if self.rt.is_main:
             w = manifest["world"]
-            print(f"resumed from {path} at step {saved['step']} (saved by {w['world_size']} ranks, "
-                  f"engine={w['engine']}; now {self.rt.world_size} ranks, engine={self.engine.value})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"resumed from {path} at step {saved['step']} (saved by {w['world_size']} ranks, "
+                f"engine={w['engine']}; now {self.rt.world_size} ranks, engine={self.engine.value})",
+                file=sys.stderr,
+                flush=True,
+            )
         return int(saved["step"])
 
     def _check_same_optimizer(self, path: str, manifest: dict) -> None:
@@ -304,18 +339,25 @@ class CheckpointManager:
             raise layout.CheckpointError(
                 f"checkpoint.resume: {path} was saved with optimizer.{name}={_plain(saved[name])}; its state "
                 f"does not fit optimizer.{name}={_plain(now[name])}: resume with optimizer={_plain(saved[name])}, "
-                "or start afresh from its weights with checkpoint.resume=none and checkpoint.init_from")
+                "or start afresh from its weights with checkpoint.resume=none and checkpoint.init_from"
+            )
         # The optimizer's param groups (lr, betas, weight decay, ...) and the LR schedule's state
         # come from the checkpoint, so these values given now do not take effect.
         keys = ("lr", "weight_decay", "beta1", "beta2", "eps")
         if _plain(now.get(name)) == "sgd":
             keys += ("momentum",)
-        overridden = [f"optimizer.{k}={_plain(now[k])} (the checkpoint's {_plain(saved[k])} is used)"
-                      for k in keys if k in saved and k in now and _plain(saved[k]) != _plain(now[k])]
+        overridden = [
+            f"optimizer.{k}={_plain(now[k])} (the checkpoint's {_plain(saved[k])} is used)"
+            for k in keys
+            if k in saved and k in now and _plain(saved[k]) != _plain(now[k])
+        ]
         if overridden and self.rt.is_main:
-            print(f"warning: resuming from {path}: {'; '.join(overridden)}: the optimizer state and LR schedule "
-                  "continue as saved; to change them, start from the weights with checkpoint.init_from",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: resuming from {path}: {'; '.join(overridden)}: the optimizer state and LR schedule "
+                "continue as saved; to change them, start from the weights with checkpoint.init_from",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _check_same_model(self, path: str, manifest: dict) -> None:
         saved = manifest.get("config", {}).get("model", {})
@@ -325,7 +367,8 @@ class CheckpointManager:
         if differ:
             raise layout.CheckpointError(
                 f"checkpoint.resume: {path} holds another model ({'; '.join(differ)}); resume it with "
-                f"model={saved.get('name', '?')} and its settings, or start this model with checkpoint.resume=none")
+                f"model={saved.get('name', '?')} and its settings, or start this model with checkpoint.resume=none"
+            )
 
     # ---- Hugging Face export / import ----
 
@@ -335,11 +378,11 @@ class CheckpointManager:
         from framework.models.registry import family_of
 
         family = family_of(self.cfg.model)
-        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg,
-                                                                             family.embedding_name))
+        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg, family.embedding_name))
         if family.adapter is None:
-            raise UserInputError(f"{where}: model={self.cfg.model.name} has no Hugging Face adapter; "
-                                 "turn this option off for it")
+            raise UserInputError(
+                f"{where}: model={self.cfg.model.name} has no Hugging Face adapter; turn this option off for it"
+            )
         return model_cfg, family.adapter(model_cfg)
 
     def export(self, state, out_dir: Optional[str] = None) -> Optional[str]:
@@ -363,8 +406,11 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
         adapters = {k: v for k, v in model_sd.items() if is_adapter(k)}  # LoRA's, not in the file
         model_sd = {k: v for k, v in model_sd.items() if not is_adapter(k)}
-        where = f"checkpoint.init_from={directory}" if directory == self.cfg.checkpoint.init_from \
+        where = (
+            f"checkpoint.init_from={directory}"
+            if directory == self.cfg.checkpoint.init_from
             else f"model.path={directory}"
+        )
         model_cfg, adapter = self._adapter(model_sd, where)
         hf_config = read_config(directory) if os.path.isdir(directory) else None
         if hf_config is not None:

@@ -8,6 +8,7 @@ job (the parent under `python main.py`) therefore takes an exclusive `flock` on
 kernel drops the lock when the process dies, however it dies, so a crashed job never leaves it
 stale; the file's text (pid, host, start time) only names the holder in the refusal.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -35,8 +36,10 @@ def lock_run_dir(run_dir: str) -> None:
         f.seek(0)
         holder = f.read(200).strip() or "another process"
         f.close()
-        raise UserInputError(f"hydra.run.dir={run_dir} is in use by a running job ({holder}); wait for it to "
-                             "finish, or give this job another hydra.run.dir") from None
+        raise UserInputError(
+            f"hydra.run.dir={run_dir} is in use by a running job ({holder}); wait for it to "
+            "finish, or give this job another hydra.run.dir"
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

@@ -7,6 +7,7 @@ that every shard file the index names is a plain relative path inside the checkp
 [Note: files stay inside] in layout.py). Tensors themselves are read by DCP with
 `torch.load(weights_only=True)`, and non-tensor entries are refused by `TensorsOnlyLoadPlanner`.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,17 @@ from framework.checkpoint.layout import CheckpointError, _bad_name
 # (module, name) pairs DCP's index pickles. Each is a plain data class, an enum, or a constructor
 # of a value (torch.Size, a layout by name, a path), none of which runs code of the file's choice.
 _ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.planner", "LoadItemType"),
@@ -48,8 +57,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)  # a dtype such as torch.float32
-        raise CheckpointError(f"{self.path} names {module}.{name}, which is not part of a DCP checkpoint "
-                              "index; it is not loaded (a crafted file can run code when unpickled)")
+        raise CheckpointError(
+            f"{self.path} names {module}.{name}, which is not part of a DCP checkpoint "
+            "index; it is not loaded (a crafted file can run code when unpickled)"
+        )
 
     def persistent_load(self, pid):
         raise CheckpointError(f"{self.path} holds a persistent reference; it is not a DCP checkpoint index")
@@ -63,8 +74,9 @@ def load_metadata(path: str) -> Metadata:
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - any malformed pickle is one refusal
-            raise CheckpointError(f"{path} is not a readable DCP checkpoint index ({type(exc).__name__}: "
-                                  f"{exc})") from None
+            raise CheckpointError(
+                f"{path} is not a readable DCP checkpoint index ({type(exc).__name__}: {exc})"
+            ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not a DCP checkpoint index")
     return metadata

@@ -1,4 +1,5 @@
 """Typed configuration, its Hydra registration and validation. The only Hydra user in framework/."""
+
 from framework.config.compose import compose_config, to_config  # noqa: F401
 from framework.config.schema import (  # noqa: F401
     ActivationCheckpointing,

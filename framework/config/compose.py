@@ -1,4 +1,5 @@
 """Composing the config outside `main.py` (tests, the launcher) and turning it into objects."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ Pure arithmetic, importable without torch, so the config validation and the laun
 job before any process starts. The device mesh built from these degrees lives with the process
 groups (`framework.distributed.parallel_dims.build_mesh`), above the config.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ class ParallelDims:
         check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
         unknown = [n for n in ("dp_replicate", "dp_shard", "tp") if getattr(self, n) == -1]
         if len(unknown) > 1:
-            raise UserInputError(f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), "
-                                 f"got {', '.join(unknown)}")
+            raise UserInputError(
+                f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), got {', '.join(unknown)}"
+            )
         known = self.dp_replicate * self.dp_shard * self.tp * (-1 if unknown else 1)
         if unknown:
             if self.world_size % known:
@@ -42,9 +44,12 @@ class ParallelDims:
     def _mismatch(self, what: str) -> str:
         def show(v: int) -> str:
             return "?" if v == -1 else str(v)
-        return (f"parallelism: {what}: dp_replicate ({show(self.dp_replicate)}) x dp_shard "
-                f"({show(self.dp_shard)}) x tp ({show(self.tp)}) must equal the world size "
-                f"({self.world_size}); fix parallelism.dp_replicate/dp_shard/tp or the number of ranks")
+
+        return (
+            f"parallelism: {what}: dp_replicate ({show(self.dp_replicate)}) x dp_shard "
+            f"({show(self.dp_shard)}) x tp ({show(self.tp)}) must equal the world size "
+            f"({self.world_size}); fix parallelism.dp_replicate/dp_shard/tp or the number of ranks"
+        )
 
     @property
     def dp(self) -> int:
@@ -56,8 +61,9 @@ class ParallelDims:
         return self.tp > 1
 
 
-def resolve_parallel_dims(strategy: str, *, dp_replicate: int, dp_shard: int, tp: int,
-                          world_size: int, nproc_per_node: int) -> ParallelDims:
+def resolve_parallel_dims(
+    strategy: str, *, dp_replicate: int, dp_shard: int, tp: int, world_size: int, nproc_per_node: int
+) -> ParallelDims:
     """Fill in the degrees a strategy implies, then check them against the world size.
 
     full / grad_op: everything not tensor parallel is sharded (dp_replicate defaults to 1).
@@ -66,8 +72,10 @@ def resolve_parallel_dims(strategy: str, *, dp_replicate: int, dp_shard: int, tp
     """
     if strategy == "no_shard":
         if dp_shard not in (-1, 1):
-            raise UserInputError(f"parallelism.dp_shard={dp_shard} with parallelism.strategy=no_shard: "
-                                 "no_shard replicates everything; set dp_shard=1 or choose strategy=hybrid")
+            raise UserInputError(
+                f"parallelism.dp_shard={dp_shard} with parallelism.strategy=no_shard: "
+                "no_shard replicates everything; set dp_shard=1 or choose strategy=hybrid"
+            )
         dp_shard = 1
         if dp_replicate == 1 and world_size // max(tp, 1) > 1:
             dp_replicate = -1
@@ -81,6 +89,8 @@ def resolve_parallel_dims(strategy: str, *, dp_replicate: int, dp_shard: int, tp
         raise UserInputError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size)
     if strategy == "hybrid" and dims.dp_replicate < 2:
-        raise UserInputError(f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "
-                             "set parallelism.dp_replicate or choose strategy=full")
+        raise UserInputError(
+            f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "
+            "set parallelism.dp_replicate or choose strategy=full"
+        )
     return dims

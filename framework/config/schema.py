@@ -6,6 +6,7 @@ the composed config into these objects once, in `main.py`; each `__post_init__` 
 section, and `validate.py` checks what spans sections. Choices are `str` enums because OmegaConf
 2.3 does not accept `typing.Literal`; they compare equal to their plain string values.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -104,16 +105,25 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.vocab_size != -1:
             _positive("model", vocab_size=self.vocab_size)
-        _positive("model", dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
-                  n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, max_seq_len=self.max_seq_len)
+        _positive(
+            "model",
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+            max_seq_len=self.max_seq_len,
+        )
         if self.dim % self.n_heads:
             raise UserInputError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise UserInputError(f"model.n_heads={self.n_heads} is not a multiple of "
-                                 f"model.n_kv_heads={self.n_kv_heads}")
+            raise UserInputError(
+                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}"
+            )
         if (self.dim // self.n_heads) % 2:
-            raise UserInputError(f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary "
-                                 "embeddings need an even head size")
+            raise UserInputError(
+                f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary embeddings need an even head size"
+            )
 
 
 @dataclass
@@ -134,15 +144,18 @@ class ParallelismConfig:
     def __post_init__(self) -> None:
         self.engine = _choice("parallelism", "engine", self.engine, Engine)
         self.strategy = _choice("parallelism", "strategy", self.strategy, Strategy)
-        self.activation_checkpointing = _choice("parallelism", "activation_checkpointing",
-                                                self.activation_checkpointing, ActivationCheckpointing)
+        self.activation_checkpointing = _choice(
+            "parallelism", "activation_checkpointing", self.activation_checkpointing, ActivationCheckpointing
+        )
         check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise UserInputError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
         if self.quantized_comm and self.engine == Engine.torch:
-            raise UserInputError("parallelism.quantized_comm is a feature of the native engine; "
-                                 "set parallelism.engine=native or parallelism.quantized_comm=false")
+            raise UserInputError(
+                "parallelism.quantized_comm is a feature of the native engine; "
+                "set parallelism.engine=native or parallelism.quantized_comm=false"
+            )
 
 
 @dataclass
@@ -195,14 +208,18 @@ class DataConfig:
         except ValueError:
             parts = []
         if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
-            raise UserInputError(f"data.split={self.split!r}: give train,valid,test proportions with train "
-                                 "and valid > 0, e.g. data.split=\"'98,1,1'\" (quoted: Hydra reads a bare "
-                                 "98,1,1 as a list)")
+            raise UserInputError(
+                f"data.split={self.split!r}: give train,valid,test proportions with train "
+                "and valid > 0, e.g. data.split=\"'98,1,1'\" (quoted: Hydra reads a bare "
+                "98,1,1 as a list)"
+            )
         if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
             raise UserInputError(f"data.weights={list(self.weights)}: blend weights must be >= 0 with a positive sum")
         if self.weights and len(self.weights) != len(self.paths):
-            raise UserInputError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} "
-                                 "data.paths: give one weight per path, or none for equal weights")
+            raise UserInputError(
+                f"data.weights has {len(self.weights)} entries for {len(self.paths)} "
+                "data.paths: give one weight per path, or none for equal weights"
+            )
 
 
 @dataclass
@@ -226,9 +243,15 @@ class TrainerConfig:
     collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _positive("trainer", max_steps=self.max_steps, global_batch_size=self.global_batch_size,
-                  micro_batch_size=self.micro_batch_size, log_interval=self.log_interval,
-                  eval_iters=self.eval_iters, collective_timeout_s=self.collective_timeout_s)
+        _positive(
+            "trainer",
+            max_steps=self.max_steps,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            log_interval=self.log_interval,
+            eval_iters=self.eval_iters,
+            collective_timeout_s=self.collective_timeout_s,
+        )
         for name in ("eval_interval", "max_time_minutes", "sample_tokens", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise UserInputError(f"trainer.{name}={getattr(self, name)}: must be >= 0")
@@ -258,6 +281,7 @@ class CheckpointConfig:
 @dataclass
 class FineTuneConfig:
     """stage=fine_tuning: supervised fine-tuning (framework/finetune/); see docs/fine_tuning.md."""
+
     train_file: str = ""  # JSONL: {"prompt", "response"} or {"messages": [{"role", "content"}, ...]} per line
     # An embedded set instead of train_file, written into data.cache_dir once (cut from this Python's
     # standard library): stdlib_functions ("complete this function" pairs) or stdlib_docstrings
@@ -274,8 +298,10 @@ class FineTuneConfig:
         if not 0 < self.valid_fraction < 1:
             raise UserInputError(f"finetune.valid_fraction={self.valid_fraction}: must be between 0 and 1")
         if self.dataset not in ("", "stdlib_functions", "stdlib_docstrings"):
-            raise UserInputError(f"finetune.dataset={self.dataset!r}: unknown; choose stdlib_functions or "
-                                 "stdlib_docstrings, or leave it empty and give finetune.train_file")
+            raise UserInputError(
+                f"finetune.dataset={self.dataset!r}: unknown; choose stdlib_functions or "
+                "stdlib_docstrings, or leave it empty and give finetune.train_file"
+            )
 
 
 @dataclass
@@ -299,6 +325,7 @@ class LoraConfig:
 @dataclass
 class PeftConfig:
     """Parameter-efficient fine-tuning (framework/peft/): the base model frozen, adapters trained."""
+
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -327,9 +354,11 @@ class ClusterConfig:
             if getattr(self, name) < 0:
                 raise UserInputError(f"cluster.{name}={getattr(self, name)}: must be >= 0")
         if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
-            raise UserInputError(f"cluster.nproc_per_node={self.nproc_per_node} > cluster.gpus_per_node="
-                                 f"{self.gpus_per_node}: every rank needs its own GPU; lower nproc_per_node "
-                                 "or set gpus_per_node=0 for a CPU job")
+            raise UserInputError(
+                f"cluster.nproc_per_node={self.nproc_per_node} > cluster.gpus_per_node="
+                f"{self.gpus_per_node}: every rank needs its own GPU; lower nproc_per_node "
+                "or set gpus_per_node=0 for a CPU job"
+            )
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 Each problem is one line naming the field and the fix; `main.py` prints them all and exits 2.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
             value = getattr(m, name)
             if value % p.tp:
-                errors.append(f"model.{name}={value} is not divisible by parallelism.tp={p.tp}; "
-                              "choose a tp that divides it")
+                errors.append(
+                    f"model.{name}={value} is not divisible by parallelism.tp={p.tp}; choose a tp that divides it"
+                )
     if p.tp > 1:
         vocab = _vocab_known_before_start(cfg)
         if vocab and vocab % p.tp:
@@ -49,58 +51,73 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
             # the short shard) and the numbers are exact (tests/tp). Said, because the work is
             # unbalanced and an even size is one config value away.
             per_rank = -(-vocab // p.tp)
-            _advise(f"vocabulary size {vocab} is not divisible by parallelism.tp={p.tp}: the embedding and "
-                    f"output head are split unevenly (at most {per_rank} rows per rank, the short shards "
-                    f"padded in communication); for even shards pad model.vocab_size to "
-                    f"{per_rank * p.tp}")
+            _advise(
+                f"vocabulary size {vocab} is not divisible by parallelism.tp={p.tp}: the embedding and "
+                f"output head are split unevenly (at most {per_rank} rows per rank, the short shards "
+                f"padded in communication); for even shards pad model.vocab_size to "
+                f"{per_rank * p.tp}"
+            )
         if p.tp > cfg.cluster.nproc_per_node or (cfg.cluster.nodes > 1 and cfg.cluster.nproc_per_node % p.tp):
-            _advise(f"parallelism.tp={p.tp} with cluster.nproc_per_node={cfg.cluster.nproc_per_node}: "
-                    "tensor-parallel groups span nodes, and their per-layer all-reduces over the "
-                    "inter-node network are slow; keep tp <= nproc_per_node (and dividing it)")
+            _advise(
+                f"parallelism.tp={p.tp} with cluster.nproc_per_node={cfg.cluster.nproc_per_node}: "
+                "tensor-parallel groups span nodes, and their per-layer all-reduces over the "
+                "inter-node network are slow; keep tp <= nproc_per_node (and dividing it)"
+            )
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
 
     if dims is not None:
         per_step = t.micro_batch_size * dims.dp
         if t.global_batch_size % per_step:
-            errors.append(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"trainer.micro_batch_size ({t.micro_batch_size}) x data-parallel size "
-                          f"({dims.dp}) = {per_step}; make it a multiple of {per_step}")
+            errors.append(
+                f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+                f"trainer.micro_batch_size ({t.micro_batch_size}) x data-parallel size "
+                f"({dims.dp}) = {per_step}; make it a multiple of {per_step}"
+            )
 
     if cfg.data.seq_len > m.max_seq_len:
-        errors.append(f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
-                      f"{m.max_seq_len} of model={m.name}; lower data.seq_len")
+        errors.append(
+            f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
+            f"{m.max_seq_len} of model={m.name}; lower data.seq_len"
+        )
     if cfg.data.name == DataName.indexed and not cfg.data.paths:
-        errors.append("data=indexed needs data.paths (prefixes of .bin/.idx files); "
-                      "prepare them with stage=data_preparation")
+        errors.append(
+            "data=indexed needs data.paths (prefixes of .bin/.idx files); prepare them with stage=data_preparation"
+        )
     for prefix in cfg.data.paths:
         if cfg.data.name == DataName.indexed and not os.path.exists(prefix + ".idx"):
             errors.append(f"data.paths: {prefix}.idx does not exist; prepare it with stage=data_preparation")
 
     f = cfg.finetune
     if cfg.stage == Stage.fine_tuning and not f.dataset and not f.train_file:
-        errors.append("stage=fine_tuning needs finetune.train_file (a JSONL file of {\"prompt\", \"response\"} or "
-                      "{\"messages\": [...]} records) or finetune.dataset=stdlib_functions")
+        errors.append(
+            'stage=fine_tuning needs finetune.train_file (a JSONL file of {"prompt", "response"} or '
+            '{"messages": [...]} records) or finetune.dataset=stdlib_functions'
+        )
     for name in ("train_file", "valid_file", "tokenizer"):
         path = getattr(f, name)
         if cfg.stage == Stage.fine_tuning and path and not os.path.exists(path):
             errors.append(f"finetune.{name}={path}: no such file; give an existing path")
     if cfg.peft.lora.enabled and p.tp > 1:
-        errors.append("peft.lora.enabled=true with parallelism.tp > 1: the adapters are not split for tensor "
-                      "parallelism; use parallelism.tp=1 (the base weights are still sharded)")
+        errors.append(
+            "peft.lora.enabled=true with parallelism.tp > 1: the adapters are not split for tensor "
+            "parallelism; use parallelism.tp=1 (the base weights are still sharded)"
+        )
 
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none", "") and not os.path.exists(resume):
-        errors.append(f"checkpoint.resume={resume}: no such checkpoint; give an existing path, "
-                      "'auto' or 'none'")
+        errors.append(f"checkpoint.resume={resume}: no such checkpoint; give an existing path, 'auto' or 'none'")
     if cfg.checkpoint.init_from and not os.path.exists(cfg.checkpoint.init_from):
         errors.append(f"checkpoint.init_from={cfg.checkpoint.init_from}: no such directory")
     if os.path.isabs(cfg.checkpoint.dir) and os.path.isfile(cfg.checkpoint.dir):  # relative: checked at start
-        errors.append(f"checkpoint.dir={cfg.checkpoint.dir} is a file, not a directory; name a directory "
-                      "(it is created if missing)")
+        errors.append(
+            f"checkpoint.dir={cfg.checkpoint.dir} is a file, not a directory; name a directory "
+            "(it is created if missing)"
+        )
     if t.device == "cuda":
         try:
             import torch
+
             if not torch.cuda.is_available():
                 errors.append("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto")
         except ImportError:  # the launcher's environment may lack torch; the job checks again
@@ -125,15 +142,23 @@ def _advise(message: str) -> None:
 
 def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
     p = cfg.parallelism
-    return resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
-                                 world_size=world_size, nproc_per_node=cfg.cluster.nproc_per_node)
+    return resolve_parallel_dims(
+        p.strategy.value,
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        world_size=world_size,
+        nproc_per_node=cfg.cluster.nproc_per_node,
+    )
 
 
 def _validate_data_preparation(cfg: Config) -> List[str]:
     errors = []
     if not cfg.data.raw_inputs:
-        errors.append("stage=data_preparation needs data.raw_inputs (text/JSONL files or directories), "
-                      "e.g. 'data.raw_inputs=[/data/raw]'")
+        errors.append(
+            "stage=data_preparation needs data.raw_inputs (text/JSONL files or directories), "
+            "e.g. 'data.raw_inputs=[/data/raw]'"
+        )
     if not cfg.data.output_prefix:
         errors.append("stage=data_preparation needs data.output_prefix (where <prefix>.bin/.idx go)")
     for path in cfg.data.raw_inputs:

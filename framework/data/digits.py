@@ -6,6 +6,7 @@ generator seeded by (seed, epoch), so the order depends on neither the rank nor 
 batching follows the same global sample order as the token loaders ([Note: global sample order]
 in `framework/data/loader.py`): the loader's whole state is the number of samples consumed.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,10 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
 
     spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise UserInputError("data=digits needs scikit-learn installed (it ships the digits file); "
-                             "pip install the version pinned in requirements.lock")
+        raise UserInputError(
+            "data=digits needs scikit-learn installed (it ships the digits file); "
+            "pip install the version pinned in requirements.lock"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
     with gzip.open(path, "rt") as f:
         rows = [[int(v) for v in line.split(",")] for line in f if line.strip()]
@@ -71,8 +74,10 @@ def split_digits(seed: int, test_fraction: float = 0.2) -> tuple[DigitsSplit, Di
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     n_test = round(len(labels) * test_fraction)
     test, train = perm[:n_test], perm[n_test:]
-    return (DigitsSplit(images[train], labels[train], seed, shuffle=True),
-            DigitsSplit(images[test], labels[test], seed, shuffle=False))
+    return (
+        DigitsSplit(images[train], labels[train], seed, shuffle=True),
+        DigitsSplit(images[test], labels[test], seed, shuffle=False),
+    )
 
 
 class ImageBatchLoader(GlobalBatchLoader):
@@ -106,17 +111,21 @@ class ImageBatchLoader(GlobalBatchLoader):
                 images, labels = zip(*(self.source.item(i) for i in indices))
                 batches.append({"inputs": torch.stack(images), "labels": torch.stack(labels)})
             else:
-                batches.append({"inputs": torch.empty(0, 1, IMAGE_SIZE, IMAGE_SIZE),
-                                "labels": torch.empty(0, dtype=torch.long)})
+                batches.append(
+                    {"inputs": torch.empty(0, 1, IMAGE_SIZE, IMAGE_SIZE), "labels": torch.empty(0, dtype=torch.long)}
+                )
         return batches
 
 
-def build_digits_data(*, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                      seed: int):
+def build_digits_data(*, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
     """data=digits: the training split and the held-out test split (the validation loader)."""
     from framework.data.build import DataBundle
 
     train, test = split_digits(seed)
-    kw = {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
-          "dp_rank": dp_rank, "dp_size": dp_size}
+    kw = {
+        "micro_batch_size": micro_batch_size,
+        "global_batch_size": global_batch_size,
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+    }
     return DataBundle(ImageBatchLoader(train, **kw), ImageBatchLoader(test, **kw), vocab_size=NUM_CLASSES)

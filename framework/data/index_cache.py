@@ -7,6 +7,7 @@ gives those two modules a `numpy` whose `load` always passes `allow_pickle=False
 are plain integer arrays: nothing legitimate is lost); a file that is not such an array is
 refused in one line naming it.
 """
+
 from __future__ import annotations
 
 import numpy
@@ -29,9 +30,11 @@ class _NumpyWithoutPickle:
             text = str(exc)
             if "pickle" not in text and "Python objects" not in text:
                 raise
-            raise UserInputError(f"data.cache_dir: {file} is not an index array megatron-core wrote (it holds "
-                                 "pickled Python objects, which are never loaded: they can run code); delete "
-                                 "it and the index is rebuilt") from None
+            raise UserInputError(
+                f"data.cache_dir: {file} is not an index array megatron-core wrote (it holds "
+                "pickled Python objects, which are never loaded: they can run code); delete "
+                "it and the index is rebuilt"
+            ) from None
 
 
 def no_pickle_in_megatron_indices() -> None:

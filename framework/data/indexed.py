@@ -9,6 +9,7 @@ data.split. GPTDataset repeats (re-shuffled) epochs of a path as its weight requ
 GlobalBatchLoader wraps around past the end; the order is fixed by the files, seq_len, split and
 seed, never by the world size.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,10 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str, token
         del dataset
         for name, part, (lo, hi) in zip(("train", "valid", "test"), parts, bounds):
             if part > 0 and int(round(hi * n_docs)) - int(round(lo * n_docs)) == 0:
-                raise UserInputError(f"data.split={split!r} gives the {name} split none of the {n_docs} documents "
-                                     f"of {prefix}; give it a larger share (or 0 for test), or more documents")
+                raise UserInputError(
+                    f"data.split={split!r} gives the {name} split none of the {n_docs} documents "
+                    f"of {prefix}; give it a larger share (or 0 for test), or more documents"
+                )
     return total
 
 
@@ -70,8 +73,10 @@ def _check_bin_size(prefix: str, dataset) -> None:
     needed = int(pointers[-1]) + int(lengths[-1]) * itemsize
     have = os.path.getsize(prefix + ".bin")
     if have < needed:
-        raise UserInputError(f"data.paths: {prefix}.bin has {have} bytes but {prefix}.idx describes {needed}: "
-                             "the .bin is truncated (an interrupted copy?); copy or prepare it again")
+        raise UserInputError(
+            f"data.paths: {prefix}.bin has {have} bytes but {prefix}.idx describes {needed}: "
+            "the .bin is truncated (an interrupted copy?); copy or prepare it again"
+        )
 
 
 _ID_SAMPLE = 1 << 24  # token ids read from each end of a .bin to check them against the vocabulary
@@ -89,9 +94,11 @@ def _check_token_ids(prefix: str, dataset, tokenizer) -> None:
     del ids
     if largest >= vocab:
         where = f"the tokenizer {tokenizer.path}" if getattr(tokenizer, "path", None) else f"model.vocab_size={vocab}"
-        raise UserInputError(f"data.paths: {prefix}.bin holds token id {largest}, but {where} has only {vocab} ids: "
-                             "the data was prepared with another tokenizer; give that one with "
-                             "data.tokenizer=<its tokenizer.json> (or prepare the data again)")
+        raise UserInputError(
+            f"data.paths: {prefix}.bin holds token id {largest}, but {where} has only {vocab} ids: "
+            "the data was prepared with another tokenizer; give that one with "
+            "data.tokenizer=<its tokenizer.json> (or prepare the data again)"
+        )
 
 
 def _split_sizes(total: int, split: str) -> List[int]:
@@ -101,8 +108,9 @@ def _split_sizes(total: int, split: str) -> List[int]:
     return [max(1, int(total * p / norm)) if p > 0 else 0 for p in parts[:3]]
 
 
-def build_indexed(paths: Sequence[str], weights: Sequence[float], *, split: str, seq_len: int, seed: int,
-                  tokenizer, cache_dir: str) -> Tuple[MegatronSource, MegatronSource]:
+def build_indexed(
+    paths: Sequence[str], weights: Sequence[float], *, split: str, seq_len: int, seed: int, tokenizer, cache_dir: str
+) -> Tuple[MegatronSource, MegatronSource]:
     """(train, valid) sources of a blend of `paths`. Every rank calls it (megatron builds the index
     caches on rank 0 first, then the others read them)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -116,20 +124,31 @@ def build_indexed(paths: Sequence[str], weights: Sequence[float], *, split: str,
     except ValueError:
         parts = []
     if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:  # noqa: PLR2004
-        raise UserInputError(f"data.split={split!r}: give three train,valid,test proportions with "
-                             "train and valid > 0, e.g. 98,1,1")
+        raise UserInputError(
+            f"data.split={split!r}: give three train,valid,test proportions with train and valid > 0, e.g. 98,1,1"
+        )
     samples = max(1, _check_splits(paths, parts, split, tokenizer) // seq_len)
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_len, blend=(list(paths), list(weights) or None),
-        split=split, path_to_cache=os.path.abspath(os.path.join(cache_dir, "index")),
-        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False, mid_level_dataset_surplus=0.005)
+        random_seed=seed,
+        sequence_length=seq_len,
+        blend=(list(paths), list(weights) or None),
+        split=split,
+        path_to_cache=os.path.abspath(os.path.join(cache_dir, "index")),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mid_level_dataset_surplus=0.005,
+    )
     sizes = _split_sizes(samples, split)  # see [Note: indexed dataset sizes]
     no_pickle_in_megatron_indices()  # its index cache may be shared: never unpickle it
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     if train is None or len(train) == 0 or valid is None or len(valid) == 0:
-        raise UserInputError(f"data.split={split!r} leaves the {'train' if not train else 'valid'} split of "
-                             f"{list(paths)} empty (too few documents); give it a larger share or more data")
+        raise UserInputError(
+            f"data.split={split!r} leaves the {'train' if not train else 'valid'} split of "
+            f"{list(paths)} empty (too few documents); give it a larger share or more data"
+        )
     return MegatronSource(train), MegatronSource(valid)
 
 

@@ -7,6 +7,7 @@ M micro-batch). The set of samples a step sees therefore does not depend on D, a
 whole state is one number, the global samples consumed: a resume at another data-parallel size
 neither repeats nor skips a sample, and the step's mean loss is the same mean over the same samples.
 """
+
 from __future__ import annotations
 
 from typing import Protocol, Tuple
@@ -25,11 +26,14 @@ class SampleSource(Protocol):
 
 
 class GlobalBatchLoader:
-    def __init__(self, source: SampleSource, *, micro_batch_size: int, global_batch_size: int,
-                 dp_rank: int, dp_size: int):
+    def __init__(
+        self, source: SampleSource, *, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int
+    ):
         if global_batch_size % (micro_batch_size * dp_size):
-            raise UserInputError(f"trainer.global_batch_size={global_batch_size} is not divisible by "
-                                 f"micro_batch_size x dp = {micro_batch_size * dp_size}")
+            raise UserInputError(
+                f"trainer.global_batch_size={global_batch_size} is not divisible by "
+                f"micro_batch_size x dp = {micro_batch_size * dp_size}"
+            )
         self.source = source
         self.micro = micro_batch_size
         self.global_batch = global_batch_size

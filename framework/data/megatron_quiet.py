@@ -1,6 +1,7 @@
 """Importing megatron.core warns that Transformer Engine and Apex are missing (GPU training
 packages our data path never uses), and its dataset builders log every index file at INFO.
 Import it once here with those warnings silenced and its loggers at WARNING."""
+
 import logging
 import warnings
 

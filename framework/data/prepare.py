@@ -9,6 +9,7 @@ trained on the inputs and written to `<prefix>.tokenizer.json`), each followed b
 document token, and written with megatron-core's IndexedDatasetBuilder, so the result is the
 same format NeMo and Megatron-LM read and write.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,10 @@ _BATCH = 64  # documents per task handed to a worker
 
 def input_files(raw_inputs: Sequence[str]) -> List[str]:
     if not raw_inputs:
-        raise UserInputError("data.raw_inputs is empty; list the text/JSONL files or directories to prepare, "
-                             "e.g. data.raw_inputs=[corpus/]")
+        raise UserInputError(
+            "data.raw_inputs is empty; list the text/JSONL files or directories to prepare, "
+            "e.g. data.raw_inputs=[corpus/]"
+        )
     files = []
     for entry in raw_inputs:
         if os.path.isdir(entry):
@@ -50,18 +53,22 @@ def iter_documents(files: Sequence[str]) -> Iterator[str]:
                     try:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as exc:
-                        raise UserInputError(f"data.raw_inputs: {path}:{number} is not valid UTF-8 (byte {exc.start} "
-                                             f"of the line: {exc.reason}); convert the file to UTF-8") from None
+                        raise UserInputError(
+                            f"data.raw_inputs: {path}:{number} is not valid UTF-8 (byte {exc.start} "
+                            f"of the line: {exc.reason}); convert the file to UTF-8"
+                        ) from None
                     if not line.strip():
                         continue
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise UserInputError(f"data.raw_inputs: {path}:{number} is not JSON ({exc.msg}); "
-                                             "JSONL needs one object per line") from None
+                        raise UserInputError(
+                            f"data.raw_inputs: {path}:{number} is not JSON ({exc.msg}); JSONL needs one object per line"
+                        ) from None
                     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise UserInputError(f"data.raw_inputs: {path}:{number} has no string 'text' field; "
-                                             "every JSONL line needs one")
+                        raise UserInputError(
+                            f"data.raw_inputs: {path}:{number} has no string 'text' field; every JSONL line needs one"
+                        )
                     yield record["text"]
         else:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -142,8 +149,15 @@ def _encode(batch: List[str]) -> List[List[int]]:
     return encode_documents(_worker_tokenizer, batch)
 
 
-def prepare(raw_inputs: Sequence[str], output_prefix: str, *, tokenizer: str = "", vocab_size: int = 2048,
-            workers: int = 1, progress: bool = True) -> Tuple[str, str]:
+def prepare(
+    raw_inputs: Sequence[str],
+    output_prefix: str,
+    *,
+    tokenizer: str = "",
+    vocab_size: int = 2048,
+    workers: int = 1,
+    progress: bool = True,
+) -> Tuple[str, str]:
     """Tokenize `raw_inputs` into `output_prefix`.bin/.idx; returns (prefix, tokenizer.json path).
     The outputs appear atomically (written under temporary names, renamed when complete)."""
     import torch
@@ -191,8 +205,12 @@ def prepare(raw_inputs: Sequence[str], output_prefix: str, *, tokenizer: str = "
     builder.finalize(tmp + ".idx")
     os.replace(tmp + ".bin", output_prefix + ".bin")
     os.replace(tmp + ".idx", output_prefix + ".idx")  # the .idx last: its presence means complete
-    print(f"prepared {output_prefix}.bin/.idx: {n_docs} documents, {n_tokens} tokens, "
-          f"vocab {tok.vocab_size} ({tok.path})", file=sys.stderr, flush=True)
+    print(
+        f"prepared {output_prefix}.bin/.idx: {n_docs} documents, {n_tokens} tokens, "
+        f"vocab {tok.vocab_size} ({tok.path})",
+        file=sys.stderr,
+        flush=True,
+    )
     return output_prefix, tok.path
 
 
@@ -200,8 +218,14 @@ def prepare_data(cfg) -> int:
     """The data_preparation stage; returns the exit status (EXIT_BAD_INPUT for bad input)."""
     d = cfg.data
     try:
-        prepare(d.raw_inputs, d.output_prefix, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                workers=d.workers, progress=cfg.trainer.progress_bar)
+        prepare(
+            d.raw_inputs,
+            d.output_prefix,
+            tokenizer=d.tokenizer,
+            vocab_size=d.vocab_size,
+            workers=d.workers,
+            progress=cfg.trainer.progress_bar,
+        )
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT

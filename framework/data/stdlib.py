@@ -6,6 +6,7 @@ It is prepared once through the same path as `stage=data_preparation` into
 `<data.cache_dir>/stdlib-<python version>-<vocab>/` and reused by every later run: rank 0
 prepares while the others wait at a barrier, and the finished directory appears by one rename.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,7 @@ def ensure_stdlib(cache_dir: str, vocab_size: int, workers: int, *, is_main: boo
         os.makedirs(tmp)
         corpus = os.path.join(tmp, "corpus.jsonl")
         write_documents(stdlib_files(), corpus)
-        prepare([corpus], os.path.join(tmp, "stdlib"), vocab_size=vocab_size, workers=workers,
-                progress=False)
+        prepare([corpus], os.path.join(tmp, "stdlib"), vocab_size=vocab_size, workers=workers, progress=False)
         os.remove(corpus)
         try:
             os.rename(tmp, final)

@@ -13,6 +13,7 @@ task's `sample_kind` (`framework/models/tasks.py`):
     image_label     {"inputs": a 1 x 8 x 8 image, "labels": a class}: a bright row whose index
                     is the class
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,16 @@ SAMPLE_KINDS = ("tokens", "seq2seq", "sequence_label", "image_label")
 
 
 class SyntheticSource:
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, size: int = 1 << 20,
-                 max_stride: int = 7, kind: str = "tokens", num_labels: int = 2):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        seed: int,
+        size: int = 1 << 20,
+        max_stride: int = 7,
+        kind: str = "tokens",
+        num_labels: int = 2,
+    ):
         if kind not in SAMPLE_KINDS:
             raise ValueError(f"synthetic sample kind {kind!r}: choose one of {', '.join(SAMPLE_KINDS)}")
         self.vocab_size, self.seq_len, self.seed, self.size = vocab_size, seq_len, seed, size
@@ -45,5 +54,5 @@ class SyntheticSource:
         if self.kind == "tokens":
             return ids
         if self.kind == "seq2seq":
-            return {"input_ids": ids[:self.seq_len], "labels": ids[self.seq_len + 1:]}
-        return {"input_ids": ids[:self.seq_len], "labels": torch.tensor(stride % self.num_labels)}
+            return {"input_ids": ids[: self.seq_len], "labels": ids[self.seq_len + 1 :]}
+        return {"input_ids": ids[: self.seq_len], "labels": torch.tensor(stride % self.num_labels)}

@@ -1,6 +1,7 @@
 """A byte-level BPE tokenizer (Hugging Face `tokenizers`), trained locally or read from a
 tokenizer.json, with what our trainer needs (encode/decode) and what megatron-core's datasets
 need (vocab_size, eod, unique_identifiers)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,10 @@ class BPETokenizer:
         from tokenizers import Tokenizer
 
         if not os.path.isfile(path):
-            raise UserInputError(f"data.tokenizer={path}: no such tokenizer.json; give an existing file "
-                                 "or leave it empty to train a byte-level BPE")
+            raise UserInputError(
+                f"data.tokenizer={path}: no such tokenizer.json; give an existing file "
+                "or leave it empty to train a byte-level BPE"
+            )
         self.path = os.path.abspath(path)
         self._tok = Tokenizer.from_file(self.path)
         eod = self._tok.token_to_id(EOD)
@@ -53,8 +56,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> BPETokeni
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.tmp-{os.getpid()}"

@@ -12,6 +12,7 @@ Adding an engine is one more `ShardingEngine` subclass and one entry in `ENGINES
 name among the config's `Engine` choices, which the config checks without importing torch).
 Each engine imports its implementation only when used, so importing this module is cheap.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
@@ -78,8 +79,7 @@ class NativeEngine(ShardingEngine):
 
     def step_counters(self, model):
         comm = model.comm_stats()
-        moved = sum(comm[k] for k in ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes",
-                                      "alltoall_bytes"))
+        moved = sum(comm[k] for k in ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes"))
         return {"exposed_comm_s": comm["exposed_comm_s"], "comm_bytes": moved}
 
     def reset_counters(self, model):

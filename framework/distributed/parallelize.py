@@ -1,6 +1,7 @@
 """Applies parallelism to a plain model after construction, in a fixed order:
 tensor parallel plan, activation checkpointing, compile, then sharding per block and at the root.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,4 +61,3 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     # backward needs them first, so resharding them would only gather them again at once.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
-

@@ -18,6 +18,7 @@ or by `spawn_local`'s parent), so it still answers when a rank is stopped or dea
 counter does not move over a few heartbeats is stopped or gone; a live rank at an earlier step is
 stuck behind the others.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,8 +78,14 @@ def init_distributed(requested_device: str, collective_timeout_s: float = 300.0)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=_job_store(rank, world, timeout),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
         if world > 1 and _store_hosted_outside():
             _Heartbeat.start(rank, world)
     return Runtime(rank, world, local_rank, device)
@@ -100,8 +107,7 @@ def _job_store(rank: int, world: int, timeout: datetime.timedelta):
         return dist.HashStore()
     addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     is_master = rank == 0 and not _store_hosted_outside()
-    store = dist.TCPStore(addr, port, world_size=world, is_master=is_master, timeout=timeout,
-                          wait_for_workers=False)
+    store = dist.TCPStore(addr, port, world_size=world, is_master=is_master, timeout=timeout, wait_for_workers=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"framework/attempt_{attempt}/", store)
 
@@ -131,6 +137,7 @@ def under_torchrun() -> bool:
 
 # ---- heartbeats: see [Note: naming the rank that did not arrive] ----
 
+
 class _Heartbeat:
     step = 0
     _thread: threading.Thread | None = None
@@ -139,8 +146,12 @@ class _Heartbeat:
 
     @classmethod
     def _client(cls, timeout_s: float = 10.0):
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
 
     @classmethod
     def start(cls, rank: int, world: int) -> None:
@@ -195,13 +206,17 @@ class _Heartbeat:
             return f"(could not read the other ranks' heartbeats: {exc})"
         silent = [r for r in range(cls._world) if r != me and after[r] == before[r]]
         if silent:
-            return (f"rank(s) {', '.join(map(str, silent))} did not arrive: no sign of life for "
-                    f"{4 * HEARTBEAT_S:.0f} s (stopped, hung in the kernel, or dead)")
+            return (
+                f"rank(s) {', '.join(map(str, silent))} did not arrive: no sign of life for "
+                f"{4 * HEARTBEAT_S:.0f} s (stopped, hung in the kernel, or dead)"
+            )
         furthest = max(steps.values())
         behind = [r for r in range(cls._world) if steps[r] < furthest]
         if behind:
-            return (f"rank(s) {', '.join(map(str, behind))} did not arrive: alive but still at step "
-                    f"{min(steps[r] for r in behind)}, the others at step {furthest}")
+            return (
+                f"rank(s) {', '.join(map(str, behind))} did not arrive: alive but still at step "
+                f"{min(steps[r] for r in behind)}, the others at step {furthest}"
+            )
         return "every rank is alive and at the same step: one is stuck inside the step"
 
 
@@ -264,13 +279,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _local_rank_entry(local_rank: int, fn: Callable[[Any], int], arg: Any, nprocs: int, port: int,
-                      report_dir: str) -> None:
+def _local_rank_entry(
+    local_rank: int, fn: Callable[[Any], int], arg: Any, nprocs: int, port: int, report_dir: str
+) -> None:
     _die_with_parent()
-    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
-                       "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "TORCHELASTIC_USE_AGENT_STORE": "True"})  # the parent hosts the store
+    os.environ.update(
+        {
+            "RANK": str(local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    )  # the parent hosts the store
     # As torchrun does: one compute thread per rank unless the user says otherwise, so the ranks
     # (and the communication threads) do not oversubscribe the cores.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -290,12 +313,20 @@ def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
     import multiprocessing
     import tempfile
 
-    store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=600))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size=nprocs,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=600),
+    )
     report_dir = tempfile.mkdtemp(prefix="framework-ranks-")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_local_rank_entry, args=(r, fn, arg, nprocs, store.port, report_dir),
-                         name=f"rank{r}") for r in range(nprocs)]
+    procs = [
+        ctx.Process(target=_local_rank_entry, args=(r, fn, arg, nprocs, store.port, report_dir), name=f"rank{r}")
+        for r in range(nprocs)
+    ]
 
     def forward(signum, _frame):
         for p in procs:
@@ -360,7 +391,9 @@ def _print_failures(procs, first, stopped: list[int], report_dir: str) -> None:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         lines.append(f"error: {who} (of {len(procs)}) failed:\n{text.rstrip()}")
     if stopped and first is not None:
-        lines.append(f"error: stopped rank(s) {', '.join(map(str, stopped))}: still running "
-                     f"{FAILURE_GRACE_S:.0f} s after rank {first[0]} ended with status {first[1]}")
+        lines.append(
+            f"error: stopped rank(s) {', '.join(map(str, stopped))}: still running "
+            f"{FAILURE_GRACE_S:.0f} s after rank {first[0]} ended with status {first[1]}"
+        )
     if lines:
         print("\n".join(lines), file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ per-rank maxima and sums (two small all-reduces over (batch, seq)) instead of ga
 (batch, seq, vocab). The context must also cover `backward()`, whose first op is that loss's
 gradient. Anything that wants plain logits (sampling, tools) calls `full`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,9 @@ def _set_param(model: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(model.get_submodule(owner) if owner else model, leaf, param)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg, plan_fn: Optional[Callable[[nn.Module, bool], Dict]]
-                          ) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh, cfg, plan_fn: Optional[Callable[[nn.Module, bool], Dict]]
+) -> nn.Module:
     """Split `model`'s layers over the 1-D `tp_mesh` by its family's plan (`plan_fn`, the
     registry's `tp_plan`: (model, sequence_parallel) -> {module name: style}), in place.
 
@@ -56,9 +58,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg, plan_fn: Optional[Call
     data-parallel dims. Parameters tied before (same tensor under two names) are tied again.
     """
     if plan_fn is None:
-        raise UserInputError(f"parallelism.tp > 1 with model class {type(model).__name__}: its family "
-                             "registers no tensor-parallel plan (tp_plan in framework/models/registry.py); "
-                             "set parallelism.tp=1")
+        raise UserInputError(
+            f"parallelism.tp > 1 with model class {type(model).__name__}: its family "
+            "registers no tensor-parallel plan (tp_plan in framework/models/registry.py); "
+            "set parallelism.tp=1"
+        )
     tied = _tied_names(model)
     plan = plan_fn(model, cfg.sequence_parallel)
     parallelize_module(model, tp_mesh, plan)
@@ -71,7 +75,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg, plan_fn: Optional[Call
             if isinstance(first, DTensor) and isinstance(other, DTensor):
                 assert first.placements == other.placements, (
                     f"tied parameters {names} got different placements {first.placements} and "
-                    f"{other.placements} from the tensor-parallel plan")
+                    f"{other.placements} from the tensor-parallel plan"
+                )
             _set_param(model, name, first)
     setattr(model, _TP_ATTR, tp_mesh.size())
     return model

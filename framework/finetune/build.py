@@ -1,4 +1,5 @@
 """The data of `stage=fine_tuning`: tokenizer, records, rows and loaders, from the config."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,7 @@ def resolve_tokenizer(cfg: Config, *, is_main: bool = True, barrier=lambda: None
     from framework.data.prepare import default_tokenizer_for
     from framework.data.stdlib import ensure_stdlib
 
-    prefix = ensure_stdlib(cfg.data.cache_dir, cfg.data.vocab_size, cfg.data.workers, is_main=is_main,
-                           barrier=barrier)
+    prefix = ensure_stdlib(cfg.data.cache_dir, cfg.data.vocab_size, cfg.data.workers, is_main=is_main, barrier=barrier)
     return load_tokenizer(default_tokenizer_for(prefix))
 
 
@@ -45,8 +45,9 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    tok = resolve_tokenizer(cfg, is_main=not distributed or dist.get_rank() == 0,
-                            barrier=dist.barrier if distributed else (lambda: None))
+    tok = resolve_tokenizer(
+        cfg, is_main=not distributed or dist.get_rank() == 0, barrier=dist.barrier if distributed else (lambda: None)
+    )
     f, t = cfg.finetune, cfg.trainer
     train_file = f.train_file
     if f.dataset:
@@ -58,11 +59,14 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
             dist.barrier()
         train_file = ensure_dataset(f.dataset, cfg.data.cache_dir)  # written by now: only its path
     if not train_file:
-        raise UserInputError("stage=fine_tuning needs finetune.train_file (a JSONL file of records) "
-                             "or finetune.dataset=stdlib_functions")
+        raise UserInputError(
+            "stage=fine_tuning needs finetune.train_file (a JSONL file of records) or finetune.dataset=stdlib_functions"
+        )
     if f.packing and cfg.model.name == "hf" and cfg.model.task != "seq2seq":
-        raise UserInputError("finetune.packing=true needs a model that takes per-document positions (our "
-                             "Llama); with model=hf set finetune.packing=false (padded rows)")
+        raise UserInputError(
+            "finetune.packing=true needs a model that takes per-document positions (our "
+            "Llama); with model=hf set finetune.packing=false (padded rows)"
+        )
     records = read_records(train_file)
     if f.valid_file:
         train, valid = records, read_records(f.valid_file)
@@ -76,11 +80,21 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
     else:
         train_rows, valid_rows = (build_rows(r, tok, seq_len, f.packing) for r in (train, valid))
     if not train_rows or not valid_rows:
-        raise UserInputError(f"finetune: no {'training' if not train_rows else 'validation'} record has a "
-                             f"response token within data.seq_len={seq_len}; raise data.seq_len")
+        raise UserInputError(
+            f"finetune: no {'training' if not train_rows else 'validation'} record has a "
+            f"response token within data.seq_len={seq_len}; raise data.seq_len"
+        )
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
     train_rows = [train_rows[i] for i in order]
-    kw = {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-              "dp_rank": dp_rank, "dp_size": dp_size}
-    return DataBundle(RowBatchLoader(RowSource(train_rows), **kw), RowBatchLoader(RowSource(valid_rows), **kw),
-                      vocab_size=tok.vocab_size, tokenizer=tok)
+    kw = {
+        "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+    }
+    return DataBundle(
+        RowBatchLoader(RowSource(train_rows), **kw),
+        RowBatchLoader(RowSource(valid_rows), **kw),
+        vocab_size=tok.vocab_size,
+        tokenizer=tok,
+    )

@@ -20,6 +20,7 @@ positions at each document's start, so a packed row computes exactly what the do
 alone (tested: the logits are equal). Without packing each row holds one document, padded at the
 end (labels -100): causal attention never looks ahead, so padding needs no mask.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,8 +89,10 @@ def load_tokenizer(path: str) -> SFTTokenizer:
         from transformers import AutoTokenizer
 
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            raise UserInputError(f"finetune.tokenizer={path}: the directory holds no tokenizer.json or "
-                                 "tokenizer_config.json; give a tokenizer file or directory")
+            raise UserInputError(
+                f"finetune.tokenizer={path}: the directory holds no tokenizer.json or "
+                "tokenizer_config.json; give a tokenizer file or directory"
+            )
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         eod = hf.eos_token_id if hf.eos_token_id is not None else len(hf) - 1
         return SFTTokenizer(None, eod, hf=hf)
@@ -102,8 +105,10 @@ def load_tokenizer(path: str) -> SFTTokenizer:
 def read_records(path: str) -> list:
     """The JSONL records of `path`; a line that is not a record is refused naming file and line."""
     if not os.path.isfile(path):
-        raise UserInputError(f"finetune: {path} does not exist; give a JSONL file of "
-                             '{"prompt", "response"} or {"messages": [...]} records')
+        raise UserInputError(
+            f"finetune: {path} does not exist; give a JSONL file of "
+            '{"prompt", "response"} or {"messages": [...]} records'
+        )
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -114,8 +119,10 @@ def read_records(path: str) -> list:
             except json.JSONDecodeError as exc:
                 raise UserInputError(f"{path}:{number}: not JSON ({exc.msg}); each line must be one record") from None
             if not _valid(record):
-                raise UserInputError(f"{path}:{number}: a record needs string fields \"prompt\" and \"response\", "
-                                     'or "messages": a list of {"role", "content"} with an assistant turn')
+                raise UserInputError(
+                    f'{path}:{number}: a record needs string fields "prompt" and "response", '
+                    'or "messages": a list of {"role", "content"} with an assistant turn'
+                )
             records.append(record)
     if not records:
         raise UserInputError(f"finetune: {path} holds no records")
@@ -127,10 +134,15 @@ def _valid(record) -> bool:
         return False
     if "messages" in record:
         msgs = record["messages"]
-        return (isinstance(msgs, list) and bool(msgs)
-                and all(isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                        for m in msgs)
-                and any(m["role"] == "assistant" for m in msgs))
+        return (
+            isinstance(msgs, list)
+            and bool(msgs)
+            and all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                for m in msgs
+            )
+            and any(m["role"] == "assistant" for m in msgs)
+        )
     return isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)
 
 
@@ -199,12 +211,14 @@ def pack(documents: list, seq_len: int, pad_id: int) -> list:
             positions += range(len(inputs))
             documents_ += [number] * len(inputs)
         pad = seq_len - len(ids)
-        out.append({
-            "input_ids": torch.tensor(ids + [pad_id] * pad),
-            "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
-            "positions": torch.tensor(positions + [0] * pad),
-            "document_ids": torch.tensor(documents_ + [PAD_DOCUMENT] * pad),
-        })
+        out.append(
+            {
+                "input_ids": torch.tensor(ids + [pad_id] * pad),
+                "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+                "positions": torch.tensor(positions + [0] * pad),
+                "document_ids": torch.tensor(documents_ + [PAD_DOCUMENT] * pad),
+            }
+        )
     return out
 
 
@@ -216,8 +230,9 @@ def pad_rows(documents: list, seq_len: int, pad_id: int) -> list:
         if not inputs or all(label == IGNORE_INDEX for label in labels):
             continue
         pad = seq_len - len(inputs)
-        out.append({"input_ids": torch.tensor(inputs + [pad_id] * pad),
-                    "labels": torch.tensor(labels + [IGNORE_INDEX] * pad)})
+        out.append(
+            {"input_ids": torch.tensor(inputs + [pad_id] * pad), "labels": torch.tensor(labels + [IGNORE_INDEX] * pad)}
+        )
     return out
 
 
@@ -269,12 +284,14 @@ def seq2seq_rows(records: list, tok: SFTTokenizer, source_len: int, target_len: 
     out = []
     for record in records:
         if "messages" in record:
-            raise UserInputError("a sequence-to-sequence model takes {\"prompt\", \"response\"} records, not chat")
+            raise UserInputError('a sequence-to-sequence model takes {"prompt", "response"} records, not chat')
         source = tok.encode(record["prompt"])[:source_len]
         target = (tok.encode(record["response"]) + [tok.eod])[:target_len]
-        out.append({
-            "input_ids": torch.tensor(source + [tok.eod] * (source_len - len(source))),
-            "attention_mask": torch.tensor([1] * len(source) + [0] * (source_len - len(source))),
-            "labels": torch.tensor(target + [IGNORE_INDEX] * (target_len - len(target))),
-        })
+        out.append(
+            {
+                "input_ids": torch.tensor(source + [tok.eod] * (source_len - len(source))),
+                "attention_mask": torch.tensor([1] * len(source) + [0] * (source_len - len(source))),
+                "labels": torch.tensor(target + [IGNORE_INDEX] * (target_len - len(target))),
+            }
+        )
     return out

@@ -1,4 +1,5 @@
 """Generated examples printed at the end of a sequence-to-sequence job (e.g. t5_docstrings)."""
+
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,9 @@ def seq2seq_examples(model, loader, tokenizer, device, count: int = 4) -> str:
     for i in range(min(count, batch["labels"].shape[0])):
         source = [int(t) for t, m in zip(batch["input_ids"][i], batch["attention_mask"][i]) if m]
         first_line = text(source).splitlines()[0] if text(source) else ""
-        lines += [f"--- example {i + 1}: {first_line}", f"expected:  {text(batch['labels'][i])}",
-                  f"generated: {text(generated[i])}"]
+        lines += [
+            f"--- example {i + 1}: {first_line}",
+            f"expected:  {text(batch['labels'][i])}",
+            f"generated: {text(generated[i])}",
+        ]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ MAX_BODY_LINES body lines, MAX_CHARS characters) so a record fits a 256-token ro
 `stdlib_docstrings` (every public module), for a sequence-to-sequence model: a function's source
 without its docstring -> the docstring's first line (at most MAX_SOURCE_CHARS / MAX_DOC_CHARS).
 """
+
 from __future__ import annotations
 
 import ast
@@ -41,8 +42,11 @@ def _pairs_of(path: str):
             continue
         body = node.body
         first = body[0]
-        has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+        has_doc = (
+            isinstance(first, ast.Expr)
+            and isinstance(getattr(first, "value", None), ast.Constant)
             and isinstance(first.value.value, str)
+        )
         rest = body[1:] if has_doc else body
         if not rest:
             continue
@@ -77,7 +81,7 @@ def _docstring_pairs_of(path: str):
         start = node.lineno - 1 - len(node.decorator_list)
         doc_node = node.body[0]
         indent = len(lines[start]) - len(lines[start].lstrip())
-        kept = lines[start: doc_node.lineno - 1] + lines[doc_node.end_lineno: node.end_lineno]
+        kept = lines[start : doc_node.lineno - 1] + lines[doc_node.end_lineno : node.end_lineno]
         code = "".join(line[indent:] for line in kept)
         if len(code) <= MAX_SOURCE_CHARS and len(first) <= MAX_DOC_CHARS:
             yield {"prompt": code, "response": first}
@@ -100,8 +104,11 @@ def stdlib_function_records(limit: int = 4000) -> list:
     """Up to `limit` records, from the modules after those of the pre-training corpus."""
     root = sysconfig.get_paths()["stdlib"]
     seen = set(stdlib_files())
-    modules = [os.path.join(root, n) for n in sorted(os.listdir(root))
-               if n.endswith(".py") and not n.startswith("_") and os.path.join(root, n) not in seen]
+    modules = [
+        os.path.join(root, n)
+        for n in sorted(os.listdir(root))
+        if n.endswith(".py") and not n.startswith("_") and os.path.join(root, n) not in seen
+    ]
     records = []
     for path in modules:
         for record in _pairs_of(path):

@@ -28,6 +28,7 @@ Every other field has a default that suits a small model without tensor parallel
 Hugging Face export: see `ModelFamily`. A task is looked up by name from `framework/models/tasks.py`
 (`causal_lm`, `seq2seq`, `sequence_classification`, `image_classification`); `register_task` adds one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -149,7 +150,9 @@ def family_of(cfg: ModelConfig) -> ModelFamily:
     """The family that builds `model.name`; an unknown name is refused in one line."""
     family = _FAMILIES.get(cfg.name)
     if family is None:
-        raise UserInputError(f"model.name={cfg.name!r} is not a model this framework builds; choose one of "
-                             f"{', '.join(registered_names())} (a Hugging Face model: model=hf "
-                             "model.path=<its directory>)")
+        raise UserInputError(
+            f"model.name={cfg.name!r} is not a model this framework builds; choose one of "
+            f"{', '.join(registered_names())} (a Hugging Face model: model=hf "
+            "model.path=<its directory>)"
+        )
     return family

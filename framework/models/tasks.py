@@ -8,6 +8,7 @@ others. Labels equal to -100 are ignored (padding, prompt tokens in fine-tuning)
 mean over the labelled positions of the micro-batch, in fp32. A model may return the logits or an
 object with `.logits` (Hugging Face models); both are accepted.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -125,7 +126,10 @@ def get_task(name: str) -> Task:
     return _TASKS[name]
 
 
-for _task in (Task("causal_lm", _causal_lm), Task("seq2seq", _seq2seq, "seq2seq", _seq2seq_exact_match),
-              Task("sequence_classification", _sequence_classification, "sequence_label"),
-              Task("image_classification", _image_classification, "image_label", _image_accuracy)):
+for _task in (
+    Task("causal_lm", _causal_lm),
+    Task("seq2seq", _seq2seq, "seq2seq", _seq2seq_exact_match),
+    Task("sequence_classification", _sequence_classification, "sequence_label"),
+    Task("image_classification", _image_classification, "image_label", _image_accuracy),
+):
     register_task(_task)

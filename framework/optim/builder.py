@@ -3,6 +3,7 @@
 Weight-decay groups are chosen by parameter *name*, not by `ndim`: with the sharded engine a
 rank's piece of a matrix may be 1-D, so shape says nothing about what a parameter is.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,13 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     if cfg.name == OptimizerName.adamw:
         # foreach=False: one kernel per parameter. The multi-tensor path groups tensors by
         # device and dtype and is no faster on CPU; on a GPU torch picks foreach itself.
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                 foreach=None if torch.cuda.is_available() else False)
+        return torch.optim.AdamW(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            foreach=None if torch.cuda.is_available() else False,
+        )
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
 
@@ -56,6 +62,7 @@ def lr_at(step: int, cfg: OptimizerConfig, max_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig,
-                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, max_steps))

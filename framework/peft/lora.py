@@ -16,6 +16,7 @@ state-dict entries whose name contains `.lora_`. Our own adapter rather than the
 all have to know about; this file is the whole feature and works the same for our Llama and
 Hugging Face models.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,9 @@ def _lora_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Te
     return output + (module.lora_scale * update).to(output.dtype)
 
 
-def target_layers(model: nn.Module, targets: Iterable[str],
-                  alias: Callable[[str], str] | None = None) -> dict[str, nn.Module]:
+def target_layers(
+    model: nn.Module, targets: Iterable[str], alias: Callable[[str], str] | None = None
+) -> dict[str, nn.Module]:
     """{module name: module} of the linear layers whose last name component is a target. `alias`
     maps a module name to another spelling to match as well (our Llama's `attention.wq` answers
     to `q_proj`, its Hugging Face name), so one target list serves both model kinds."""
@@ -68,15 +70,25 @@ def target_layers(model: nn.Module, targets: Iterable[str],
     return found
 
 
-def apply_lora(model: nn.Module, *, rank: int, alpha: float, targets: list[str], dropout: float = 0.0,
-               alias: Callable[[str], str] | None = None, seed: int | None = None) -> list[str]:
+def apply_lora(
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    targets: list[str],
+    dropout: float = 0.0,
+    alias: Callable[[str], str] | None = None,
+    seed: int | None = None,
+) -> list[str]:
     """Freeze every parameter of `model`, add adapters to the target layers, return their names.
     Call it on the plain model, before parallelism is applied."""
     layers = target_layers(model, targets, alias)
     if not layers:
         available = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and _shape_of(m)})
-        raise UserInputError(f"peft.lora.targets={list(targets)} matches no linear layer of this model; "
-                             f"its linear layers are named {', '.join(available)}")
+        raise UserInputError(
+            f"peft.lora.targets={list(targets)} matches no linear layer of this model; "
+            f"its linear layers are named {', '.join(available)}"
+        )
     for param in model.parameters():
         param.requires_grad_(False)
     for module in layers.values():
@@ -118,8 +130,9 @@ def adapter_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 @torch.no_grad()
-def merged_state(state_dict: dict[str, torch.Tensor], scale: float,
-                 transposed: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+def merged_state(
+    state_dict: dict[str, torch.Tensor], scale: float, transposed: Iterable[str] = ()
+) -> dict[str, torch.Tensor]:
     """A full (unsharded) state dict with every adapter folded into its layer's weight,
     W + scale * B A, and the adapter entries dropped: a plain model's state dict. `transposed`
     names the layers whose weight is stored (in, out), as GPT-2's Conv1D."""
@@ -156,7 +169,6 @@ def trainable_summary(model: nn.Module) -> str:
     return f"{train:,} trainable of {total:,} parameters ({100.0 * train / max(total, 1):.2f}%)"
 
 
-
 @torch.no_grad()
 def merged_sharded_state(state_dict: dict, scale: float) -> dict:
     """`merged_state` for a sharded state dict (dim-0 `Shard(0)` DTensors, either engine): each
@@ -178,6 +190,7 @@ def merged_sharded_state(state_dict: dict, scale: float) -> dict:
         # W and B have the same first dimension (out_features), split into the same row chunks.
         assert local_w.shape[0] == local_b.shape[0], f"{layer}: W and B rows differ on this rank"
         merged = (local_w.float() + scale * (local_b.float() @ a_full)).to(local_w.dtype)
-        out[layer + ".weight"] = DTensor.from_local(merged, weight.device_mesh, weight.placements,
-                                                    shape=weight.shape, stride=weight.stride())
+        out[layer + ".weight"] = DTensor.from_local(
+            merged, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
+        )
     return out

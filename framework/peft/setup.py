@@ -1,4 +1,5 @@
 """LoRA from the config: which layers, how their names are spelled, and what the job prints."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -24,8 +25,18 @@ def _alias_of(family, model_cfg):
 
 
 def add_lora(model: nn.Module, lora_cfg, family, model_cfg, *, seed: int, rank0: bool = True) -> None:
-    names = apply_lora(model, rank=lora_cfg.rank, alpha=lora_cfg.alpha, targets=list(lora_cfg.targets),
-                       dropout=lora_cfg.dropout, alias=_alias_of(family, model_cfg), seed=seed)
+    names = apply_lora(
+        model,
+        rank=lora_cfg.rank,
+        alpha=lora_cfg.alpha,
+        targets=list(lora_cfg.targets),
+        dropout=lora_cfg.dropout,
+        alias=_alias_of(family, model_cfg),
+        seed=seed,
+    )
     if rank0:
-        print(f"LoRA rank {lora_cfg.rank} on {len(names)} layers ({', '.join(names[:4])}"
-              f"{', ...' if len(names) > 4 else ''}): {trainable_summary(model)}", flush=True)
+        print(
+            f"LoRA rank {lora_cfg.rank} on {len(names)} layers ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): {trainable_summary(model)}",
+            flush=True,
+        )

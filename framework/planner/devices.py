@@ -9,6 +9,7 @@ collectives reach. The `cpu` row was measured on the 2-core machine this project
 the rate is already what a step gets. Override any row from Python (`replace(DEVICES["h100"], ...)`)
 or the peak from the command line (`trainer.peak_tflops`, `cluster.gpu_memory_gib`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

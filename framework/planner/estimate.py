@@ -17,6 +17,7 @@ Traffic follows ENGINE_NOTES.md section 5 and the counters of `collectives.py`: 
 the bytes this rank receives, a reduce-scatter or all-to-all the bytes it sends, an all-reduce the
 ring volume 2 (n-1)/n x bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -31,7 +32,7 @@ from framework.planner.shapes import (
 )
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,13 @@ class Memory:
         """Backward starts with every block's activations saved and the root gathered; first the
         loss and the head (logits-wide tensors), then the last blocks gathered again, whichever
         is larger."""
-        return (self.between_steps + self.accumulation + self.activations + self.gathered_root
-                + max(self.logits, self.gathered_blocks))
+        return (
+            self.between_steps
+            + self.accumulation
+            + self.activations
+            + self.gathered_root
+            + max(self.logits, self.gathered_blocks)
+        )
 
 
 def activation_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
@@ -338,8 +344,12 @@ class Traffic:
 
     def engine_counters(self) -> dict[str, int]:
         """In the keys of the engine's `comm_stats()`."""
-        names = {"all_gather": "allgather_bytes", "reduce_scatter": "reduce_scatter_bytes",
-                 "all_reduce": "allreduce_bytes", "all_to_all": "alltoall_bytes"}
+        names = {
+            "all_gather": "allgather_bytes",
+            "reduce_scatter": "reduce_scatter_bytes",
+            "all_reduce": "allreduce_bytes",
+            "all_to_all": "alltoall_bytes",
+        }
         out = {v: 0 for v in names.values()}
         out["num_collectives"] = 0
         for r in self.rows:

@@ -5,6 +5,7 @@
 `make_plan(cfg)` is pure (no torch, nothing allocated); `run_plan` prints it and writes plan.json
 into the run directory; the launcher calls `fit_problems` before it writes a job.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,20 +41,41 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     """The job `cfg` describes; raises ValueError (naming the field) when the mesh cannot be built."""
     c, p, t, m = cfg.cluster, cfg.parallelism, cfg.trainer, cfg.model
     world = world_size or c.nodes * c.nproc_per_node
-    dims = resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
-                                 world_size=world, nproc_per_node=c.nproc_per_node)
+    dims = resolve_parallel_dims(
+        p.strategy.value,
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        world_size=world,
+        nproc_per_node=c.nproc_per_node,
+    )
     key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
     if key not in DEVICES:
         raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")
     shape = ModelShape(_vocab(cfg), m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.tie_embeddings)
     return Job(
-        model=shape, seq_len=cfg.data.seq_len, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
-        strategy=p.strategy.value, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
-        nodes=c.nodes, nproc_per_node=c.nproc_per_node, device=DEVICES[key], device_key=key,
-        param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype, optimizer=cfg.optimizer.name.value,
-        momentum=cfg.optimizer.momentum, offload=p.cpu_offload, quantized=p.quantized_comm,
-        activation_checkpointing=p.activation_checkpointing.value, sequence_parallel=p.sequence_parallel,
-        gloo=key == "cpu", memory_gib=float(getattr(c, "gpu_memory_gib", 0.0) or 0.0),
+        model=shape,
+        seq_len=cfg.data.seq_len,
+        micro_batch=t.micro_batch_size,
+        global_batch=t.global_batch_size,
+        strategy=p.strategy.value,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+        nodes=c.nodes,
+        nproc_per_node=c.nproc_per_node,
+        device=DEVICES[key],
+        device_key=key,
+        param_dtype=p.param_dtype,
+        reduce_dtype=p.reduce_dtype,
+        optimizer=cfg.optimizer.name.value,
+        momentum=cfg.optimizer.momentum,
+        offload=p.cpu_offload,
+        quantized=p.quantized_comm,
+        activation_checkpointing=p.activation_checkpointing.value,
+        sequence_parallel=p.sequence_parallel,
+        gloo=key == "cpu",
+        memory_gib=float(getattr(c, "gpu_memory_gib", 0.0) or 0.0),
         peak_tflops=t.peak_tflops,
     )
 
@@ -113,8 +135,9 @@ def _with_world(job: Job, nodes: int, per_node: int) -> Job:
     world = nodes * per_node
     if job.strategy == "hybrid":
         shard = max(1, per_node // job.tp)
-        return replace(job, nodes=nodes, nproc_per_node=per_node, dp_shard=shard,
-                       dp_replicate=world // (shard * job.tp))
+        return replace(
+            job, nodes=nodes, nproc_per_node=per_node, dp_shard=shard, dp_replicate=world // (shard * job.tp)
+        )
     if job.strategy == "no_shard":
         return replace(job, nodes=nodes, nproc_per_node=per_node, dp_replicate=world // job.tp)
     return replace(job, nodes=nodes, nproc_per_node=per_node, dp_shard=world // (job.tp * job.dp_replicate))
@@ -123,8 +146,14 @@ def _with_world(job: Job, nodes: int, per_node: int) -> Job:
 def _tp_ok(job: Job, tp: int) -> bool:
     m = job.model
     world = job.world
-    return (tp <= job.nproc_per_node and world % tp == 0 and m.n_heads % tp == 0 and m.n_kv_heads % tp == 0
-            and m.dim % tp == 0 and m.ffn_dim % tp == 0)
+    return (
+        tp <= job.nproc_per_node
+        and world % tp == 0
+        and m.n_heads % tp == 0
+        and m.n_kv_heads % tp == 0
+        and m.dim % tp == 0
+        and m.ffn_dim % tp == 0
+    )
 
 
 def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
@@ -132,12 +161,31 @@ def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
     fams: list[tuple[str, list[tuple[list[str], str, Job]]]] = []
     if job.strategy in ("no_shard", "grad_op", "hybrid"):
         full = replace(job, strategy="full", dp_shard=job.dp, dp_replicate=1)
-        fams.append(("shard", [(["parallelism.strategy=full", "parallelism.dp_replicate=1", "parallelism.dp_shard=-1"],
-                                "shard everything over all data-parallel ranks (ZeRO-3)", full)]))
+        fams.append(
+            (
+                "shard",
+                [
+                    (
+                        ["parallelism.strategy=full", "parallelism.dp_replicate=1", "parallelism.dp_shard=-1"],
+                        "shard everything over all data-parallel ranks (ZeRO-3)",
+                        full,
+                    )
+                ],
+            )
+        )
     if job.activation_checkpointing != "full":
-        fams.append(("ckpt", [(["parallelism.activation_checkpointing=full"],
-                               "recompute every block in backward",
-                               replace(job, activation_checkpointing="full"))]))
+        fams.append(
+            (
+                "ckpt",
+                [
+                    (
+                        ["parallelism.activation_checkpointing=full"],
+                        "recompute every block in backward",
+                        replace(job, activation_checkpointing="full"),
+                    )
+                ],
+            )
+        )
     mb = []
     m = job.micro_batch
     while m > 1:
@@ -161,13 +209,31 @@ def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
     if tps:
         fams.append(("tp", tps))
     if job.param_dtype == "float32":
-        fams.append(("bf16", [(["parallelism.param_dtype=bfloat16"],
-                               "gather and compute in bfloat16 (fp32 master shards stay)",
-                               replace(job, param_dtype="bfloat16"))]))
+        fams.append(
+            (
+                "bf16",
+                [
+                    (
+                        ["parallelism.param_dtype=bfloat16"],
+                        "gather and compute in bfloat16 (fp32 master shards stay)",
+                        replace(job, param_dtype="bfloat16"),
+                    )
+                ],
+            )
+        )
     if not job.offload and not job.quantized:
-        fams.append(("offload", [(["parallelism.cpu_offload=true"],
-                                  "keep shards, gradients and optimizer state in host memory",
-                                  replace(job, offload=True))]))
+        fams.append(
+            (
+                "offload",
+                [
+                    (
+                        ["parallelism.cpu_offload=true"],
+                        "keep shards, gradients and optimizer state in host memory",
+                        replace(job, offload=True),
+                    )
+                ],
+            )
+        )
     ranks = []
     for nodes, per_node in _ranks_options(job):
         new = _with_world(job, nodes, per_node)
@@ -216,8 +282,10 @@ def make_plan(cfg: Config, world_size: int | None = None) -> PlanResult:
     if not est.fits:
         result.changes = advise(job)
     if cfg.parallelism.engine.value == "torch":
-        result.notes.append("parallelism.engine=torch: planned with our engine's buffers; torch's "
-                            "fully_shard keeps per-parameter buffers of the same sizes")
+        result.notes.append(
+            "parallelism.engine=torch: planned with our engine's buffers; torch's "
+            "fully_shard keeps per-parameter buffers of the same sizes"
+        )
     return result
 
 
@@ -230,13 +298,19 @@ def _verdict(est: Estimate) -> str:
     job = est.job
     budget = job.budget_bytes
     if est.fits:
-        return (f"fits: peak {est.memory.peak / GIB:.1f} GiB of {budget / GIB:.1f} GiB per rank "
-                f"({100 * est.memory.peak / budget:.0f}%)")
+        return (
+            f"fits: peak {est.memory.peak / GIB:.1f} GiB of {budget / GIB:.1f} GiB per rank "
+            f"({100 * est.memory.peak / budget:.0f}%)"
+        )
     if est.memory.peak > budget:
-        return (f"does NOT fit: the peak of {est.memory.peak / GIB:.1f} GiB per rank exceeds the "
-                f"{budget / GIB:.1f} GiB of the device (set cluster.gpu_memory_gib if yours differs)")
-    return (f"does NOT fit: offloaded state needs {est.memory.host * job.nproc_per_node / GIB:.0f} GiB of "
-            f"host memory per node, more than {job.device.host_memory_gib:.0f} GiB")
+        return (
+            f"does NOT fit: the peak of {est.memory.peak / GIB:.1f} GiB per rank exceeds the "
+            f"{budget / GIB:.1f} GiB of the device (set cluster.gpu_memory_gib if yours differs)"
+        )
+    return (
+        f"does NOT fit: offloaded state needs {est.memory.host * job.nproc_per_node / GIB:.0f} GiB of "
+        f"host memory per node, more than {job.device.host_memory_gib:.0f} GiB"
+    )
 
 
 def format_plan(result: PlanResult, model_name: str = "") -> str:
@@ -246,14 +320,19 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
     lays = layouts(job)
     per_rank = sum(lay.real for lay in lays)
     lines = [
-        (f"Plan: model={model_name or '?'} ({n / 1e9:.3f}B parameters, {per_rank / 1e6:.1f}M per rank), "
-        f"{job.world} ranks = {job.nodes} node(s) x {job.nproc_per_node}, {job.device.name}"),
+        (
+            f"Plan: model={model_name or '?'} ({n / 1e9:.3f}B parameters, {per_rank / 1e6:.1f}M per rank), "
+            f"{job.world} ranks = {job.nodes} node(s) x {job.nproc_per_node}, {job.device.name}"
+        ),
         f"  mesh dp_replicate={job.dp_replicate} x dp_shard={job.dp_shard} x tp={job.tp}; "
         f"strategy={job.strategy}, param {job.param_dtype}, reduce {job.reduce_dtype}, "
         f"optimizer {job.optimizer}, checkpointing {job.activation_checkpointing}"
-        + (", offload" if job.offload else "") + (", int8 comm" if job.quantized else ""),
-        (f"  batch: micro {job.micro_batch} x seq {job.seq_len} x accumulation {job.accum} x dp {job.dp} = "
-        f"{job.micro_batch * job.seq_len * job.accum * job.dp} tokens/step"),
+        + (", offload" if job.offload else "")
+        + (", int8 comm" if job.quantized else ""),
+        (
+            f"  batch: micro {job.micro_batch} x seq {job.seq_len} x accumulation {job.accum} x dp {job.dp} = "
+            f"{job.micro_batch * job.seq_len * job.accum * job.dp} tokens/step"
+        ),
         "",
         "Memory per rank                         GiB",
         f"  parameters (fp32 shards)        {_gib(mem.params)}",
@@ -268,8 +347,10 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
         f"  send buffers (cast / int8)      {_gib(mem.send_buffers + mem.int8_buffers)}",
         f"  gathered units at the peak      {_gib(mem.gathered_peak)}   "
         f"(largest unit's all-gather + prefetch: {mem.largest_gather / GIB:.2f})",
-        (f"  {'activations (' + job.activation_checkpointing + ')':<32}{_gib(mem.activations)}   "
-        f"(none: {mem.activations_no_ckpt / GIB:.2f}, full checkpointing: {mem.activations_full_ckpt / GIB:.2f})"),
+        (
+            f"  {'activations (' + job.activation_checkpointing + ')':<32}{_gib(mem.activations)}   "
+            f"(none: {mem.activations_no_ckpt / GIB:.2f}, full checkpointing: {mem.activations_full_ckpt / GIB:.2f})"
+        ),
         f"  logits and loss                 {_gib(mem.logits)}",
         f"  peak (start of backward)        {_gib(mem.peak)}   of {job.budget_bytes / GIB:.1f}",
         "",
@@ -281,18 +362,24 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
         lines.append("  none (one rank)")
     lines += [
         "",
-        (f"Step time (estimate, {job.device.name}, {tm.peak_tflops:g} TFLOP/s peak, "
-        f"{job.device.efficiency:.0%} sustained):"),
-        (f"  compute {tm.compute_s:.3f} s, communication {tm.comm_s:.3f} s (exposed {tm.exposed_s:.3f} s), "
-        f"step {tm.step_s:.3f} s, {tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.1f}%"),
+        (
+            f"Step time (estimate, {job.device.name}, {tm.peak_tflops:g} TFLOP/s peak, "
+            f"{job.device.efficiency:.0%} sustained):"
+        ),
+        (
+            f"  compute {tm.compute_s:.3f} s, communication {tm.comm_s:.3f} s (exposed {tm.exposed_s:.3f} s), "
+            f"step {tm.step_s:.3f} s, {tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.1f}%"
+        ),
         "",
         "Verdict: " + _verdict(est),
     ]
     if result.changes:
         lines.append("Smallest changes that fit (predicted peak per rank, step time):")
         for ch in result.changes:
-            lines.append(f"  {' '.join(ch.overrides)}   # {ch.why}: {ch.estimate.memory.peak / GIB:.1f} GiB, "
-                         f"{ch.estimate.timing.step_s:.2f} s/step")
+            lines.append(
+                f"  {' '.join(ch.overrides)}   # {ch.why}: {ch.estimate.memory.peak / GIB:.1f} GiB, "
+                f"{ch.estimate.timing.step_s:.2f} s/step"
+            )
     elif not est.fits:
         lines.append("No single change found that fits; reduce the model or add hardware.")
     for note in result.notes:
@@ -306,10 +393,22 @@ def plan_json(result: PlanResult) -> dict:
     mem.update(model_state=est.memory.model_state, between_steps=est.memory.between_steps, peak=est.memory.peak)
     job = asdict(est.job)
     return {
-        "job": job, "params": total_params(est.job), "memory_bytes": mem, "traffic": est.traffic.rows,
-        "timing": asdict(est.timing), "fits": est.fits, "budget_bytes": est.job.budget_bytes,
-        "changes": [{"overrides": c.overrides, "why": c.why, "peak_bytes": c.estimate.memory.peak,
-                     "step_s": c.estimate.timing.step_s} for c in result.changes],
+        "job": job,
+        "params": total_params(est.job),
+        "memory_bytes": mem,
+        "traffic": est.traffic.rows,
+        "timing": asdict(est.timing),
+        "fits": est.fits,
+        "budget_bytes": est.job.budget_bytes,
+        "changes": [
+            {
+                "overrides": c.overrides,
+                "why": c.why,
+                "peak_bytes": c.estimate.memory.peak,
+                "step_s": c.estimate.timing.step_s,
+            }
+            for c in result.changes
+        ],
         "notes": result.notes,
     }
 
@@ -320,8 +419,12 @@ def fit_problems(cfg: Config, world_size: int | None = None) -> list[str]:
     if result.estimate.fits:
         return []
     advice = "; ".join(" ".join(c.overrides) for c in result.changes) or "no single change fits"
-    return [(f"{cfg.model.name}: {_verdict(result.estimate)}. Changes that fit: {advice} "
-            "(or set cluster.force=true to submit anyway)")]
+    return [
+        (
+            f"{cfg.model.name}: {_verdict(result.estimate)}. Changes that fit: {advice} "
+            "(or set cluster.force=true to submit anyway)"
+        )
+    ]
 
 
 def run_plan(cfg: Config, problems: list[str]) -> int:

@@ -5,6 +5,7 @@ Llama tensor-parallel plan (`framework/models/llama/parallelize.py`): `paralleli
 sharding unit per transformer block and one for the root (embeddings, final norm, output head).
 `tests/planner/test_planner.py` checks these counts against the built model, tensor by tensor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

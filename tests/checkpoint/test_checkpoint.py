@@ -12,6 +12,7 @@ log the reference's losses for the steps it trains:
   order (per-rank micro-batches, gradient averaging over 1, 2 or 4 ranks): float32 rounding, a few
   ulps of a loss near 5 (~5e-7 measured), grows over 6 Adam steps to well under 1e-5.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,12 @@ from conftest import REPO, TINY, read_metrics, run_main
 
 from framework.errors import EXIT_REQUEUE
 
-COMMON = TINY + ["trainer.eval_interval=0", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
-                 "trainer.max_steps=12"]
+COMMON = TINY + [
+    "trainer.eval_interval=0",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=8",
+    "trainer.max_steps=12",
+]
 WORLD_TOLERANCE = 1e-5  # see the module docstring
 
 
@@ -48,8 +53,19 @@ def source(tmp_path_factory) -> Path:
     asynchronously: the resume tests then also show that training on while the step-6
     checkpoint is written does not leak step-7+ values into it (the other runs save in line)."""
     root = tmp_path_factory.mktemp("ckpt_source")
-    _ok(run_main(COMMON + ["parallelism.engine=torch", "checkpoint.interval=6", "checkpoint.export_safetensors=true",
-                           "checkpoint.async_save=true", f"hydra.run.dir={root}/run"], root))
+    _ok(
+        run_main(
+            COMMON
+            + [
+                "parallelism.engine=torch",
+                "checkpoint.interval=6",
+                "checkpoint.export_safetensors=true",
+                "checkpoint.async_save=true",
+                f"hydra.run.dir={root}/run",
+            ],
+            root,
+        )
+    )
     return root / "run"
 
 
@@ -79,8 +95,16 @@ def test_checkpoint_is_complete(source):
 
 
 def test_exact_resume_is_bitwise(source, tmp_path):
-    out = run_main(COMMON + ["parallelism.engine=torch", f"checkpoint.resume={_ckpt(source, 6)}",
-                             "checkpoint.save_final=false", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = run_main(
+        COMMON
+        + [
+            "parallelism.engine=torch",
+            f"checkpoint.resume={_ckpt(source, 6)}",
+            "checkpoint.save_final=false",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        tmp_path,
+    )
     _ok(out)
     assert "resumed from" in out.stderr and "at step 6" in out.stderr
     want, got = _losses(source), _losses(tmp_path / "run")
@@ -102,8 +126,19 @@ def native_resumed(source, tmp_path_factory) -> Path:
     if not _native_available():
         pytest.skip("framework.distributed.fsdp does not export get_state_dicts/set_state_dicts yet")
     root = tmp_path_factory.mktemp("ckpt_native")
-    _ok(run_main(COMMON + ["parallelism.engine=native", f"checkpoint.resume={_ckpt(source, 6)}",
-                           "checkpoint.interval=3", "checkpoint.save_final=false", f"hydra.run.dir={root}/run"], root))
+    _ok(
+        run_main(
+            COMMON
+            + [
+                "parallelism.engine=native",
+                f"checkpoint.resume={_ckpt(source, 6)}",
+                "checkpoint.interval=3",
+                "checkpoint.save_final=false",
+                f"hydra.run.dir={root}/run",
+            ],
+            root,
+        )
+    )
     return root / "run"
 
 
@@ -117,8 +152,18 @@ def test_resume_torch_checkpoint_in_native_engine(source, native_resumed):
 def test_resume_native_checkpoint_in_torch_engine(source, native_resumed, tmp_path):
     manifest = json.loads((_ckpt(native_resumed, 9) / "manifest.json").read_text())
     assert manifest["world"]["engine"] == "native"
-    _ok(run_main(COMMON + ["parallelism.engine=torch", f"checkpoint.resume={_ckpt(native_resumed, 9)}",
-                           "checkpoint.save_final=false", f"hydra.run.dir={tmp_path}/run"], tmp_path))
+    _ok(
+        run_main(
+            COMMON
+            + [
+                "parallelism.engine=torch",
+                f"checkpoint.resume={_ckpt(native_resumed, 9)}",
+                "checkpoint.save_final=false",
+                f"hydra.run.dir={tmp_path}/run",
+            ],
+            tmp_path,
+        )
+    )
     want, got = _losses(source), _losses(tmp_path / "run")
     assert sorted(got) == [10, 11, 12]
     for step in got:
@@ -127,16 +172,25 @@ def test_resume_native_checkpoint_in_torch_engine(source, native_resumed, tmp_pa
 
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_resume_at_another_world_size(source, tmp_path, ranks):
-    out = run_main(COMMON + ["parallelism.engine=torch", f"cluster.nproc_per_node={ranks}",
-                             f"checkpoint.resume={_ckpt(source, 6)}", "checkpoint.save_final=false",
-                             f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = run_main(
+        COMMON
+        + [
+            "parallelism.engine=torch",
+            f"cluster.nproc_per_node={ranks}",
+            f"checkpoint.resume={_ckpt(source, 6)}",
+            "checkpoint.save_final=false",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        tmp_path,
+    )
     _ok(out)
     assert f"now {ranks} ranks" in out.stderr
     want, got = _losses(source), _losses(tmp_path / "run")
     assert sorted(got) == list(range(7, 13))
     for step in got:
         assert abs(got[step] - want[step]) <= WORLD_TOLERANCE, (
-            f"step {step} resumed on {ranks} ranks: {got[step]:.8f}, uninterrupted 2 ranks {want[step]:.8f}")
+            f"step {step} resumed on {ranks} ranks: {got[step]:.8f}, uninterrupted 2 ranks {want[step]:.8f}"
+        )
 
 
 def _samples_of_steps(consumed: int, dp: int, steps: int, micro: int = 2, global_batch: int = 8) -> list:
@@ -144,8 +198,16 @@ def _samples_of_steps(consumed: int, dp: int, steps: int, micro: int = 2, global
     from framework.data.loader import GlobalBatchLoader
     from framework.data.synthetic import SyntheticSource
 
-    loaders = [GlobalBatchLoader(SyntheticSource(256, 8, 0, size=10_000), micro_batch_size=micro,
-                                 global_batch_size=global_batch, dp_rank=r, dp_size=dp) for r in range(dp)]
+    loaders = [
+        GlobalBatchLoader(
+            SyntheticSource(256, 8, 0, size=10_000),
+            micro_batch_size=micro,
+            global_batch_size=global_batch,
+            dp_rank=r,
+            dp_size=dp,
+        )
+        for r in range(dp)
+    ]
     for loader in loaders:
         loader.load_state_dict({"consumed_samples": consumed})
     out = []
@@ -181,8 +243,17 @@ def test_corrupted_shard_is_refused_naming_the_previous_checkpoint(source, tmp_p
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    out = run_main(COMMON + ["parallelism.engine=torch", "cluster.nproc_per_node=1", "checkpoint.resume=auto",
-                             "trainer.max_steps=13", f"hydra.run.dir={run}"], tmp_path)
+    out = run_main(
+        COMMON
+        + [
+            "parallelism.engine=torch",
+            "cluster.nproc_per_node=1",
+            "checkpoint.resume=auto",
+            "trainer.max_steps=13",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     line = [text for text in out.stderr.splitlines() if text.startswith("error:")]
     assert line and "failed its integrity check" in line[0] and "__1_0.distcp" in line[0], out.stderr[-2000:]
@@ -205,10 +276,12 @@ def test_safetensors_export_equals_sharded_weights(source):
     assert "model.layers.1.self_attn.k_proj.weight" in exported and "lm_head.weight" in exported
     # The step-12 checkpoint read back on one process, without any process group.
     meta = dcp.FileSystemReader(str(_ckpt(source, 12))).read_metadata()
-    model = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype)
-             for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
-    dcp.load({"model": model}, checkpoint_id=str(_ckpt(source, 12)), planner=TensorsOnlyLoadPlanner(),
-             no_dist=True)
+    model = {
+        k[len("model.") :]: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    dcp.load({"model": model}, checkpoint_id=str(_ckpt(source, 12)), planner=TensorsOnlyLoadPlanner(), no_dist=True)
     assert len(model) == len(exported)
     for name, tensor in model.items():
         assert torch.equal(exported[to_hf_name(name)], tensor), name
@@ -246,8 +319,7 @@ def test_import_from_safetensors_equals_the_export(source, tmp_path):
     from tests.distributed.harness import run_ranks
 
     export = source / "checkpoints" / "export"
-    for different, compared in run_ranks(_import_rank, world_size=2, args=(str(export), str(tmp_path)),
-                                         timeout_s=120):
+    for different, compared in run_ranks(_import_rank, world_size=2, args=(str(export), str(tmp_path)), timeout_s=120):
         assert compared == 21 and different == []
 
 
@@ -264,8 +336,9 @@ def _kill_in_commit_rank(rank, world, run_dir):
         os.kill(os.getpid(), signal.SIGKILL)
 
     layout.commit = die
-    cfg = to_config(compose_config(COMMON + ["parallelism.engine=torch", "checkpoint.resume=auto",
-                                             "trainer.max_steps=14"]))
+    cfg = to_config(
+        compose_config(COMMON + ["parallelism.engine=torch", "checkpoint.resume=auto", "trainer.max_steps=14"])
+    )
     cfg.run_dir = run_dir
     Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu"))).fit()
 
@@ -278,12 +351,22 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(source, tmp_
     with pytest.raises(RankFailure):
         run_ranks(_kill_in_commit_rank, world_size=2, args=(str(run),), timeout_s=120)
     ckpts = run / "checkpoints"
-    assert [p.name for p in ckpts.iterdir() if p.name.startswith("step_00000014.tmp-")], \
+    assert [p.name for p in ckpts.iterdir() if p.name.startswith("step_00000014.tmp-")], (
         "the killed save should have left its temp directory"
+    )
     assert not _ckpt(run, 14).exists()
     assert (ckpts / "latest").read_text().strip() == "step_00000012"
-    out = run_main(COMMON + ["parallelism.engine=torch", "checkpoint.resume=auto", "trainer.max_steps=13",
-                             "cluster.nproc_per_node=1", f"hydra.run.dir={run}"], tmp_path)
+    out = run_main(
+        COMMON
+        + [
+            "parallelism.engine=torch",
+            "checkpoint.resume=auto",
+            "trainer.max_steps=13",
+            "cluster.nproc_per_node=1",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
     _ok(out)
     assert "at step 12" in out.stderr
     assert not [p for p in ckpts.iterdir() if ".tmp-" in p.name], "the next save should prune the temp directory"
@@ -300,19 +383,33 @@ def _rank_pids(parent: int) -> list:
             cmdline = open(f"/proc/{pid}/cmdline").read()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and "spawn_main" in cmdline \
-                and "resource_tracker" not in cmdline:
+        if (
+            int(stat.rsplit(")", 1)[1].split()[1]) == parent
+            and "spawn_main" in cmdline
+            and "resource_tracker" not in cmdline
+        ):
             pids.append(int(pid))
     return sorted(pids)
 
 
 def test_sigterm_saves_exits_requeueable_and_the_next_start_resumes(tmp_path):
     run = tmp_path / "run"
-    args = COMMON + ["parallelism.engine=torch", "trainer.max_steps=100000", "optimizer.schedule=constant",
-                     "checkpoint.resume=auto", f"hydra.run.dir={run}"]
+    args = COMMON + [
+        "parallelism.engine=torch",
+        "trainer.max_steps=100000",
+        "optimizer.schedule=constant",
+        "checkpoint.resume=auto",
+        f"hydra.run.dir={run}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -375,8 +472,17 @@ def test_loading_refuses_pickled_entries(tmp_path):
 
 
 def test_resume_with_another_model_is_one_line(source, tmp_path):
-    out = run_main(COMMON + ["parallelism.engine=torch", "cluster.nproc_per_node=1", "model.n_layers=3",
-                             f"checkpoint.resume={_ckpt(source, 6)}", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = run_main(
+        COMMON
+        + [
+            "parallelism.engine=torch",
+            "cluster.nproc_per_node=1",
+            "model.n_layers=3",
+            f"checkpoint.resume={_ckpt(source, 6)}",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert "error: checkpoint.resume:" in out.stderr and "model.n_layers=2 there, 3 here" in out.stderr
     assert "Traceback" not in out.stderr

@@ -4,6 +4,7 @@ written, manifests that cannot be trusted, a resume whose optimizer or hyper-par
 The save is the manager's own code path; only the file system's answer is simulated (a write that
 fills the disk half-way, a read-only directory), since the tests cannot fill a real disk.
 """
+
 from __future__ import annotations
 
 import errno
@@ -39,8 +40,11 @@ class _Loader:
 def _cfg(tmp_path, *overrides):
     from framework.config import compose_config, to_config
 
-    cfg = to_config(compose_config(["model=debug", "data=synthetic", "parallelism.engine=torch",
-                                    "checkpoint.keep_last=5", *overrides]))
+    cfg = to_config(
+        compose_config(
+            ["model=debug", "data=synthetic", "parallelism.engine=torch", "checkpoint.keep_last=5", *overrides]
+        )
+    )
     cfg.run_dir = str(tmp_path)
     return cfg
 
@@ -77,16 +81,20 @@ def test_failed_save_keeps_the_previous_checkpoint_latest_and_complete(tmp_path,
     mgr.save(_state(2))
     root = mgr.root
     if fault == "disk_full_during_shards":
+
         def save(app, checkpoint_id):  # half a shard written, then the disk is full
             path = os.path.join(checkpoint_id, "__0_0.distcp")
             with open(path, "wb") as f:
                 f.write(b"\0" * 100)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
         monkeypatch.setattr(manager.dcp, "save", save)
         cause = "No space left on device"
     else:
+
         def write_rng(ckpt, rank):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(ckpt, "rng"))
+
         monkeypatch.setattr(manager, "write_rng", write_rng)
         cause = "Read-only file system"
     with pytest.raises(CheckpointWriteError) as exc:
@@ -138,15 +146,18 @@ def test_untrustworthy_manifest_names_the_file_and_the_previous_good_checkpoint(
     with pytest.raises(CheckpointError) as exc:
         mgr.load(_state(0), bad)
     message = str(exc.value)
-    expected = {"not_json": f"{manifest_path} is not JSON", "no_files": "lists no files (`files` is missing)",
-                "empty_files": "lists no files (`files` is {})", "unlisted_file": "extra.distcp is not listed"}
+    expected = {
+        "not_json": f"{manifest_path} is not JSON",
+        "no_files": "lists no files (`files` is missing)",
+        "empty_files": "lists no files (`files` is {})",
+        "unlisted_file": "extra.distcp is not listed",
+    }
     assert expected[damage] in message, message
     assert f"checkpoint.resume={os.path.join(mgr.root, 'step_00000002')}" in message, message
     assert "\n" not in message
 
 
-def test_resume_warns_about_overridden_hyper_parameters_and_refuses_another_optimizer(tmp_path, one_rank_group,
-                                                                                      capsys):
+def test_resume_warns_about_overridden_hyper_parameters_and_refuses_another_optimizer(tmp_path, one_rank_group, capsys):
     from framework.checkpoint import CheckpointError
 
     mgr = _manager(_cfg(tmp_path, "optimizer.lr=0.01"))
@@ -155,6 +166,7 @@ def test_resume_warns_about_overridden_hyper_parameters_and_refuses_another_opti
     _manager(_cfg(tmp_path, "optimizer.lr=0.05")).load(_state(0), path)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "optimizer.lr=0.05 (the checkpoint's 0.01 is used)" in warnings[0], warnings
-    with pytest.raises(CheckpointError, match="saved with optimizer.name=adamw; its state does not fit "
-                                              "optimizer.name=sgd"):
+    with pytest.raises(
+        CheckpointError, match="saved with optimizer.name=adamw; its state does not fit optimizer.name=sgd"
+    ):
         _manager(_cfg(tmp_path, "optimizer=sgd", "optimizer.lr=0.01")).load(_state(0), path)

@@ -4,6 +4,7 @@ A small corpus (text files in a directory plus a JSONL file) is prepared once th
 with a locally trained byte-level BPE and 2 worker processes; the tests read it back through
 megatron-core's IndexedDataset and GPTDataset, as training does.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import TINY, read_metrics, run_main
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
-         "sigma tau upsilon phi chi psi omega").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+    "sigma tau upsilon phi chi psi omega"
+).split()
 
 
 def _text(seed: int, n_words: int) -> str:
@@ -39,9 +42,17 @@ def corpus(tmp_path_factory):
         for text in records:
             f.write(json.dumps({"text": text, "id": len(text)}) + "\n")
     prefix = root / "out" / "corpus"
-    out = run_main(["stage=data_preparation", f"data.raw_inputs=[{root / 'raw'},{root / 'more.jsonl'}]",
-                    f"data.output_prefix={prefix}", "data.vocab_size=300", "data.workers=2",
-                    f"hydra.run.dir={root}/prep"], root)
+    out = run_main(
+        [
+            "stage=data_preparation",
+            f"data.raw_inputs=[{root / 'raw'},{root / 'more.jsonl'}]",
+            f"data.output_prefix={prefix}",
+            "data.vocab_size=300",
+            "data.workers=2",
+            f"hydra.run.dir={root}/prep",
+        ],
+        root,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     expected = [files[name] for name in sorted(files)] + records
     return {"root": root, "prefix": str(prefix), "texts": expected}
@@ -84,15 +95,16 @@ def _windows_of_documents(sample, documents, eod):
 
 def _contains(doc, piece):
     n = len(piece)
-    return any(doc[i:i + n] == piece for i in range(len(doc) - n + 1))
+    return any(doc[i : i + n] == piece for i in range(len(doc) - n + 1))
 
 
 def test_training_samples_are_windows_of_the_documents(corpus):
     from framework.config.schema import DataConfig
     from framework.data import build_data
 
-    cfg = DataConfig(name="indexed", seq_len=32, paths=[corpus["prefix"]], split="80,20,0",
-                     cache_dir=str(corpus["root"] / "cache"))
+    cfg = DataConfig(
+        name="indexed", seq_len=32, paths=[corpus["prefix"]], split="80,20,0", cache_dir=str(corpus["root"] / "cache")
+    )
     bundle = build_data(cfg, vocab_size=-1, micro_batch_size=2, global_batch_size=4, dp_rank=0, dp_size=1, seed=3)
     tok = bundle.tokenizer
     assert bundle.vocab_size == 300 and tok is not None
@@ -125,10 +137,18 @@ def test_blend_weights_are_respected(corpus, tmp_path, one_rank_group):
     with open(other, "w") as f:
         for i in range(60):
             f.write(json.dumps({"text": _text(500 + i, 30)}) + "\n")
-    second, _ = prepare([str(other)], str(tmp_path / "other"), tokenizer=corpus["prefix"] + ".tokenizer.json",
-                        workers=1, progress=False)
-    train, _ = build_indexed([corpus["prefix"], second], [3.0, 1.0], split="90,10,0", seq_len=16, seed=5,
-                             tokenizer=_tokenizer(corpus), cache_dir=str(tmp_path / "cache"))
+    second, _ = prepare(
+        [str(other)], str(tmp_path / "other"), tokenizer=corpus["prefix"] + ".tokenizer.json", workers=1, progress=False
+    )
+    train, _ = build_indexed(
+        [corpus["prefix"], second],
+        [3.0, 1.0],
+        split="90,10,0",
+        seq_len=16,
+        seed=5,
+        tokenizer=_tokenizer(corpus),
+        cache_dir=str(tmp_path / "cache"),
+    )
     ids = [int(train.dataset[i]["dataset_id"]) for i in range(len(train))]
     share = ids.count(0) / len(ids)
     # The blend picks each sample's dataset to keep the running share at the weight: exact up to
@@ -156,11 +176,24 @@ def test_stdlib_corpus_is_prepared_once_and_cached(tmp_path):
 
 
 def test_training_on_prepared_data_through_main(corpus, tmp_path):
-    out = run_main(TINY[:1] + TINY[2:] + ["data=indexed", f"data.paths=[{corpus['prefix']}]", "data.seq_len=32",
-                                          "data.split='80,20,0'", f"data.cache_dir={tmp_path}/cache",
-                                          "cluster.nproc_per_node=1", "trainer.max_steps=3", "trainer.eval_interval=3",
-                                          "checkpoint.save_final=false", "trainer.sample_tokens=5",
-                                          f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = run_main(
+        TINY[:1]
+        + TINY[2:]
+        + [
+            "data=indexed",
+            f"data.paths=[{corpus['prefix']}]",
+            "data.seq_len=32",
+            "data.split='80,20,0'",
+            f"data.cache_dir={tmp_path}/cache",
+            "cluster.nproc_per_node=1",
+            "trainer.max_steps=3",
+            "trainer.eval_interval=3",
+            "checkpoint.save_final=false",
+            "trainer.sample_tokens=5",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3] and "val_loss" in rows[-1]
@@ -173,14 +206,19 @@ def test_bad_input_is_one_line_naming_the_field(tmp_path, capsys, case):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text here"}\n')
-    data = {"missing": DataConfig(raw_inputs=[str(tmp_path / "nope")], output_prefix=str(tmp_path / "o")),
-            "no_text": DataConfig(raw_inputs=[str(bad)], output_prefix=str(tmp_path / "o"), vocab_size=300),
-            "empty_prefix": DataConfig(raw_inputs=[str(bad)])}[case]
+    data = {
+        "missing": DataConfig(raw_inputs=[str(tmp_path / "nope")], output_prefix=str(tmp_path / "o")),
+        "no_text": DataConfig(raw_inputs=[str(bad)], output_prefix=str(tmp_path / "o"), vocab_size=300),
+        "empty_prefix": DataConfig(raw_inputs=[str(bad)]),
+    }[case]
     assert prepare_data(Config(data=data)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: data.")
-    assert {"missing": "does not exist", "no_text": "bad.jsonl:2 has no string 'text'",
-            "empty_prefix": "data.output_prefix is empty"}[case] in err[0]
+    assert {
+        "missing": "does not exist",
+        "no_text": "bad.jsonl:2 has no string 'text'",
+        "empty_prefix": "data.output_prefix is empty",
+    }[case] in err[0]
     assert not list(Path(tmp_path).glob("o.bin")) and not list(Path(tmp_path).glob("o.idx"))
 
 
@@ -188,5 +226,12 @@ def test_split_without_documents_is_refused(corpus, tmp_path):
     from framework.data.indexed import build_indexed
 
     with pytest.raises(ValueError, match=r"data.split='99.9,0.05,0.05' gives the valid split none"):
-        build_indexed([corpus["prefix"]], [], split="99.9,0.05,0.05", seq_len=16, seed=1,
-                      tokenizer=_tokenizer(corpus), cache_dir=str(tmp_path))
+        build_indexed(
+            [corpus["prefix"]],
+            [],
+            split="99.9,0.05,0.05",
+            seq_len=16,
+            seed=1,
+            tokenizer=_tokenizer(corpus),
+            cache_dir=str(tmp_path),
+        )

@@ -1,6 +1,7 @@
 """Corrupt or mismatched data inputs are refused in one line naming the file (and line), when the
 data is loaded, not by an error deep in training; a very long document is tokenized in bounded
 pieces with the same ids. In one process, on a small corpus prepared once."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,7 @@ def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     corpus = root / "c.jsonl"
     line = "lorem ipsum  dolor, sit amet! "
-    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + line * (5 + i)}) + "\n"
-                              for i in range(40)))
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + line * (5 + i)}) + "\n" for i in range(40)))
     prefix, tok = prepare([str(corpus)], str(root / "c"), vocab_size=300, progress=False)
     return root, prefix, tok
 
@@ -51,8 +51,11 @@ def test_truncated_bin_is_refused_when_loaded(prepared, tmp_path):
         with open(prefix + ext, "rb") as src, open(copy + ext, "wb") as dst:
             data = src.read()
             dst.write(data[: size - 10] if ext == ".bin" else data)  # an interrupted copy
-    with pytest.raises(UserInputError, match=rf"{copy}.bin has {size - 10} bytes but {copy}.idx describes "
-                                             rf"{size}: the .bin is truncated"):
+    with pytest.raises(
+        UserInputError,
+        match=rf"{copy}.bin has {size - 10} bytes but {copy}.idx describes "
+        rf"{size}: the .bin is truncated",
+    ):
         _build(copy, BPETokenizer(tok), tmp_path / "cache")
 
 
@@ -63,8 +66,11 @@ def test_data_from_another_tokenizer_is_refused(prepared, tmp_path):
     _, prefix, _ = prepared
     train, _ = _build(prefix, MegatronTokenizerInfo(300, eod=299), tmp_path / "cache")  # the right size: fine
     assert len(train) > 0
-    with pytest.raises(UserInputError, match=rf"{prefix}.bin holds token id \d+, but model.vocab_size=100 has only "
-                                             "100 ids: the data was prepared with another tokenizer"):
+    with pytest.raises(
+        UserInputError,
+        match=rf"{prefix}.bin holds token id \d+, but model.vocab_size=100 has only "
+        "100 ids: the data was prepared with another tokenizer",
+    ):
         _build(prefix, MegatronTokenizerInfo(100, eod=99), tmp_path / "cache")
 
 

@@ -144,14 +144,14 @@ def train_steps(kind, model, opt, steps, global_batch, dp_rank, dp, *, clip=None
     per = global_batch // dp
     for s in range(start, start + steps):
         x, y = make_batch(kind, s, global_batch)
-        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
         micro = per // accum
         total = 0.0
         for m in range(accum):
             last = m == accum - 1
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(last)
-            loss = loss_fn(kind, model, x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]) / accum
+            loss = loss_fn(kind, model, x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / accum
             loss.backward()
             total += loss.detach()
         if clip is not None:

@@ -133,24 +133,38 @@ def bytes_and_memory(rank, ws, d):
         # memory between steps: one more step without zero_grad so grads exist
         x, y = M.make_batch("gpt", 9, M_GB)
         per = M_GB // ws
-        M.loss_fn("gpt", model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        M.loss_fn("gpt", model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
         opt.step()
-        owned = sum(max(0, min(u.layout.shard_numel, u.layout.total - u.layout.rank * u.layout.shard_numel))
-                    for u in units)
+        owned = sum(
+            max(0, min(u.layout.shard_numel, u.layout.total - u.layout.rank * u.layout.shard_numel)) for u in units
+        )
         trainable = sum(e.local_numel for u in units for e in u.trainable)
         total = sum(u.layout.total for u in units)
         out[f"counters_reshard={reshard}"] = {
-            "ag": st["allgather_bytes"], "exp_ag": exp_ag, "rs": st["reduce_scatter_bytes"], "exp_rs": exp_rs,
-            "ar": st["allreduce_bytes"], "exposed": st["exposed_comm_s"], "wall": wall, "n": st["num_collectives"],
-            "exp_n": 3 * sum(gathers(u) + 1 for u in units), "pool_stable": pool_before == pool_after,
+            "ag": st["allgather_bytes"],
+            "exp_ag": exp_ag,
+            "rs": st["reduce_scatter_bytes"],
+            "exp_rs": exp_rs,
+            "ar": st["allreduce_bytes"],
+            "exposed": st["exposed_comm_s"],
+            "wall": wall,
+            "n": st["num_collectives"],
+            "exp_n": 3 * sum(gathers(u) + 1 for u in units),
+            "pool_stable": pool_before == pool_after,
         }
         out[f"memory_reshard={reshard}"] = {
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
-            "optim_bytes": sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                               if isinstance(v, torch.Tensor)),
-            "exp_param_bytes": owned * 4, "exp_trainable_bytes": trainable * 4,
-            "owned": owned, "bound": -(-total // ws) + len(units),
+            "optim_bytes": sum(
+                v.numel() * v.element_size()
+                for s in opt.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor)
+            ),
+            "exp_param_bytes": owned * 4,
+            "exp_trainable_bytes": trainable * 4,
+            "owned": owned,
+            "bound": -(-total // ws) + len(units),
             "unsharded_bytes": sum(u.tensor_bytes()["unsharded"] + u.tensor_bytes()["secondary"] for u in units),
         }
     return out
@@ -180,8 +194,10 @@ def no_sync_is_silent(rank, ws, d):
     opt = M.make_optimizer("sgd", fresh)
     after = M.train_steps("gpt", fresh, opt, 1, M_GB, rank, ws)
     return {
-        "no_sync": {"micro_rs": micro["reduce_scatter_bytes"] + micro["allreduce_bytes"],
-                    "sync_rs": sync["reduce_scatter_bytes"]},
+        "no_sync": {
+            "micro_rs": micro["reduce_scatter_bytes"] + micro["allreduce_bytes"],
+            "sync_rs": sync["reduce_scatter_bytes"],
+        },
         "eval": {"diff": diff, "resharded": resharded, "loss_after": after[0]},
     }
 
@@ -222,16 +238,30 @@ def errors(rank, ws, d):
         fully_shard(m)
 
     expect("sharded_twice", ValueError, ["already sharded", "once per module"], twice)
-    expect("mesh_3d", ValueError, ["1-D", "2-D"],
-           lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (1, 1, ws))))
-    expect("submesh", NotImplementedError, ["mesh over all ranks"],
-           lambda: fully_shard(M.make_model("mlp"),
-                               mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("a", "b"))["b"]))
-    expect("hpz_int_not_dividing", ValueError, ["reshard_after_forward", "divide"],
-           lambda: fully_shard(M.make_model("mlp"), reshard_after_forward=ws + 1))
-    expect("offload_and_quant", NotImplementedError, ["CPUOffloadPolicy", "QuantizedCommPolicy"],
-           lambda: fully_shard(M.make_model("mlp"), offload_policy=CPUOffloadPolicy(),
-                               comm_policy=QuantizedCommPolicy()))
+    expect(
+        "mesh_3d",
+        ValueError,
+        ["1-D", "2-D"],
+        lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (1, 1, ws))),
+    )
+    expect(
+        "submesh",
+        NotImplementedError,
+        ["mesh over all ranks"],
+        lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("a", "b"))["b"]),
+    )
+    expect(
+        "hpz_int_not_dividing",
+        ValueError,
+        ["reshard_after_forward", "divide"],
+        lambda: fully_shard(M.make_model("mlp"), reshard_after_forward=ws + 1),
+    )
+    expect(
+        "offload_and_quant",
+        NotImplementedError,
+        ["CPUOffloadPolicy", "QuantizedCommPolicy"],
+        lambda: fully_shard(M.make_model("mlp"), offload_policy=CPUOffloadPolicy(), comm_policy=QuantizedCommPolicy()),
+    )
     expect("tied_across_units", ValueError, ["tied", "one unit"], tied_split)
     expect("tp_mesh_size_mismatch", ValueError, ["tp mesh size", "world size"], dtensor_param)
     expect("bad_block", ValueError, ["block_size"], lambda: QuantizedCommPolicy(block_size=3))
@@ -282,8 +312,6 @@ def mixed_precision(rank, ws, d):
     return {"mixed_precision": res}
 
 
-
-
 # ---------------------------------------------------------------- tensor parallel composition
 class _TPBlock(torch.nn.Module):
     def __init__(self) -> None:
@@ -320,7 +348,7 @@ def _tp_train(model, opt, steps, start, dp_rank, dp, dp_group, clip, engine_clip
     per = 8 // dp
     for s in range(start, start + steps):
         x, y = _tp_batch(s)
-        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         engine_clip(model.parameters(), clip)
@@ -356,16 +384,21 @@ def tp_compose_4(rank, ws, d):
     losses = _tp_train(model, opt, 5, 0, dp_rank, 2, dp_group, 0.5, clip_grad_norm_)
     msd, osd = get_state_dicts(model, opt)
     saved = {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in msd.items()}
-    saved_opt = {k: {kk: vv.to_local().clone() if isinstance(vv, DTensor) else vv for kk, vv in st.items()}
-                 for k, st in osd["state"].items()}
+    saved_opt = {
+        k: {kk: vv.to_local().clone() if isinstance(vv, DTensor) else vv for kk, vv in st.items()}
+        for k, st in osd["state"].items()
+    }
     losses += _tp_train(model, opt, 3, 5, dp_rank, 2, dp_group, 0.5, clip_grad_norm_)
     sd = model.state_dict()
     full = {k: v.full_tensor() for k, v in sd.items()}
     out = {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "param_diff": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
-        "placements": {k: (str(v.placements), v.device_mesh.mesh_dim_names) for k, v in sd.items()
-                       if k.startswith("blocks.0.") or k == "ln.weight"},
+        "placements": {
+            k: (str(v.placements), v.device_mesh.mesh_dim_names)
+            for k, v in sd.items()
+            if k.startswith("blocks.0.") or k == "ln.weight"
+        },
     }
     # reload the step-5 state (in place into fresh DTensors) and replay steps 5..7: same losses
     for k, v in msd.items():

@@ -8,8 +8,10 @@ import torch
 def test_flat_layout_padding_and_chunks():
     from framework.distributed.fsdp.flat import FlatEntry, build_layout, dim0_chunk
 
-    entries = [FlatEntry(users=[], shape=torch.Size([5, 3]), offset=0, numel=15, requires_grad=True),
-               FlatEntry(users=[], shape=torch.Size([1]), offset=0, numel=1, requires_grad=True)]
+    entries = [
+        FlatEntry(users=[], shape=torch.Size([5, 3]), offset=0, numel=15, requires_grad=True),
+        FlatEntry(users=[], shape=torch.Size([1]), offset=0, numel=1, requires_grad=True),
+    ]
     covered = []
     for r in range(4):
         L = build_layout([copy.copy(e) for e in entries], 4, r)

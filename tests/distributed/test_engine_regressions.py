@@ -91,7 +91,7 @@ class MoE(nn.Module):
         for e, expert in enumerate(self.experts):
             rows = (ids == e).nonzero().flatten()
             if rows.numel():
-                out = out.index_add(0, rows, expert(x[rows]) * gate[rows, e:e + 1])
+                out = out.index_add(0, rows, expert(x[rows]) * gate[rows, e : e + 1])
         return x + out
 
 
@@ -148,7 +148,7 @@ def _train_mse(model, opt, steps, rank, ws, batch, *, backwards=1, set_to_none=T
     for s in range(steps):
         x, y = batch(s, rank, ws)
         per = x.shape[0] // ws
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         total = 0.0
         for _ in range(backwards):
             loss = F.mse_loss(model(xs), ys)
@@ -213,7 +213,7 @@ def _meta_clip(rank, ws, mesh_kind):
     mesh = None if mesh_kind == "full" else init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
     x, y = M.make_batch("gpt", 0, 8)
     per = 8 // ws
-    xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
     plain = M.make_model("gpt")
     M.loss_fn("gpt", plain, x, y).backward()
     ref = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9).item()
@@ -261,8 +261,13 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
     out = {}
 
     def build(ac, device="cpu"):
-        cfg = ParallelismConfig(engine=Engine.native, strategy=Strategy.full, dp_shard=dp, tp=2,
-                                activation_checkpointing=ActivationCheckpointing(ac))
+        cfg = ParallelismConfig(
+            engine=Engine.native,
+            strategy=Strategy.full,
+            dp_shard=dp,
+            tp=2,
+            activation_checkpointing=ActivationCheckpointing(ac),
+        )
         torch.manual_seed(T.SEED)
         model = build_llama(cfg_model, device) if device == "meta" else build_llama(cfg_model)
         if device != "meta":
@@ -271,6 +276,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
 
     per = T.GLOBAL_BATCH // dp
     for ac in ac_modes:
+
         def run(ac=ac):
             model = build(ac)
             opt = torch.optim.SGD(model.parameters(), lr=T.LR, momentum=T.MOMENTUM)
@@ -287,8 +293,10 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             return losses
+
         out[f"tp_ac_{ac}"] = _guard(run)
     if meta_clip:
+
         def clip():
             norms = {}
             for how in ("cpu", "meta"):
@@ -305,6 +313,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
                     loss_fn(model(inputs[rows]), labels[rows]).backward()
                 norms[how] = clip_grad_norm_(model.parameters(), 1e9).item()
             return norms
+
         out["tp_meta_clip"] = _guard(clip)
     return out
 
@@ -337,7 +346,7 @@ def _retain_graph(rank, ws):
     torch.manual_seed(0)
     model = _shard_blocks(_Deep())
     per = x.shape[0] // ws
-    loss = F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    loss = F.mse_loss(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
     loss.backward(retain_graph=True)
     loss.backward()
     return {"ref": ref_norm, "ours": clip_grad_norm_(model.parameters(), 1e9).item()}
@@ -349,8 +358,16 @@ def _offload_persistent(rank, ws):
     from framework.distributed.fsdp import CPUOffloadPolicy
 
     make = lambda: _Deep(n=3)
-    return _compare(make, 3, _plain_batch, rank, ws, shard_kw={"offload_policy": CPUOffloadPolicy(pin_memory=False)},
-                    backwards=2, set_to_none=False)
+    return _compare(
+        make,
+        3,
+        _plain_batch,
+        rank,
+        ws,
+        shard_kw={"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+        backwards=2,
+        set_to_none=False,
+    )
 
 
 def _empty_unit(rank, ws):
@@ -367,8 +384,11 @@ def _empty_unit(rank, ws):
     model.to(torch.float64)
     F.mse_loss(model(x.double()), y.double()).backward()
     model.to(torch.device("meta"))
-    return {"collectives": collectives, "device_after_to": str(model._fsdp_unit.compute_device),
-            "body_collectives": model.body._fsdp_unit.stats.num_collectives}
+    return {
+        "collectives": collectives,
+        "device_after_to": str(model._fsdp_unit.compute_device),
+        "body_collectives": model.body._fsdp_unit.stats.num_collectives,
+    }
 
 
 class _Deep(nn.Module):
@@ -415,7 +435,9 @@ def _quantized_memory(rank, ws):
                 held += st.nbytes()
         out[q] = {
             "held": held,
-            "total": sizes[-1]["total"], "accum_after": sizes[-1]["accum"], "bytes": sizes[-1],
+            "total": sizes[-1]["total"],
+            "accum_after": sizes[-1]["accum"],
+            "bytes": sizes[-1],
             "pool": [s["grad_pool"] for s in sizes],
             "largest_unit_bytes": max(u.layout.padded_total for u in units) * 4,
             "units": len(units),

@@ -9,6 +9,7 @@
 - every repository path named in the docs, or in a comment or docstring of the code, exists, and
   every `[Note: ...]` referred to is written somewhere.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,7 +74,7 @@ def _doc_commands(script: str) -> List[Tuple[str, str, List[str]]]:
                 for k, word in enumerate(words[:3]):
                     launcher = word.endswith("launcher_scripts/main.py") and script == "main.py"
                     if word.endswith(script) and k > 0 and "python" in words[k - 1] and not launcher:
-                        found.append((str(path.relative_to(REPO)), " ".join(words[k + 1:]), errors))
+                        found.append((str(path.relative_to(REPO)), " ".join(words[k + 1 :]), errors))
                         break
     return found
 
@@ -104,8 +105,9 @@ def _overrides(args: str) -> List[str]:
     return out
 
 
-@pytest.mark.parametrize("where, args, errors", [c for c in MAIN_ONLY if not c[2]],
-                         ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "where, args, errors", [c for c in MAIN_ONLY if not c[2]], ids=lambda v: v if isinstance(v, str) else None
+)
 def test_main_command_in_docs_is_a_valid_job(tmp_path, where, args, errors):
     if PLACEHOLDER.search(args):
         pytest.skip("a placeholder the reader fills in")
@@ -126,8 +128,9 @@ def test_main_command_in_docs_is_a_valid_job(tmp_path, where, args, errors):
     assert not problems, f"{where}: `python main.py {args}` is refused: {problems}"
 
 
-@pytest.mark.parametrize("where, args, errors", [c for c in MAIN_ONLY if c[2]],
-                         ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "where, args, errors", [c for c in MAIN_ONLY if c[2]], ids=lambda v: v if isinstance(v, str) else None
+)
 def test_error_example_in_docs_is_what_main_prints(tmp_path, where, args, errors):
     out = run_main(shlex.split(args) + [f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
     printed = [line for line in out.stderr.splitlines() if line.startswith("error:")]
@@ -141,8 +144,13 @@ def test_launcher_command_in_docs_renders(tmp_path, where, args, errors):
     if PLACEHOLDER.search(args) or not args or args.split()[0] in {"status", "logs", "cancel"}:
         pytest.skip("a placeholder the reader fills in, or a command on an existing job")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, str(REPO / "launcher_scripts" / "main.py"), *shlex.split(args),
-           "dry_run=true", f"cluster.jobs_dir={tmp_path}/jobs"]
+    cmd = [
+        sys.executable,
+        str(REPO / "launcher_scripts" / "main.py"),
+        *shlex.split(args),
+        "dry_run=true",
+        f"cluster.jobs_dir={tmp_path}/jobs",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     if errors:
         printed = [line for line in out.stderr.splitlines() if line.startswith("error:")]
@@ -160,8 +168,11 @@ def _texts() -> Iterator[Tuple[str, str]]:
         yield str(path.relative_to(REPO)), path.read_text()
     for top in CODE_DIRS:
         for path in sorted((REPO / top).rglob("*")):
-            if path.suffix in {".py", ".yaml", ".sh", ".md"} and "golden" not in path.parts \
-                    and path.name != Path(__file__).name:
+            if (
+                path.suffix in {".py", ".yaml", ".sh", ".md"}
+                and "golden" not in path.parts
+                and path.name != Path(__file__).name
+            ):
                 yield str(path.relative_to(REPO)), path.read_text()
     for name in ["main.py", "Makefile", "Dockerfile", "pyproject.toml", ".ci/run"]:
         yield name, (REPO / name).read_text()
@@ -187,8 +198,14 @@ def _is_path(where: str, ref: str) -> bool:
 
 
 def test_every_path_named_in_docs_and_comments_exists():
-    missing = sorted({f"{where}: {ref}" for where, text in _texts() for ref in PATH.findall(text)
-                      if _is_path(where, ref) and not _exists(ref) and "tmp" not in ref})
+    missing = sorted(
+        {
+            f"{where}: {ref}"
+            for where, text in _texts()
+            for ref in PATH.findall(text)
+            if _is_path(where, ref) and not _exists(ref) and "tmp" not in ref
+        }
+    )
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
 
 

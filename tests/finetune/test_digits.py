@@ -1,4 +1,5 @@
 """The digits data: the file scikit-learn ships, split once, batched in the global sample order."""
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,9 @@ def test_digits_equal_scikit_learns_and_the_split_is_disjoint():
         b = torch.cat([loader.next_batch()["labels"] for loader in two])
         assert torch.equal(a, b)
     # The whole test split, each image on exactly one rank, the same number of batches per rank.
-    halves = [ImageBatchLoader(test, micro_batch_size=32, global_batch_size=64, dp_rank=r, dp_size=2).whole_split()
-              for r in (0, 1)]
+    halves = [
+        ImageBatchLoader(test, micro_batch_size=32, global_batch_size=64, dp_rank=r, dp_size=2).whole_split()
+        for r in (0, 1)
+    ]
     assert len(halves[0]) == len(halves[1])
     assert sum(len(b["labels"]) for h in halves for b in h) == 359

@@ -1,5 +1,6 @@
 """Fine-tuning data and LoRA, single process: the loss sees response tokens only, packed documents
 compute what they compute alone, adapters start as a no-op, train alone and merge exactly."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,15 @@ from framework.peft import adapter_state, apply_lora, merge_lora_, merged_state
 
 RECORDS = [
     {"prompt": "def add(a, b):\n", "response": "    return a + b\n"},
-    {"messages": [{"role": "system", "content": "Complete the function."},
-                  {"role": "user", "content": "def neg(x):"},
-                  {"role": "assistant", "content": "    return -x"},
-                  {"role": "user", "content": "def inc(x):"},
-                  {"role": "assistant", "content": "    return x + 1"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Complete the function."},
+            {"role": "user", "content": "def neg(x):"},
+            {"role": "assistant", "content": "    return -x"},
+            {"role": "user", "content": "def inc(x):"},
+            {"role": "assistant", "content": "    return x + 1"},
+        ]
+    },
     {"prompt": "x = ", "response": "1"},
 ]
 
@@ -48,8 +53,9 @@ TOK = SFTTokenizer(ByteTokenizer(), eod=0)
 
 
 def _model(vocab=257, seed=0):
-    model = build_llama(ModelConfig(vocab_size=vocab, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, n_layers=2,
-                                   max_seq_len=256))
+    model = build_llama(
+        ModelConfig(vocab_size=vocab, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, n_layers=2, max_seq_len=256)
+    )
     model.init_weights(seed=seed)
     return model
 
@@ -63,8 +69,8 @@ def test_labels_cover_response_tokens_only():
     # Position i predicts token i + 1: the prompt's next tokens (but the last, which predicts the
     # response's first) are masked; every response token and the end-of-document are targets.
     assert labels[: len(prompt) - 1] == [IGNORE_INDEX] * (len(prompt) - 1)
-    assert labels[len(prompt) - 1: len(doc.ids) - 1] == doc.ids[len(prompt):]
-    assert set(labels[len(doc.ids) - 1:]) == {IGNORE_INDEX}
+    assert labels[len(prompt) - 1 : len(doc.ids) - 1] == doc.ids[len(prompt) :]
+    assert set(labels[len(doc.ids) - 1 :]) == {IGNORE_INDEX}
     # Chat: system and user turns are masked, both assistant turns learned.
     chat = encode_record(RECORDS[1], TOK)
     learned = TOK.decode([i for i, t in zip(chat.ids, chat.train) if t])
@@ -90,8 +96,9 @@ def test_changing_a_prompt_tokens_label_does_not_change_the_loss():
     changed[prompt] = (torch.arange(len(prompt)) * 13 + 7) % 257
     with torch.no_grad():
         out = model(row["input_ids"][None])[0]
-        same = torch.nn.functional.cross_entropy(out, torch.where(learned, changed, IGNORE_INDEX),
-                                                 ignore_index=IGNORE_INDEX)
+        same = torch.nn.functional.cross_entropy(
+            out, torch.where(learned, changed, IGNORE_INDEX), ignore_index=IGNORE_INDEX
+        )
         unmasked = torch.nn.functional.cross_entropy(out, changed, ignore_index=IGNORE_INDEX)
     assert torch.equal(same, loss.detach())
     assert not torch.allclose(unmasked, loss.detach())
@@ -103,14 +110,13 @@ def test_packed_documents_do_not_attend_across_boundaries():
     rows = pack(docs, seq_len=256, pad_id=0)
     assert len(rows) == 1  # all three fit in one row (their lengths sum to < 256)
     row = rows[0]
-    packed = model(row["input_ids"][None], positions=row["positions"][None],
-                   document_ids=row["document_ids"][None])[0]
+    packed = model(row["input_ids"][None], positions=row["positions"][None], document_ids=row["document_ids"][None])[0]
     start = 0
     for doc in docs:
         alone = model(torch.tensor(doc.ids[:-1])[None])[0]
         # fp32: the masked attention path and the causal one sum in another order; 1e-5 is ~100x
         # the differences measured (1e-7) and far below any leak across documents (~1e-1).
-        torch.testing.assert_close(packed[start: start + len(alone)], alone, rtol=0, atol=1e-5)
+        torch.testing.assert_close(packed[start : start + len(alone)], alone, rtol=0, atol=1e-5)
         start += len(alone)
     # Without the document mask the second document would see the first: the test can fail.
     leaky = model(row["input_ids"][None])[0]
@@ -118,8 +124,12 @@ def test_packed_documents_do_not_attend_across_boundaries():
     assert (leaky[second] - packed[second]).abs().max() > 1e-3
     # The packed loss equals the token-weighted mean of the documents' losses alone.
     per_doc = [pad_rows([d], seq_len=len(d.ids) - 1, pad_id=0)[0] for d in docs]
-    total = sum(torch.nn.functional.cross_entropy(model(r["input_ids"][None])[0], r["labels"], reduction="sum",
-                                                  ignore_index=IGNORE_INDEX) for r in per_doc)
+    total = sum(
+        torch.nn.functional.cross_entropy(
+            model(r["input_ids"][None])[0], r["labels"], reduction="sum", ignore_index=IGNORE_INDEX
+        )
+        for r in per_doc
+    )
     count = sum(int((r["labels"] != IGNORE_INDEX).sum()) for r in per_doc)
     packed_loss = torch.nn.functional.cross_entropy(packed, row["labels"], ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(packed_loss, total / count, rtol=1e-5, atol=0)
@@ -141,10 +151,15 @@ def test_lora_starts_as_the_base_trains_adapters_only_and_merges():
     model = _model()
     tokens = torch.randint(1, 257, (2, 12))
     before = model(tokens).detach()
-    names = apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj"], seed=1,
-                       alias=lambda n: {"wq": "q_proj", "wv": "v_proj"}.get(n.rsplit(".", 1)[-1], ""))
-    assert names == ["layers.0.attention.wq", "layers.0.attention.wv", "layers.1.attention.wq",
-                     "layers.1.attention.wv"]
+    names = apply_lora(
+        model,
+        rank=4,
+        alpha=8,
+        targets=["q_proj", "v_proj"],
+        seed=1,
+        alias=lambda n: {"wq": "q_proj", "wv": "v_proj"}.get(n.rsplit(".", 1)[-1], ""),
+    )
+    assert names == ["layers.0.attention.wq", "layers.0.attention.wv", "layers.1.attention.wq", "layers.1.attention.wv"]
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)  # B = 0: exactly the base
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {f"{n}.{w}" for n in names for w in ("lora_a", "lora_b")}

@@ -1,5 +1,6 @@
 """`python main.py model=hf model.path=<save_pretrained dir> ...` trains on 2 ranks and exports a
 directory that transformers' `from_pretrained` loads unchanged, with the trained logits."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,10 +8,28 @@ import torch
 
 from tests.conftest import run_main
 
-GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 64,
-        "bos_token_id": 1, "eos_token_id": 1}
-T5 = {"model_type": "t5", "num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_kv": 8, "num_heads": 4,
-      "d_ff": 64, "vocab_size": 128, "relative_attention_num_buckets": 8, "decoder_start_token_id": 0}
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 2,
+    "vocab_size": 128,
+    "n_positions": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+}
+T5 = {
+    "model_type": "t5",
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "d_model": 32,
+    "d_kv": 8,
+    "num_heads": 4,
+    "d_ff": 64,
+    "vocab_size": 128,
+    "relative_attention_num_buckets": 8,
+    "decoder_start_token_id": 0,
+}
 TASK_CLASS = {"causal_lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM"}
 
 
@@ -21,14 +40,18 @@ def _trained_state(checkpoint_dir) -> dict:
     from framework.checkpoint.dcp import TensorsOnlyLoadPlanner
 
     meta = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
-    state = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype)
-             for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
+    state = {
+        k[len("model.") :]: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("model.")
+    }
     dcp.load({"model": state}, checkpoint_id=str(checkpoint_dir), planner=TensorsOnlyLoadPlanner(), no_dist=True)
     return state
 
 
-@pytest.mark.parametrize("config, task, engine", [(GPT2, "causal_lm", "native"), (T5, "seq2seq", "torch")],
-                         ids=["gpt2-native", "t5-torch"])
+@pytest.mark.parametrize(
+    "config, task, engine", [(GPT2, "causal_lm", "native"), (T5, "seq2seq", "torch")], ids=["gpt2-native", "t5-torch"]
+)
 def test_a_save_pretrained_directory_trains_and_exports_for_from_pretrained(config, task, engine, tmp_path):
     import transformers
     from transformers import AutoConfig, AutoModel
@@ -39,10 +62,25 @@ def test_a_save_pretrained_directory_trains_and_exports_for_from_pretrained(conf
     data = dict(config)
     auto.from_config(AutoConfig.for_model(data.pop("model_type"), **data)).save_pretrained(source)
     run = tmp_path / "run"
-    out = run_main(["model=hf", f"model.path={source}", f"model.task={task}", "data=synthetic", "data.seq_len=16",
-                    "trainer.max_steps=5", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
-                    "checkpoint.export_safetensors=true", f"parallelism.engine={engine}", "trainer.progress_bar=false",
-                    "logging.tensorboard=false", f"hydra.run.dir={run}"], cwd=tmp_path, timeout=600)
+    out = run_main(
+        [
+            "model=hf",
+            f"model.path={source}",
+            f"model.task={task}",
+            "data=synthetic",
+            "data.seq_len=16",
+            "trainer.max_steps=5",
+            "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=2",
+            "checkpoint.export_safetensors=true",
+            f"parallelism.engine={engine}",
+            "trainer.progress_bar=false",
+            "logging.tensorboard=false",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "initialised" in out.stderr and str(source) in out.stderr, out.stderr[-2000:]  # read model.path
     export = run / "checkpoints" / "export"
@@ -60,8 +98,9 @@ def test_a_save_pretrained_directory_trains_and_exports_for_from_pretrained(conf
     ours_base = AutoModel.from_config(AutoConfig.from_pretrained(export))
     prefix = ours.base_model_prefix + "."
     base_keys = set(ours_base.state_dict())
-    ours_base.load_state_dict({k.removeprefix(prefix): v for k, v in trained.items()
-                               if (k.removeprefix(prefix)) in base_keys})
+    ours_base.load_state_dict(
+        {k.removeprefix(prefix): v for k, v in trained.items() if (k.removeprefix(prefix)) in base_keys}
+    )
     source_model = auto.from_pretrained(source)
     ids = torch.randint(128, (2, 12), generator=torch.Generator().manual_seed(3))
     inputs = {"input_ids": ids, **({"decoder_input_ids": ids[:, :5]} if task == "seq2seq" else {})}

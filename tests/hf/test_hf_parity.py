@@ -10,6 +10,7 @@ sharded run reduces gradients in another order (reduce-scatter over 2 ranks, 2 m
 moves fp32 results by ~1e-7 per step; 1e-5 leaves room for 5 steps of that and nothing more (a
 wrong shard, a lost gradient or an untied weight moves the loss by > 1e-3).
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,13 +19,42 @@ import math
 import pytest
 import torch
 
-GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 64,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1, "eos_token_id": 1}
-LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 2,
+    "vocab_size": 128,
+    "n_positions": 64,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+}
+LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
 QWEN2 = dict(LLAMA, model_type="qwen2")
-T5 = {"model_type": "t5", "num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_kv": 8, "num_heads": 4,
-      "d_ff": 64, "vocab_size": 128, "dropout_rate": 0.0, "relative_attention_num_buckets": 8}
+T5 = {
+    "model_type": "t5",
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "d_model": 32,
+    "d_kv": 8,
+    "num_heads": 4,
+    "d_ff": 64,
+    "vocab_size": 128,
+    "dropout_rate": 0.0,
+    "relative_attention_num_buckets": 8,
+}
 
 CASES = [  # (label, inline config, task, parallelism settings)
     ("gpt2", GPT2, "causal_lm", {}),
@@ -50,15 +80,19 @@ def make_config(model_config: dict, task: str, parallelism: dict, run_dir: str, 
     )
 
     return Config(
-        model=ModelConfig(name="hf", config=dict(model_config) if model_config else None, task=task, max_seq_len=64,
-                          **model),
+        model=ModelConfig(
+            name="hf", config=dict(model_config) if model_config else None, task=task, max_seq_len=64, **model
+        ),
         parallelism=ParallelismConfig(**parallelism),
         data=DataConfig(name="synthetic", seq_len=16),
         # SGD with momentum: a gradient scaled wrongly shows at once (Adam would normalise it away).
         optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9, warmup_steps=0, schedule="constant"),
-        trainer=TrainerConfig(max_steps=steps, global_batch_size=4, micro_batch_size=1, eval_interval=0,
-                              progress_bar=False),
-        checkpoint=CheckpointConfig(save_final=False), run_dir=run_dir)
+        trainer=TrainerConfig(
+            max_steps=steps, global_batch_size=4, micro_batch_size=1, eval_interval=0, progress_bar=False
+        ),
+        checkpoint=CheckpointConfig(save_final=False),
+        run_dir=run_dir,
+    )
 
 
 def _reference(cfg, steps: int):
@@ -74,9 +108,17 @@ def _reference(cfg, steps: int):
     model = family.build(cfg.model, "cpu")
     family.init_weights(model, cfg.trainer.seed)
     initial = copy.deepcopy(model)
-    data = build_data(cfg.data, vocab_size=family.vocab_size(cfg.model), micro_batch_size=4, global_batch_size=4,
-                      dp_rank=0, dp_size=1, seed=cfg.trainer.seed, sample_kind=task.sample_kind,
-                      num_labels=cfg.model.num_labels)
+    data = build_data(
+        cfg.data,
+        vocab_size=family.vocab_size(cfg.model),
+        micro_batch_size=4,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+        seed=cfg.trainer.seed,
+        sample_kind=task.sample_kind,
+        num_labels=cfg.model.num_labels,
+    )
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, steps)
     losses = []
@@ -112,11 +154,16 @@ def _parity_rank(rank, world, run_dir, source):
             ours = trainer.model(**_probe(cfg)).logits
             ref = initial(**_probe(cfg)).logits
         losses = [trainer.train_step()["loss"] for _ in range(5)]
-        out[label] = {"logits": (ours - ref).abs().max().item(), "losses": losses, "ref_losses": ref_losses,
-                      "blocks": len(trainer.family.blocks(trainer.model))}
+        out[label] = {
+            "logits": (ours - ref).abs().max().item(),
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "blocks": len(trainer.family.blocks(trainer.model)),
+        }
         del trainer
-    out["sliced_load"] = {engine: _load_from_path(rank, world, run_dir, source, engine)
-                          for engine in ("native", "torch")}
+    out["sliced_load"] = {
+        engine: _load_from_path(rank, world, run_dir, source, engine) for engine in ("native", "torch")
+    }
     return out
 
 

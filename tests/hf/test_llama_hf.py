@@ -4,6 +4,7 @@ The export (config, weights, generation config, tokenizer) is read by transforme
 import adopts nothing silently: every config.json field that changes the computation either
 matches the configured model or is refused in one line naming it.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,30 @@ from framework.config.schema import ModelConfig
 from framework.errors import UserInputError
 from framework.models import family_of
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def _llama(**overrides) -> ModelConfig:
     # debug-sized: head_dim 16 gives rotary frequencies on both sides of the llama3 bands.
-    return ModelConfig(**{"name": "debug", "vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 4,
-                          "n_kv_heads": 2, "ffn_dim": 96, "max_seq_len": 128, **overrides})
+    return ModelConfig(
+        **{
+            "name": "debug",
+            "vocab_size": 96,
+            "dim": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "ffn_dim": 96,
+            "max_seq_len": 128,
+            **overrides,
+        }
+    )
 
 
 def _export(cfg: ModelConfig, out, tokenizer=None, max_shard_bytes=5 * 2**30):
@@ -31,8 +48,14 @@ def _export(cfg: ModelConfig, out, tokenizer=None, max_shard_bytes=5 * 2**30):
     model = family.build(cfg, "cpu")
     family.init_weights(model, 0)
     adapter = family.adapter(cfg)
-    export_safetensors(model.state_dict(), adapter, adapter.hf_config(cfg, torch.float32), str(out), rank=0,
-                       max_shard_bytes=max_shard_bytes)
+    export_safetensors(
+        model.state_dict(),
+        adapter,
+        adapter.hf_config(cfg, torch.float32),
+        str(out),
+        rank=0,
+        max_shard_bytes=max_shard_bytes,
+    )
     adapter.write_extras(str(out), tokenizer, cfg)
     return model, adapter
 
@@ -81,17 +104,20 @@ def test_sharded_export_with_index_reads_back_exactly(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("field, value, fix", [
-    ("rope_theta", 500000.0, "model.rope_theta=500000"),
-    ("rope_scaling", LLAMA3_SCALING, "model.rope_scaling="),
-    ("rms_norm_eps", 1e-6, "model.norm_eps=1e-06"),
-    ("hidden_act", "gelu", "silu"),
-    ("attention_bias", True, "no bias"),
-    ("mlp_bias", True, "no bias"),
-    ("tie_word_embeddings", True, "model.tie_embeddings=true"),
-    ("model_type", "mistral", "model=hf"),
-    ("num_key_value_heads", 4, "model.n_kv_heads=4"),
-])
+@pytest.mark.parametrize(
+    "field, value, fix",
+    [
+        ("rope_theta", 500000.0, "model.rope_theta=500000"),
+        ("rope_scaling", LLAMA3_SCALING, "model.rope_scaling="),
+        ("rms_norm_eps", 1e-6, "model.norm_eps=1e-06"),
+        ("hidden_act", "gelu", "silu"),
+        ("attention_bias", True, "no bias"),
+        ("mlp_bias", True, "no bias"),
+        ("tie_word_embeddings", True, "model.tie_embeddings=true"),
+        ("model_type", "mistral", "model=hf"),
+        ("num_key_value_heads", 4, "model.n_kv_heads=4"),
+    ],
+)
 def test_a_config_that_computes_differently_is_refused_naming_the_field(field, value, fix, tmp_path):
     cfg = _llama()
     _, adapter = _export(cfg, tmp_path / "export")

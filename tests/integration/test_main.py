@@ -1,4 +1,5 @@
 """`python main.py` as a user runs it: Hydra conventions, refusals, training end to end."""
+
 import math
 import os
 import re
@@ -12,7 +13,7 @@ def test_help_lists_groups_and_choices(tmp_path):
     assert out.returncode == 0, out.stderr
     groups = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
     for group in ("model", "parallelism", "optimizer", "data"):  # every option file is offered
-        files = sorted(f[:-len(".yaml")] for f in os.listdir(REPO / "conf" / group))
+        files = sorted(f[: -len(".yaml")] for f in os.listdir(REPO / "conf" / group))
         assert sorted(groups[group].split(", ")) == files, (group, groups.get(group))
     assert "parallelism: fsdp, hybrid, torch_fsdp, tp" in out.stdout
     assert not (tmp_path / "outputs").exists()
@@ -24,19 +25,24 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     assert "n_kv_heads: 8" in out.stdout and "max_steps: 3" in out.stdout and "engine: native" in out.stdout
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["parallelism.dp_shard=3"], "must equal the world size (2)"),
-    (["parallelism.tp=2", "model.n_heads=3", "model.dim=96", "model.n_kv_heads=3"],
-     "model.n_heads=3 is not divisible by parallelism.tp=2"),
-    (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible"),
-    (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=128"),
-    (["model=gpt9"], "Could not find 'model/gpt9'"),
-    (["parallelism.engine=jax"], "parallelism.engine"),
-    (["parallelism.strategy=zero9"], "parallelism.strategy"),
-    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0: must be > 0"),
-    (["optimizer.lr=-1"], "optimizer.lr=-1.0: must be > 0"),
-    (["checkpoint.resume=/no/such/ckpt"], "checkpoint.resume=/no/such/ckpt: no such checkpoint"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["parallelism.dp_shard=3"], "must equal the world size (2)"),
+        (
+            ["parallelism.tp=2", "model.n_heads=3", "model.dim=96", "model.n_kv_heads=3"],
+            "model.n_heads=3 is not divisible by parallelism.tp=2",
+        ),
+        (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible"),
+        (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=128"),
+        (["model=gpt9"], "Could not find 'model/gpt9'"),
+        (["parallelism.engine=jax"], "parallelism.engine"),
+        (["parallelism.strategy=zero9"], "parallelism.strategy"),
+        (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0: must be > 0"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1.0: must be > 0"),
+        (["checkpoint.resume=/no/such/ckpt"], "checkpoint.resume=/no/such/ckpt: no such checkpoint"),
+    ],
+)
 def test_bad_config_one_line_exit_2_nothing_written(tmp_path, overrides, needle):
     (tmp_path / "keep.txt").write_text("earlier work")
     out = run_main(TINY + overrides + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
@@ -75,8 +81,11 @@ def test_a_bug_in_a_rank_keeps_its_traceback_bad_paths_stay_one_line(tmp_path):
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(_FAULT_IN_FORWARD)
-    out = run_main(TINY + ["trainer.max_steps=3", f"hydra.run.dir={tmp_path}/crash"], tmp_path,
-                   env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"})
+    out = run_main(
+        TINY + ["trainer.max_steps=3", f"hydra.run.dir={tmp_path}/crash"],
+        tmp_path,
+        env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"},
+    )
     assert out.returncode == EXIT_CRASH, (out.returncode, out.stderr[-3000:])
     assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
     assert "RuntimeError: injected fault in the model's forward" in out.stderr
@@ -89,16 +98,27 @@ def test_a_bug_in_a_rank_keeps_its_traceback_bad_paths_stay_one_line(tmp_path):
     out = run_main(indexed + [f"data.paths=[{tmp_path}/half]", f"hydra.run.dir={tmp_path}/bad"], tmp_path)
     assert out.returncode == EXIT_BAD_INPUT, (out.returncode, out.stderr[-3000:])
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: data.paths: {tmp_path}/half.bin/.idx not found; prepare it with "
-                      "stage=data_preparation"], out.stderr[-3000:]
+    assert errors == [
+        f"error: data.paths: {tmp_path}/half.bin/.idx not found; prepare it with stage=data_preparation"
+    ], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
 
 
 def test_nan_loss_stops_and_names_the_step(tmp_path):
     run = tmp_path / "run"
-    out = run_main(TINY + ["parallelism.engine=torch", "optimizer=sgd", "optimizer.lr=1e12",
-                           "optimizer.clip_grad_norm=0", "trainer.max_steps=8",
-                           "checkpoint.save_final=true", f"hydra.run.dir={run}"], tmp_path)
+    out = run_main(
+        TINY
+        + [
+            "parallelism.engine=torch",
+            "optimizer=sgd",
+            "optimizer.lr=1e12",
+            "optimizer.clip_grad_norm=0",
+            "trainer.max_steps=8",
+            "checkpoint.save_final=true",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 3, out.stderr
     assert "loss is nan at step 3" in out.stdout + out.stderr
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
@@ -107,11 +127,22 @@ def test_nan_loss_stops_and_names_the_step(tmp_path):
 
 def _losses(tmp_path, name, nproc, engine, steps=8):
     run = tmp_path / name
-    out = run_main(TINY + [f"parallelism.engine={engine}", f"cluster.nproc_per_node={nproc}",
-                           f"trainer.max_steps={steps}", "trainer.global_batch_size=8",
-                           "trainer.micro_batch_size=2", "trainer.eval_interval=4",
-                           "optimizer.lr=1e-2", "optimizer.warmup_steps=1",
-                           "checkpoint.save_final=false", f"hydra.run.dir={run}"], tmp_path)
+    out = run_main(
+        TINY
+        + [
+            f"parallelism.engine={engine}",
+            f"cluster.nproc_per_node={nproc}",
+            f"trainer.max_steps={steps}",
+            "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=2",
+            "trainer.eval_interval=4",
+            "optimizer.lr=1e-2",
+            "optimizer.warmup_steps=1",
+            "checkpoint.save_final=false",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return read_metrics(run)
 
@@ -131,9 +162,19 @@ def test_one_and_two_ranks_give_the_same_losses(tmp_path, engine):
 
 
 def test_multirun_sweep_runs_each_job(tmp_path):
-    out = run_main(["-m"] + TINY + ["optimizer=adamw,sgd", "cluster.nproc_per_node=1", "parallelism.engine=torch",
-                           "trainer.max_steps=2", "checkpoint.save_final=false",
-                           f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+    out = run_main(
+        ["-m"]
+        + TINY
+        + [
+            "optimizer=adamw,sgd",
+            "cluster.nproc_per_node=1",
+            "parallelism.engine=torch",
+            "trainer.max_steps=2",
+            "checkpoint.save_final=false",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for job in ("0", "1"):
         assert [r["step"] for r in read_metrics(tmp_path / "sweep" / job)] == [1, 2]
@@ -145,9 +186,18 @@ def test_default_job_end_to_end_on_a_tiny_budget(tmp_path):
     """`python main.py` as `make run` runs it (stdlib corpus, small model, 2 ranks, our engine),
     cut to a few steps."""
     run = tmp_path / "run"
-    out = run_main(["trainer.max_steps=40", "trainer.eval_interval=20", "trainer.sample_tokens=24",
-                    "optimizer.warmup_steps=5", "checkpoint.save_final=false", f"hydra.run.dir={run}"],
-                   tmp_path, timeout=600)
+    out = run_main(
+        [
+            "trainer.max_steps=40",
+            "trainer.eval_interval=20",
+            "trainer.sample_tokens=24",
+            "optimizer.warmup_steps=5",
+            "checkpoint.save_final=false",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(1, 41))
@@ -157,8 +207,16 @@ def test_default_job_end_to_end_on_a_tiny_budget(tmp_path):
     # within 40 steps the model has learned at least the token frequencies.
     assert last < first - 1.0 and last < 6.7, (first, last)
     assert records[19]["val_loss"] > records[-1]["val_loss"]
-    for key in ("grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_gib", "exposed_comm_s",
-                "comm_bytes", "tflops_per_device"):
+    for key in (
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "step_time_s",
+        "peak_memory_gib",
+        "exposed_comm_s",
+        "comm_bytes",
+        "tflops_per_device",
+    ):
         assert key in records[-1], key
     assert "--- sample ---" in out.stderr and "def " in out.stderr
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -174,9 +232,21 @@ def test_sigterm_to_main_reaches_the_local_ranks(tmp_path):
 
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "main.py"), *TINY, "trainer.max_steps=100000",
-                             "checkpoint.interval=0", f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            *TINY,
+            "trainer.max_steps=100000",
+            "checkpoint.interval=0",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -197,10 +267,21 @@ def test_sigterm_to_main_reaches_the_local_ranks(tmp_path):
 def test_meta_init_after_sharding_trains(tmp_path, engine):
     """model.meta_init=true: built on the meta device, each rank initialises only its shards."""
     run = tmp_path / "run"
-    out = run_main(TINY + [f"parallelism.engine={engine}", "model.meta_init=true", "trainer.max_steps=12",
-                           "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
-                           "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "checkpoint.save_final=false",
-                           f"hydra.run.dir={run}"], tmp_path)
+    out = run_main(
+        TINY
+        + [
+            f"parallelism.engine={engine}",
+            "model.meta_init=true",
+            "trainer.max_steps=12",
+            "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=2",
+            "optimizer.lr=1e-2",
+            "optimizer.warmup_steps=1",
+            "checkpoint.save_final=false",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(run)]
     # Small initial weights give near-uniform logits: the first loss is ln(vocab) = ln(256).
@@ -210,12 +291,18 @@ def test_meta_init_after_sharding_trains(tmp_path, engine):
 
 def test_activation_checkpointing_recomputes_exactly(tmp_path):
     """Recomputing blocks in backward gives the same numbers as keeping their activations."""
-    base = TINY + ["cluster.nproc_per_node=2", "trainer.max_steps=4", "trainer.global_batch_size=8",
-                   "trainer.micro_batch_size=2", "checkpoint.save_final=false"]
+    base = TINY + [
+        "cluster.nproc_per_node=2",
+        "trainer.max_steps=4",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2",
+        "checkpoint.save_final=false",
+    ]
     runs = {}
     for mode in ("none", "full", "selective"):
-        out = run_main(base + [f"parallelism.activation_checkpointing={mode}", f"hydra.run.dir={tmp_path / mode}"],
-                       tmp_path)
+        out = run_main(
+            base + [f"parallelism.activation_checkpointing={mode}", f"hydra.run.dir={tmp_path / mode}"], tmp_path
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         runs[mode] = [r["loss"] for r in read_metrics(tmp_path / mode)]
     assert runs["full"] == runs["none"] and runs["selective"] == runs["none"]
@@ -227,9 +314,24 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path):
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "main.py"), *TINY, "trainer.max_steps=3", "checkpoint.save_final=false"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "main.py"),
+            *TINY,
+            "trainer.max_steps=3",
+            "checkpoint.save_final=false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "torchrun").iterdir())
     assert len(runs) == 1, runs
@@ -241,8 +343,16 @@ def test_quantized_comm_from_the_config(tmp_path):
     runs = {}
     for flag in ("false", "true"):
         run = tmp_path / flag
-        out = run_main(TINY + [f"parallelism.quantized_comm={flag}", "trainer.max_steps=6",
-                               "checkpoint.save_final=false", f"hydra.run.dir={run}"], tmp_path)
+        out = run_main(
+            TINY
+            + [
+                f"parallelism.quantized_comm={flag}",
+                "trainer.max_steps=6",
+                "checkpoint.save_final=false",
+                f"hydra.run.dir={run}",
+            ],
+            tmp_path,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         runs[flag] = read_metrics(run)
     # int8 values plus one fp32 scale per 256 replace fp32 words: about a quarter of the bytes.

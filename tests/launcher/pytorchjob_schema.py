@@ -5,6 +5,7 @@ ReplicaSpec): types and enums as the CRD declares them, and `additionalPropertie
 level we write, so a misspelt or misplaced field fails. The pod templates inside are checked
 separately against Kubernetes' own schemas (kubernetes-validate, `v1 PodTemplate`).
 """
+
 from __future__ import annotations
 
 INT = {"type": "integer"}

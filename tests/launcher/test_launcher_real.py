@@ -5,6 +5,7 @@ trains to the end beside a copy pre-empted mid-run (same losses), and a two-node
 Each checks what the job wrote: metrics for every step and a complete checkpoint behind the
 `latest` pointer, in the fixed run directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,19 @@ def _tail(job_dir: Path) -> str:
 @pytest.mark.timeout(180)
 def test_local_two_node_rendezvous(tmp_path):
     """cluster=local cluster.nodes=2: two torchrun agents, 1 rank each, one c10d rendezvous."""
-    out = run_launcher(["cluster=local", "cluster.nodes=2", "cluster.nproc_per_node=1", *TINY,
-                        f"trainer.max_steps={STEPS}", f"cluster.rdzv_port={free_port()}",
-                        f"cluster.jobs_dir={tmp_path}/jobs"], cwd=tmp_path, timeout=150)
+    out = run_launcher(
+        [
+            "cluster=local",
+            "cluster.nodes=2",
+            "cluster.nproc_per_node=1",
+            *TINY,
+            f"trainer.max_steps={STEPS}",
+            f"cluster.rdzv_port={free_port()}",
+            f"cluster.jobs_dir={tmp_path}/jobs",
+        ],
+        cwd=tmp_path,
+        timeout=150,
+    )
     job_dir = Path(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else tmp_path / "none"
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + _tail(job_dir)
     assert job_dir.parent == tmp_path / "jobs"
@@ -49,24 +60,44 @@ def test_local_two_node_rendezvous(tmp_path):
     config = (job_dir / "run" / "config.yaml").read_text()
     assert "nodes: 2" in config
     # Running the job again resumes from its last checkpoint: the run is complete, nothing repeats.
-    again = subprocess.run(["bash", str(job_dir / "submit.sh")], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    again = subprocess.run(
+        ["bash", str(job_dir / "submit.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:] + _tail(job_dir)
     _check_trained(job_dir)
 
 
 def _losses(job_dir: Path) -> dict:
-    records = [json.loads(line) for line in (job_dir / "run" / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = [
+        json.loads(line) for line in (job_dir / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def _submit(cluster, tmp_path: Path, steps: int) -> Path:
-    out = run_launcher(["cluster=slurm", "container.runtime=none", "cluster.nodes=1",
-                        "cluster.nproc_per_node=2", "cluster.gpus_per_node=0", "cluster.cpus_per_task=2",
-                        *TINY, f"trainer.max_steps={steps}", "trainer.eval_interval=0",
-                        "cluster.time_limit=10", "+cluster.env.OMP_NUM_THREADS=1",
-                        f"cluster.jobs_dir={tmp_path}/jobs"], cwd=tmp_path, env=cluster.env, timeout=60)
+    out = run_launcher(
+        [
+            "cluster=slurm",
+            "container.runtime=none",
+            "cluster.nodes=1",
+            "cluster.nproc_per_node=2",
+            "cluster.gpus_per_node=0",
+            "cluster.cpus_per_task=2",
+            *TINY,
+            f"trainer.max_steps={steps}",
+            "trainer.eval_interval=0",
+            "cluster.time_limit=10",
+            "+cluster.env.OMP_NUM_THREADS=1",
+            f"cluster.jobs_dir={tmp_path}/jobs",
+        ],
+        cwd=tmp_path,
+        env=cluster.env,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     job_dir = Path(out.stdout.strip().splitlines()[-1])
     (job_id,) = (job_dir / "job_ids").read_text().split()
@@ -135,11 +166,25 @@ def test_slurm_two_node_job(tmp_path):
         pytest.skip(f"no two-node Slurm here: {why}")
     cluster = slurm_cluster.start(str(tmp_path / "slurm"), cpus=1, nodes=nodes)
     try:
-        out = run_launcher(["cluster=slurm", "container.runtime=none", "cluster.nodes=2",
-                            "cluster.nproc_per_node=1", "cluster.gpus_per_node=0", "cluster.cpus_per_task=1",
-                            *TINY, f"trainer.max_steps={STEPS}", f"cluster.rdzv_port={free_port()}",
-                            "cluster.time_limit=10", "+cluster.env.OMP_NUM_THREADS=1",
-                            f"cluster.jobs_dir={tmp_path}/jobs"], cwd=tmp_path, env=cluster.env, timeout=60)
+        out = run_launcher(
+            [
+                "cluster=slurm",
+                "container.runtime=none",
+                "cluster.nodes=2",
+                "cluster.nproc_per_node=1",
+                "cluster.gpus_per_node=0",
+                "cluster.cpus_per_task=1",
+                *TINY,
+                f"trainer.max_steps={STEPS}",
+                f"cluster.rdzv_port={free_port()}",
+                "cluster.time_limit=10",
+                "+cluster.env.OMP_NUM_THREADS=1",
+                f"cluster.jobs_dir={tmp_path}/jobs",
+            ],
+            cwd=tmp_path,
+            env=cluster.env,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         job_dir = Path(out.stdout.strip().splitlines()[-1])
         (job_id,) = (job_dir / "job_ids").read_text().split()

@@ -4,6 +4,7 @@ Regenerate the goldens after an intended change with
     LAUNCHER_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/launcher -k golden
 and review the diff like code.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,10 @@ def test_golden(case):
     assert sorted(files) == expected, f"{case}: files differ from {folder}"
     for name, text in files.items():
         golden = (folder / name).read_text()
-        assert text == golden, (f"{case}/{name} differs from its golden file; if the change is intended, "
-                                "regenerate with LAUNCHER_UPDATE_GOLDEN=1 and review the diff")
+        assert text == golden, (
+            f"{case}/{name} differs from its golden file; if the change is intended, "
+            "regenerate with LAUNCHER_UPDATE_GOLDEN=1 and review the diff"
+        )
     # Rendering twice gives the same bytes (no clock, no environment).
     assert render_case_fresh(case) == files
 
@@ -65,8 +68,7 @@ def test_every_generated_script_passes_shellcheck(tmp_path):
                 path = tmp_path / f"{case}--{name}"
                 path.write_text(text)
                 scripts.append(str(path))
-    out = subprocess.run([shellcheck(), "--shell=bash", "--severity=style", *scripts],
-                         capture_output=True, text=True)
+    out = subprocess.run([shellcheck(), "--shell=bash", "--severity=style", *scripts], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -84,9 +86,16 @@ def test_pytorchjob_pod_templates_pass_kubernetes_schema():
     # The templates exactly as embedded, wrapped as `v1 PodTemplate` documents.
     manifest = yaml.safe_load(render_case("k8s")["pytorchjob.yaml"])
     for role, spec in manifest["spec"]["pytorchReplicaSpecs"].items():
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
-                                      "metadata": {"name": f"train-golden-{role.lower()}"},
-                                      "template": spec["template"]}, "1.37.0", strict=True)
+        kubernetes_validate.validate(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": f"train-golden-{role.lower()}"},
+                "template": spec["template"],
+            },
+            "1.37.0",
+            strict=True,
+        )
     # The validator really checks: a wrong type in the same document is refused.
     broken = docs[0]
     broken["spec"]["containers"][0]["ports"][0]["containerPort"] = "29500"
@@ -106,8 +115,7 @@ def test_pytorchjob_shape():
     assert "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in container["command"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
-              if "persistentVolumeClaim" in v}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
     assert claims == {"datasets", "checkpoints"}
     assert spec["imagePullSecrets"] == [{"name": "regcred"}]
     # Kubernetes would expand $(HOME) in a command: the override is escaped so main.py gets it verbatim.
@@ -143,8 +151,7 @@ def test_derive_mesh_from_cluster_shape():
     p = plan_of(CASES["slurm_pyxis"])
     par = p.cfg.parallelism
     assert (par.dp_replicate, par.dp_shard, par.tp, par.strategy.value) == (4, 4, 2, "hybrid")
-    assert p.overrides[-3:] == ["parallelism.dp_replicate=4", "parallelism.dp_shard=4",
-                                "parallelism.strategy=hybrid"]
+    assert p.overrides[-3:] == ["parallelism.dp_replicate=4", "parallelism.dp_shard=4", "parallelism.strategy=hybrid"]
     # trainer.max_time_minutes from cluster.time_limit=04:00:00 less half the 120 s warning.
     assert p.training_only == ["checkpoint.resume=auto", "trainer.max_time_minutes=239.0"]
     with pytest.raises(Refused) as refused:
@@ -153,14 +160,27 @@ def test_derive_mesh_from_cluster_shape():
 
 
 def test_overrides_pass_through_unchanged():
-    argv = ["cluster=local", "model=debug", "data=synthetic", "dry_run=true", "hydra.run.dir=/elsewhere",
-            "trainer.max_steps=4", "checkpoint.dir='a b'"]
+    argv = [
+        "cluster=local",
+        "model=debug",
+        "data=synthetic",
+        "dry_run=true",
+        "hydra.run.dir=/elsewhere",
+        "trainer.max_steps=4",
+        "checkpoint.dir='a b'",
+    ]
     p = plan_of(argv)
-    assert p.overrides == ["cluster=local", "model=debug", "data=synthetic", "trainer.max_steps=4",
-                           "checkpoint.dir='a b'"]
+    assert p.overrides == [
+        "cluster=local",
+        "model=debug",
+        "data=synthetic",
+        "trainer.max_steps=4",
+        "checkpoint.dir='a b'",
+    ]
     assert p.training_only == ["checkpoint.resume=auto"]
     job = make_job(p, JOB_DIR, "/opt/repo", "/opt/venv/bin/python")
     from launcher_scripts.local import render_local_commands
+
     (argv_,) = render_local_commands(p.cfg, job)
     assert argv_[-7:] == [*p.overrides, "checkpoint.resume=auto", f"hydra.run.dir={JOB_DIR}/run"]
     # An explicit choice is kept.
@@ -182,23 +202,34 @@ def test_stages_chain_with_dependencies():
     assert "--signal=B:USR1@120" in render_case("slurm_pyxis")["training.sbatch"]
 
 
-
-@pytest.mark.parametrize("limit, seconds", [("5", 300), ("1:30", 90), ("04:00:00", 14400), ("1-0", 86400),
-                                            ("1-02:03", 93780), ("2-00:00:10", 172810)])
+@pytest.mark.parametrize(
+    "limit, seconds",
+    [("5", 300), ("1:30", 90), ("04:00:00", 14400), ("1-0", 86400), ("1-02:03", 93780), ("2-00:00:10", 172810)],
+)
 def test_slurm_time_formats(limit, seconds):
     from launcher_scripts.plan import slurm_seconds
+
     assert slurm_seconds(limit) == seconds
 
 
 def test_slurm_cpu_advice(caplog):
     with caplog.at_level("WARNING", logger="launcher"):
-        plan_of(["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0",
-                 "cluster.nproc_per_node=2"])
+        plan_of(
+            ["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0", "cluster.nproc_per_node=2"]
+        )
     assert any("cluster.cpus_per_task" in r.message for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="launcher"):
-        plan_of(["cluster=slurm", "model=debug", "data=synthetic", "cluster.gpus_per_node=0",
-                 "cluster.nproc_per_node=2", "cluster.cpus_per_task=2"])
+        plan_of(
+            [
+                "cluster=slurm",
+                "model=debug",
+                "data=synthetic",
+                "cluster.gpus_per_node=0",
+                "cluster.nproc_per_node=2",
+                "cluster.cpus_per_task=2",
+            ]
+        )
     assert not [r for r in caplog.records if r.name == "launcher"]
 
 
@@ -215,8 +246,9 @@ def _readme_commands():
     root = GOLDEN.parents[2]
     text = "\n".join((root / name).read_text() for name in ("README.md", "docs/launcher.md")).replace("\\\n", " ")
     prefix = ".venv/bin/python launcher_scripts/main.py "
-    commands = [shlex.split(line.strip()[len(prefix):]) for line in text.splitlines()
-                if line.strip().startswith(prefix)]
+    commands = [
+        shlex.split(line.strip()[len(prefix) :]) for line in text.splitlines() if line.strip().startswith(prefix)
+    ]
     return [c for c in commands if c and c[0] not in ("status", "logs", "cancel")]  # those take a job dir
 
 
@@ -236,17 +268,41 @@ def test_the_training_job_never_sees_the_launchers_settings():
 
     from framework.config import ClusterConfig, Config
 
-    argv = ["cluster=slurm", "cluster.nodes=2", "cluster.partition=batch", "cluster.time_limit=1:00:00",
-            "container=pyxis", "container.image=x:1", "dry_run=true", "+cluster.env.A=b", "model=debug",
-            "data=synthetic", "cluster.nproc_per_node=2", "cluster.gpus_per_node=2", "trainer.global_batch_size=32"]
+    argv = [
+        "cluster=slurm",
+        "cluster.nodes=2",
+        "cluster.partition=batch",
+        "cluster.time_limit=1:00:00",
+        "container=pyxis",
+        "container.image=x:1",
+        "dry_run=true",
+        "+cluster.env.A=b",
+        "model=debug",
+        "data=synthetic",
+        "cluster.nproc_per_node=2",
+        "cluster.gpus_per_node=2",
+        "trainer.global_batch_size=32",
+    ]
     p = plan_of(argv)
-    assert p.overrides == ["cluster=slurm", "cluster.nodes=2", "model=debug", "data=synthetic",
-                           "cluster.nproc_per_node=2", "cluster.gpus_per_node=2", "trainer.global_batch_size=32"]
+    assert p.overrides == [
+        "cluster=slurm",
+        "cluster.nodes=2",
+        "model=debug",
+        "data=synthetic",
+        "cluster.nproc_per_node=2",
+        "cluster.gpus_per_node=2",
+        "trainer.global_batch_size=32",
+    ]
     assert (p.launch.cluster.partition, p.launch.container.image, p.launch.dry_run) == ("batch", "x:1", True)
     assert (p.cfg.cluster.nodes, p.cfg.cluster.nproc_per_node) == (2, 2)  # the shape, read from training
     # The training schema holds the job's shape and nothing about Slurm, Kubernetes or containers.
     assert {f.name for f in dataclasses.fields(ClusterConfig)} == {
-        "nodes", "nproc_per_node", "gpus_per_node", "gpu_type", "gpu_memory_gib"}
+        "nodes",
+        "nproc_per_node",
+        "gpus_per_node",
+        "gpu_type",
+        "gpu_memory_gib",
+    }
     assert not {"container", "dry_run"} & {f.name for f in dataclasses.fields(Config)}
     assert set(p.resolved.cluster.keys()) == {f.name for f in dataclasses.fields(ClusterConfig)}
 
@@ -254,9 +310,16 @@ def test_the_training_job_never_sees_the_launchers_settings():
 def test_fine_tuning_stage_starts_from_the_training_stages_export(tmp_path):
     from launcher_scripts.plan import make_job, render_job
 
-    argv = ["cluster=slurm", "cluster.nodes=1", "cluster.nproc_per_node=2", "cluster.gpus_per_node=0",
-            "cluster.cpus_per_task=2", "cluster.stages=[training,fine_tuning]",
-            "finetune.train_file=/shared/data/sft.jsonl", *TINY]
+    argv = [
+        "cluster=slurm",
+        "cluster.nodes=1",
+        "cluster.nproc_per_node=2",
+        "cluster.gpus_per_node=0",
+        "cluster.cpus_per_task=2",
+        "cluster.stages=[training,fine_tuning]",
+        "finetune.train_file=/shared/data/sft.jsonl",
+        *TINY,
+    ]
     p = plan_of(argv)
     files = render_job(p, make_job(p, JOB_DIR, REPO_DIR, PYTHON), JOB_DIR)
     train, tune, submit = files["training.sbatch"], files["fine_tuning.sbatch"], files["submit.sh"]

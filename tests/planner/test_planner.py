@@ -5,6 +5,7 @@ int8 communication) for a few steps and compares, per rank, the planner's predic
 the engine holds and counts: model-state bytes and the gradient pool exactly, bytes per step
 exactly, peak memory within 10% (measured with torch.profiler's allocation events).
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,8 +57,9 @@ def test_shapes_match_the_built_model():
             fields["vocab_size"] = 2048
         cfg = ModelConfig(**fields)
         model = build_llama(cfg, "meta")
-        shape = ModelShape(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim,
-                           cfg.tie_embeddings)
+        shape = ModelShape(
+            cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tie_embeddings
+        )
         assert param_count(shape) == model.num_params(), preset
         block = dict(model.layers[0].named_parameters())
         planned = {t.name: t.numel for t in units(shape)[1].tensors}
@@ -112,10 +114,14 @@ CASES = {  # name: parallelism overrides (4 ranks)
 def _config(name: str) -> Config:
     p = ParallelismConfig(**CASES[name])
     dp = 4 // p.tp
-    return Config(model=ModelConfig(**MODEL), parallelism=p, optimizer=OptimizerConfig(),
-                  data=DataConfig(name="synthetic", seq_len=SEQ),
-                  trainer=TrainerConfig(micro_batch_size=MICRO, global_batch_size=MICRO * dp),
-                  cluster=ClusterConfig(nodes=1, nproc_per_node=4))
+    return Config(
+        model=ModelConfig(**MODEL),
+        parallelism=p,
+        optimizer=OptimizerConfig(),
+        data=DataConfig(name="synthetic", seq_len=SEQ),
+        trainer=TrainerConfig(micro_batch_size=MICRO, global_batch_size=MICRO * dp),
+        cluster=ClusterConfig(nodes=1, nproc_per_node=4),
+    )
 
 
 def _parallelize(model, dims, mesh, pcfg, mcfg):
@@ -189,10 +195,17 @@ def _engine_worker(rank: int, world: int, names):
     for name in names:
         cfg = _config(name)
         p = cfg.parallelism
-        dims = resolve_parallel_dims(p.strategy.value, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
-                                     world_size=world, nproc_per_node=4)
-        mesh = init_device_mesh("cpu", (dims.dp_replicate, dims.dp_shard, dims.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dims = resolve_parallel_dims(
+            p.strategy.value,
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            tp=p.tp,
+            world_size=world,
+            nproc_per_node=4,
+        )
+        mesh = init_device_mesh(
+            "cpu", (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
         torch.manual_seed(0)
         model = build_llama(cfg.model)
         model.init_weights(0)
@@ -208,8 +221,12 @@ def _engine_worker(rank: int, world: int, names):
         step()
         stats = model.comm_stats()  # one step's traffic
         tb = model.sharded_tensor_bytes()
-        opt_bytes = sum(v.untyped_storage().nbytes() if v.numel() else (4 if v.dim() == 0 else 0)
-                        for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        opt_bytes = sum(
+            v.untyped_storage().nbytes() if v.numel() else (4 if v.dim() == 0 else 0)
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
         # Measured peak: every byte held between steps (the engine's accounting, the optimizer
         # state, and any other tensor a unit keeps, e.g. int8 send/receive buffers) plus the
         # highest net allocation during one more step.
@@ -217,8 +234,14 @@ def _engine_worker(rank: int, world: int, names):
         # The lowest of three steps: frees that gloo's threads make late can only raise a reading.
         peak = persistent + min(_peak_delta(step) for _ in range(3))
         stats.pop("exposed_comm_s")
-        out[name] = {"tensor_bytes": tb, "optimizer": opt_bytes, "peak": peak, "comm": stats, "persistent": persistent,
-                     "shard_rank": mesh["dp_shard"].get_local_rank()}
+        out[name] = {
+            "tensor_bytes": tb,
+            "optimizer": opt_bytes,
+            "peak": peak,
+            "comm": stats,
+            "persistent": persistent,
+            "shard_rank": mesh["dp_shard"].get_local_rank(),
+        }
     return out
 
 
@@ -246,8 +269,14 @@ def test_planner_matches_engine(engine_results, name):
 
 def test_plan_stage_prints_and_advises(tmp_path):
     """The documented commands: a breakdown that fits, and a misfit with a change that fits."""
-    run = lambda *a: subprocess.run([sys.executable, "main.py", "stage=plan", *a, f"hydra.run.dir={tmp_path}"],
-                                    cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "main.py", "stage=plan", *a, f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     ok = run("model=llama_70b", "cluster.nodes=16", "cluster.nproc_per_node=8", "cluster.gpus_per_node=8")
     assert ok.returncode == 0, ok.stderr
     assert "Memory per rank" in ok.stdout and "Verdict:" in ok.stdout and (tmp_path / "plan.json").exists()
@@ -264,10 +293,13 @@ def test_plan_stage_prints_and_advises(tmp_path):
 
 
 def test_estimate_is_torch_free():
-    code = ("import sys, framework.planner, framework.config; "
-            "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         check=False)
+    code = (
+        "import sys, framework.planner, framework.config; "
+        "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -299,12 +331,27 @@ def test_launcher_refuses_a_job_that_will_not_fit():
     and cluster.force=true lets it through."""
     from launcher_scripts.plan import Refused, plan
 
-    job = ["cluster=slurm", "model=llama_70b", "cluster.nodes=1", "cluster.nproc_per_node=1",
-           "cluster.gpus_per_node=8", "data=synthetic"]
+    job = [
+        "cluster=slurm",
+        "model=llama_70b",
+        "cluster.nodes=1",
+        "cluster.nproc_per_node=1",
+        "cluster.gpus_per_node=8",
+        "data=synthetic",
+    ]
     with pytest.raises(Refused) as refused:
         plan(job)
     message = " ".join(refused.value.problems)
     assert "does NOT fit" in message and "cluster.nodes=" in message and "cluster.force=true" in message
     plan([*job, "cluster.force=true"])  # written anyway
-    plan(["cluster=slurm", "model=llama_7b", "cluster.nodes=4", "cluster.gpus_per_node=8",
-          "cluster.nproc_per_node=8", "data=synthetic", "trainer.global_batch_size=256"])  # fits
+    plan(
+        [
+            "cluster=slurm",
+            "model=llama_7b",
+            "cluster.nodes=4",
+            "cluster.gpus_per_node=8",
+            "cluster.nproc_per_node=8",
+            "data=synthetic",
+            "trainer.global_batch_size=256",
+        ]
+    )  # fits

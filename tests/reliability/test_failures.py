@@ -5,6 +5,7 @@ Faults are injected from outside the framework: `inject/sitecustomize.py` (on PY
 runs only) makes one rank's loss computation raise or SIGKILL itself at a chosen step; a hang is a
 real SIGSTOP. See [Note: every failure explained] in framework/distributed/runtime.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ from conftest import REPO, TINY, read_metrics, run_main
 
 INJECT = Path(__file__).resolve().parent / "inject"
 # engine=torch: these tests are about the job around the engine, not the engine.
-SHORT = TINY + ["trainer.eval_interval=0", "trainer.max_steps=8", "optimizer.schedule=constant",
-                "parallelism.engine=torch"]
+SHORT = TINY + [
+    "trainer.eval_interval=0",
+    "trainer.max_steps=8",
+    "optimizer.schedule=constant",
+    "parallelism.engine=torch",
+]
 
 
 def _env(fault: str = "") -> dict:
@@ -65,26 +70,44 @@ def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys)
 def _rank_pids(parent: int) -> list:
     """The rank processes `python main.py` (pid `parent`) started."""
     out = subprocess.run(["ps", "-ww", "-o", "pid=,ppid=,args=", "-A"], capture_output=True, text=True).stdout
-    return sorted(int(line.split()[0]) for line in out.splitlines()
-                  if int(line.split()[1]) == parent and "spawn_main" in line and "resource_tracker" not in line)
+    return sorted(
+        int(line.split()[0])
+        for line in out.splitlines()
+        if int(line.split()[1]) == parent and "spawn_main" in line and "resource_tracker" not in line
+    )
 
 
 def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path):
     """SIGSTOP one rank: the other's next collective times out after trainer.collective_timeout_s
     (5 s here, 300 by default), the job ends naming the stopped rank, and no process remains."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(REPO / "main.py"), *TINY, "trainer.max_steps=100000",
-                             "trainer.eval_interval=0", "checkpoint.save_final=false",
-                             "trainer.collective_timeout_s=5", "parallelism.engine=torch", f"hydra.run.dir={run}"],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            *TINY,
+            "trainer.max_steps=100000",
+            "trainer.eval_interval=0",
+            "checkpoint.save_final=false",
+            "trainer.collective_timeout_s=5",
+            "parallelism.engine=torch",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ranks = []
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
             time.sleep(0.2)
         ranks = _rank_pids(proc.pid)
-        assert len(ranks) == 2, subprocess.run(["ps", "-o", "pid,ppid,args", "--ppid", str(proc.pid)],
-                                               capture_output=True, text=True).stdout
+        assert len(ranks) == 2, subprocess.run(
+            ["ps", "-o", "pid,ppid,args", "--ppid", str(proc.pid)], capture_output=True, text=True
+        ).stdout
         os.kill(ranks[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         _, err = proc.communicate(timeout=120)
@@ -107,10 +130,19 @@ def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path):
 
 def test_second_job_on_a_run_directory_refuses_in_one_line(tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from framework.checkpoint.run_lock import lock_run_dir; lock_run_dir(sys.argv[2]); "
-                               "print('locked', flush=True); time.sleep(600)", str(REPO), str(run)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from framework.checkpoint.run_lock import lock_run_dir; lock_run_dir(sys.argv[2]); "
+            "print('locked', flush=True); time.sleep(600)",
+            str(REPO),
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         out = run_main(TINY + ["trainer.max_steps=2", f"hydra.run.dir={run}"], tmp_path)
@@ -122,9 +154,18 @@ def test_second_job_on_a_run_directory_refuses_in_one_line(tmp_path):
         holder.kill()
         holder.wait()
     # The holder died without cleaning up (its pid is still in the file): the lock went with it.
-    again = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                            "from framework.checkpoint.run_lock import lock_run_dir; lock_run_dir(sys.argv[2])",
-                            str(REPO), str(run)], capture_output=True, text=True)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); "
+            "from framework.checkpoint.run_lock import lock_run_dir; lock_run_dir(sys.argv[2])",
+            str(REPO),
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 0, again.stderr
 
 
@@ -132,8 +173,13 @@ def _losses(run: Path) -> dict:
     return {row["step"]: row["loss"] for row in read_metrics(run) if "loss" in row}
 
 
-RESTART = TINY + ["trainer.eval_interval=0", "trainer.max_steps=10", "parallelism.engine=torch",
-                  "checkpoint.interval=3", "checkpoint.resume=auto"]
+RESTART = TINY + [
+    "trainer.eval_interval=0",
+    "trainer.max_steps=10",
+    "parallelism.engine=torch",
+    "checkpoint.interval=3",
+    "checkpoint.resume=auto",
+]
 RESTART_TOLERANCE = 1e-6  # fp32 on CPU, gloo: a resume is bitwise in practice; 1e-6 as the issue asks
 
 
@@ -151,17 +197,28 @@ def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_
     for attempt in range(int(os.environ.get("FRAMEWORK_TEST_RESTART_RUNS", "1"))):
         run = tmp_path / f"run{attempt}"
         started = time.monotonic()
-        out = _torchrun(RESTART + [f"hydra.run.dir={run}"], tmp_path, _env("kill:1:5,oserror:0:4:1"), 300,
-                        "--max-restarts=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
+        out = _torchrun(
+            RESTART + [f"hydra.run.dir={run}"],
+            tmp_path,
+            _env("kill:1:5,oserror:0:4:1"),
+            300,
+            "--max-restarts=2",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0",
+        )
         err = out.stderr
         assert out.returncode == 0, (attempt, err[-4000:])
         assert "error: rank 0 (of 2) failed:" in err, (attempt, err[-4000:])
         assert "OSError: [Errno 28] No space left on device (injected)" in err, (attempt, err[-4000:])
-        assert "resumed from" in err and "step_00000003 at step 3" in err and "step_00000006 at step 6" in err, \
-            (attempt, err[-4000:])
+        assert "resumed from" in err and "step_00000003 at step 3" in err and "step_00000006 at step 6" in err, (
+            attempt,
+            err[-4000:],
+        )
         got = _losses(run)
         assert sorted(got) == list(range(1, 11)), (attempt, sorted(got))
         worst = max(abs(got[step] - expected[step]) for step in range(4, 11))
         assert worst <= RESTART_TOLERANCE, (attempt, worst)
-        print(f"restart run {attempt + 1}: finished in {time.monotonic() - started:.0f} s, "
-              f"largest loss difference after the restarts {worst:.1e}")
+        print(
+            f"restart run {attempt + 1}: finished in {time.monotonic() - started:.0f} s, "
+            f"largest loss difference after the restarts {worst:.1e}"
+        )

@@ -1,5 +1,6 @@
 """Stopping is not checkpointing: the time limit and SIGTERM stop a run with the requeue status
 (75) with checkpoints off as well (framework/stop.py), and the ranks stop after the same step."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,12 @@ NO_CHECKPOINTS = ["checkpoint.interval=0", "checkpoint.save_final=false"]
 
 def test_time_limit_stops_without_checkpoints(tmp_path):
     # The command of issue 9: 0.05 minutes = 3 s of training, then status 75, nothing saved.
-    out = run_main(TINY + NO_CHECKPOINTS + ["trainer.max_time_minutes=0.05", "trainer.max_steps=100000",
-                                            f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = run_main(
+        TINY
+        + NO_CHECKPOINTS
+        + ["trainer.max_time_minutes=0.05", "trainer.max_steps=100000", f"hydra.run.dir={tmp_path}/run"],
+        tmp_path,
+    )
     assert out.returncode == EXIT_REQUEUE, out.stderr[-3000:]
     assert "trainer.max_time_minutes=0.05 reached): no checkpoint (checkpointing is off)" in out.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -29,16 +34,31 @@ def test_time_limit_stops_without_checkpoints(tmp_path):
 def test_sigterm_to_one_rank_stops_every_rank_without_checkpoints(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "main.py"), *TINY, *NO_CHECKPOINTS, "trainer.max_steps=100000",
-                             f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            *TINY,
+            *NO_CHECKPOINTS,
+            "trainer.max_steps=100000",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
             time.sleep(0.2)
         ps = subprocess.run(["ps", "-ww", "-o", "pid=,ppid=,args=", "-A"], capture_output=True, text=True).stdout
-        ranks = sorted(int(line.split()[0]) for line in ps.splitlines()
-                       if int(line.split()[1]) == proc.pid and "spawn_main" in line)
+        ranks = sorted(
+            int(line.split()[0])
+            for line in ps.splitlines()
+            if int(line.split()[1]) == proc.pid and "spawn_main" in line
+        )
         assert len(ranks) == 2, ps
         os.kill(ranks[1], signal.SIGTERM)  # one rank only: the other learns it in the step's all-reduce
         _, err = proc.communicate(timeout=120)

@@ -5,6 +5,7 @@ payload would create a marker file) and that the refusal is one line naming the 
 Everything but the first test runs in this process against the functions `main.py` goes through
 (`CheckpointManager.load` and `build_indexed` call exactly these); the first runs the whole job.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,11 @@ def _one_line(message: str) -> None:
 def checkpoint(tmp_path_factory) -> Path:
     """A real checkpoint of the tiny model (1 rank, 2 steps)."""
     root = tmp_path_factory.mktemp("hostile")
-    out = run_main(TINY + ["cluster.nproc_per_node=1", "trainer.max_steps=2", "trainer.eval_interval=0",
-                           f"hydra.run.dir={root}/run"], root)
+    out = run_main(
+        TINY
+        + ["cluster.nproc_per_node=1", "trainer.max_steps=2", "trainer.eval_interval=0", f"hydra.run.dir={root}/run"],
+        root,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return root / "run" / "checkpoints" / "step_00000002"
 
@@ -66,8 +70,16 @@ def test_pickle_payload_in_dcp_metadata_runs_nothing_and_is_refused(copy, tmp_pa
     marker = tmp_path / "pwned"
     _plant_pickle(copy / ".metadata", marker)
     _revouch(copy, ".metadata")  # the manifest cannot be trusted either: it came with the files
-    out = run_main(TINY + ["cluster.nproc_per_node=1", "trainer.max_steps=3", f"checkpoint.resume={copy}",
-                           f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = run_main(
+        TINY
+        + [
+            "cluster.nproc_per_node=1",
+            "trainer.max_steps=3",
+            f"checkpoint.resume={copy}",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        tmp_path,
+    )
     assert not marker.exists(), "the pickle in .metadata was executed"
     assert out.returncode == 2, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]

@@ -10,6 +10,7 @@ the layouts sum the same numbers in other orders (tensor-parallel partial sums, 
 averaging, the one-rank run's two accumulation micro-batches). SGD, so a gradient scaled by the
 layout would show.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -18,8 +19,14 @@ from pathlib import Path
 import pytest
 from conftest import TINY, read_metrics, run_main
 
-COMMON = TINY + ["parallelism.engine=torch", "optimizer=sgd", "trainer.max_steps=6", "trainer.eval_interval=0",
-                 "checkpoint.save_final=false", "checkpoint.keep_last=5"]
+COMMON = TINY + [
+    "parallelism.engine=torch",
+    "optimizer=sgd",
+    "trainer.max_steps=6",
+    "trainer.eval_interval=0",
+    "checkpoint.save_final=false",
+    "checkpoint.keep_last=5",
+]
 TARGETS = {  # name: overrides of the resumed run
     "tp1xdp2": ["cluster.nproc_per_node=2", "parallelism.tp=1"],
     "tp2xdp1": ["cluster.nproc_per_node=2", "parallelism.tp=2"],
@@ -41,8 +48,17 @@ def source() -> Path:
 
 
 def _source(root: Path):
-    out = run_main(COMMON + ["cluster.nproc_per_node=4", "parallelism.tp=2", "parallelism.sequence_parallel=true",
-                             "checkpoint.interval=3", f"hydra.run.dir={root}/source"], root)
+    out = run_main(
+        COMMON
+        + [
+            "cluster.nproc_per_node=4",
+            "parallelism.tp=2",
+            "parallelism.sequence_parallel=true",
+            "checkpoint.interval=3",
+            f"hydra.run.dir={root}/source",
+        ],
+        root,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     yield root / "source"
 
@@ -51,13 +67,12 @@ def _source(root: Path):
 def test_resume_dp2_tp2_checkpoint_in_another_layout(source, tmp_path, target):
     ckpt = source / "checkpoints" / "step_00000003"
     assert ckpt.is_dir(), sorted(p.name for p in (source / "checkpoints").iterdir())
-    out = run_main(COMMON + TARGETS[target] + [f"checkpoint.resume={ckpt}", f"hydra.run.dir={tmp_path}/run"],
-                   tmp_path)
+    out = run_main(COMMON + TARGETS[target] + [f"checkpoint.resume={ckpt}", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resumed from" in out.stderr
     want, got = _losses(source), _losses(tmp_path / "run")
     assert sorted(got) == [4, 5, 6], f"resumed run logged steps {sorted(got)}"
     for step in (4, 5, 6):
         assert abs(got[step] - want[step]) <= 1e-5, (
-            f"step {step} after resuming at {target}: loss {got[step]:.8f}, uninterrupted dp2 x tp2 "
-            f"{want[step]:.8f}")
+            f"step {step} after resuming at {target}: loss {got[step]:.8f}, uninterrupted dp2 x tp2 {want[step]:.8f}"
+        )

@@ -3,6 +3,7 @@
 The end-to-end runs go through everything the spawned tests skip: Hydra composition, validation,
 local rank start, the Trainer's loss under `loss_parallel` and its gradient clipping.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,14 @@ from conftest import TINY, read_metrics, run_main
 from framework.config.schema import Config
 from framework.config.validate import validate
 
-STEPS = ["trainer.max_steps=4", "trainer.eval_interval=4", "trainer.eval_iters=1",
-         "checkpoint.save_final=false", "parallelism.engine=torch", "optimizer=sgd"]
+STEPS = [
+    "trainer.max_steps=4",
+    "trainer.eval_interval=4",
+    "trainer.eval_iters=1",
+    "checkpoint.save_final=false",
+    "parallelism.engine=torch",
+    "optimizer=sgd",
+]
 
 
 def _losses(run_dir):
@@ -24,8 +31,17 @@ def _losses(run_dir):
 def test_main_tp2_trains_like_one_process(tmp_path):
     """tp=2 on 2 local ranks (dp=1) sees the same batches as one process: same losses.
     Tolerance 1e-5 as in [Note: tolerance of the tensor-parallel comparisons] (test_tp_training.py)."""
-    tp = run_main(TINY + STEPS + ["cluster.nproc_per_node=2", "parallelism.tp=2", "parallelism.sequence_parallel=true",
-                                  f"hydra.run.dir={tmp_path}/tp2"], tmp_path)
+    tp = run_main(
+        TINY
+        + STEPS
+        + [
+            "cluster.nproc_per_node=2",
+            "parallelism.tp=2",
+            "parallelism.sequence_parallel=true",
+            f"hydra.run.dir={tmp_path}/tp2",
+        ],
+        tmp_path,
+    )
     assert tp.returncode == 0, tp.stdout[-3000:] + tp.stderr[-3000:]
     one = run_main(TINY + STEPS + ["cluster.nproc_per_node=1", f"hydra.run.dir={tmp_path}/one"], tmp_path)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
@@ -39,8 +55,18 @@ def test_main_tp2_trains_like_one_process(tmp_path):
 
 
 def test_main_refuses_tp_that_does_not_divide_heads(tmp_path):
-    out = run_main(TINY + STEPS + ["cluster.nproc_per_node=2", "parallelism.dp_shard=1", "parallelism.tp=2",
-                                   "model.n_kv_heads=1", f"hydra.run.dir={tmp_path}/bad"], tmp_path)
+    out = run_main(
+        TINY
+        + STEPS
+        + [
+            "cluster.nproc_per_node=2",
+            "parallelism.dp_shard=1",
+            "parallelism.tp=2",
+            "model.n_kv_heads=1",
+            f"hydra.run.dir={tmp_path}/bad",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 2
     assert "model.n_kv_heads=1 is not divisible by parallelism.tp=2" in out.stderr
 
@@ -50,8 +76,7 @@ def _cfg(**parallelism) -> Config:
 
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=parallelism.pop("vocab", 256), n_kv_heads=4)  # tp=4 divides it
-    cfg.cluster = ClusterConfig(nproc_per_node=parallelism.pop("nproc_per_node", 2),
-                                nodes=parallelism.pop("nodes", 1))
+    cfg.cluster = ClusterConfig(nproc_per_node=parallelism.pop("nproc_per_node", 2), nodes=parallelism.pop("nodes", 1))
     cfg.parallelism = ParallelismConfig(**parallelism)
     cfg.trainer.global_batch_size = 8
     cfg.trainer.micro_batch_size = 1

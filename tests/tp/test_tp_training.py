@@ -20,6 +20,7 @@ around 1e-6 on weights of size ~0.02-1 and on losses of ~5.5. A real bug (a grad
 all-reduce, scaled by t or dp, a wrong shard of the vocabulary, a misplaced norm) moves the
 losses by 1e-3 or more from the first step on.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -68,8 +69,9 @@ def ckpt_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def four_rank(ckpt_dir):
-    jobs = [Job(layout, save=str(ckpt_dir) if layout == SOURCE else None, save_at=SAVE_AT)
-            for layout in FOUR_RANK + HYBRID]
+    jobs = [
+        Job(layout, save=str(ckpt_dir) if layout == SOURCE else None, save_at=SAVE_AT) for layout in FOUR_RANK + HYBRID
+    ]
     return run_ranks(rank_main, 4, args=(jobs,), timeout_s=240)[0]
 
 

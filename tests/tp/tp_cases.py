@@ -8,6 +8,7 @@ same global batches; a data-parallel rank takes its contiguous slice of each glo
 the mean of the dp ranks' losses is the reference's loss on the whole batch. SGD with momentum
 (not Adam, whose normalisation would hide a gradient scaled by t or dp), gradient clipping on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,9 @@ STEPS = 10
 GLOBAL_BATCH = 4
 SEQ = 16  # divisible by tp (sequence parallel shards it)
 LR, MOMENTUM, MAX_NORM = 0.5, 0.9, 1.0  # large lr: 10 steps move the weights visibly
-MODEL = ModelConfig(name="debug", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                    ffn_dim=176, max_seq_len=SEQ)
+MODEL = ModelConfig(
+    name="debug", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=SEQ
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Layout:
 class Job:
     """Train `layout` from `first_step` to `STEPS`; load the checkpoint `load` first (if given),
     save one to `save` after `save_at` steps (if given)."""
+
     layout: Layout
     first_step: int = 0
     load: Optional[str] = None
@@ -115,8 +118,14 @@ def _build(layout: Layout, world: int):
     model = build_llama(model_cfg(layout.vocab, layout.tie))
     model.init_weights(seed=SEED)
     strategy = Strategy.hybrid if layout.dp_replicate > 1 else Strategy.full
-    cfg = ParallelismConfig(engine=Engine(layout.engine), strategy=strategy, dp_replicate=layout.dp_replicate,
-                            dp_shard=layout.dp_shard, tp=layout.tp, sequence_parallel=layout.sequence_parallel)
+    cfg = ParallelismConfig(
+        engine=Engine(layout.engine),
+        strategy=strategy,
+        dp_replicate=layout.dp_replicate,
+        dp_shard=layout.dp_shard,
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+    )
     try:
         model = parallelize(model, dims, mesh, cfg, LLAMA)
     except NotImplementedError as exc:
@@ -166,7 +175,7 @@ def run_job(job: Job, world: int) -> dict:
     dp_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
     per_rank = GLOBAL_BATCH // layout.dp
     losses = []
-    for step, (inputs, labels) in enumerate(batches(layout.vocab)[job.first_step:], start=job.first_step):
+    for step, (inputs, labels) in enumerate(batches(layout.vocab)[job.first_step :], start=job.first_step):
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         with loss_context(model):
             loss = loss_fn(model(inputs[rows]), labels[rows])

@@ -1,5 +1,6 @@
 """[Note: bad input vs bugs] (framework/errors.py): only a UserInputError is a refusal; every other
 exception a rank raises keeps its traceback and the crash status, in-process and without a group."""
+
 import pytest
 import torch
 
@@ -26,12 +27,13 @@ def test_refused_input_is_one_line_and_status_2(monkeypatch, capsys):
     assert err == "error: data.paths: /x.bin/.idx not found; prepare it\n"
 
 
-@pytest.mark.parametrize("exc", [ValueError("a builtin ValueError from deep inside"),
-                                 NotImplementedError("not written yet"), KeyError("exp_avg")])
+@pytest.mark.parametrize(
+    "exc",
+    [ValueError("a builtin ValueError from deep inside"), NotImplementedError("not written yet"), KeyError("exp_avg")],
+)
 def test_any_other_exception_keeps_its_traceback(monkeypatch, capsys, exc):
     status = _train_raising(monkeypatch, exc)
     err = capsys.readouterr().err
     assert status == EXIT_CRASH
     assert "Traceback (most recent call last)" in err and f"{type(exc).__name__}: " in err, err
     assert "rank 0" in err  # named by its rank
-

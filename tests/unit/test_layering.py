@@ -1,5 +1,6 @@
 """Imports point one way (main -> trainer -> {models, distributed, data, optim, checkpoint} -> config),
 and each decision has one seam."""
+
 import ast
 import subprocess
 import sys
@@ -33,8 +34,9 @@ def test_config_imports_nothing_above_it():
     a machine without torch, and nothing below can import the layers above it."""
     modules = _modules_after("import framework.config; framework.config.compose_config(['parallelism=hybrid'])")
     assert "framework.config.degrees" in modules  # the degrees arithmetic did load
-    above = [m for m in modules if m.startswith("framework.")
-             and not m.startswith(("framework.config", "framework.errors"))]
+    above = [
+        m for m in modules if m.startswith("framework.") and not m.startswith(("framework.config", "framework.errors"))
+    ]
     assert above == []
     assert [m for m in modules if m == "torch" or m.startswith("torch.")] == []
 

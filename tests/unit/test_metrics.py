@@ -1,12 +1,20 @@
 """metrics.jsonl after a resume: every step once, as in an uninterrupted run."""
+
 import json
 
 from framework.metrics import MetricsLogger
 
 
 def _logger(run_dir, start_step):
-    return MetricsLogger(str(run_dir), enabled=True, total_steps=10, start_step=start_step, jsonl=True,
-                         tensorboard=False, progress_bar=False)
+    return MetricsLogger(
+        str(run_dir),
+        enabled=True,
+        total_steps=10,
+        start_step=start_step,
+        jsonl=True,
+        tensorboard=False,
+        progress_bar=False,
+    )
 
 
 def test_resume_drops_the_unfinished_attempts_later_steps(tmp_path):

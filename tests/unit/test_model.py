@@ -1,4 +1,5 @@
 """The Llama model family: shapes, meta-device construction, and the published sizes."""
+
 import subprocess
 import sys
 
@@ -17,8 +18,9 @@ def model_cfg(name, **overrides):
     return cfg
 
 
-@pytest.mark.parametrize("name, billions", [("llama_7b", 6.74), ("llama_13b", 13.02), ("llama_70b", 68.98),
-                                            ("llama_1b", 1.24)])
+@pytest.mark.parametrize(
+    "name, billions", [("llama_7b", 6.74), ("llama_13b", 13.02), ("llama_70b", 68.98), ("llama_1b", 1.24)]
+)
 def test_published_sizes(name, billions):
     model = build_model(model_cfg(name), "meta")
     assert model.num_params() / 1e9 == pytest.approx(billions, abs=0.01)
@@ -51,8 +53,7 @@ def test_70b_on_meta_allocates_nothing_and_shards():
     """In a fresh process, so the peak resident size (a high-water mark for the process's whole
     life) starts at the imports, not at whatever earlier tests in this process reached. The fp32
     70B model would be 276 GB; building and sharding it on meta must stay under 1 GiB."""
-    out = subprocess.run([sys.executable, "-c", _META_70B], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", _META_70B], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     grown_gib = float(out.stdout.split()[-1])
     assert grown_gib < 1.0, f"building a 70B model on meta grew the peak RSS by {grown_gib:.1f} GiB"

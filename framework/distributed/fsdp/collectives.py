@@ -141,10 +141,10 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, s
     if not _gloo(group):
         return Pending(dist.all_gather_single(output, shard, group=group, async_op=True), output, stats)
     S, r = shard.numel(), dist.get_rank(group)
-    own = output[r * S:(r + 1) * S]
+    own = output[r * S : (r + 1) * S]
     if own.data_ptr() != shard.data_ptr():
         own.copy_(shard)
-    works = [dist.broadcast(output[j * S:(j + 1) * S], group=group, group_src=j, async_op=True) for j in range(n)]
+    works = [dist.broadcast(output[j * S : (j + 1) * S], group=group, group_src=j, async_op=True) for j in range(n)]
     return Pending(works, output, stats)
 
 
@@ -172,7 +172,7 @@ def reduce_scatter(
         work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return Pending(work, output, stats)
     S, r = output.numel(), dist.get_rank(group)
-    own = full[r * S:(r + 1) * S]
+    own = full[r * S : (r + 1) * S]
     if r in (0, n - 1):  # own chunk at one end: exchange only the other chunks
         send = full[S:] if r == 0 else full[: (n - 1) * S]
         splits = [0 if j == r else S for j in range(n)]

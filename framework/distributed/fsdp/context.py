@@ -155,7 +155,7 @@ class ShardContext:
             self.set_phase(TrainingPhase.POST_BACKWARD)
             # What the fixed order still holds (units waiting for an earlier one, units with
             # parameters unused on this rank): issue it now, in that order, on every rank alike.
-            for u in self.reduce_order[self.next_reduce:]:
+            for u in self.reduce_order[self.next_reduce :]:
                 if u._ready or u.used_this_step():
                     u.reduce_grads()
             self.next_reduce = 0

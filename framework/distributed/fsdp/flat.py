@@ -137,12 +137,12 @@ def quantize_into(x: torch.Tensor, out: torch.Tensor, block: int) -> None:
     step = block * _PIECE
     scales = torch.empty(n // block, dtype=torch.float32, device=x.device)
     for a in range(0, n, step):
-        xb = x[a:a + step].reshape(-1, block).float()
-        scale = scales[a // block:a // block + xb.shape[0]]
+        xb = x[a : a + step].reshape(-1, block).float()
+        scale = scales[a // block : a // block + xb.shape[0]]
         torch.amax(xb.abs(), dim=1, out=scale)
         scale.clamp_min_(1e-30).div_(127.0)
         q = torch.round(xb / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        out[a:a + q.numel()].copy_(q.view(-1).view(torch.uint8))
+        out[a : a + q.numel()].copy_(q.view(-1).view(torch.uint8))
     out[n:].copy_(scales.view(torch.uint8))
 
 
@@ -153,7 +153,7 @@ def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int, accumul
     step = block * _PIECE
     scales = packed[n:].view(torch.float32)
     for a in range(0, n, step):
-        q = packed[a:min(a + step, n)].view(torch.int8).view(-1, block)
-        vals = q.float().mul_(scales[a // block:a // block + q.shape[0], None])
-        dst = out[a:a + vals.numel()].view(-1, block)
+        q = packed[a : min(a + step, n)].view(torch.int8).view(-1, block)
+        vals = q.float().mul_(scales[a // block : a // block + q.shape[0], None])
+        dst = out[a : a + vals.numel()].view(-1, block)
         dst.add_(vals) if accumulate else dst.copy_(vals)

@@ -38,8 +38,14 @@ class ShardedModule:
 
     def comm_stats(self) -> dict:
         """Communication since `reset_comm_stats()`, summed over the units at and below this module."""
-        keys = ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes", "num_collectives",
-                "exposed_comm_s")
+        keys = (
+            "allgather_bytes",
+            "reduce_scatter_bytes",
+            "allreduce_bytes",
+            "alltoall_bytes",
+            "num_collectives",
+            "exposed_comm_s",
+        )
         out = {k: 0 for k in keys}
         for u in self._units():
             u.stats.resolve()  # CUDA: read the timed waits (see collectives.wait)
@@ -163,7 +169,7 @@ def _shard_rows(mesh: DeviceMesh) -> List[Tuple[int, ...]]:
 def secondary_blocks(rows: Sequence[Sequence[int]], k: int) -> List[Tuple[int, ...]]:
     """hpZ: the groups of k consecutive ranks of each shard row, in creation order (every rank
     must create every group, in this order; `rows` must be the whole world's, see _shard_rows)."""
-    return [tuple(row[i:i + k]) for row in sorted(tuple(r) for r in rows) for i in range(0, len(row), k)]
+    return [tuple(row[i : i + k]) for row in sorted(tuple(r) for r in rows) for i in range(0, len(row), k)]
 
 
 def _groups_for(blocks: List[Tuple[int, ...]]) -> Dict[Tuple[int, ...], dist.ProcessGroup]:
@@ -304,8 +310,9 @@ def fully_shard(
                         )
                     tp = TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
                     src = p._local_tensor
-                by_id[id(p)] = FlatEntry(users=[], shape=src.shape, offset=0, numel=src.numel(),
-                                         requires_grad=p.requires_grad, tp=tp)
+                by_id[id(p)] = FlatEntry(
+                    users=[], shape=src.shape, offset=0, numel=src.numel(), requires_grad=p.requires_grad, tp=tp
+                )
                 params[id(p)] = src
                 owners[id(p)] = p
             by_id[id(p)].users.append((mod, name, fqn))
@@ -352,10 +359,19 @@ def fully_shard(
     layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align)
     shard_dtype = originals[0].dtype if originals else torch.float32
     unit = ShardUnit(
-        module, entries=entries, layout=layout, shard_group=shard_group,
-        reduce_group=_reduce_group(mesh, shard_group), replicate_group=replicate_group, mesh=mesh,
-        reshard_after_forward=bool(reshard_after_forward), mp=mp_policy, offload=offload_policy is not None,
-        comm=comm_policy, compute_device=device, shard_dtype=shard_dtype,
+        module,
+        entries=entries,
+        layout=layout,
+        shard_group=shard_group,
+        reduce_group=_reduce_group(mesh, shard_group),
+        replicate_group=replicate_group,
+        mesh=mesh,
+        reshard_after_forward=bool(reshard_after_forward),
+        mp=mp_policy,
+        offload=offload_policy is not None,
+        comm=comm_policy,
+        compute_device=device,
+        shard_dtype=shard_dtype,
     )
     if hpz is not None:
         unit.set_secondary(*hpz)

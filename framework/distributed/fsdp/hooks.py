@@ -207,9 +207,7 @@ def register(unit: ShardUnit) -> None:
     unit.module.register_forward_pre_hook(
         lambda m, a, k, u=unit: pre_forward(u, m, a, k), prepend=True, with_kwargs=True
     )
-    unit.module.register_forward_hook(
-        lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True
-    )
+    unit.module.register_forward_hook(lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True)
     register_param_hooks(unit)
 
 

@@ -43,7 +43,7 @@ def _gather_flat(unit: "ShardUnit", local: torch.Tensor) -> torch.Tensor:
 
 
 def _to_dtensor(unit: "ShardUnit", e: FlatEntry, full_flat: torch.Tensor) -> DTensor:
-    full = full_flat[e.offset:e.offset + e.numel].view(e.shape)
+    full = full_flat[e.offset : e.offset + e.numel].view(e.shape)
     if unit.state_mesh is not unit.mesh:
         # Tensor parallel composition: ([Replicate() over dp_replicate,] Shard(0) over dp_shard, the
         # TP placement over tp) on the 2-D or 3-D state mesh. Built from the global value so nested

@@ -92,6 +92,7 @@ def grad_divide_factors(dp: int, reduce_dtype: torch.dtype) -> Tuple[float, floa
         pre *= 2
     return float(pre), dp / pre
 
+
 # [Note: unsharded storage keeps its identity]
 # Autograd saves the full parameters (and views of them, e.g. `weight.t()` inside linear) for
 # backward. So a unit's unsharded parameters are created once, as tensors over one untyped storage
@@ -342,7 +343,7 @@ class ShardUnit:
             # before the next packed one starts. No int8 buffer outlives the gather.
             packed = self._packed_tail()
             nb = packed_nbytes(L.shard_numel, self.comm.block_size)
-            own = packed[L.rank * nb:(L.rank + 1) * nb]
+            own = packed[L.rank * nb : (L.rank + 1) * nb]
             quantize_into(self.shard, own, self.comm.block_size)
             self._gather = C.all_gather(packed, own, self.shard_group, self.stats)
         else:
@@ -383,10 +384,10 @@ class ShardUnit:
         esize = self.full_flat.element_size()
         with record_function("fsdp::dequantize"):
             for r in range(self.N):
-                src = packed[r * nb:(r + 1) * nb]
+                src = packed[r * nb : (r + 1) * nb]
                 if esize * (r + 1) * S > start + r * nb:  # would overwrite its own packed chunk:
                     src = src.clone()  # a transient copy of the int8 chunk (1/4 of an fp32 shard)
-                dequantize_into(src, self.full_flat[r * S:(r + 1) * S], b)
+                dequantize_into(src, self.full_flat[r * S : (r + 1) * S], b)
 
     def _expose(self) -> None:
         # The modules read the full parameter through the instance __dict__, which Python consults
@@ -438,7 +439,7 @@ class ShardUnit:
             self._secondary = torch.empty(M, dtype=self.param_dtype, device=self.compute_device)
         elif self._secondary.untyped_storage().nbytes() == 0:
             self._secondary.untyped_storage().resize_(M * self._secondary.element_size())
-        self._secondary.copy_(self.full_flat[idx * M:(idx + 1) * M])
+        self._secondary.copy_(self.full_flat[idx * M : (idx + 1) * M])
         self.reshard()
         self._secondary_valid = True
 
@@ -472,7 +473,7 @@ class ShardUnit:
         if not self._in_place_this_backward() or self._written[idx]:
             return None
         e = self.entries[idx]
-        dst = self.full_flat[e.offset:e.offset + e.numel].view(e.shape)
+        dst = self.full_flat[e.offset : e.offset + e.numel].view(e.shape)
         with torch.no_grad():
             dst.copy_(grad)
         self._written[idx] = True
@@ -555,20 +556,31 @@ class ShardUnit:
         q_pooled = False
         if quant:  # the chunks are summed in fp32: straight into the grad shard when it is fp32 and fresh
             direct = fresh and self.shard_dtype == torch.float32 and self.grad_shard.device == buf.device
-            out = self.grad_shard if direct else self.ctx.acquire_buffer(
-                self, L.shard_numel, torch.float32, self.compute_device, "q"
+            out = (
+                self.grad_shard
+                if direct
+                else self.ctx.acquire_buffer(self, L.shard_numel, torch.float32, self.compute_device, "q")
             )
             pending, q_recv, q_pooled = self._issue_quantized_reduce(buf)
         else:
-            out = self.grad_shard if direct else self.ctx.acquire_buffer(
-                self, L.shard_numel, self.reduce_dtype, self.compute_device, "out"
+            out = (
+                self.grad_shard
+                if direct
+                else self.ctx.acquire_buffer(self, L.shard_numel, self.reduce_dtype, self.compute_device, "out")
             )
             k = C.reduce_scatter_scratch_numel(self.reduce_group, L.shard_numel)
             scratch = self.ctx.acquire_buffer(self, k, buf.dtype, self.compute_device, "rs") if k else None
             pending = C.reduce_scatter(out, buf, self.reduce_group, self.stats, scratch)
         self._pending = _Reduction(
-            pending=pending, pooled_input=buf if pooled else None, direct=direct, fresh=fresh, post_divide=post,
-            out=None if direct else out, in_place=in_place, scratch=scratch, quantized=q_recv,
+            pending=pending,
+            pooled_input=buf if pooled else None,
+            direct=direct,
+            fresh=fresh,
+            post_divide=post,
+            out=None if direct else out,
+            in_place=in_place,
+            scratch=scratch,
+            quantized=q_recv,
             quantized_pooled=q_pooled,
         )
         if in_place:
@@ -595,7 +607,7 @@ class ShardUnit:
                 if self._written[i]:  # already in place (pre_accumulate)
                     full.grad = None
                     continue
-                dst = buf[e.offset:e.offset + e.numel]
+                dst = buf[e.offset : e.offset + e.numel]
                 if g is None:
                     if not accumulate:
                         dst.zero_()
@@ -603,7 +615,7 @@ class ShardUnit:
                     dst.add_(g.view(-1)) if accumulate else dst.copy_(g.reshape(-1))
                     full.grad = None
             if not accumulate and L.padded_total > L.total:
-                buf[L.total:].zero_()
+                buf[L.total :].zero_()
 
     def _issue_quantized_reduce(self, buf: torch.Tensor) -> Tuple[C.Pending, torch.Tensor, bool]:
         """qgZ: quantize all N chunks, all-to-all them; finish_reduce sums the dequantized chunks.
@@ -619,12 +631,12 @@ class ShardUnit:
         send = raw[: self.N * nb]
         with record_function("fsdp::quantize"):
             for r in range(self.N):
-                quantize_into(buf[r * S:(r + 1) * S], send[r * nb:(r + 1) * nb], b)
+                quantize_into(buf[r * S : (r + 1) * S], send[r * nb : (r + 1) * nb], b)
         pooled = raw.numel() < 2 * self.N * nb
         if pooled:
             recv = self.ctx.acquire_buffer(self, self.N * nb, torch.uint8, self.compute_device, "qrecv")
         else:
-            recv = raw[self.N * nb: 2 * self.N * nb]
+            recv = raw[self.N * nb : 2 * self.N * nb]
         return C.all_to_all(recv, send, self.reduce_group, self.stats), recv, pooled
 
     def finish_reduce(self) -> None:
@@ -641,7 +653,7 @@ class ShardUnit:
             total = self.grad_shard if red.direct else out
             with record_function("fsdp::dequantize"):
                 for r in range(self.N):
-                    dequantize_into(red.quantized[r * nb:(r + 1) * nb], total, b, accumulate=r > 0)
+                    dequantize_into(red.quantized[r * nb : (r + 1) * nb], total, b, accumulate=r > 0)
             if red.quantized_pooled:
                 self.ctx.release_buffer(red.quantized)
         if red.in_place:

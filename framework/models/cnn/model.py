@@ -8,6 +8,7 @@ FSDP-on-MNIST tutorial's network, scaled to the image size.
 
 A plain nn.Module with no parallel code; `blocks` lists the sharding units.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,15 +36,18 @@ class ClassifierBlock(nn.Module):
 
 
 class DigitsCNN(nn.Module):
-    def __init__(self, channels: int = 32, hidden: int = 128, num_classes: int = 10,
-                 image_size: int = 8, dropout: float = 0.1):
+    def __init__(
+        self, channels: int = 32, hidden: int = 128, num_classes: int = 10, image_size: int = 8, dropout: float = 0.1
+    ):
         super().__init__()
         pooled = image_size // 2
-        self.layers = nn.ModuleList([
-            ConvBlock(1, channels, pool=False),
-            ConvBlock(channels, 2 * channels, pool=True),
-            ClassifierBlock(2 * channels * pooled * pooled, hidden, dropout),
-        ])
+        self.layers = nn.ModuleList(
+            [
+                ConvBlock(1, channels, pool=False),
+                ConvBlock(channels, 2 * channels, pool=True),
+                ClassifierBlock(2 * channels * pooled * pooled, hidden, dropout),
+            ]
+        )
         self.head = nn.Linear(hidden, num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

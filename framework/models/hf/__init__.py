@@ -1,5 +1,6 @@
 """The Hugging Face family (`model=hf`): any transformers model type with `_no_split_modules`,
 registered here. transformers is imported only when such a model is built."""
+
 from framework.models.hf.model import (
     HFAdapter,
     blocks,
@@ -13,15 +14,17 @@ from framework.models.hf.model import (
 from framework.models.registry import ModelFamily, register_family
 from framework.models.tasks import get_task
 
-FAMILY = register_family(ModelFamily(
-    names=("hf",),
-    build=build_hf,
-    check=check_config,
-    blocks=blocks,
-    task=lambda cfg: get_task(cfg.task),
-    init_weights=init_weights,
-    adapter=HFAdapter,
-    flops_per_token=flops_per_token,
-    vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
-    weights_dir=weights_dir,
-))
+FAMILY = register_family(
+    ModelFamily(
+        names=("hf",),
+        build=build_hf,
+        check=check_config,
+        blocks=blocks,
+        task=lambda cfg: get_task(cfg.task),
+        init_weights=init_weights,
+        adapter=HFAdapter,
+        flops_per_token=flops_per_token,
+        vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
+        weights_dir=weights_dir,
+    )
+)

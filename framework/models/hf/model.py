@@ -7,6 +7,7 @@ units are the model's own `_no_split_modules` (decoder/encoder blocks); the root
 (embeddings, tied heads, final norms). Weights are read by `framework/checkpoint/hf.py`, each rank
 only its own slices (see [Note: sliced import]).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,11 @@ from torch import nn
 from framework.config.schema import ModelConfig
 from framework.errors import UserInputError
 
-TASK_CLASSES = {"causal_lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM",
-                "sequence_classification": "AutoModelForSequenceClassification"}
+TASK_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+}
 
 
 def _config_dict(cfg: ModelConfig) -> dict:
@@ -34,24 +38,31 @@ def _config_dict(cfg: ModelConfig) -> dict:
             raise UserInputError("model.config needs model_type (e.g. model.config={model_type: gpt2, n_layer: 2})")
         return data
     if not cfg.path:
-        raise UserInputError("model=hf needs model.path=<a local directory with config.json> "
-                             "(or an inline model.config={model_type: ...})")
+        raise UserInputError(
+            "model=hf needs model.path=<a local directory with config.json> "
+            "(or an inline model.config={model_type: ...})"
+        )
     if os.path.isfile(cfg.path):
-        raise UserInputError(f"model.path={cfg.path}: this is a file; give the directory that holds "
-                             "config.json")
+        raise UserInputError(f"model.path={cfg.path}: this is a file; give the directory that holds config.json")
     if not os.path.isdir(cfg.path):
-        raise UserInputError(f"model.path={cfg.path}: no such local directory, and nothing is downloaded; "
-                             f"download it first (e.g. `hf download {cfg.path} --local-dir <dir>`) and "
-                             "set model.path=<dir>")
+        raise UserInputError(
+            f"model.path={cfg.path}: no such local directory, and nothing is downloaded; "
+            f"download it first (e.g. `hf download {cfg.path} --local-dir <dir>`) and "
+            "set model.path=<dir>"
+        )
     path = os.path.join(cfg.path, "config.json")
     if not os.path.isfile(path):
-        raise UserInputError(f"model.path={cfg.path}: no config.json in this directory; give the directory "
-                             "written by transformers' save_pretrained")
+        raise UserInputError(
+            f"model.path={cfg.path}: no config.json in this directory; give the directory "
+            "written by transformers' save_pretrained"
+        )
     with open(path) as f:
         data = json.load(f)
     if data.get("auto_map"):
-        raise UserInputError(f"model.path={cfg.path}: config.json asks for custom model code (auto_map), "
-                             "which this framework never runs; use a model type built into transformers")
+        raise UserInputError(
+            f"model.path={cfg.path}: config.json asks for custom model code (auto_map), "
+            "which this framework never runs; use a model type built into transformers"
+        )
     return data
 
 
@@ -111,8 +122,10 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
         # checkpointing recomputes the block (the export says use_cache=true again for generation).
         model.config.use_cache = False
     except ValueError as exc:
-        raise UserInputError(f"model.task={cfg.task}: transformers has no such model for "
-                             f"model_type={config.model_type} ({str(exc).splitlines()[0]})") from None
+        raise UserInputError(
+            f"model.task={cfg.task}: transformers has no such model for "
+            f"model_type={config.model_type} ({str(exc).splitlines()[0]})"
+        ) from None
     return model
 
 
@@ -127,8 +140,10 @@ def blocks(model: nn.Module) -> list:
             found.append(module)
             inside.add(name)
     if not found:
-        raise UserInputError(f"model=hf: {type(model).__name__} names no blocks (_no_split_modules); "
-                             "this model type cannot be sharded per block")
+        raise UserInputError(
+            f"model=hf: {type(model).__name__} names no blocks (_no_split_modules); "
+            "this model type cannot be sharded per block"
+        )
     return found
 
 
@@ -182,7 +197,7 @@ class HFAdapter:
         if name in self.tied:
             return self.tied[name]
         if self.prefix and name.startswith(self.prefix + "."):
-            return name[len(self.prefix) + 1:]  # a base-model checkpoint into a model with a head
+            return name[len(self.prefix) + 1 :]  # a base-model checkpoint into a model with a head
         return None
 
     def ignorable(self, key: str) -> bool:
@@ -201,13 +216,23 @@ class HFAdapter:
 
         if not cfg.path:
             return
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                     "merges.txt", "spiece.model", "tokenizer.model", "generation_config.json"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "vocab.json",
+            "merges.txt",
+            "spiece.model",
+            "tokenizer.model",
+            "generation_config.json",
+        ):
             if os.path.isfile(os.path.join(cfg.path, name)):
                 shutil.copyfile(os.path.join(cfg.path, name), os.path.join(out_dir, name))
 
     def check_hf_config(self, hf: dict, cfg: ModelConfig, where: str) -> None:
         mine = json.loads(self.config.to_json_string(use_diff=False))
         if hf.get("model_type") != mine.get("model_type"):
-            raise UserInputError(f"{where}: its config.json has model_type={hf.get('model_type')!r}, the model "
-                                 f"is {mine.get('model_type')!r}")
+            raise UserInputError(
+                f"{where}: its config.json has model_type={hf.get('model_type')!r}, the model "
+                f"is {mine.get('model_type')!r}"
+            )

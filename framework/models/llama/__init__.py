@@ -1,4 +1,5 @@
 """Our Llama family: the model, its tensor-parallel plan, its Hugging Face adapter; registered here."""
+
 from framework.models.llama.adapter import LlamaAdapter, check_rope_scaling
 from framework.models.llama.model import Transformer, TransformerBlock, build_llama  # noqa: F401
 from framework.models.llama.parallelize import tp_plan
@@ -17,15 +18,17 @@ def _init_weights(model: Transformer, seed) -> None:
     model.init_weights(seed=seed)
 
 
-FAMILY = register_family(ModelFamily(
-    names=PRESETS,
-    build=_build,
-    check=check_rope_scaling,
-    blocks=lambda model: list(model.layers),
-    init_weights=_init_weights,
-    tp_plan=tp_plan,
-    adapter=lambda cfg: LlamaAdapter(tied=cfg.tie_embeddings),
-    embedding_name="tok_embeddings.weight",
-    num_params=lambda model: model.num_params(),
-    flops_per_token=lambda model, seq_len: model.flops_per_token(seq_len),
-))
+FAMILY = register_family(
+    ModelFamily(
+        names=PRESETS,
+        build=_build,
+        check=check_rope_scaling,
+        blocks=lambda model: list(model.layers),
+        init_weights=_init_weights,
+        tp_plan=tp_plan,
+        adapter=lambda cfg: LlamaAdapter(tied=cfg.tie_embeddings),
+        embedding_name="tok_embeddings.weight",
+        num_params=lambda model: model.num_params(),
+        flops_per_token=lambda model, seq_len: model.flops_per_token(seq_len),
+    )
+)

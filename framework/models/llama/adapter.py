@@ -3,6 +3,7 @@
 The rotary layout (rotate halves) and the grouping of query heads per KV head (repeat_interleave)
 are the same as Hugging Face Llama's, so the weights map one to one, without permutation.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,23 +70,36 @@ def check_rope_scaling(cfg: ModelConfig) -> None:
     kind = scaling.get("rope_type", scaling.get("type")) if hasattr(scaling, "get") else None
     missing = [k for k in ROPE_SCALING_KEYS if not hasattr(scaling, "get") or k not in scaling]
     if kind != "llama3" or missing:
-        raise UserInputError(f"model.rope_scaling={scaling!r}: only Llama 3's scaling is implemented; give "
-                             "{rope_type: llama3, factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
-                             "original_max_position_embeddings: 8192} or null")
+        raise UserInputError(
+            f"model.rope_scaling={scaling!r}: only Llama 3's scaling is implemented; give "
+            "{rope_type: llama3, factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+            "original_max_position_embeddings: 8192} or null"
+        )
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.dim // cfg.n_heads,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.dim // cfg.n_heads,
         "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
         "torch_dtype": str(dtype).replace("torch.", ""),
-        "initializer_range": cfg.init_std, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": EOD_ID, "eos_token_id": EOD_ID, "pad_token_id": EOD_ID,
+        "initializer_range": cfg.init_std,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": EOD_ID,
+        "eos_token_id": EOD_ID,
+        "pad_token_id": EOD_ID,
     }
     if cfg.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **{k: cfg.rope_scaling[k] for k in ROPE_SCALING_KEYS}}
@@ -105,20 +119,32 @@ def _rope_of(hf: dict) -> tuple:
 def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
     """Refuse, in one line naming the field and the setting that matches, a config.json whose
     model computes differently from `cfg`: every field that changes the computation is compared."""
+
     def refuse(message: str) -> None:
         raise UserInputError(f"{where}: its config.json has {message}")
 
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
-        refuse(f"model_type={model_type!r}; our Llama reads Llama checkpoints only (use model=hf model.path=<dir> "
-               "for other types)")
+        refuse(
+            f"model_type={model_type!r}; our Llama reads Llama checkpoints only (use model=hf model.path=<dir> "
+            "for other types)"
+        )
     want = hf_config(cfg, torch.float32)
-    for key, field in (("vocab_size", "vocab_size"), ("hidden_size", "dim"), ("intermediate_size", "ffn_dim"),
-                       ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
-                       ("num_key_value_heads", "n_kv_heads"), ("head_dim", None)):
+    for key, field in (
+        ("vocab_size", "vocab_size"),
+        ("hidden_size", "dim"),
+        ("intermediate_size", "ffn_dim"),
+        ("num_hidden_layers", "n_layers"),
+        ("num_attention_heads", "n_heads"),
+        ("num_key_value_heads", "n_kv_heads"),
+        ("head_dim", None),
+    ):
         if key in hf and hf[key] is not None and hf[key] != want[key]:
-            fix = f"set model.{field}={hf[key]}" if field else \
-                "this head size is not dim / n_heads, which our Llama needs"
+            fix = (
+                f"set model.{field}={hf[key]}"
+                if field
+                else "this head size is not dim / n_heads, which our Llama needs"
+            )
             refuse(f"{key}={hf[key]} but model={cfg.name} has {want[key]}; {fix} (or choose the matching preset)")
     if hf.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act={hf['hidden_act']!r}; our Llama's feed-forward is SwiGLU (silu) only")
@@ -140,8 +166,10 @@ def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
         refuse(f"rms_norm_eps={eps:g} but model.norm_eps={cfg.norm_eps:g}; set model.norm_eps={eps:g}")
     tied = bool(hf.get("tie_word_embeddings", False))  # transformers' LlamaConfig default
     if tied != cfg.tie_embeddings:
-        refuse(f"tie_word_embeddings={str(tied).lower()} but model.tie_embeddings={str(cfg.tie_embeddings).lower()}; "
-               f"set model.tie_embeddings={str(tied).lower()}")
+        refuse(
+            f"tie_word_embeddings={str(tied).lower()} but model.tie_embeddings={str(cfg.tie_embeddings).lower()}; "
+            f"set model.tie_embeddings={str(tied).lower()}"
+        )
 
 
 def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
@@ -151,14 +179,34 @@ def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
 
     eod = getattr(tokenizer, "eod", EOD_ID) if tokenizer is not None else EOD_ID
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod, "do_sample": True,
-                   "temperature": 0.8, "top_k": 20, "max_length": cfg.max_seq_len}, f, indent=2)
+        json.dump(
+            {
+                "bos_token_id": eod,
+                "eos_token_id": eod,
+                "pad_token_id": eod,
+                "do_sample": True,
+                "temperature": 0.8,
+                "top_k": 20,
+                "max_length": cfg.max_seq_len,
+            },
+            f,
+            indent=2,
+        )
     path = getattr(tokenizer, "path", None)
     if not path:
         return
     shutil.copyfile(path, os.path.join(out_dir, "tokenizer.json"))
     token = tokenizer.decode([eod]) if hasattr(tokenizer, "decode") else None
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token, "eos_token": token,
-                   "pad_token": token, "model_max_length": cfg.max_seq_len, "clean_up_tokenization_spaces": False},
-                  f, indent=2)
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": token,
+                "eos_token": token,
+                "pad_token": token,
+                "model_max_length": cfg.max_seq_len,
+                "clean_up_tokenization_spaces": False,
+            },
+            f,
+            indent=2,
+        )

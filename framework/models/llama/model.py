@@ -5,6 +5,7 @@ A plain nn.Module with no parallel code: parallelism is applied after constructi
 weight shapes (`view(..., -1, head_dim)`) so that tensor parallelism can split q/k/v column-wise
 without the model knowing.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                       original_max_position_embeddings: int) -> torch.Tensor:
+def llama3_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:
     """Llama 3's rope scaling: frequencies whose wavelength is longer than the original context /
     low_freq_factor are divided by `factor`, those shorter than context / high_freq_factor are
     kept, and the band between is interpolated linearly in context / wavelength."""
@@ -42,8 +48,9 @@ def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: f
     return inv_freq / factor * (1 - blend) + inv_freq * blend
 
 
-def rotary_table(head_dim: int, max_seq_len: int, theta: float, device=None, scaling: dict | None = None
-                 ) -> torch.Tensor:
+def rotary_table(
+    head_dim: int, max_seq_len: int, theta: float, device=None, scaling: dict | None = None
+) -> torch.Tensor:
     """(max_seq_len, head_dim) table: cos in the first half of the last dim, sin in the second.
     `scaling`: None, or {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings} (model.rope_scaling)."""
@@ -89,8 +96,9 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
         # mask: None (causal) or (batch, 1, seq, seq) booleans, True where a query may attend.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=mask is None)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
+        )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -140,8 +148,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return result
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (batch, seq, vocab). Packed sequences (several documents in one row) pass each
         token's position inside its document and its document's id, both (batch, seq): a token
         then attends only to earlier tokens of its own document (a block-diagonal causal mask)."""
@@ -168,9 +177,15 @@ class Transformer(nn.Module):
         if seed is not None and self.tok_embeddings.weight.device.type == "cpu":
             gen = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
-        self.rope.copy_(rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len,
-                                     self.cfg.rope_theta, device=self.rope.device,
-                                     scaling=self.cfg.rope_scaling))
+        self.rope.copy_(
+            rotary_table(
+                self.cfg.dim // self.cfg.n_heads,
+                self.cfg.max_seq_len,
+                self.cfg.rope_theta,
+                device=self.rope.device,
+                scaling=self.cfg.rope_scaling,
+            )
+        )
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()

@@ -17,6 +17,7 @@ With sequence parallelism the activations between the blocks' matmuls (the resid
 the norms) are sharded on the sequence dim instead of replicated: the row-wise outputs become
 reduce-scatters, the column-wise inputs all-gathers, and the norms compute on 1/t of the tokens.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -46,8 +47,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyl
         prefix = f"layers.{index}"
         block = {
             # The rotary table (second argument) is a plain tensor every rank holds whole.
-            "attention": PrepareModuleInput(input_layouts=(stream, None),
-                                            desired_input_layouts=(Replicate(), None)),
+            "attention": PrepareModuleInput(input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

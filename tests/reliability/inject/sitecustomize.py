@@ -8,6 +8,7 @@ computes the loss once and nothing else does), do <kind>:
   runtime  raise RuntimeError     oserror  raise OSError       kill  SIGKILL itself
 <attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean).
 """
+
 import os
 
 _spec = os.environ.get("FRAMEWORK_TEST_FAULT", "")
@@ -26,8 +27,11 @@ if _spec:
     def _faulty_cross_entropy(*args, **kwargs):
         _calls[0] += 1
         for kind, rank, call, attempt in _faults:
-            if (os.environ.get("RANK") == rank and _calls[0] == call
-                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt):
+            if (
+                os.environ.get("RANK") == rank
+                and _calls[0] == call
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt
+            ):
                 if kind == "runtime":
                     raise RuntimeError(f"injected fault on rank {rank} at call {call}")
                 if kind == "oserror":
