@@ -22,7 +22,7 @@ allocation events) and the process's peak RSS.
 
 The same script runs unchanged on CUDA machines (NCCL, one GPU per rank); there it also reports
 tokens/s per GPU and MFU against the GPU's bf16 peak (from framework/planner/devices.py).
-Writes bench/peers_results.json, a markdown table (stdout) and bench/peers.png.
+Writes bench/peers_results.json, a markdown table (stdout) and bench/peers_results.png.
 """
 
 from __future__ import annotations
