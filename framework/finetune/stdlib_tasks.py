@@ -29,7 +29,8 @@ MAX_SOURCE_CHARS = 700
 MAX_DOC_CHARS = 80
 
 
-def _pairs_of(path: str):
+def _functions_of(path: str):
+    """(function node, the module's lines) for every function of one module that parses."""
     with open(path, encoding="utf-8", errors="replace") as f:
         source = f.read()
     try:
@@ -38,8 +39,12 @@ def _pairs_of(path: str):
         return
     lines = source.splitlines(keepends=True)
     for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
-            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            yield node, lines
+
+
+def _pairs_of(path: str):
+    for node, lines in _functions_of(path):
         body = node.body
         first = body[0]
         has_doc = (
@@ -64,15 +69,8 @@ def _pairs_of(path: str):
 
 def _docstring_pairs_of(path: str):
     """(function source without its docstring -> the docstring's first line) of one module."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        source = f.read()
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return
-    lines = source.splitlines(keepends=True)
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+    for node, lines in _functions_of(path):
+        if len(node.body) < 2:
             continue
         doc = ast.get_docstring(node, clean=True)
         if not doc or not doc.strip().splitlines()[0].strip():
