@@ -66,6 +66,12 @@ def stages_of(job: Job, cfg: Config) -> List[Stage]:
     return [Stage(s) for s in job.cluster.stages] or [cfg.stage]
 
 
+def apptainer_command(nv: List[str], mounts: Sequence[str], workdir: str, image: str) -> List[str]:
+    """`apptainer exec` for a job: no $HOME and no host environment inside (--no-home --cleanenv;
+    the job's variables come as APPTAINERENV_<NAME>), the mounts bound, the image's workdir."""
+    return ["apptainer", "exec", *nv, "--no-home", "--cleanenv", "--bind", ",".join(mounts), "--pwd", workdir, image]
+
+
 def run_dir(job: Job, stage: Stage) -> str:
     """Where main.py writes (hydra.run.dir): fixed per job, so every rank and every requeue shares it.
     Training writes to `run/`; data preparation and fine-tuning to a folder named after the stage,

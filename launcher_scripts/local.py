@@ -14,6 +14,7 @@ from launcher_scripts.config import ContainerRuntime
 from launcher_scripts.job import (
     Job,
     Raw,
+    apptainer_command,
     arg_groups,
     derived_port,
     env_lines,
@@ -59,18 +60,7 @@ def container_prefix(cfg: Config, job: Job) -> List[str]:
         return args + [k.image]
     if k.runtime == ContainerRuntime.apptainer:
         nv = ["--nv"] if cfg.cluster.gpus_per_node else []
-        return [
-            "apptainer",
-            "exec",
-            *nv,
-            "--no-home",
-            "--cleanenv",
-            "--bind",
-            ",".join(mounts),
-            "--pwd",
-            k.workdir,
-            k.image,
-        ]
+        return apptainer_command(nv, mounts, k.workdir, k.image)
     return []
 
 

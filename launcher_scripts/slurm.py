@@ -29,6 +29,7 @@ from launcher_scripts.job import (
     PORT_SPAN,
     Job,
     Raw,
+    apptainer_command,
     arg_groups,
     env_lines,
     join_lines,
@@ -113,18 +114,7 @@ def container_args(cfg: Config, job: Job, stage: Stage = Stage.training) -> List
         nv = ["--nv"] if cfg.cluster.gpus_per_node and stage != Stage.data_preparation else []
         # --no-home --cleanenv: neither $HOME nor the host's environment leaks in; the job's own
         # variables come as APPTAINERENV_<NAME> (see env_lines).
-        return [
-            "apptainer",
-            "exec",
-            *nv,
-            "--no-home",
-            "--cleanenv",
-            "--bind",
-            ",".join(mounts),
-            "--pwd",
-            k.workdir,
-            k.image,
-        ]
+        return apptainer_command(nv, mounts, k.workdir, k.image)
     return []
 
 
