@@ -209,9 +209,8 @@ class _mesh_coordinates:
 def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: int = 1) -> dict:
     """One traced step of the engine on a fake process group of `world` ranks; rank 0's view."""
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from framework.distributed.parallel_dims import resolve_parallel_dims
+    from framework.distributed.parallel_dims import build_mesh, resolve_parallel_dims
     from framework.distributed.tensor_parallel import loss_context
     from framework.models.llama import build_llama
 
@@ -227,9 +226,7 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
             world_size=world,
             nproc_per_node=8,
         )
-        mesh = init_device_mesh(
-            "cpu", (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
-        )
+        mesh = build_mesh(dims, "cpu")
         dim_of = {}
         for name in ("dp_replicate", "dp_shard", "tp"):
             dim_of[tuple(dist.get_process_group_ranks(mesh[name].get_group()))] = name

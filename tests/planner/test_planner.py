@@ -186,9 +186,8 @@ def _train_step(model, opt, g) -> None:
 
 
 def _engine_worker(rank: int, world: int, names):
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from framework.distributed.parallel_dims import resolve_parallel_dims
+    from framework.distributed.parallel_dims import build_mesh, resolve_parallel_dims
     from framework.models.llama import build_llama
 
     out = {}
@@ -203,9 +202,7 @@ def _engine_worker(rank: int, world: int, names):
             world_size=world,
             nproc_per_node=4,
         )
-        mesh = init_device_mesh(
-            "cpu", (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
-        )
+        mesh = build_mesh(dims, "cpu")
         torch.manual_seed(0)
         model = build_llama(cfg.model)
         model.init_weights(0)
