@@ -242,6 +242,7 @@ def measure(size: str, world: int, engines, steps: int, warmup: int, memory: boo
             "median_s": statistics.median(per_step),
             "min_s": min(per_step),
             "max_s": max(per_step),
+            "step_s": per_step,
             "bytes_per_step": statistics.median(res[0]["wire"][e]) if res[0]["wire"][e] else None,
             "exposed_comm_s": statistics.median(res[0]["exposed"][e]) if res[0]["exposed"][e] else None,
         }

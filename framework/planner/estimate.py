@@ -2,16 +2,19 @@
 
 The memory model follows our engine (`framework/distributed/fsdp/`) buffer by buffer:
 
-  between steps   fp32 shard + fp32 grad shard per unit ([Note: flat storage]: S = ceil(T / N)
-                  elements per rank, rounded up to the int8 block with quantized communication),
-                  optimizer state on this rank's real elements, the gradient-accumulation buffers
+  between steps   fp32 shard per unit ([Note: flat storage]: S = ceil(T / N) elements per rank,
+                  rounded up to the int8 block with quantized communication), optimizer state
+                  on this rank's real elements, the gradient-accumulation buffers
                   (unsharded, one per unit, once accumulation runs), the gradient buffer pool
                   (simulated exactly, see `grad_pool_bytes`), the send buffers of the cast or
                   quantized shards;
   during a step   the root unit stays gathered from its forward to the end of backward; a block is
                   gathered while it computes, plus the prefetched next one (ZeRO-3), or every block
                   stays gathered until backward ends (ZeRO-2); the saved activations of every block
-                  (measured per token: `activation_bytes_per_token`), the logits and the loss.
+                  (measured per token: `activation_bytes_per_token`), the logits and the loss;
+                  the fp32 grad shard per unit, allocated by its reduction in backward and freed
+                  by zero_grad(set_to_none=True) ([Note: gradient shards live from backward to
+                  zero_grad] in unit.py).
 
 Traffic follows ENGINE_NOTES.md section 5 and the counters of `collectives.py`: an all-gather counts
 the bytes this rank receives, a reduce-scatter or all-to-all the bytes it sends, an all-reduce the
@@ -221,7 +224,8 @@ class Memory:
 
     @property
     def between_steps(self) -> int:
-        return self.model_state + self.grad_pool + self.send_buffers + self.int8_buffers
+        """Held after zero_grad(set_to_none=True): gradient shards are freed there."""
+        return self.params + self.optimizer + self.grad_pool + self.send_buffers + self.int8_buffers
 
     @property
     def gathered_peak(self) -> int:
@@ -230,16 +234,13 @@ class Memory:
 
     @property
     def peak(self) -> int:
-        """Backward starts with every block's activations saved and the root gathered; first the
-        loss and the head (logits-wide tensors), then the last blocks gathered again, whichever
-        is larger."""
-        return (
-            self.between_steps
-            + self.accumulation
-            + self.activations
-            + self.gathered_root
-            + max(self.logits, self.gathered_blocks)
-        )
+        """Backward starts with every block's activations saved, the root gathered and no gradient
+        shard yet; first the loss and the head (logits-wide tensors), then the last blocks
+        gathered again, whichever is larger. It ends with every gradient shard and the
+        activations freed. The peak is the larger of the two ends."""
+        start = self.activations + max(self.logits, self.gathered_blocks)
+        end = self.grads + self.gathered_blocks
+        return self.between_steps + self.accumulation + self.gathered_root + max(start, end)
 
 
 def activation_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:

@@ -352,7 +352,7 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
             f"(none: {mem.activations_no_ckpt / GIB:.2f}, full checkpointing: {mem.activations_full_ckpt / GIB:.2f})"
         ),
         f"  logits and loss                 {_gib(mem.logits)}",
-        f"  peak (start of backward)        {_gib(mem.peak)}   of {job.budget_bytes / GIB:.1f}",
+        f"  peak (during backward)         {_gib(mem.peak)}   of {job.budget_bytes / GIB:.1f}",
         "",
         "Traffic per rank per step              GiB     calls",
     ]

@@ -445,6 +445,35 @@ def _quantized_memory(rank, ws):
     return out
 
 
+def _grad_lifetime(rank, ws):
+    """Memory held around a step: no unsharded storage after fully_shard, gradient shards only
+    from backward to zero_grad(set_to_none=True), as FSDP2's per-parameter gradients."""
+    import weakref
+
+    from framework.distributed.fsdp import sharded_units
+
+    torch.manual_seed(0)
+    model = _shard_blocks(_Deep())
+    units = sharded_units(model)
+    out = {"unsharded_after_init": [u.tensor_bytes()["unsharded"] for u in units]}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _plain_batch(0, rank, ws)
+    F.mse_loss(model(x), y).backward()
+    bases = {id(p.grad._base): weakref.ref(p.grad._base) for p in model.parameters() if p.grad is not None}
+    out["grad_bytes_after_backward"] = model.sharded_tensor_bytes()["grad_shard"]
+    out["shard_bytes"] = model.sharded_tensor_bytes()["shard"]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    out["grad_bytes_after_zero_grad"] = model.sharded_tensor_bytes()["grad_shard"]
+    out["grad_buffers"] = len(bases)
+    out["grad_buffers_alive"] = sum(r() is not None for r in bases.values())
+    # a second step allocates them again and the reduced values land in the new buffers
+    F.mse_loss(model(x), y).backward()
+    out["grad_bytes_second_backward"] = model.sharded_tensor_bytes()["grad_shard"]
+    out["unsharded_after_step"] = model.sharded_tensor_bytes()["unsharded"]
+    return out
+
+
 def _moe(rank, ws):
     """[8] experts unused on some ranks: no hang, no stale gradient, same as the reference."""
     return _compare(MoENet, 4, _moe_batch, rank, ws)
@@ -486,6 +515,7 @@ def cases_2(rank, ws):
         "quantized_memory": _guard(_quantized_memory, rank, ws),
         "moe": _guard(_moe, rank, ws),
         "compiled": _guard(_compiled, rank, ws),
+        "grad_lifetime": _guard(_grad_lifetime, rank, ws),
     }
     out.update(_frozen_cases(rank, ws))
     out.update(_tp_cases(rank, ws, ("full",), True))
@@ -584,6 +614,17 @@ def test_quantized_comm_buffers_bounded_and_counted(two):
     assert quant["accum_after"] == 0 and plain["accum_after"] == 0, r
     for side in (plain, quant):
         assert side["pool"][1:] == side["pool"][1:2] * (len(side["pool"]) - 1), r  # no growth after step 1
+
+
+def test_gradient_shards_live_from_backward_to_zero_grad(two):
+    r = _ok(two["grad_lifetime"])
+    # fully_shard holds shards only: no unit keeps its full parameters until a first reshard
+    assert r["unsharded_after_init"] == [0] * len(r["unsharded_after_init"]), r
+    assert r["grad_bytes_after_backward"] == r["shard_bytes"] > 0, r  # every parameter trains here
+    assert r["grad_bytes_after_zero_grad"] == 0, r
+    assert r["grad_buffers"] >= 1 and r["grad_buffers_alive"] == 0, r  # freed, not kept by the engine
+    assert r["grad_bytes_second_backward"] == r["shard_bytes"], r
+    assert r["unsharded_after_step"] == 0, r
 
 
 # ---------------------------------------------------------------- [8] risks

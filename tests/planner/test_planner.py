@@ -171,7 +171,7 @@ def _other_unit_buffers(model) -> int:
     return extra
 
 
-def _train_step(model, opt, g) -> None:
+def _train_step(model, opt, g, before_zero_grad=None) -> None:
     import torch.nn.functional as F
 
     from framework.distributed.tensor_parallel import loss_context
@@ -182,6 +182,8 @@ def _train_step(model, opt, g) -> None:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
         loss.backward()
     opt.step()
+    if before_zero_grad is not None:
+        before_zero_grad()
     opt.zero_grad(set_to_none=True)
 
 
@@ -215,9 +217,11 @@ def _engine_worker(rank: int, world: int, names):
         for _ in range(2):
             step()
         model.reset_comm_stats()
-        step()
+        held = {}
+        # the accounting with gradients (they live from backward to zero_grad(set_to_none=True))
+        step(before_zero_grad=lambda: held.update(model.sharded_tensor_bytes()))
         stats = model.comm_stats()  # one step's traffic
-        tb = model.sharded_tensor_bytes()
+        tb = held
         opt_bytes = sum(
             v.untyped_storage().nbytes() if v.numel() else (4 if v.dim() == 0 else 0)
             for st in opt.state.values()
@@ -227,7 +231,8 @@ def _engine_worker(rank: int, world: int, names):
         # Measured peak: every byte held between steps (the engine's accounting, the optimizer
         # state, and any other tensor a unit keeps, e.g. int8 send/receive buffers) plus the
         # highest net allocation during one more step.
-        persistent = tb.get("total", sum(tb.values())) + opt_bytes + _other_unit_buffers(model)
+        between = model.sharded_tensor_bytes()  # gradients freed by zero_grad: the step allocates them
+        persistent = between["total"] + opt_bytes + _other_unit_buffers(model)
         # The lowest of three steps: frees that gloo's threads make late can only raise a reading.
         peak = persistent + min(_peak_delta(step) for _ in range(3))
         stats.pop("exposed_comm_s")

@@ -192,6 +192,10 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
     else:
         i = ctx.order.index(unit) if unit in ctx.order else -1
         prev = ctx.order[i - 1] if i > 0 else None
+        if unit is ctx.root and ctx.order and ctx.order[-1] is not unit:
+            # backward starts at the root's outputs (e.g. the loss head) and reaches the unit that
+            # ran forward last next: gather it now, under the root's own backward compute
+            prev = ctx.order[-1]
         if prev is not None and prev.state == UnitState.SHARDED and not (prev._ready or prev._bwd_done):
             prev.unshard()
     unit.wait_unshard()

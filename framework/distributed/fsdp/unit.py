@@ -174,9 +174,13 @@ class ShardUnit:
         pin = offload and compute_device.type == "cuda"
         S = layout.shard_numel
         self.shard = torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin)
-        self.grad_shard = (
-            torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin) if self.trainable else None
-        )
+        # [Note: gradient shards live from backward to zero_grad]
+        # The fp32 gradient shard is allocated when a backward's reduction needs it and handed
+        # over to the sharded parameters' `.grad` views; the unit keeps no reference between
+        # steps, so `zero_grad(set_to_none=True)` frees it (as FSDP2's per-parameter gradients
+        # are freed) and forward and the early backward run without it. `grad_shard` is set
+        # only while a reduction is in flight.
+        self.grad_shard: Optional[torch.Tensor] = None
         self.sharded_params: List[nn.Parameter] = []
         self.full_params: List[torch.Tensor] = []
         self._accum: Optional[torch.Tensor] = None  # unsharded grads kept across no-sync micro-steps
@@ -213,7 +217,6 @@ class ShardUnit:
         else:
             self.full_flat = torch.empty(L.padded_total, dtype=self.param_dtype, device=self.compute_device)
             self.storage = self.full_flat.untyped_storage()
-            self.storage.resize_(0)
         base = self.full_flat.untyped_storage()
         self.full_params = []
         self._tp_views: List[Optional[DTensor]] = [None] * len(self.entries)
@@ -223,6 +226,10 @@ class ShardUnit:
                 t.set_(base, e.offset, e.shape, _contiguous_stride(e.shape))
             t.requires_grad_(e.requires_grad)
             self.full_params.append(t)
+        if self.storage is not None:
+            # after the views: `set_` grows a storage to fit the view it is given, so releasing
+            # first would leave every unit holding its full parameters from construction on
+            self.storage.resize_(0)
 
     def buffer_numel(self, tag: str) -> int:
         """Elements this unit asks the model's pool for under `tag` (see [Note: the gradient
@@ -286,7 +293,7 @@ class ShardUnit:
         self.shard_dtype = dtype
         S = self.layout.shard_numel
         self.shard = torch.zeros(S, dtype=dtype, device=shard_device, pin_memory=pin)
-        self.grad_shard = torch.zeros(S, dtype=dtype, device=shard_device, pin_memory=pin) if self.trainable else None
+        self.grad_shard = None
         with torch.no_grad():
             for i, (e, sp) in enumerate(zip(self.entries, params)):
                 view = self.shard[self.layout.shard_slice(e)]
@@ -550,12 +557,14 @@ class ShardUnit:
         if pre != 1.0:
             buf.div_(pre)  # see grad_divide_factors: 16-bit sums must not overflow
         fresh = all(p.grad is None for p in self._trainable_sharded())
-        direct = fresh and buf.dtype == self.shard_dtype and self.grad_shard.device == buf.device
+        direct = fresh and buf.dtype == self.shard_dtype and self._grad_device() == buf.device
         quant = self.comm is not None and self.comm.grads and self.N > 1
         scratch = q_recv = None
         q_pooled = False
         if quant:  # the chunks are summed in fp32: straight into the grad shard when it is fp32 and fresh
-            direct = fresh and self.shard_dtype == torch.float32 and self.grad_shard.device == buf.device
+            direct = fresh and self.shard_dtype == torch.float32 and self._grad_device() == buf.device
+            if direct:
+                self.grad_shard = self._new_grad_shard()
             out = (
                 self.grad_shard
                 if direct
@@ -563,6 +572,8 @@ class ShardUnit:
             )
             pending, q_recv, q_pooled = self._issue_quantized_reduce(buf)
         else:
+            if direct:
+                self.grad_shard = self._new_grad_shard()
             out = (
                 self.grad_shard
                 if direct
@@ -675,21 +686,23 @@ class ShardUnit:
         with torch.no_grad():
             if red.fresh:
                 if not red.direct:
+                    self.grad_shard = self._new_grad_shard()
                     self.grad_shard.copy_(reduced, non_blocking=True)
                 for p, e in zip(params, self.trainable):
                     p.grad = self.grad_shard[self.layout.shard_slice(e)]
+                self.grad_shard = None  # the .grad views own it now (see the note in __init__)
             else:
                 # gradients persist (zero_grad(set_to_none=False), or a second synced backward):
                 # accumulate where they live, so bring the reduced shard there first (CPU offload
                 # keeps them on the host, the reduction ran on the compute device)
-                host = reduced.to(self.grad_shard.device)
+                host = reduced.to(self._grad_device())
                 for p, e in zip(params, self.trainable):
                     piece = host[self.layout.shard_slice(e)].to(p.dtype)
                     if p.grad is None:
                         p.grad = piece.clone()
                     else:
                         p.grad.add_(piece)
-        if out is not None and out is not self.grad_shard:
+        if out is not None:
             self.ctx.release_buffer(out)
         # Autograd never accumulates into the sharded parameters (the modules compute with the
         # unsharded ones), so their post-accumulate-grad hooks run here, once the reduced gradient
@@ -697,6 +710,24 @@ class ShardUnit:
         for p in params:
             for hook in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
                 hook(p)
+
+    def _grad_device(self) -> torch.device:
+        return self.shard.device
+
+    def _new_grad_shard(self) -> torch.Tensor:
+        pin = self.offload and self.compute_device.type == "cuda"
+        return torch.empty(self.layout.shard_numel, dtype=self.shard_dtype, device=self._grad_device(), pin_memory=pin)
+
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients this unit's sharded parameters hold now (each storage once)."""
+        seen = {}
+        for p in self._trainable_sharded():
+            if p.grad is not None:
+                st = p.grad.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        if self.grad_shard is not None:
+            seen[self.grad_shard.untyped_storage().data_ptr()] = self.grad_shard.untyped_storage().nbytes()
+        return sum(seen.values())
 
     def _trainable_sharded(self) -> List[nn.Parameter]:
         return [p for p, e in zip(self.sharded_params, self.entries) if e.requires_grad]
@@ -716,7 +747,7 @@ class ShardUnit:
         nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()
         return {
             "shard": nbytes(self.shard),
-            "grad_shard": nbytes(self.grad_shard),
+            "grad_shard": self.grad_bytes(),
             "unsharded": 0 if self.storage is None else self.storage.nbytes(),
             "accum": nbytes(self._accum),
             "secondary": nbytes(self._secondary),
