@@ -219,7 +219,7 @@ def _engine_worker(rank: int, world: int, names):
         model.reset_comm_stats()
         held = {}
         # the accounting with gradients (they live from backward to zero_grad(set_to_none=True))
-        step(before_zero_grad=lambda: held.update(model.sharded_tensor_bytes()))
+        step(before_zero_grad=lambda held=held, model=model: held.update(model.sharded_tensor_bytes()))
         stats = model.comm_stats()  # one step's traffic
         tb = held
         opt_bytes = sum(
