@@ -54,6 +54,15 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight
+        # GPT-2's initialisation: N(0, 0.02) weights, zero biases. torch's defaults (an N(0, 1)
+        # embedding, tied here to the head) give logits with a standard deviation of ~20, whose
+        # softmax gradients underflow to subnormal floats within a few steps; x86 computes with
+        # those ~7x slower, so every engine's backward slowed down ~7x after ~8 steps.
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos[: idx.shape[1]]
