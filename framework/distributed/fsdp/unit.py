@@ -1,8 +1,9 @@
 """One unit: the parameters gathered and reduced together (one `fully_shard` call).
 
-Owns the fp32 shard buffer (the optimizer's parameters are views into it), the fp32 gradient
-shard buffer (their `.grad` views), the unsharded storage that the modules compute with, and the
-unit's part of the step: unshard, reshard, reduce gradients, finish the reduction.
+Owns the fp32 shard buffer (the optimizer's parameters are views into it), allocates the fp32
+gradient shard in backward (their `.grad` views own it until zero_grad), holds the unsharded
+storage that the modules compute with, and runs the unit's part of the step: unshard, reshard,
+reduce gradients, finish the reduction.
 See [Note: flat storage] in flat.py.
 """
 
