@@ -378,10 +378,20 @@ def main() -> int:
     engines = args.engines or [e for e in ENGINES if not e.startswith("ds_") or have_deepspeed()]
     t0 = time.time()
     report = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "results": []}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    def save() -> None:  # after every configuration: a later one that fails loses nothing measured
+        report["seconds"] = time.time() - t0
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, args.out)
+
     for size in args.sizes:
         for world in args.ranks:
             res = measure(size, world, engines, args.steps, args.warmup, not args.skip_memory)
             report["results"].append(res)
+            save()
             print(table(res) + "\n", flush=True)
     if args.scaling:
         report["scaling"] = {size: scaling(size, [1, 2, 4], args.steps) for size in args.sizes[:1]}
@@ -393,6 +403,7 @@ def main() -> int:
                 f"{row['zero3_formula_mb']:.1f} | {row['ddp_formula_mb']:.1f} |"
             )
         print()
+        save()
     if args.compile:
         res = measure(
             args.sizes[0],
@@ -404,10 +415,7 @@ def main() -> int:
         )
         report["compile"] = res
         print(table(res) + "\n")
-    report["seconds"] = time.time() - t0
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    save()
     png = os.path.splitext(args.out)[0] + ".png"
     plot(report["results"], png)
     print(f"wrote {args.out} and {png} ({report['seconds']:.0f} s)")

@@ -49,7 +49,11 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
 
 
 def _labelled(name: str) -> Callable:
-    """Run the hook under a profiler label, so a trace reads by engine phase (as FSDP2's does)."""
+    """Run the hook under a profiler label, so a trace reads by engine phase (as FSDP2's does),
+    and always eagerly: a compiled module (`module.compile()`, `parallelism.compile=true`) calls
+    its hooks from the compiled `_call_impl`, and tracing the engine's bookkeeping (collectives,
+    clocks, unit state) broke the graph with warnings and recompiled it on every state change;
+    FSDP2 keeps its hooks out of the compiler in the same way."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -57,7 +61,7 @@ def _labelled(name: str) -> Callable:
             with record_function(name):
                 return fn(*args, **kwargs)
 
-        return run
+        return torch.compiler.disable(run)
 
     return wrap
 
