@@ -210,7 +210,8 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
     """One traced step of the engine on a fake process group of `world` ranks; rank 0's view."""
     import torch.nn.functional as F
 
-    from framework.distributed.parallel_dims import build_mesh, resolve_parallel_dims
+    from framework.config.validate import parallel_dims_of
+    from framework.distributed.parallel_dims import build_mesh
     from framework.distributed.tensor_parallel import loss_context
     from framework.models.llama import build_llama
 
@@ -218,14 +219,7 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
     p = cfg.parallelism
     dist.init_process_group("fake", rank=0, world_size=world)
     try:
-        dims = resolve_parallel_dims(
-            p.strategy.value,
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            tp=p.tp,
-            world_size=world,
-            nproc_per_node=8,
-        )
+        dims = parallel_dims_of(cfg, world)  # the same cluster shape the planner is given
         mesh = build_mesh(dims, "cpu")
         dim_of = {}
         for name in ("dp_replicate", "dp_shard", "tp"):

@@ -12,8 +12,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from framework.config.degrees import resolve_parallel_dims
 from framework.config.schema import Config
+from framework.config.validate import parallel_dims_of
 from framework.errors import EXIT_BAD_INPUT
 from framework.planner.devices import DEVICES, device_for
 from framework.planner.estimate import (
@@ -41,14 +41,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     """The job `cfg` describes; raises ValueError (naming the field) when the mesh cannot be built."""
     c, p, t, m = cfg.cluster, cfg.parallelism, cfg.trainer, cfg.model
     world = world_size or c.nodes * c.nproc_per_node
-    dims = resolve_parallel_dims(
-        p.strategy.value,
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        tp=p.tp,
-        world_size=world,
-        nproc_per_node=c.nproc_per_node,
-    )
+    dims = parallel_dims_of(cfg, world)
     key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
     if key not in DEVICES:
         raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")

@@ -189,21 +189,15 @@ def _train_step(model, opt, g, before_zero_grad=None) -> None:
 
 def _engine_worker(rank: int, world: int, names):
 
-    from framework.distributed.parallel_dims import build_mesh, resolve_parallel_dims
+    from framework.config.validate import parallel_dims_of
+    from framework.distributed.parallel_dims import build_mesh
     from framework.models.llama import build_llama
 
     out = {}
     for name in names:
         cfg = _config(name)
         p = cfg.parallelism
-        dims = resolve_parallel_dims(
-            p.strategy.value,
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            tp=p.tp,
-            world_size=world,
-            nproc_per_node=4,
-        )
+        dims = parallel_dims_of(cfg, world)
         mesh = build_mesh(dims, "cpu")
         torch.manual_seed(0)
         model = build_llama(cfg.model)
