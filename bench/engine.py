@@ -190,13 +190,19 @@ def memory_worker(rank, ws, engine, size):
     return {"rss_peak_mb": _rss_hwm_kb() / 1024, "rss_after_warmup_mb": base / 1024}
 
 
-def gpu_worker(rank, ws, size, steps, warmup, peak_tflops):
-    """Our engine alone on this rank's GPU: bf16 compute, fp32 master shards and reduction, AdamW."""
-    from framework.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
+    """One engine on this rank's GPU: bf16 compute, fp32 master shards and reduction, AdamW.
+    `engine` is "ours" or "fsdp2" (torch's fully_shard, same policy), one block per unit."""
     from framework.metrics import device_peak_tflops
+
+    if engine == "ours":
+        from framework.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     vocab, d, layers, heads, seq, mb = SIZES[size]
     dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(0)
     with dev:
         model = GPT(vocab, d, layers, heads, seq)
@@ -209,7 +215,8 @@ def gpu_worker(rank, ws, size, steps, warmup, peak_tflops):
     times, exposed = [], []
     for s in range(warmup + steps):
         idx = torch.randint(0, vocab, (mb, seq + 1), device=dev)
-        model.reset_comm_stats()
+        if engine == "ours":
+            model.reset_comm_stats()
         torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
@@ -220,10 +227,10 @@ def gpu_worker(rank, ws, size, steps, warmup, peak_tflops):
         torch.cuda.synchronize()
         if s >= warmup:
             times.append(time.perf_counter() - t0)
-            exposed.append(model.comm_stats()["exposed_comm_s"])
+            exposed.append(model.comm_stats()["exposed_comm_s"] if engine == "ours" else None)
     # training FLOPs per token: 6 x parameters (matmuls fwd+bwd) + 12 x layers x d x seq (attention)
     flops_per_token = 6 * n_params + 12 * layers * d * seq
-    return {
+    out = {
         "times": times,
         "exposed": exposed,
         "params": n_params,
@@ -233,44 +240,68 @@ def gpu_worker(rank, ws, size, steps, warmup, peak_tflops):
         "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
         "gpu": torch.cuda.get_device_name(dev),
     }
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
 
 
 def run_gpu(args) -> None:
-    """--device cuda: tokens/s, MFU against the GPU's bf16 peak, peak memory, exposed comm."""
+    """--device cuda: tokens/s, MFU against the GPU's bf16 peak, peak memory, exposed comm; ours,
+    then torch FSDP2 on the same model and policy (one process group each)."""
     from tests.distributed.harness import run_ranks
 
     if not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is visible; run on a GPU machine or drop --device", file=sys.stderr)
         sys.exit(2)
     os.environ.setdefault("TEST_DIST_BACKEND", "cpu:gloo,cuda:nccl")
-    res = run_ranks(gpu_worker, args.ranks, args=(args.model_size, args.steps, 2, args.peak_tflops), timeout_s=600)
-    r0 = res[0]
-    step_s = statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))
-    tok_s = args.ranks * r0["tokens_per_step"] / step_s
-    peak = r0["peak_tflops"]
-    row = {
-        "gpu": r0["gpu"],
-        "ranks": args.ranks,
-        "params": r0["params"],
-        "median_step_s": step_s,
-        "tokens_per_s": tok_s,
-        "mfu": tok_s * r0["flops_per_token"] / (args.ranks * peak * 1e12) if peak else None,
-        "peak_mem_gib": max(r["peak_mem_gib"] for r in res),
-        "exposed_comm_s": statistics.median(max(r["exposed"][i] for r in res) for i in range(args.steps)),
-    }
-    mfu = "n/a (unknown GPU: pass --peak-tflops)" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    rows, raw = {}, {}
+    for engine in args.gpu_engines:
+        res = run_ranks(
+            gpu_worker, args.ranks, args=(engine, args.model_size, args.steps, 2, args.peak_tflops), timeout_s=600
+        )
+        r0 = res[0]
+        step_s = statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))
+        tok_s = args.ranks * r0["tokens_per_step"] / step_s
+        peak = r0["peak_tflops"]
+        exposed = None
+        if r0["exposed"][0] is not None:
+            exposed = statistics.median(max(r["exposed"][i] for r in res) for i in range(args.steps))
+        rows[engine] = {
+            "gpu": r0["gpu"],
+            "ranks": args.ranks,
+            "params": r0["params"],
+            "median_step_s": step_s,
+            "min_step_s": min(min(r["times"]) for r in res),
+            "max_step_s": max(max(r["times"]) for r in res),
+            "tokens_per_s": tok_s,
+            "mfu": tok_s * r0["flops_per_token"] / (args.ranks * peak * 1e12) if peak else None,
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in res),
+            "exposed_comm_s": exposed,
+        }
+        raw[engine] = res
+    first = next(iter(rows.values()))
     print(
-        f"\nGPT {args.model_size} ({row['params'] / 1e9:.2f}B params), ours, {args.ranks} x {row['gpu']}, "
-        f"bf16 compute, {args.steps} steps, medians"
+        f"\nGPT {args.model_size} ({first['params'] / 1e9:.2f}B params), {args.ranks} x {first['gpu']}, "
+        f"bf16 compute, fp32 reduce, AdamW, {args.steps} steps after 2 warm-up, medians"
     )
-    print(
-        f"step {step_s:.3f} s  tokens/s {tok_s:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.1f} GiB/GPU  "
-        f"exposed comm {row['exposed_comm_s']:.3f} s/step"
-    )
+    for engine, row in rows.items():
+        mfu = "n/a (unknown GPU: pass --peak-tflops)" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        exp = "n/a" if row["exposed_comm_s"] is None else f"{row['exposed_comm_s']:.4f} s/step"
+        print(
+            f"{engine:6s} step {row['median_step_s']:.4f} s (min {row['min_step_s']:.4f}, max {row['max_step_s']:.4f})"
+            f"  tokens/s {row['tokens_per_s']:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.2f} GiB/GPU"
+            f"  exposed comm {exp}"
+        )
+    if "ours" in rows and "fsdp2" in rows:
+        o, f = rows["ours"], rows["fsdp2"]
+        print(
+            f"ours / fsdp2: step time {o['median_step_s'] / f['median_step_s']:.3f}x, "
+            f"peak memory {o['peak_mem_gib'] / f['peak_mem_gib']:.3f}x"
+        )
     out = "bench/engine_gpu.json" if args.out == "bench/engine_results.json" else args.out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"args": vars(args), "row": row, "raw": res}, f, indent=1)
+        json.dump({"args": vars(args), "rows": rows, "raw": raw}, f, indent=1)
     print(f"wrote {out}")
 
 
@@ -292,6 +323,13 @@ def main() -> None:
         choices=["cpu", "cuda"],
         help="cuda: our engine only, one rank per GPU, bf16 compute; tokens/s, MFU, peak memory "
         "(use --model-size 1b; writes bench/engine_gpu.json)",
+    )
+    ap.add_argument(
+        "--gpu-engines",
+        nargs="+",
+        default=["ours", "fsdp2"],
+        choices=["ours", "fsdp2"],
+        help="--device cuda: the engines to run, in order (default: ours, then torch FSDP2)",
     )
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak for MFU; 0: look it up")
     args = ap.parse_args()

@@ -77,7 +77,9 @@ def init_distributed(requested_device: str, collective_timeout_s: float = 300.0)
     device = pick_device(requested_device, local_rank)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=collective_timeout_s)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # On GPUs, NCCL for CUDA tensors and gloo beside it for the few CPU ones (a norm over
+        # host-offloaded gradients, a stop flag on a CPU rank), as FSDP2 jobs set it up.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
             store=_job_store(rank, world, timeout),

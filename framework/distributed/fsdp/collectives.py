@@ -8,7 +8,8 @@ bytes this rank *receives* ((N-1) x shard bytes), a reduce-scatter or all-to-all
 *sends* ((N-1) x shard bytes), an all-reduce the ring volume 2 (N-1)/N x tensor bytes.
 
 gloo in this torch deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
-`all_gather_single` / `reduce_scatter_single`; we use the latter on other backends (NCCL).
+`all_gather_single` / `reduce_scatter_single`; we use the latter on other backends (NCCL), and the
+former where a torch has not got the new names yet (the same calls under their older names).
 
 [Note: gloo collectives built from in-place primitives]
 On gloo, `all_gather_single` gathers into a temporary and copies every chunk out, and
@@ -115,6 +116,11 @@ def _labelled(name: str) -> Callable:
     return wrap
 
 
+# The single-tensor collectives under their current names, or their older ones on a torch before them.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gloo(group: ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
@@ -139,7 +145,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, s
     stats.allgather_bytes += (n - 1) * shard.numel() * shard.element_size()
     stats.num_collectives += 1
     if not _gloo(group):
-        return Pending(dist.all_gather_single(output, shard, group=group, async_op=True), output, stats)
+        return Pending(_all_gather_single(output, shard, group=group, async_op=True), output, stats)
     S, r = shard.numel(), dist.get_rank(group)
     own = output[r * S : (r + 1) * S]
     if own.data_ptr() != shard.data_ptr():
@@ -169,7 +175,7 @@ def reduce_scatter(
     stats.reduce_scatter_bytes += (n - 1) * output.numel() * full.element_size()
     stats.num_collectives += 1
     if not _gloo(group):
-        work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return Pending(work, output, stats)
     S, r = output.numel(), dist.get_rank(group)
     own = full[r * S : (r + 1) * S]
@@ -233,5 +239,5 @@ def all_gather_object_free(output: torch.Tensor, shard: torch.Tensor, group: Pro
     if dist.get_world_size(group) == 1:
         output.copy_(shard)
     else:
-        dist.all_gather_single(output, shard, group=group)
+        _all_gather_single(output, shard, group=group)
     return output
