@@ -228,6 +228,22 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
         if s >= warmup:
             times.append(time.perf_counter() - t0)
             exposed.append(model.comm_stats()["exposed_comm_s"] if engine == "ours" else None)
+    peak_all = torch.cuda.max_memory_allocated(dev) / 2**30
+    # One more step, untimed, for where the peak is: the highest allocation within each phase.
+    phases = {}
+    idx = torch.randint(0, vocab, (mb, seq + 1), device=dev)
+    for phase in ("forward", "backward", "optimizer"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        if phase == "forward":
+            loss = F.cross_entropy(model(idx[:, :-1]).float().reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        elif phase == "backward":
+            loss.backward()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        phases[phase] = torch.cuda.max_memory_allocated(dev) / 2**30
     # training FLOPs per token: 6 x parameters (matmuls fwd+bwd) + 12 x layers x d x seq (attention)
     flops_per_token = 6 * n_params + 12 * layers * d * seq
     out = {
@@ -237,10 +253,11 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
         "tokens_per_step": mb * seq,
         "flops_per_token": flops_per_token,
         "peak_tflops": device_peak_tflops(dev, peak_tflops),
-        "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+        "peak_mem_gib": peak_all,
+        "phase_peak_gib": phases,
         "gpu": torch.cuda.get_device_name(dev),
     }
-    del model, opt
+    del model, opt, loss
     torch.cuda.empty_cache()
     return out
 
@@ -277,6 +294,7 @@ def run_gpu(args) -> None:
             "mfu": tok_s * r0["flops_per_token"] / (args.ranks * peak * 1e12) if peak else None,
             "peak_mem_gib": max(r["peak_mem_gib"] for r in res),
             "exposed_comm_s": exposed,
+            "phase_peak_gib": {k: max(r["phase_peak_gib"][k] for r in res) for k in r0["phase_peak_gib"]},
         }
         raw[engine] = res
     first = next(iter(rows.values()))
@@ -292,6 +310,7 @@ def run_gpu(args) -> None:
             f"  tokens/s {row['tokens_per_s']:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.2f} GiB/GPU"
             f"  exposed comm {exp}"
         )
+        print("       peak within: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in row["phase_peak_gib"].items()))
     if "ours" in rows and "fsdp2" in rows:
         o, f = rows["ours"], rows["fsdp2"]
         print(

@@ -71,7 +71,8 @@ run_step engine_tests_nccl 90 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=cpu:gl
 
 if [[ "$NGPU" -lt 4 ]]; then
   run_step engine_tests_4_ranks_shared_gpu 110 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=gloo \
-    FSDP_TEST_WORLD=4 "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_fsdp2_behaviours.py
+    FSDP_TEST_WORLD=4 PYTHONFAULTHANDLER=1 "$PY" -m pytest -q -s -p no:cacheprovider \
+    tests/distributed/test_fsdp2_behaviours.py
 fi
 
 run_step bench_1b_bf16 140 "$PY" bench/engine.py --device cuda --model-size 1b --ranks "$NGPU" --steps 8 \

@@ -235,10 +235,12 @@ def b_root_without_params_or_inputs(rank, n):
 
 # ------------------------------------------------------------ inputs moved to the device by root
 def b_inputs_moved_to_device(rank, n):
-    """Inputs given on the CPU reach the model's device (a no-op on a CPU-only run)."""
+    """Inputs given on the CPU reach the model's device (a no-op on a CPU-only run). Only the
+    sharded model is handed host inputs: the plain reference moves nothing."""
 
     def loss(model, step, x, y):
-        return F.mse_loss(model(x.cpu()), y)
+        sharded = hasattr(model, "set_requires_gradient_sync")
+        return F.mse_loss(model(x.cpu() if sharded else x), y)
 
     return _parity(Two, _shard_two, loss, rank, n)
 
