@@ -6,15 +6,15 @@ The memory model follows our engine (`framework/distributed/fsdp/`) buffer by bu
                   rounded up to the int8 block with quantized communication), optimizer state
                   on this rank's real elements, the gradient-accumulation buffers
                   (unsharded, one per unit, once accumulation runs), the gradient buffer pool
-                  (simulated exactly, see `grad_pool_bytes`), the send buffers of the cast or
-                  quantized shards;
+                  (simulated exactly, see `grad_pool_bytes`);
   during a step   the root unit stays gathered from its forward to the end of backward; a block is
                   gathered while it computes, plus the prefetched next one (ZeRO-3), or every block
                   stays gathered until backward ends (ZeRO-2); the saved activations of every block
                   (measured per token: `activation_bytes_per_token`), the logits and the loss;
                   the fp32 grad shard per unit, allocated by its reduction in backward and freed
                   by zero_grad(set_to_none=True) ([Note: gradient shards live from backward to
-                  zero_grad] in unit.py).
+                  zero_grad] in unit.py); the send buffer of a gather in flight (the shard cast
+                  to 16 bits, or copied to the device), freed when the gather is waited on.
 
 Traffic follows ENGINE_NOTES.md section 5 and the counters of `collectives.py`: an all-gather counts
 the bytes this rank receives, a reduce-scatter or all-to-all the bytes it sends, an all-reduce the
@@ -207,7 +207,7 @@ class Memory:
     optimizer: int = 0
     accumulation: int = 0  # unsharded gradients kept across micro-batches (accum > 1), during a step
     grad_pool: int = 0  # reduce-scatter inputs/outputs/scratch (pooled)
-    send_buffers: int = 0  # cast (bf16) or packed (int8) shards, persistent per unit
+    send_buffers: int = 0  # the cast (16-bit) shard of the gather in flight at the peak (prefetch)
     int8_buffers: int = 0  # int8 buffers outside the units' storage (none in this engine version)
     gathered_root: int = 0  # unsharded from forward to the end of backward (root; every unit in ZeRO-2)
     gathered_blocks: int = 0  # blocks gathered in backward, one full gradient, the block's working set
@@ -225,7 +225,7 @@ class Memory:
     @property
     def between_steps(self) -> int:
         """Held after zero_grad(set_to_none=True): gradient shards are freed there."""
-        return self.params + self.optimizer + self.grad_pool + self.send_buffers + self.int8_buffers
+        return self.params + self.optimizer + self.grad_pool + self.int8_buffers
 
     @property
     def gathered_peak(self) -> int:
@@ -240,7 +240,7 @@ class Memory:
         activations freed. The peak is the larger of the two ends."""
         start = self.activations + max(self.logits, self.gathered_blocks)
         end = self.grads + self.gathered_blocks
-        return self.between_steps + self.accumulation + self.gathered_root + max(start, end)
+        return self.between_steps + self.accumulation + self.gathered_root + self.send_buffers + max(start, end)
 
 
 def activation_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
@@ -293,10 +293,6 @@ def memory(job: Job, rank: int = 0) -> Memory:
         mem.optimizer += optimizer_bytes(job, lay)
         if job.accum > 1:  # unsharded gradients across the micro-batches, freed by the reduction
             mem.accumulation += lay.padded * rb
-        # int8 packing happens inside the unit's own storage ([Note: int8 buffers live inside the
-        # unit's own storage]); a cast to 16 bits (or a copy to the device) needs a send buffer.
-        if not (job.quantized and lay.N > 1) and (job.param_dtype != "float32" or job.offload):
-            mem.send_buffers += lay.S * pb
     mem.grad_pool = grad_pool_bytes(job, lays, rank)
     if job.offload:
         mem.host = mem.params + mem.grads + mem.optimizer
@@ -320,6 +316,12 @@ def memory(job: Job, rank: int = 0) -> Memory:
     # SwiGLU's two f-wide ones and two d-wide ones at the widest point).
     tokens = job.micro_batch * job.seq_len
     mem.gathered_blocks += tokens * (2 * -(-job.model.ffn_dim // job.tp) + 2 * job.model.dim) * pb
+    # int8 packing happens inside the unit's own storage ([Note: int8 buffers live inside the
+    # unit's own storage]); a cast to 16 bits (or a copy to the device) needs a send buffer, for
+    # one gather: in backward (ZeRO-3) the prefetched block's is in flight.
+    if job.strategy != "grad_op" and blocks and not _zero_copy(job, biggest):
+        if not (job.quantized and biggest.N > 1) and (job.param_dtype != "float32" or job.offload):
+            mem.send_buffers = biggest.S * pb
     big = max(lays, key=lambda lay: lay.padded)
     mem.largest_gather = full(big) + (full(biggest) if big is not root else 0)
     mem.activations_no_ckpt = sum(block_activation_bytes(job, "none"))

@@ -337,7 +337,7 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
     lines += [
         f"  accumulation buffers            {_gib(mem.accumulation)}",
         f"  reduce buffers (pool)           {_gib(mem.grad_pool)}",
-        f"  send buffers (cast / int8)      {_gib(mem.send_buffers + mem.int8_buffers)}",
+        f"  send buffer (gather in flight)  {_gib(mem.send_buffers + mem.int8_buffers)}",
         f"  gathered units at the peak      {_gib(mem.gathered_peak)}   "
         f"(largest unit's all-gather + prefetch: {mem.largest_gather / GIB:.2f})",
         (

@@ -487,6 +487,29 @@ def _grad_lifetime(rank, ws):
     return out
 
 
+def _send_lifetime(rank, ws):
+    """The 16-bit copy of a shard that a gather sends lives for that gather only: none is held
+    between steps (kept, it was 2 bytes per parameter of the shard on every rank)."""
+    from framework.distributed.fsdp import MixedPrecisionPolicy, sharded_units
+
+    torch.manual_seed(0)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _shard_blocks(_Deep(), mp_policy=mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _plain_batch(0, rank, ws)
+    seen = []
+    for unit in sharded_units(model)[1:]:  # a block's own forward runs after its gather was waited on
+        unit.module.register_forward_pre_hook(lambda m, a, u=unit: seen.append(u.tensor_bytes()["send"]))
+    F.mse_loss(model(x).float(), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {
+        "send_in_forward": seen,
+        "send_after_step": [u.tensor_bytes()["send"] for u in sharded_units(model)],
+        "shard_bytes": model.sharded_tensor_bytes()["shard"],
+    }
+
+
 def _moe(rank, ws):
     """[8] experts unused on some ranks: no hang, no stale gradient, same as the reference."""
     return _compare(MoENet, 4, _moe_batch, rank, ws)
@@ -554,6 +577,7 @@ def cases_2(rank, ws):
         "moe": _guard(_moe, rank, ws),
         "compiled": _guard(_compiled, rank, ws),
         "grad_lifetime": _guard(_grad_lifetime, rank, ws),
+        "send_lifetime": _guard(_send_lifetime, rank, ws),
     }
     out.update(_frozen_cases(rank, ws))
     out.update(_tp_cases(rank, ws, ("full",), True))
@@ -663,6 +687,13 @@ def test_gradient_shards_live_from_backward_to_zero_grad(two):
     assert r["grad_buffers"] >= 1 and r["grad_buffers_alive"] == 0, r  # freed, not kept by the engine
     assert r["grad_bytes_second_backward"] == r["shard_bytes"], r
     assert r["unsharded_after_step"] == 0, r
+
+
+def test_cast_send_buffer_lives_for_one_gather(two):
+    r = _ok(two["send_lifetime"])
+    assert r["shard_bytes"] > 0 and len(r["send_in_forward"]) >= 2, r
+    assert r["send_in_forward"] == [0] * len(r["send_in_forward"]), r  # freed once its gather is waited on
+    assert r["send_after_step"] == [0] * len(r["send_after_step"]), r
 
 
 # ---------------------------------------------------------------- [8] risks

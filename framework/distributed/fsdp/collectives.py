@@ -117,8 +117,16 @@ def _labelled(name: str) -> Callable:
 
 
 # The single-tensor collectives under their current names, or their older ones on a torch before them.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at each call, so a wrapper installed on `torch.distributed` (bench/simulate.py's
+# recorder, a profiler) sees them.
+def _all_gather_single(*args, **kwargs):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
 
 
 def _gloo(group: ProcessGroup) -> bool:

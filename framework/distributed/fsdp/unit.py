@@ -190,7 +190,10 @@ class ShardUnit:
         self._reduce_issued = False
         self._written = [False] * len(entries)  # grad already written in place this backward
         self._pending: Optional[_Reduction] = None
-        self._send: Optional[torch.Tensor] = None  # the shard cast to param_dtype / moved to the compute device
+        # The shard cast to param_dtype / moved to the compute device, for one gather: freed when the
+        # gather is waited on (FSDP2 allocates its all-gather input per call too). Kept between
+        # gathers it would hold param_dtype bytes for every parameter of this rank's shards.
+        self._send: Optional[torch.Tensor] = None
         self._gather: Optional[C.Pending] = None
         # Per step (see [Note: reductions in a fixed order on their own group], and [Note: frozen
         # parameters reshard after the unit's whole backward]):
@@ -357,8 +360,7 @@ class ShardUnit:
         else:
             src = self.shard
             if self.param_dtype != self.shard_dtype or self.shard.device != self.compute_device:
-                if self._send is None:
-                    self._send = torch.empty(L.shard_numel, dtype=self.param_dtype, device=self.compute_device)
+                self._send = torch.empty(L.shard_numel, dtype=self.param_dtype, device=self.compute_device)
                 self._send.copy_(self.shard, non_blocking=True)
                 src = self._send
             self._gather = C.all_gather(self.full_flat, src, self.shard_group, self.stats)
@@ -370,7 +372,7 @@ class ShardUnit:
         if self.state == UnitState.UNSHARDED:
             return
         C.wait(self._gather)
-        self._gather = None
+        self._gather = self._send = None
         if self._gather_quantized:
             self._dequantize_gathered()
         self.set_state(UnitState.UNSHARDED)
