@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # GPU readiness check of the sharded engine, in one command on a CUDA machine (8 minutes at most):
 #   1. the FSDP2-behaviour tests on NCCL, one rank per visible GPU (largest of 1/2/4/8 that fits)
-#   2. on a machine with fewer than 4 GPUs, the same tests on 4 ranks sharing the GPUs over gloo
-#      (the multi-rank behaviours with CUDA tensors, which one or two GPUs cannot give NCCL)
-#   3. bench/engine.py --device cuda on the ~1B GPT in bf16, ours then torch FSDP2: tokens/s, MFU,
+#   2. bench/engine.py --device cuda on the ~1B GPT in bf16, ours then torch FSDP2: tokens/s, MFU,
 #      peak memory, exposed comm
-#   4. the main job (python main.py) for 50 steps on every visible GPU, bf16
+#   3. the main job (python main.py) for 50 steps on every visible GPU, bf16
 # and writes one report (default bench/gpu_report.txt; first argument to change it).
 #
 #   bash bench/gpu_check.sh [REPORT]        # PYTHON=... to use another interpreter than .venv/bin/python
@@ -68,12 +66,6 @@ run_step() {
 
 run_step engine_tests_nccl 90 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=cpu:gloo,cuda:nccl \
   FSDP_TEST_WORLD="$WORLD" "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_fsdp2_behaviours.py
-
-if [[ "$NGPU" -lt 4 ]]; then
-  run_step engine_tests_4_ranks_shared_gpu 110 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=gloo \
-    FSDP_TEST_WORLD=4 PYTHONFAULTHANDLER=1 "$PY" -m pytest -q -s -p no:cacheprovider \
-    tests/distributed/test_fsdp2_behaviours.py
-fi
 
 run_step bench_1b_bf16 140 "$PY" bench/engine.py --device cuda --model-size 1b --ranks "$NGPU" --steps 8 \
   --out "$LOG_DIR/engine_gpu.json"
