@@ -510,6 +510,33 @@ def _send_lifetime(rank, ws):
     }
 
 
+def _pool_release(rank, ws):
+    """The gradient pool is kept between steps on the host and let go at the end of backward on
+    devices that do not keep it (accelerators); training is the same either way. A reduce dtype
+    other than the param dtype makes every unit reduce through the pool."""
+    from framework.distributed.fsdp import MixedPrecisionPolicy
+    from framework.distributed.fsdp import context as fsdp_context
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    x, y = _plain_batch(0, rank, ws)
+
+    def pool_after_backward():
+        torch.manual_seed(0)
+        model = _shard_blocks(_Deep(), mp_policy=mp)
+        F.mse_loss(model(x), y).backward()
+        return model.sharded_tensor_bytes()["grad_pool"]
+
+    out = {"kept_on_host": pool_after_backward()}
+    saved = fsdp_context.POOL_KEPT_BETWEEN_STEPS_ON
+    fsdp_context.POOL_KEPT_BETWEEN_STEPS_ON = frozenset()  # as on an accelerator
+    try:
+        out["released"] = pool_after_backward()
+        out.update(_compare(lambda: FrozenNet("lora"), 3, _plain_batch, rank, ws, shard_kw={"mp_policy": mp}))
+    finally:
+        fsdp_context.POOL_KEPT_BETWEEN_STEPS_ON = saved
+    return out
+
+
 def _moe(rank, ws):
     """[8] experts unused on some ranks: no hang, no stale gradient, same as the reference."""
     return _compare(MoENet, 4, _moe_batch, rank, ws)
@@ -578,6 +605,7 @@ def cases_2(rank, ws):
         "compiled": _guard(_compiled, rank, ws),
         "grad_lifetime": _guard(_grad_lifetime, rank, ws),
         "send_lifetime": _guard(_send_lifetime, rank, ws),
+        "pool_release": _guard(_pool_release, rank, ws),
     }
     out.update(_frozen_cases(rank, ws))
     out.update(_tp_cases(rank, ws, ("full",), True))
@@ -694,6 +722,13 @@ def test_cast_send_buffer_lives_for_one_gather(two):
     assert r["shard_bytes"] > 0 and len(r["send_in_forward"]) >= 2, r
     assert r["send_in_forward"] == [0] * len(r["send_in_forward"]), r  # freed once its gather is waited on
     assert r["send_after_step"] == [0] * len(r["send_after_step"]), r
+
+
+def test_gradient_pool_let_go_after_backward_where_not_kept(two):
+    r = _ok(two["pool_release"])
+    assert r["kept_on_host"] > 0, r  # the host keeps it: no page faults for a fresh buffer each step
+    assert r["released"] == 0, r
+    assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r  # released and re-made every step: same training
 
 
 # ---------------------------------------------------------------- [8] risks

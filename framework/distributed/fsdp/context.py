@@ -26,8 +26,12 @@ from .unit import ShardUnit
 # for under that tag, so any free buffer fits any request and the pool never holds two sizes of
 # one kind. When none is free and MAX_IN_FLIGHT reductions are in flight it first finishes the
 # oldest, so each kind holds at most ~3 buffers of O(largest unit) and, because every step asks
-# in the same order, nothing is allocated after step 1.
+# in the same order, nothing is allocated after step 1. On the host the pool is kept between steps
+# (a fresh buffer of that size costs page faults on every step); on an accelerator it is let go at
+# the end of backward, since the caching allocator hands the same blocks back next step at no cost,
+# and kept it would sit in the optimizer step's and the forward's peak (FSDP2 holds no such pool).
 MAX_IN_FLIGHT = 2
+POOL_KEPT_BETWEEN_STEPS_ON = frozenset({"cpu"})  # device types whose pool outlives the backward
 
 # [Note: reductions in a fixed order on their own group]
 # Every rank must issue the same collectives in the same order on a group. Which of a unit's
@@ -166,9 +170,19 @@ class ShardContext:
             for u in self.units:
                 u.reshard()
                 u.reset_backward()
+            self._release_pool_after_backward()
             self.callback_queued = False
             self.backward_done = True
             self.set_phase(TrainingPhase.IDLE)
+
+    def _release_pool_after_backward(self) -> None:
+        """Let go of the pool's buffers on devices that do not keep it (see [Note: the gradient
+        buffer pool]); none is in use once the reductions are drained."""
+        drop = [key for key in self._pool if key[2] not in POOL_KEPT_BETWEEN_STEPS_ON]
+        for key in drop:
+            del self._pool[key]
+        for ident in [i for i, (key, _) in self._owned.items() if key[2] not in POOL_KEPT_BETWEEN_STEPS_ON]:
+            del self._owned[ident]
 
     def reshard_all(self) -> None:
         for u in self.units:
