@@ -9,6 +9,8 @@ mantissa bits: ~4e-3 relative per rounding, a few roundings per value).
 
 from __future__ import annotations
 
+import time
+
 import engine_models as M  # noqa: E402  (pytest puts this directory on sys.path)
 import pytest
 import torch
@@ -479,6 +481,11 @@ def _grad_lifetime(rank, ws):
     opt.zero_grad(set_to_none=True)
     out["grad_bytes_after_zero_grad"] = model.sharded_tensor_bytes()["grad_shard"]
     out["grad_buffers"] = len(bases)
+    # gloo's worker thread drops its reference to a finished collective's tensors a moment after
+    # wait() returns; the engine keeps none, so every buffer is gone within that moment
+    deadline = time.monotonic() + 2.0
+    while any(r() is not None for r in bases.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
     out["grad_buffers_alive"] = sum(r() is not None for r in bases.values())
     # a second step allocates them again and the reduced values land in the new buffers
     F.mse_loss(model(x), y).backward()
