@@ -33,7 +33,15 @@ from framework.planner.shapes import ModelShape, param_count, units
 from tests.distributed.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = {"vocab_size": 1024, "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 704, "max_seq_len": 64}
+MODEL = {
+    "vocab_size": 1024,
+    "dim": 256,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_dim": 704,
+    "max_seq_len": 64,
+}
 SEQ, MICRO = 64, 8
 
 
