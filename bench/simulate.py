@@ -211,12 +211,18 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
     import torch.nn.functional as F
 
     from framework.config.validate import parallel_dims_of
+    from framework.distributed.fsdp import context as fsdp_context
     from framework.distributed.parallel_dims import build_mesh
     from framework.distributed.tensor_parallel import loss_context
     from framework.models.llama import build_llama
 
     cfg = job_config(model, world, layout, seq, micro)
     p = cfg.parallelism
+    # The reduction pool is read after the traced step; off the host the engine lets it go at the
+    # end of backward ([Note: the gradient buffer pool]), so keep it on the meta device to read the
+    # size it has during backward, which is what the planner's grad_pool is.
+    kept = fsdp_context.POOL_KEPT_BETWEEN_STEPS_ON
+    fsdp_context.POOL_KEPT_BETWEEN_STEPS_ON = kept | {"meta"}
     dist.init_process_group("fake", rank=0, world_size=world)
     try:
         dims = parallel_dims_of(cfg, world)  # the same cluster shape the planner is given
@@ -247,6 +253,7 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
             traffic_by[(kind, dim_of.get(ranks, "other"))] += b
         engine_stats = model_.comm_stats()
     finally:
+        fsdp_context.POOL_KEPT_BETWEEN_STEPS_ON = kept
         dist.destroy_process_group()
     return {
         "model": model,

@@ -6,7 +6,9 @@ The memory model follows our engine (`framework/distributed/fsdp/`) buffer by bu
                   rounded up to the int8 block with quantized communication), optimizer state
                   on this rank's real elements, the gradient-accumulation buffers
                   (unsharded, one per unit, once accumulation runs), the gradient buffer pool
-                  (simulated exactly, see `grad_pool_bytes`);
+                  (simulated exactly, see `grad_pool_bytes`; on the host only: an
+                  accelerator's pool is let go at the end of backward and taken again in the
+                  next, so there it counts during the step);
   during a step   the root unit stays gathered from its forward to the end of backward; a block is
                   gathered while it computes, plus the prefetched next one (ZeRO-3), or every block
                   stays gathered until backward ends (ZeRO-2); the saved activations of every block
@@ -206,7 +208,8 @@ class Memory:
     grads: int = 0  # fp32 gradient shards
     optimizer: int = 0
     accumulation: int = 0  # unsharded gradients kept across micro-batches (accum > 1), during a step
-    grad_pool: int = 0  # reduce-scatter inputs/outputs/scratch (pooled)
+    grad_pool: int = 0  # reduce-scatter inputs/outputs/scratch (pooled), held during backward
+    pool_between_steps: bool = True  # the host keeps the pool between steps; accelerators let it go
     send_buffers: int = 0  # the cast (16-bit) shard of the gather in flight at the peak (prefetch)
     int8_buffers: int = 0  # int8 buffers outside the units' storage (none in this engine version)
     gathered_root: int = 0  # unsharded from forward to the end of backward (root; every unit in ZeRO-2)
@@ -224,8 +227,10 @@ class Memory:
 
     @property
     def between_steps(self) -> int:
-        """Held after zero_grad(set_to_none=True): gradient shards are freed there."""
-        return self.params + self.optimizer + self.grad_pool + self.int8_buffers
+        """Held after zero_grad(set_to_none=True): gradient shards are freed there, and off the
+        host the reduction pool too ([Note: the gradient buffer pool])."""
+        pool = self.grad_pool if self.pool_between_steps else 0
+        return self.params + self.optimizer + pool + self.int8_buffers
 
     @property
     def gathered_peak(self) -> int:
@@ -240,7 +245,10 @@ class Memory:
         activations freed. The peak is the larger of the two ends."""
         start = self.activations + max(self.logits, self.gathered_blocks)
         end = self.grads + self.gathered_blocks
-        return self.between_steps + self.accumulation + self.gathered_root + self.send_buffers + max(start, end)
+        during = self.accumulation + self.gathered_root + self.send_buffers
+        if not self.pool_between_steps:
+            during += self.grad_pool
+        return self.between_steps + during + max(start, end)
 
 
 def activation_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
@@ -294,6 +302,7 @@ def memory(job: Job, rank: int = 0) -> Memory:
         if job.accum > 1:  # unsharded gradients across the micro-batches, freed by the reduction
             mem.accumulation += lay.padded * rb
     mem.grad_pool = grad_pool_bytes(job, lays, rank)
+    mem.pool_between_steps = job.device_key == "cpu"
     if job.offload:
         mem.host = mem.params + mem.grads + mem.optimizer
         mem.params = mem.grads = mem.optimizer = 0

@@ -319,17 +319,19 @@ def test_more_sharding_means_less_memory_per_rank():
 
 def test_simulation_agrees_with_planner():
     """bench/simulate.py on a cheap subset: one traced step of the engine on a fake 64-rank group
-    (meta parameters) against the planner, for each layout; the bound is the issue's 5%."""
+    (meta parameters) against the planner, for each layout, and tp=8 alone on 8 ranks (no data
+    parallel: the reductions go through the buffer pool); the bound is the issue's 5%."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from simulate import TOLERANCE, run
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    rows = run(["llama_1b"], [64], ["full", "hybrid", "tp8"], seq=64)
-    assert len(rows) == 3
+    rows = run(["llama_1b"], [64], ["full", "hybrid", "tp8"], seq=64) + run(["llama_1b"], [8], ["tp8"], seq=64)
+    assert len(rows) == 4
     for row in rows:
         assert row["max_err"] <= TOLERANCE, (row["sim"], row["pred"], row["err"])
         assert row["sim"]["traffic"], row["sim"]  # the step really issued collectives
+    assert rows[-1]["sim"]["grad_pool"] > 0, rows[-1]["sim"]  # the pool's size is compared too
 
 
 def test_launcher_refuses_a_job_that_will_not_fit():
