@@ -178,11 +178,9 @@ class ShardContext:
     def _release_pool_after_backward(self) -> None:
         """Let go of the pool's buffers on devices that do not keep it (see [Note: the gradient
         buffer pool]); none is in use once the reductions are drained."""
-        drop = [key for key in self._pool if key[2] not in POOL_KEPT_BETWEEN_STEPS_ON]
-        for key in drop:
-            del self._pool[key]
-        for ident in [i for i, (key, _) in self._owned.items() if key[2] not in POOL_KEPT_BETWEEN_STEPS_ON]:
-            del self._owned[ident]
+        kept = lambda key: key[2] in POOL_KEPT_BETWEEN_STEPS_ON  # key: (tag, dtype, device type, index)
+        self._pool = {key: free for key, free in self._pool.items() if kept(key)}
+        self._owned = {i: rec for i, rec in self._owned.items() if kept(rec[0])}
 
     def reshard_all(self) -> None:
         for u in self.units:
