@@ -22,6 +22,11 @@ class Engine(str, Enum):
     torch = "torch"  # torch.distributed.fsdp.fully_shard, for side-by-side comparison
 
 
+class HostTransport(str, Enum):
+    shm = "shm"  # ranks on one host: all-gathers and reduce-scatters through shared memory (native engine, CPU)
+    gloo = "gloo"  # always gloo's TCP, as torch's engines do
+
+
 class Strategy(str, Enum):
     full = "full"  # ZeRO-3: reshard after forward, re-gather in backward
     grad_op = "grad_op"  # ZeRO-2: keep parameters unsharded from forward to backward
@@ -140,9 +145,13 @@ class ParallelismConfig:
     cpu_offload: bool = False  # keep shards, grads and optimizer state on the CPU
     compile: bool = False  # torch.compile each transformer block
     quantized_comm: bool = False  # int8 block-quantized all-gather / reduce-scatter (native engine)
+    # CPU jobs with the native engine: how a group of ranks on one host moves its all-gathers and
+    # reduce-scatters (groups that span hosts use gloo either way)
+    host_transport: HostTransport = HostTransport.shm
 
     def __post_init__(self) -> None:
         self.engine = _choice("parallelism", "engine", self.engine, Engine)
+        self.host_transport = _choice("parallelism", "host_transport", self.host_transport, HostTransport)
         self.strategy = _choice("parallelism", "strategy", self.strategy, Strategy)
         self.activation_checkpointing = _choice(
             "parallelism", "activation_checkpointing", self.activation_checkpointing, ActivationCheckpointing

@@ -32,6 +32,9 @@ class ShardingEngine:
         """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy), with FSDP2's signatures."""
         raise NotImplementedError
 
+    def configure(self, cfg) -> None:
+        """Engine-wide settings of the `parallelism` section, applied before the first `fully_shard`."""
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every shard on every rank; clips in place when max_norm > 0."""
         raise NotImplementedError
@@ -61,6 +64,11 @@ class NativeEngine(ShardingEngine):
         from framework.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
+
+    def configure(self, cfg):
+        from framework.distributed.fsdp import set_host_transport
+
+        set_host_transport(getattr(cfg.host_transport, "value", cfg.host_transport))
 
     def clip_grad_norm(self, model, max_norm):
         from framework.distributed.fsdp import clip_grad_norm_

@@ -47,7 +47,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         for block in blocks:
             block.compile()
 
-    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine_of(cfg.engine).api()
+    engine = engine_of(cfg.engine)
+    engine.configure(cfg)
+    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine.api()
     precision = {"param_dtype": _DTYPES[cfg.param_dtype], "reduce_dtype": _DTYPES[cfg.reduce_dtype]}
     if cfg.quantized_comm:  # our engine only; the config refuses it with engine=torch
         precision["quantized_comm"] = True

@@ -67,7 +67,8 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
         quantized=p.quantized_comm,
         activation_checkpointing=p.activation_checkpointing.value,
         sequence_parallel=p.sequence_parallel,
-        gloo=key == "cpu",
+        # gloo's reduce-scatter needs receive scratch; a shard group on one host uses shared memory
+        gloo=key == "cpu" and (p.host_transport.value == "gloo" or dims.dp_shard * dims.tp > c.nproc_per_node),
         memory_gib=float(getattr(c, "gpu_memory_gib", 0.0) or 0.0),
         peak_tflops=t.peak_tflops,
     )

@@ -10,6 +10,7 @@ See api.py for the policies, flat.py for the storage layout, state_dict.py for c
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, TrainingPhase, UnitState
 from .clip import clip_grad_norm_
+from .collectives import set_host_transport
 from .fully_shard import ShardedModule, fully_shard
 from .state_dict import get_state_dicts, set_state_dicts
 from .unit import sharded_units
@@ -26,4 +27,5 @@ __all__ = [
     "UnitState",
     "TrainingPhase",
     "sharded_units",
+    "set_host_transport",
 ]

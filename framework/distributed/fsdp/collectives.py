@@ -20,19 +20,30 @@ in place: the all-gather is one broadcast per rank straight into its slice of th
 this rank's own shard is copied in), and the reduce-scatter is an all-to-all that sends every
 other rank its chunk and receives theirs, summed locally into the output (traffic (N-1) x shard,
 as the theory says). Both still count as ONE collective in `num_collectives` (logical ops).
+
+Where every rank of a gloo group runs on this host, all-gathers and reduce-scatters go through
+shared memory instead ([Note: shared-memory collectives on one host] in shm.py): decided once per
+group, by a small collective before the group's first all-gather or reduce-scatter, so every rank
+of the group takes the same transport. `set_host_transport("gloo")` turns it off. The byte
+counters are the same on either transport: they count what the collective moves, not how.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
+
+from framework.distributed.fsdp import shm
 
 
 @dataclass
@@ -133,11 +144,79 @@ def _gloo(group: ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+HOST_TRANSPORTS = ("shm", "gloo")
+_host_transport = ["shm"]
+_channels: Dict[int, Tuple[ProcessGroup, Optional[shm.SharedMemoryChannel]]] = {}
+
+
+def set_host_transport(name: str) -> None:
+    """How gloo groups of ranks on one host move all-gathers and reduce-scatters: "shm" (shared
+    memory, the default) or "gloo". It applies from the next collective on: set it the same on
+    every rank, between steps."""
+    if name not in HOST_TRANSPORTS:
+        raise ValueError(f"host transport {name!r}: use one of {', '.join(HOST_TRANSPORTS)}")
+    _host_transport[0] = name
+
+
+def _host_key() -> int:
+    """This host's identity as a number: the hostname and the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    digest = hashlib.blake2b(f"{socket.gethostname()}/{boot}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**62 - 1)
+
+
+def _open_channel(group: ProcessGroup) -> Optional[shm.SharedMemoryChannel]:
+    """Collective over `group`: its shared-memory channel, or None where it stays on gloo."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    able = shm.supported()
+    token = int.from_bytes(os.urandom(7), "little")
+    mine = torch.tensor([_host_key(), int(able), token], dtype=torch.int64)
+    seen = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(seen, mine, group=group)
+    if not all(int(t[1]) for t in seen) or len({int(t[0]) for t in seen}) != 1:
+        return None
+    path = os.path.join(shm.SHM_DIR, f"fsdp-collectives-{int(seen[0][2]):014x}")  # rank 0's token
+    channel, ok = None, torch.ones(1, dtype=torch.int64)
+    try:
+        if r == 0:
+            try:
+                channel = shm.SharedMemoryChannel.create(path, r, n)
+            except OSError:
+                ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # rank 0 has made it: the others map it
+        if r != 0 and int(ok):
+            try:
+                channel = shm.SharedMemoryChannel.attach(path, r, n)
+            except OSError:
+                ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has it mapped, or none uses it
+    finally:
+        if r == 0 and channel is not None:
+            channel.unlink()  # nothing stays in /dev/shm, however the processes end
+    if not int(ok) and channel is not None:
+        channel.close()
+    return channel if int(ok) else None
+
+
+def _channel(group: ProcessGroup, t: torch.Tensor) -> Optional[shm.SharedMemoryChannel]:
+    """The shared-memory channel of a gloo `group` on CPU tensors, opened on first use."""
+    if t.device.type != "cpu" or _host_transport[0] != "shm" or not _gloo(group):
+        return None
+    entry = _channels.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _channels[id(group)] = (group, _open_channel(group))
+    return entry[1]
+
+
 def reduce_scatter_scratch_numel(group: ProcessGroup, shard_numel: int) -> int:
     """Elements of receive scratch `reduce_scatter` needs on this backend and rank (0 = none)."""
     n = dist.get_world_size(group)
-    if n <= 2 or not _gloo(group):
-        return 0  # two ranks receive straight into the output
+    if n <= 2 or not _gloo(group) or _channel(group, torch.empty(0)) is not None:
+        return 0  # two ranks, and shared memory, receive straight into the output
     r = dist.get_rank(group)
     return (n - 1) * shard_numel if r in (0, n - 1) else n * shard_numel
 
@@ -154,6 +233,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, s
     stats.num_collectives += 1
     if not _gloo(group):
         return Pending(_all_gather_single(output, shard, group=group, async_op=True), output, stats)
+    channel = _channel(group, output)
+    if channel is not None:
+        return Pending(channel.all_gather(output, shard), output, stats)
     S, r = shard.numel(), dist.get_rank(group)
     own = output[r * S : (r + 1) * S]
     if own.data_ptr() != shard.data_ptr():
@@ -185,6 +267,9 @@ def reduce_scatter(
     if not _gloo(group):
         work = _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return Pending(work, output, stats)
+    channel = _channel(group, output)
+    if channel is not None:
+        return Pending(channel.reduce_scatter(output, full), output, stats)
     S, r = output.numel(), dist.get_rank(group)
     own = full[r * S : (r + 1) * S]
     if r in (0, n - 1):  # own chunk at one end: exchange only the other chunks

@@ -1,0 +1,221 @@
+"""A shared-memory transport for the all-gathers and reduce-scatters of ranks on one host.
+
+[Note: shared-memory collectives on one host]
+gloo carries every byte over TCP loopback: about 1.2 GB/s on our CPU machines, and the kernel's
+copies take CPU time from the ranks' own compute. When every rank of a process group is a process
+on the same host, the engine instead passes its all-gathers and reduce-scatters through one
+shared-memory segment per group (collectives.py decides, and falls back to gloo otherwise):
+
+- The segment holds one arrival counter per rank (each on its own cache line) and two slots, each
+  with one region of `region_bytes` per rank. A collective moves in chunks of at most one region.
+- For each chunk a rank copies its part into its own region of the next slot, raises its counter
+  to the chunk's sequence number, waits until every rank's counter has reached it, then reads the
+  other ranks' regions: copied out for an all-gather, or added to its own chunk for a
+  reduce-scatter (its own chunk first, then the others in rank order).
+- Slots alternate. A rank writes slot k % 2 only after all ranks arrived at chunk k - 1, and a rank
+  arrives at k - 1 only after it finished reading chunk k - 2, the slot's previous use. So one
+  arrival per chunk is the only synchronisation, and no rank overwrites data another still reads.
+- One worker thread per segment runs the collectives in the order they were issued, so `wait()`
+  has the same meaning as gloo's: the engine issues, computes, then waits.
+
+The counters need no locks on x86-64: its stores are seen by other cores in program order (the
+data before the counter), and its loads are not moved before an earlier load (the counter before
+the data). Other architectures order memory more weakly; there the engine keeps gloo
+(`supported()`).
+
+The segment's file is unlinked as soon as every rank has mapped it, so nothing is left in
+/dev/shm after the processes end, however they end. A rank that has not arrived within
+`timeout_s` fails the collective with an error naming the ranks that were missing.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+SHM_DIR = "/dev/shm"
+REGION_BYTES = 4 << 20  # per rank and slot; measured on the 25M benchmark (bench/RESULTS.md)
+_LINE = 64  # bytes between two ranks' counters (one cache line each)
+_HEADER = 4096  # counters, then the slots from a page boundary
+
+
+def supported() -> bool:
+    """Whether this host can run the transport: Linux on x86-64 with a tmpfs /dev/shm."""
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
+
+
+class SharedMemoryError(RuntimeError):
+    """A collective on the shared-memory transport failed (a rank did not arrive in time)."""
+
+
+class _Work:
+    """The handle of an issued collective, with the `wait()` of torch.distributed's Work."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    def wait(self, timeout=None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+def segment_bytes(world: int, region_bytes: int = REGION_BYTES) -> int:
+    return _HEADER + 2 * world * region_bytes
+
+
+class SharedMemoryChannel:
+    """One process group's segment and worker (see [Note: shared-memory collectives on one host]).
+
+    Rank 0 of the group calls `create`, then (after every rank knows it exists) the others call
+    `attach`; once all have it mapped, rank 0 calls `unlink`.
+    """
+
+    def __init__(self, path: str, rank: int, world: int, create: bool, region_bytes: int, timeout_s: float) -> None:
+        if region_bytes % 4096:
+            raise ValueError(f"region_bytes={region_bytes}: use a multiple of 4096")
+        self.path, self.rank, self.world = path, rank, world
+        self.region_bytes, self.timeout_s = region_bytes, timeout_s
+        size = segment_bytes(world, region_bytes)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._counters = np.frombuffer(self._map, dtype=np.int64, count=world * _LINE // 8)[:: _LINE // 8]
+        self._seq = 0
+        self._broken: Optional[BaseException] = None
+        self._jobs: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=f"shm-collectives-{rank}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def create(cls, path: str, rank: int, world: int, region_bytes: int = REGION_BYTES, timeout_s: float = 1800.0):
+        return cls(path, rank, world, True, region_bytes, timeout_s)
+
+    @classmethod
+    def attach(cls, path: str, rank: int, world: int, region_bytes: int = REGION_BYTES, timeout_s: float = 1800.0):
+        return cls(path, rank, world, False, region_bytes, timeout_s)
+
+    def unlink(self) -> None:
+        os.unlink(self.path)
+
+    def close(self) -> None:
+        """Stop the worker once the collectives issued so far are done (the mapping goes with the object)."""
+        self._jobs.put(None)
+
+    # ------------------------------------------------------------------ issuing
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> _Work:
+        """Gather equal flat `shard`s into flat `output` (rank-major), this rank's own part too
+        (on the worker, so the issuing thread goes straight back to compute)."""
+        return self._issue(self._all_gather, output, shard)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> _Work:
+        """Sum the ranks' flat `full` (rank-major chunks) and keep this rank's chunk in `output`."""
+        return self._issue(self._reduce_scatter, output, full)
+
+    def _issue(self, fn: Callable, *args) -> _Work:
+        work = _Work()
+        self._jobs.put((work, fn, args))
+        return work
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            work, fn, args = job
+            try:
+                if self._broken is not None:
+                    raise SharedMemoryError(f"an earlier collective on this group failed: {self._broken}")
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                self._broken = self._broken or e
+                work._error = e
+            del job, fn, args  # hold no buffer of the engine's past its collective
+            work._done.set()
+            del work
+
+    # ------------------------------------------------------------------ the chunk protocol
+    def _region(self, slot: int, rank: int, dtype: torch.dtype, numel: int, at: int = 0) -> torch.Tensor:
+        start = _HEADER + (slot * self.world + rank) * self.region_bytes + at
+        return self._bytes[start : start + numel * dtype.itemsize].view(dtype)
+
+    def _arrive_and_wait(self) -> int:
+        """Raise this rank's counter to the next chunk and wait for every rank's; the chunk's slot."""
+        self._seq += 1
+        seq = self._seq
+        counters = self._counters
+        counters[self.rank] = seq
+        spins = 0
+        deadline = None
+        while counters.min() < seq:
+            spins += 1
+            if spins < 2000:
+                time.sleep(0)  # yield the core (and the GIL) to this rank's compute
+                continue
+            time.sleep(50e-6)
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout_s
+            elif now > deadline:
+                missing = [j for j in range(self.world) if counters[j] < seq]
+                raise SharedMemoryError(
+                    f"rank {self.rank}: rank(s) {missing} of this group did not reach chunk {seq} of the "
+                    f"shared-memory collectives within {self.timeout_s:.0f} s (a rank died or issued other collectives)"
+                )
+        return seq % 2
+
+    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        n, r = self.world, self.rank
+        S, dtype = shard.numel(), shard.dtype
+        own = output[r * S : (r + 1) * S]
+        if own.data_ptr() != shard.data_ptr():
+            own.copy_(shard)
+        per = self.region_bytes // dtype.itemsize
+        for off in range(0, S, per):
+            k = min(per, S - off)
+            slot = (self._seq + 1) % 2
+            self._region(slot, r, dtype, k).copy_(shard[off : off + k])
+            self._arrive_and_wait()
+            for j in range(n):
+                if j != r:
+                    output[j * S + off : j * S + off + k].copy_(self._region(slot, j, dtype, k))
+
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        n, r = self.world, self.rank
+        S, dtype = output.numel(), full.dtype
+        per = self.region_bytes // (n * dtype.itemsize)  # a region holds one sub-chunk per rank
+        for off in range(0, S, per):
+            k = min(per, S - off)
+            slot = (self._seq + 1) % 2
+            for j in range(n):
+                if j != r:
+                    part = full[j * S + off : j * S + off + k]
+                    self._region(slot, r, dtype, k, at=j * k * dtype.itemsize).copy_(part)
+            self._arrive_and_wait()
+            own = full[r * S + off : r * S + off + k]
+            out = output[off : off + k]  # may be `own` itself: it is read before it is written
+            others = [self._region(slot, j, dtype, k, at=r * k * dtype.itemsize) for j in range(n) if j != r]
+            torch.add(own, others[0], out=out)
+            for p in others[1:]:
+                out.add_(p)

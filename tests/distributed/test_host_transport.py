@@ -1,0 +1,159 @@
+"""The shared-memory transport of ranks on one host ([Note: shared-memory collectives on one host]).
+
+Every other engine test on this machine runs over it too (it is the default for gloo groups on one
+host); these pin the transport itself: exact results against a reference at sizes around its
+chunk boundaries, several collectives in flight on several groups mixed with gloo's own, the
+switch back to gloo, a clear error when a rank never arrives, and nothing left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from framework.distributed.fsdp import collectives as C
+from framework.distributed.fsdp import shm
+from tests.distributed.harness import run_ranks
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not shm.supported(), reason="the transport needs Linux on x86-64 with /dev/shm"),
+]
+
+REGION = 64 << 10  # small regions, so that modest tensors cross several chunks
+# sizes (elements) around the chunk boundaries of REGION at 4 and 2 bytes, for 2 and 4 ranks
+SIZES = [1, 7, 4096, 8191, 8192, 16385, 100_003]
+
+
+def _segments() -> set:
+    return set(glob.glob(os.path.join(shm.SHM_DIR, "fsdp-collectives-*")))
+
+
+def _collectives_worker(rank, world, transport, dtypes):
+    region = shm.REGION_BYTES
+    shm.REGION_BYTES = REGION
+    try:
+        C.set_host_transport(transport)
+        before = _segments()
+        groups = [dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
+        stats = C.CommStats()
+        errors = []
+        for dtype in dtypes:
+            for S in SIZES:
+                gen = torch.Generator().manual_seed(S)
+                shards = (torch.randn(world, S, generator=gen) * 100).to(dtype)
+                fulls = torch.randn(world, world * S, generator=gen).to(dtype)
+                # two gathers and two reductions in flight on two groups, and a gloo all-reduce among them
+                outs = [torch.full((world * S,), -1, dtype=dtype) for _ in groups]
+                reds = [torch.empty(S, dtype=dtype) for _ in groups]
+                pend = [C.all_gather(o, shards[rank].clone(), g, stats) for o, g in zip(outs, groups)]
+                total = torch.tensor([float(rank)])
+                dist.all_reduce(total)
+                for red, g in zip(reds, groups):
+                    k = C.reduce_scatter_scratch_numel(g, S)
+                    scratch = torch.empty(k, dtype=dtype) if k else None
+                    pend.append(C.reduce_scatter(red, fulls[rank].clone(), g, stats, scratch))
+                for p in pend:
+                    C.wait(p)
+                for o in outs:
+                    if not torch.equal(o, shards.reshape(-1)):
+                        errors.append(f"all-gather {dtype} {S}")
+                # the reference sums in the transport's order: own chunk first, then rank order
+                chunks = fulls.view(world, world, S)[:, rank]
+                ref = chunks[rank].clone()
+                for j in range(world):
+                    if j != rank:
+                        ref += chunks[j]
+                for red in reds:
+                    if transport == "shm" and not torch.equal(red, ref):
+                        errors.append(f"reduce-scatter {dtype} {S}")
+                    if transport == "gloo" and not torch.allclose(red.float(), ref.float(), rtol=1e-2, atol=1e-2):
+                        errors.append(f"reduce-scatter (gloo) {dtype} {S}")
+                if total.item() != world * (world - 1) / 2:
+                    errors.append("gloo all-reduce")
+        used = [C._channels.get(id(g), (None, None))[1] is not None for g in groups]
+        return {"errors": errors, "used": used, "left": sorted(_segments() - before)}
+    finally:
+        shm.REGION_BYTES = region
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_match_the_reference_exactly(world):
+    results = run_ranks(_collectives_worker, world, args=("shm", [torch.float32, torch.bfloat16]), timeout_s=240)
+    for rank, res in enumerate(results):
+        assert res["errors"] == [], (rank, res["errors"])
+        assert res["used"] == [True, True], rank  # both groups went through shared memory
+        assert res["left"] == [], rank  # the segments were unlinked once mapped
+
+
+def test_host_transport_gloo_keeps_gloo():
+    results = run_ranks(_collectives_worker, 2, args=("gloo", [torch.float32]), timeout_s=240)
+    for res in results:
+        assert res["errors"] == []
+        assert res["used"] == [False, False]
+
+
+def test_a_rank_that_never_arrives_fails_with_a_message(tmp_path):
+    path = str(tmp_path / "segment")
+    channel = shm.SharedMemoryChannel.create(path, rank=0, world=2, region_bytes=4096, timeout_s=0.5)
+    channel.unlink()
+    out = torch.zeros(8)
+    work = channel.all_gather(out, torch.ones(4))
+    with pytest.raises(shm.SharedMemoryError, match=r"rank 0: rank\(s\) \[1\] of this group did not reach"):
+        work.wait()
+    with pytest.raises(shm.SharedMemoryError, match="an earlier collective on this group failed"):
+        channel.reduce_scatter(torch.zeros(4), torch.ones(8)).wait()
+    channel.close()
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def _training_worker(rank, world, transport):
+    from framework.distributed.fsdp import fully_shard, set_host_transport
+
+    set_host_transport(transport)
+    torch.manual_seed(0)
+    model = _Net()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(4):
+        idx = torch.randint(0, 64, (4, 16), generator=g)
+        loss = F.cross_entropy(model(idx[:, :-1]).reshape(-1, 64), idx[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    # plain numbers: tensors sent through the harness's queue would need this process alive
+    return losses, [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def test_training_is_bit_identical_on_either_transport():
+    """Two ranks: a gather moves bytes and a two-way sum is the same in either order, so the
+    transport may not change a single bit of the training."""
+    shm_runs = run_ranks(_training_worker, 2, args=("shm",), timeout_s=240)
+    gloo_runs = run_ranks(_training_worker, 2, args=("gloo",), timeout_s=240)
+    for (l1, p1), (l2, p2) in zip(shm_runs, gloo_runs):
+        assert l1 == l2
+        assert p1 == p2
