@@ -77,8 +77,17 @@ def _collectives_worker(rank, world, transport, dtypes):
                         errors.append(f"reduce-scatter (gloo) {dtype} {S}")
                 if total.item() != world * (world - 1) / 2:
                     errors.append("gloo all-reduce")
-        used = [C._channels.get(id(g), (None, None))[1] is not None for g in groups]
-        return {"errors": errors, "used": used, "left": sorted(_segments() - before)}
+        channels = [C._channels.get(id(g), (None, None))[1] for g in groups]
+        used = [c is not None and c.region_bytes == REGION for c in channels]
+        sizes = [c._map.size() for c in channels if c is not None]
+        timeouts = [c.timeout_s for c in channels if c is not None]
+        return {
+            "errors": errors,
+            "used": used,
+            "left": sorted(_segments() - before),
+            "sizes": sizes,
+            "timeouts": timeouts,
+        }
     finally:
         shm.REGION_BYTES = region
 
@@ -90,6 +99,13 @@ def test_collectives_match_the_reference_exactly(world):
         assert res["errors"] == [], (rank, res["errors"])
         assert res["used"] == [True, True], rank  # both groups went through shared memory
         assert res["left"] == [], rank  # the segments were unlinked once mapped
+        assert res["sizes"] == [4096 + 2 * world * REGION] * 2  # two slots of one region per rank
+        assert res["timeouts"] == [1800.0] * 2  # gloo's default timeout (docs/engine.md)
+
+
+def test_default_region_is_four_mib():
+    assert shm.REGION_BYTES == 4 << 20  # docs/engine.md: 16 MiB a segment on two ranks
+    assert shm.segment_bytes(2) == 4096 + (16 << 20)
 
 
 def test_host_transport_gloo_keeps_gloo():

@@ -21,7 +21,9 @@ shared-memory segment per group (collectives.py decides, and falls back to gloo 
 The counters need no locks on x86-64: its stores are seen by other cores in program order (the
 data before the counter), and its loads are not moved before an earlier load (the counter before
 the data). Other architectures order memory more weakly; there the engine keeps gloo
-(`supported()`).
+(`supported()`). A rank that finds another behind sleeps in the kernel on that rank's counter
+(a futex, which the arriving rank wakes): on a host with as many ranks as cores, a waiter that
+spun would take the core from its own rank's compute.
 
 The segment's file is unlinked as soon as every rank has mapped it, so nothing is left in
 /dev/shm after the processes end, however they end. A rank that has not arrived within
@@ -30,6 +32,7 @@ The segment's file is unlinked as soon as every rank has mapped it, so nothing i
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -42,9 +45,36 @@ import numpy as np
 import torch
 
 SHM_DIR = "/dev/shm"
-REGION_BYTES = 4 << 20  # per rank and slot; measured on the 25M benchmark (bench/RESULTS.md)
+REGION_BYTES = 4 << 20  # per rank and slot; 1, 2, 4, 8 and 16 MiB measured (bench/RESULTS.md)
 _LINE = 64  # bytes between two ranks' counters (one cache line each)
 _HEADER = 4096  # counters, then the slots from a page boundary
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the waiters are other processes
+_WAKE_ALL = 2**31 - 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_TENTH_SECOND = _Timespec(0, 100_000_000)
+
+
+def _futex(address: int, op: int, value: int, timeout: "_Timespec | None" = None) -> None:
+    """FUTEX_WAIT: sleep while the 32-bit word at `address` equals `value`; FUTEX_WAKE: wake its
+    sleepers. ctypes lets go of the GIL for the call."""
+    _libc.syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        ctypes.c_int(op),
+        ctypes.c_int(value),
+        ctypes.byref(timeout) if timeout is not None else None,
+        None,
+        ctypes.c_int(0),
+    )
 
 
 def supported() -> bool:
@@ -101,7 +131,9 @@ class SharedMemoryChannel:
         finally:
             os.close(fd)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._counters = np.frombuffer(self._map, dtype=np.int64, count=world * _LINE // 8)[:: _LINE // 8]
+        # one 32-bit counter per rank, a cache line apart: the futex word of that rank's arrivals
+        self._counters = np.frombuffer(self._map, dtype=np.int32, count=world * _LINE // 4)[:: _LINE // 4]
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._seq = 0
         self._broken: Optional[BaseException] = None
         self._jobs: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -109,12 +141,12 @@ class SharedMemoryChannel:
         self._thread.start()
 
     @classmethod
-    def create(cls, path: str, rank: int, world: int, region_bytes: int = REGION_BYTES, timeout_s: float = 1800.0):
-        return cls(path, rank, world, True, region_bytes, timeout_s)
+    def create(cls, path: str, rank: int, world: int, region_bytes: Optional[int] = None, timeout_s: float = 1800.0):
+        return cls(path, rank, world, True, region_bytes or REGION_BYTES, timeout_s)
 
     @classmethod
-    def attach(cls, path: str, rank: int, world: int, region_bytes: int = REGION_BYTES, timeout_s: float = 1800.0):
-        return cls(path, rank, world, False, region_bytes, timeout_s)
+    def attach(cls, path: str, rank: int, world: int, region_bytes: Optional[int] = None, timeout_s: float = 1800.0):
+        return cls(path, rank, world, False, region_bytes or REGION_BYTES, timeout_s)
 
     def unlink(self) -> None:
         os.unlink(self.path)
@@ -161,29 +193,40 @@ class SharedMemoryChannel:
         return self._bytes[start : start + numel * dtype.itemsize].view(dtype)
 
     def _arrive_and_wait(self) -> int:
-        """Raise this rank's counter to the next chunk and wait for every rank's; the chunk's slot."""
+        """Raise this rank's counter to the next chunk and wait for every rank's; the chunk's slot.
+
+        A rank behind is waited for in the kernel (a futex on its counter, woken by its arrival),
+        not by spinning: a spinning waiter would take the core from this rank's own compute."""
         self._seq += 1
         seq = self._seq
         counters = self._counters
         counters[self.rank] = seq
-        spins = 0
+        _futex(self._counter_address(self.rank), _FUTEX_WAKE, _WAKE_ALL)
         deadline = None
-        while counters.min() < seq:
-            spins += 1
-            if spins < 2000:
-                time.sleep(0)  # yield the core (and the GIL) to this rank's compute
-                continue
-            time.sleep(50e-6)
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.timeout_s
-            elif now > deadline:
-                missing = [j for j in range(self.world) if counters[j] < seq]
-                raise SharedMemoryError(
-                    f"rank {self.rank}: rank(s) {missing} of this group did not reach chunk {seq} of the "
-                    f"shared-memory collectives within {self.timeout_s:.0f} s (a rank died or issued other collectives)"
-                )
+        for j in range(self.world):
+            spins = 0
+            while True:
+                seen = int(counters[j])
+                if seen >= seq:
+                    break
+                spins += 1
+                if spins < 50:  # a rank just behind: a few microseconds
+                    continue
+                # sleeps until rank j's counter is no longer `seen` (or 0.1 s passes)
+                _futex(self._counter_address(j), _FUTEX_WAIT, seen, _TENTH_SECOND)
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    missing = [i for i in range(self.world) if counters[i] < seq]
+                    raise SharedMemoryError(
+                        f"rank {self.rank}: rank(s) {missing} of this group did not reach chunk {seq} of the "
+                        f"shared-memory collectives within {self.timeout_s:.0f} s (a rank died or issued "
+                        f"other collectives)"
+                    )
         return seq % 2
+
+    def _counter_address(self, rank: int) -> int:
+        return self._base + rank * _LINE
 
     def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
         n, r = self.world, self.rank
