@@ -70,7 +70,7 @@ def build(engine: str, size: str, rank: int):
     vocab, d, layers, heads, seq, _ = SIZES[size]
     torch.manual_seed(0)
     model = GPT(vocab, d, layers, heads, seq)
-    if engine == "ours":
+    if engine in ("ours", "ours_gloo"):
         from framework.distributed.fsdp import fully_shard
 
         for b in model.blocks:
@@ -92,6 +92,10 @@ def build(engine: str, size: str, rank: int):
 
 def step(engine, model, opt, size, s, rank):
     vocab, d, layers, heads, seq, mb = SIZES[size]
+    if engine in ("ours", "ours_gloo"):  # ours_gloo: our engine with gloo's TCP between the ranks
+        from framework.distributed.fsdp import set_host_transport
+
+        set_host_transport("gloo" if engine == "ours_gloo" else "shm")
     g = torch.Generator().manual_seed(s * 100 + rank)
     idx = torch.randint(0, vocab, (mb, seq + 1), generator=g)
     dist.barrier()
@@ -115,7 +119,7 @@ def tensor_bytes(engine, model, opt) -> int:
         for v in st.values():
             if isinstance(v, torch.Tensor):
                 b += local(v).numel() * local(v).element_size()
-    if engine == "ours":
+    if engine in ("ours", "ours_gloo"):
         sb = model.sharded_tensor_bytes()
         b += sb["unsharded"] + sb["accum"] + sb["secondary"] + sb["grad_pool"]
     return b
@@ -137,27 +141,27 @@ def _reset_hwm() -> None:
         pass
 
 
-def timing_worker(rank, ws, size, steps, warmup):
+def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
     _wrap_collectives()
-    engines = ["ours", "fsdp2", "ddp"]
+    engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else [])
     built = {e: build(e, size, rank) for e in engines}
     times = {e: [] for e in engines}
     traffic = {e: [] for e in engines}
-    exposed = []
+    exposed = {"ours": [], "ours_gloo": []}
     for r in range(warmup + steps):
-        order = engines[r % 3 :] + engines[: r % 3]
-        for e in order:
+        k = r % len(engines)
+        for e in engines[k:] + engines[:k]:
             model, opt = built[e]
-            if e == "ours":
+            if e in ("ours", "ours_gloo"):
                 model.reset_comm_stats()
             _COUNT["bytes"] = 0
             t, _ = step(e, model, opt, size, r, rank)
             if r >= warmup:
                 times[e].append(t)
-                if e == "ours":
+                if e in ("ours", "ours_gloo"):
                     st = model.comm_stats()
                     traffic[e].append(st["allgather_bytes"] + st["reduce_scatter_bytes"] + st["allreduce_bytes"])
-                    exposed.append(st["exposed_comm_s"])
+                    exposed[e].append(st["exposed_comm_s"])
                 elif e == "fsdp2":
                     traffic[e].append(_COUNT["bytes"])
     grad_bytes = sum(p.numel() * 4 for p in built["ddp"][0].parameters())
@@ -332,6 +336,11 @@ def main() -> None:
     ap.add_argument("--out", default="bench/engine_results.json")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument(
+        "--gloo-row",
+        action="store_true",
+        help="also time our engine with parallelism.host_transport=gloo (row ours_gloo), interleaved with the others",
+    )
+    ap.add_argument(
         "--tp",
         action="store_true",
         help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)",
@@ -358,7 +367,7 @@ def main() -> None:
     from tests.distributed.harness import run_ranks
 
     t0 = time.time()
-    res = run_ranks(timing_worker, args.ranks, args=(args.model_size, args.steps, 2), timeout_s=1800)
+    res = run_ranks(timing_worker, args.ranks, args=(args.model_size, args.steps, 2, args.gloo_row), timeout_s=1800)
     mem = {}
     if not args.skip_memory:
         for e in ("ours", "fsdp2", "ddp"):
@@ -366,18 +375,18 @@ def main() -> None:
     r0 = res[0]
     med = {e: statistics.median(max(r["times"][e][i] for r in res) for i in range(args.steps)) for e in r0["times"]}
     rows = {}
-    for e in ("ours", "fsdp2", "ddp"):
+    for e in r0["times"]:
         rows[e] = {
             "median_step_s": med[e],
             "ratio_to_fsdp2": med[e] / med["fsdp2"],
             "ratio_to_ddp": med[e] / med["ddp"],
             "tensor_bytes_mb": max(r["tensor_bytes"][e] for r in res) / 2**20,
-            "rss_peak_mb": max(m["rss_peak_mb"] for m in mem[e]) if mem else None,
+            "rss_peak_mb": max(m["rss_peak_mb"] for m in mem[e]) if e in mem else None,
             "comm_mb_per_step": statistics.median(r0["traffic"][e]) / 2**20 if r0["traffic"][e] else None,
-            "exposed_comm_s": statistics.median(r0["exposed"]) if e == "ours" else None,
+            "exposed_comm_s": statistics.median(r0["exposed"][e]) if r0["exposed"].get(e) else None,
         }
     hdr = (
-        f"{'engine':8} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
+        f"{'engine':9} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
         f"{'comm MB/step':>13} {'exposed s':>10}"
     )
     print(
@@ -388,7 +397,7 @@ def main() -> None:
     fmt = lambda v, f: "n/a" if v is None else format(v, f)
     for e, r in rows.items():
         print(
-            f"{e:8} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
+            f"{e:9} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
             f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} "
             f"{fmt(r['comm_mb_per_step'], '13.1f'):>13} "
             f"{fmt(r['exposed_comm_s'], '10.3f'):>10}"
