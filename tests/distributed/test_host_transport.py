@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -125,6 +128,20 @@ def test_a_rank_that_never_arrives_fails_with_a_message(tmp_path):
         work.wait()
     with pytest.raises(shm.SharedMemoryError, match="an earlier collective on this group failed"):
         channel.reduce_scatter(torch.zeros(4), torch.ones(8)).wait()
+    channel.close()
+
+
+def test_a_rank_whose_process_exited_fails_within_seconds(tmp_path):
+    path = str(tmp_path / "segment")
+    channel = shm.SharedMemoryChannel.create(path, rank=0, world=2, region_bytes=4096, timeout_s=600)
+    channel.unlink()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    channel._pids[1] = gone.pid  # what rank 1 writes when it maps the segment
+    start = time.monotonic()
+    with pytest.raises(shm.SharedMemoryError, match=rf"rank 1 of this group \(process {gone.pid}\) exited"):
+        channel.all_gather(torch.zeros(8), torch.ones(4)).wait()
+    assert time.monotonic() - start < 10  # not the 600 s timeout
     channel.close()
 
 

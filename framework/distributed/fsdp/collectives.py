@@ -35,6 +35,7 @@ import hashlib
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -146,7 +147,8 @@ def _gloo(group: ProcessGroup) -> bool:
 
 HOST_TRANSPORTS = ("shm", "gloo")
 _host_transport = ["shm"]
-_channels: Dict[int, Tuple[ProcessGroup, Optional[shm.SharedMemoryChannel]]] = {}
+# id(group) -> (a weak reference to the group, its channel or None); a channel closes with its group
+_channels: Dict[int, Tuple[weakref.ref, Optional[shm.SharedMemoryChannel]]] = {}
 
 
 def set_host_transport(name: str) -> None:
@@ -159,13 +161,15 @@ def set_host_transport(name: str) -> None:
 
 
 def _host_key() -> int:
-    """This host's identity as a number: the hostname and the kernel's boot id."""
+    """This host's identity as a number: the hostname, the kernel's boot id and the process-id
+    namespace (the transport checks its peers' process ids, which must mean the same process)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
+        pid_ns = os.readlink("/proc/self/ns/pid")
     except OSError:
-        boot = ""
-    digest = hashlib.blake2b(f"{socket.gethostname()}/{boot}".encode(), digest_size=8).digest()
+        boot = pid_ns = ""
+    digest = hashlib.blake2b(f"{socket.gethostname()}/{boot}/{pid_ns}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**62 - 1)
 
 
@@ -207,8 +211,11 @@ def _channel(group: ProcessGroup, t: torch.Tensor) -> Optional[shm.SharedMemoryC
     if t.device.type != "cpu" or _host_transport[0] != "shm" or not _gloo(group):
         return None
     entry = _channels.get(id(group))
-    if entry is None or entry[0] is not group:
-        entry = _channels[id(group)] = (group, _open_channel(group))
+    if entry is None or entry[0]() is not group:
+        channel = _open_channel(group)
+        if channel is not None:
+            weakref.finalize(group, channel.close)
+        entry = _channels[id(group)] = (weakref.ref(group), channel)
     return entry[1]
 
 

@@ -27,7 +27,8 @@ spun would take the core from its own rank's compute.
 
 The segment's file is unlinked as soon as every rank has mapped it, so nothing is left in
 /dev/shm after the processes end, however they end. A rank that has not arrived within
-`timeout_s` fails the collective with an error naming the ranks that were missing.
+`timeout_s` fails the collective with an error naming the ranks that were missing; one whose
+process has exited fails it within about a second (each rank's process id is in the segment).
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def _futex(address: int, op: int, value: int, timeout: "_Timespec | None" = None
         None,
         ctypes.c_int(0),
     )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (a rank on this host; 0: not yet known) still exists."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, under another user
+    return True
 
 
 def supported() -> bool:
@@ -131,8 +145,11 @@ class SharedMemoryChannel:
         finally:
             os.close(fd)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        # one 32-bit counter per rank, a cache line apart: the futex word of that rank's arrivals
-        self._counters = np.frombuffer(self._map, dtype=np.int32, count=world * _LINE // 4)[:: _LINE // 4]
+        # one cache line per rank: its arrival counter (a 32-bit futex word), then its process id
+        header = np.frombuffer(self._map, dtype=np.int32, count=world * _LINE // 4)
+        self._counters = header[:: _LINE // 4]
+        self._pids = header[1 :: _LINE // 4]
+        self._pids[rank] = os.getpid()
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._seq = 0
         self._broken: Optional[BaseException] = None
@@ -216,6 +233,11 @@ class SharedMemoryChannel:
                 _futex(self._counter_address(j), _FUTEX_WAIT, seen, _TENTH_SECOND)
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
+                if spins % 10 == 0 and not _alive(int(self._pids[j])):
+                    raise SharedMemoryError(
+                        f"rank {self.rank}: rank {j} of this group (process {int(self._pids[j])}) exited "
+                        f"before chunk {seq} of the shared-memory collectives"
+                    )
                 if now > deadline:
                     missing = [i for i in range(self.world) if counters[i] < seq]
                     raise SharedMemoryError(
