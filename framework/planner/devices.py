@@ -26,6 +26,7 @@ class Device:
     efficiency: float  # sustained fraction of the compute peak
     link_efficiency: float  # sustained fraction of the link bandwidth in ring collectives
     host_memory_gib: float  # per node: where offloaded shards and optimizer state live
+    shm_gbps: float = 0.0  # GB/s per rank of our engine's shared-memory all-gathers and reduce-scatters (CPU)
 
     def tflops(self, dtype: str) -> float:
         return self.tflops_fp32 if dtype == "float32" else self.tflops_bf16
@@ -37,9 +38,10 @@ DEVICES: dict[str, Device] = {
     "a100": Device("A100 80GB SXM", 80.0, 312.0, 19.5, 300.0, 25.0, 0.5, 0.8, 1024.0),
     # Measured here (2 cores shared with other jobs, load ~15): a 1024^3 matmul on one thread runs
     # at 20 GFLOP/s in fp32 and 130 GFLOP/s in bf16; we plan with 40 GFLOP/s fp32 for a quiet
-    # machine. Links: gloo over loopback, ~1 GB/s. Memory: the machine's 24 GiB, shared by its
-    # ranks (host memory is the same memory).
-    "cpu": Device("CPU (this machine, measured)", 24.0, 0.13, 0.04, 1.0, 1.0, 1.0, 1.0, 24.0),
+    # machine. Links: gloo over loopback, ~1 GB/s; our engine's all-gathers and reduce-scatters
+    # between the ranks of one host through shared memory, 2.3-2.6 GB/s (4M-element fp32 shards,
+    # 2 ranks). Memory: the machine's 24 GiB, shared by its ranks (host memory is the same memory).
+    "cpu": Device("CPU (this machine, measured)", 24.0, 0.13, 0.04, 1.0, 1.0, 1.0, 1.0, 24.0, shm_gbps=2.4),
 }
 
 GPU_DEFAULT = "h100"

@@ -66,6 +66,7 @@ class Job:
     activation_checkpointing: str = "none"  # none | full | selective
     sequence_parallel: bool = False
     gloo: bool = False  # CPU jobs: gloo's reduce-scatter needs receive scratch (collectives.py)
+    host_shm: bool = False  # CPU jobs, our engine: a group on one host gathers and reduces through shared memory
     memory_gib: float = 0.0  # per rank; 0: the device's
     peak_tflops: float = 0.0  # 0: the device's
 
@@ -445,7 +446,15 @@ def timing(job: Job, tr: Traffic | None = None) -> Timing:
     bw = {"intra": dev.intra_node_gbps, "inter": dev.inter_node_gbps}
     comm = {"dp": 0.0, "tp": 0.0}
     for r in tr.rows:
-        seconds = r["bytes"] / (bw[r["link"]] * 1e9 * dev.link_efficiency)
+        rate = bw[r["link"]]
+        if (
+            job.host_shm
+            and dev.shm_gbps
+            and r["link"] == "intra"
+            and r["collective"] in ("all_gather", "reduce_scatter")
+        ):
+            rate = dev.shm_gbps
+        seconds = r["bytes"] / (rate * 1e9 * dev.link_efficiency)
         comm["tp" if r["dim"] == "tp" else "dp"] += seconds
     lays = layouts(job)
     n_units = max(1, len(lays))

@@ -69,6 +69,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
         sequence_parallel=p.sequence_parallel,
         # gloo's reduce-scatter needs receive scratch; a shard group on one host uses shared memory
         gloo=key == "cpu" and (p.host_transport.value == "gloo" or dims.dp_shard * dims.tp > c.nproc_per_node),
+        host_shm=key == "cpu" and p.engine.value == "native" and p.host_transport.value == "shm",
         memory_gib=float(getattr(c, "gpu_memory_gib", 0.0) or 0.0),
         peak_tflops=t.peak_tflops,
     )
