@@ -118,6 +118,35 @@ def test_host_transport_gloo_keeps_gloo():
         assert res["used"] == [False, False]
 
 
+def _fallback_worker(rank, world):
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:  # as when /dev/shm cannot hold the segment: every rank must take gloo
+        shm.SharedMemoryChannel.create = no_space
+    group = dist.new_group(list(range(world)))
+    out = torch.empty(world * 5)
+    C.wait(C.all_gather(out, torch.full((5,), float(rank)), group, C.CommStats()))
+    return out.tolist(), C._channels[id(group)][1] is None
+
+
+def test_no_room_in_dev_shm_keeps_gloo():
+    for out, on_gloo in run_ranks(_fallback_worker, 2, timeout_s=120):
+        assert out == [0.0] * 5 + [1.0] * 5
+        assert on_gloo
+
+
+def test_a_segment_that_does_not_fit_is_refused_and_removed(tmp_path, monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", no_space)
+    path = str(tmp_path / "segment")
+    with pytest.raises(OSError):
+        shm.SharedMemoryChannel.create(path, rank=0, world=2, region_bytes=4096)
+    assert not os.path.exists(path)
+
+
 def test_a_rank_that_never_arrives_fails_with_a_message(tmp_path):
     path = str(tmp_path / "segment")
     channel = shm.SharedMemoryChannel.create(path, rank=0, world=2, region_bytes=4096, timeout_s=0.5)

@@ -140,7 +140,14 @@ class SharedMemoryChannel:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                # reserve every page now: a /dev/shm too small for the segment (a container's
+                # default is 64 MiB) fails here, and the group stays on gloo, instead of a SIGBUS
+                # at the first write past the end of the space
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:
+                    os.unlink(path)
+                    raise
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
