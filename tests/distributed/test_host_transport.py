@@ -111,6 +111,17 @@ def test_default_region_is_four_mib():
     assert shm.segment_bytes(2) == 4096 + (16 << 20)
 
 
+def test_counters_of_many_ranks_stay_out_of_the_slots(tmp_path):
+    """One cache line of counters per rank: past 64 ranks on a host they take more than a page."""
+    path = str(tmp_path / "segment")
+    channel = shm.SharedMemoryChannel.create(path, rank=0, world=100, region_bytes=4096)
+    channel.unlink()
+    assert channel._slots_at == 8192 and channel._map.size() == 8192 + 2 * 100 * 4096
+    channel._region(0, 0, torch.uint8, 4096).fill_(7)  # the first region, right after the counters
+    assert channel._counters.tolist() == [0] * 99 + [0] and channel._pids[0] > 0
+    channel.close()
+
+
 def test_host_transport_gloo_keeps_gloo():
     results = run_ranks(_collectives_worker, 2, args=("gloo", [torch.float32]), timeout_s=240)
     for res in results:

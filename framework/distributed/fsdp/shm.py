@@ -1,7 +1,7 @@
 """A shared-memory transport for the all-gathers and reduce-scatters of ranks on one host.
 
 [Note: shared-memory collectives on one host]
-gloo carries every byte over TCP loopback: about 1.2 GB/s on our CPU machines, and the kernel's
+gloo carries every byte over TCP loopback: about 1 GB/s on our CPU machines, and the kernel's
 copies take CPU time from the ranks' own compute. When every rank of a process group is a process
 on the same host, the engine instead passes its all-gathers and reduce-scatters through one
 shared-memory segment per group (collectives.py decides, and falls back to gloo otherwise):
@@ -48,7 +48,7 @@ import torch
 SHM_DIR = "/dev/shm"
 REGION_BYTES = 4 << 20  # per rank and slot; 1, 2, 4, 8 and 16 MiB measured (bench/RESULTS.md)
 _LINE = 64  # bytes between two ranks' counters (one cache line each)
-_HEADER = 4096  # counters, then the slots from a page boundary
+_PAGE = 4096  # the slots start on a page boundary, after the counters
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -119,8 +119,12 @@ class _Work:
         return self._done.is_set()
 
 
-def segment_bytes(world: int, region_bytes: int = REGION_BYTES) -> int:
-    return _HEADER + 2 * world * region_bytes
+def _header_bytes(world: int) -> int:
+    return -(-world * _LINE // _PAGE) * _PAGE
+
+
+def segment_bytes(world: int, region_bytes: Optional[int] = None) -> int:
+    return _header_bytes(world) + 2 * world * (region_bytes or REGION_BYTES)
 
 
 class SharedMemoryChannel:
@@ -136,6 +140,7 @@ class SharedMemoryChannel:
         self.path, self.rank, self.world = path, rank, world
         self.region_bytes, self.timeout_s = region_bytes, timeout_s
         size = segment_bytes(world, region_bytes)
+        self._slots_at = _header_bytes(world)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -213,7 +218,7 @@ class SharedMemoryChannel:
 
     # ------------------------------------------------------------------ the chunk protocol
     def _region(self, slot: int, rank: int, dtype: torch.dtype, numel: int, at: int = 0) -> torch.Tensor:
-        start = _HEADER + (slot * self.world + rank) * self.region_bytes + at
+        start = self._slots_at + (slot * self.world + rank) * self.region_bytes + at
         return self._bytes[start : start + numel * dtype.itemsize].view(dtype)
 
     def _arrive_and_wait(self) -> int:
