@@ -39,8 +39,9 @@ DEVICES: dict[str, Device] = {
     # Measured here (2 cores shared with other jobs, load ~15): a 1024^3 matmul on one thread runs
     # at 20 GFLOP/s in fp32 and 130 GFLOP/s in bf16; we plan with 40 GFLOP/s fp32 for a quiet
     # machine. Links: gloo over loopback, ~1 GB/s; our engine's all-gathers and reduce-scatters
-    # between the ranks of one host through shared memory, 2.3-2.6 GB/s (4M-element fp32 shards,
-    # 2 ranks). Memory: the machine's 24 GiB, shared by its ranks (host memory is the same memory).
+    # between the ranks of one host through shared memory, 2.3-2.6 GB/s (bench/transport.py:
+    # 4M-element fp32 shards, 2 ranks). Memory: the machine's 24 GiB, shared by its ranks (host
+    # memory is the same memory).
     "cpu": Device("CPU (this machine, measured)", 24.0, 0.13, 0.04, 1.0, 1.0, 1.0, 1.0, 24.0, shm_gbps=2.4),
 }
 
