@@ -206,9 +206,9 @@ def _open_channel(group: ProcessGroup) -> Optional[shm.SharedMemoryChannel]:
     return channel if int(ok) else None
 
 
-def _channel(group: ProcessGroup, t: torch.Tensor) -> Optional[shm.SharedMemoryChannel]:
-    """The shared-memory channel of a gloo `group` on CPU tensors, opened on first use."""
-    if t.device.type != "cpu" or _host_transport[0] != "shm" or not _gloo(group):
+def _channel(group: ProcessGroup, device: torch.device) -> Optional[shm.SharedMemoryChannel]:
+    """The shared-memory channel of a gloo `group` for tensors on `device`, opened on first use."""
+    if device.type != "cpu" or _host_transport[0] != "shm" or not _gloo(group):
         return None
     entry = _channels.get(id(group))
     if entry is None or entry[0]() is not group:
@@ -222,7 +222,7 @@ def _channel(group: ProcessGroup, t: torch.Tensor) -> Optional[shm.SharedMemoryC
 def reduce_scatter_scratch_numel(group: ProcessGroup, shard_numel: int) -> int:
     """Elements of receive scratch `reduce_scatter` needs on this backend and rank (0 = none)."""
     n = dist.get_world_size(group)
-    if n <= 2 or not _gloo(group) or _channel(group, torch.empty(0)) is not None:
+    if n <= 2 or not _gloo(group) or _channel(group, torch.device("cpu")) is not None:
         return 0  # two ranks, and shared memory, receive straight into the output
     r = dist.get_rank(group)
     return (n - 1) * shard_numel if r in (0, n - 1) else n * shard_numel
@@ -240,7 +240,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, s
     stats.num_collectives += 1
     if not _gloo(group):
         return Pending(_all_gather_single(output, shard, group=group, async_op=True), output, stats)
-    channel = _channel(group, output)
+    channel = _channel(group, output.device)
     if channel is not None:
         return Pending(channel.all_gather(output, shard), output, stats)
     S, r = shard.numel(), dist.get_rank(group)
@@ -274,7 +274,7 @@ def reduce_scatter(
     if not _gloo(group):
         work = _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return Pending(work, output, stats)
-    channel = _channel(group, output)
+    channel = _channel(group, output.device)
     if channel is not None:
         return Pending(channel.reduce_scatter(output, full), output, stats)
     S, r = output.numel(), dist.get_rank(group)

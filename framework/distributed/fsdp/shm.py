@@ -97,7 +97,7 @@ def supported() -> bool:
 
 
 class SharedMemoryError(RuntimeError):
-    """A collective on the shared-memory transport failed (a rank did not arrive in time)."""
+    """A collective on the shared-memory transport failed: a rank exited, or did not arrive in time."""
 
 
 class _Work:
@@ -221,8 +221,12 @@ class SharedMemoryChannel:
         start = self._slots_at + (slot * self.world + rank) * self.region_bytes + at
         return self._bytes[start : start + numel * dtype.itemsize].view(dtype)
 
-    def _arrive_and_wait(self) -> int:
-        """Raise this rank's counter to the next chunk and wait for every rank's; the chunk's slot.
+    def _next_slot(self) -> int:
+        """The slot the next chunk goes through (chunks alternate between the two)."""
+        return (self._seq + 1) % 2
+
+    def _arrive_and_wait(self) -> None:
+        """Raise this rank's counter to the next chunk and wait for every rank's.
 
         A rank behind is waited for in the kernel (a futex on its counter, woken by its arrival),
         not by spinning: a spinning waiter would take the core from this rank's own compute."""
@@ -257,7 +261,6 @@ class SharedMemoryChannel:
                         f"shared-memory collectives within {self.timeout_s:.0f} s (a rank died or issued "
                         f"other collectives)"
                     )
-        return seq % 2
 
     def _counter_address(self, rank: int) -> int:
         return self._base + rank * _LINE
@@ -271,7 +274,7 @@ class SharedMemoryChannel:
         per = self.region_bytes // dtype.itemsize
         for off in range(0, S, per):
             k = min(per, S - off)
-            slot = (self._seq + 1) % 2
+            slot = self._next_slot()
             self._region(slot, r, dtype, k).copy_(shard[off : off + k])
             self._arrive_and_wait()
             for j in range(n):
@@ -284,7 +287,7 @@ class SharedMemoryChannel:
         per = self.region_bytes // (n * dtype.itemsize)  # a region holds one sub-chunk per rank
         for off in range(0, S, per):
             k = min(per, S - off)
-            slot = (self._seq + 1) % 2
+            slot = self._next_slot()
             for j in range(n):
                 if j != r:
                     part = full[j * S + off : j * S + off + k]
