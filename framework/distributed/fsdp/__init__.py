@@ -12,6 +12,7 @@ from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, Tr
 from .clip import clip_grad_norm_
 from .collectives import set_host_transport
 from .fully_shard import ShardedModule, fully_shard
+from .host_heap import set_host_memory_trim
 from .state_dict import get_state_dicts, set_state_dicts
 from .unit import sharded_units
 
@@ -28,4 +29,5 @@ __all__ = [
     "TrainingPhase",
     "sharded_units",
     "set_host_transport",
+    "set_host_memory_trim",
 ]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .api import TrainingPhase
+from .host_heap import trim_host_heap
 from .unit import ShardUnit
 
 # [Note: the gradient buffer pool]
@@ -103,6 +104,11 @@ class ShardContext:
             elif u.used_this_step():
                 return  # an earlier unit in the order still waits for gradients
             self.next_reduce += 1
+            if self.next_reduce == len(order) - 1 and order[-1].compute_device.type == "cpu":
+                # only the last unit's gradients are still to come: see [Note: free host pages go
+                # back before the last unit's backward] (host_heap.py)
+                with record_function("fsdp::trim_host_heap"):
+                    trim_host_heap()
 
     # ------------------------------------------------------------ buffer pool
     def _cap(self, tag: str, numel: int) -> int:
