@@ -5,9 +5,13 @@
 
 Phase 1 (timing): one 2-rank group builds the three engines from the same initial weights and
 runs their steps interleaved (round r runs one step of each, in rotating order, after a barrier),
-so background load hits all three alike; we report medians. Phase 2 (memory): one short 2-rank
-run per engine in its own processes, with the peak RSS (VmHWM) reset after warm-up, so each
-engine's high-water mark is its own. Tensor accounting = bytes of parameters + gradients +
+so background load hits all three alike; we report medians. Phase 2 (memory, and time alone):
+--memory-runs rounds of one 2-rank run per engine in its own processes, engines alternating, with
+the peak RSS (VmHWM) reset after warm-up, so each engine's high-water mark is its own; the table
+shows the median peak, and the median step time of those runs ("alone"). The two timings differ
+where engines share one heap in phase 1: our engine hands the heap's free pages back to the OS
+once per backward on the CPU ([Note: free host pages go back before the last unit's backward]),
+and in one process that includes pages the other engines freed. Tensor accounting = bytes of parameters + gradients +
 optimizer state + engine-held buffers between steps. Traffic: ours from `comm_stats()`; FSDP2
 counted by wrapping torch.distributed's collective functions in this process; DDP from theory
 (its reducer calls gloo from C++): all-reduce of every gradient, 2 (N-1)/N x bytes.
@@ -66,11 +70,15 @@ def _wrap_collectives() -> None:
 
 
 # ------------------------------------------------------------------ engines
+# our engine's variants: ours_gloo over gloo's TCP, ours_notrim without the per-backward heap trim
+OURS = ("ours", "ours_gloo", "ours_notrim")
+
+
 def build(engine: str, size: str, rank: int):
     vocab, d, layers, heads, seq, _ = SIZES[size]
     torch.manual_seed(0)
     model = GPT(vocab, d, layers, heads, seq)
-    if engine in ("ours", "ours_gloo"):
+    if engine in OURS:
         from framework.distributed.fsdp import fully_shard
 
         for b in model.blocks:
@@ -92,10 +100,11 @@ def build(engine: str, size: str, rank: int):
 
 def step(engine, model, opt, size, s, rank):
     vocab, d, layers, heads, seq, mb = SIZES[size]
-    if engine in ("ours", "ours_gloo"):  # ours_gloo: our engine with gloo's TCP between the ranks
-        from framework.distributed.fsdp import set_host_transport
+    if engine in OURS:
+        from framework.distributed.fsdp import set_host_memory_trim, set_host_transport
 
         set_host_transport("gloo" if engine == "ours_gloo" else "shm")
+        set_host_memory_trim(engine != "ours_notrim")
     g = torch.Generator().manual_seed(s * 100 + rank)
     idx = torch.randint(0, vocab, (mb, seq + 1), generator=g)
     dist.barrier()
@@ -119,7 +128,7 @@ def tensor_bytes(engine, model, opt) -> int:
         for v in st.values():
             if isinstance(v, torch.Tensor):
                 b += local(v).numel() * local(v).element_size()
-    if engine in ("ours", "ours_gloo"):
+    if engine in OURS:
         sb = model.sharded_tensor_bytes()
         b += sb["unsharded"] + sb["accum"] + sb["secondary"] + sb["grad_pool"]
     return b
@@ -141,24 +150,24 @@ def _reset_hwm() -> None:
         pass
 
 
-def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
+def timing_worker(rank, ws, size, steps, warmup, gloo_row=False, notrim_row=False):
     _wrap_collectives()
-    engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else [])
+    engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else []) + (["ours_notrim"] if notrim_row else [])
     built = {e: build(e, size, rank) for e in engines}
     times = {e: [] for e in engines}
     traffic = {e: [] for e in engines}
-    exposed = {"ours": [], "ours_gloo": []}
+    exposed = {e: [] for e in OURS}
     for r in range(warmup + steps):
         k = r % len(engines)
         for e in engines[k:] + engines[:k]:
             model, opt = built[e]
-            if e in ("ours", "ours_gloo"):
+            if e in OURS:
                 model.reset_comm_stats()
             _COUNT["bytes"] = 0
             t, _ = step(e, model, opt, size, r, rank)
             if r >= warmup:
                 times[e].append(t)
-                if e in ("ours", "ours_gloo"):
+                if e in OURS:
                     st = model.comm_stats()
                     traffic[e].append(st["allgather_bytes"] + st["reduce_scatter_bytes"] + st["allreduce_bytes"])
                     exposed[e].append(st["exposed_comm_s"])
@@ -183,15 +192,16 @@ def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
     }
 
 
-def memory_worker(rank, ws, engine, size):
+def memory_worker(rank, ws, engine, size, steps=2):
+    """One engine alone in its processes: the RSS high-water mark of `steps` steps after 2 warm-up
+    ones, and their step times (no other engine's tensors share this heap)."""
     model, opt = build(engine, size, rank)
     for s in range(2):
         step(engine, model, opt, size, s, rank)
     _reset_hwm()
     base = _rss_hwm_kb()
-    for s in range(2, 4):
-        step(engine, model, opt, size, s, rank)
-    return {"rss_peak_mb": _rss_hwm_kb() / 1024, "rss_after_warmup_mb": base / 1024}
+    times = [step(engine, model, opt, size, s, rank)[0] for s in range(2, 2 + steps)]
+    return {"rss_peak_mb": _rss_hwm_kb() / 1024, "rss_after_warmup_mb": base / 1024, "step_s": times}
 
 
 def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
@@ -347,6 +357,11 @@ def main() -> None:
         help="also time our engine with parallelism.host_transport=gloo (row ours_gloo), interleaved with the others",
     )
     ap.add_argument(
+        "--notrim-row",
+        action="store_true",
+        help="also run our engine with parallelism.host_memory_trim=false (row ours_notrim), in both phases",
+    )
+    ap.add_argument(
         "--tp",
         action="store_true",
         help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)",
@@ -373,16 +388,26 @@ def main() -> None:
     from tests.distributed.harness import run_ranks
 
     t0 = time.time()
-    res = run_ranks(timing_worker, args.ranks, args=(args.model_size, args.steps, 2, args.gloo_row), timeout_s=1800)
+    res = run_ranks(
+        timing_worker,
+        args.ranks,
+        args=(args.model_size, args.steps, 2, args.gloo_row, args.notrim_row),
+        timeout_s=1800,
+    )
     mem = {}  # engine -> one list of per-rank results per run
     if not args.skip_memory:
         for _ in range(max(1, args.memory_runs)):
-            for e in ("ours", "fsdp2", "ddp"):
-                run = run_ranks(memory_worker, args.ranks, args=(e, args.model_size), timeout_s=900)
+            for e in ("ours", "fsdp2", "ddp") + (("ours_notrim",) if args.notrim_row else ()):
+                run = run_ranks(memory_worker, args.ranks, args=(e, args.model_size, args.steps), timeout_s=900)
                 mem.setdefault(e, []).append(run)
     # a run's peak is its highest rank's; glibc's heap makes it vary by a few percent run to run
     peaks = {e: [max(m["rss_peak_mb"] for m in run) for run in runs] for e, runs in mem.items()}
     rss = {e: statistics.median(p) for e, p in peaks.items()}
+    # step times of the engines alone (each run its own processes), the slower rank of each step
+    alone = {
+        e: statistics.median(t for run in runs for t in map(max, zip(*(m["step_s"] for m in run))))
+        for e, runs in mem.items()
+    }
     r0 = res[0]
     med = {e: statistics.median(max(r["times"][e][i] for r in res) for i in range(args.steps)) for e in r0["times"]}
     rows = {}
@@ -395,16 +420,19 @@ def main() -> None:
             "rss_peak_mb": rss.get(e),
             "rss_peak_runs_mb": peaks.get(e),
             "rss_ratio_to_fsdp2": rss[e] / rss["fsdp2"] if e in rss else None,
+            "alone_step_s": alone.get(e),
+            "alone_ratio_to_ddp": alone[e] / alone["ddp"] if e in alone else None,
             "comm_mb_per_step": statistics.median(r0["traffic"][e]) / 2**20 if r0["traffic"][e] else None,
             "exposed_comm_s": statistics.median(r0["exposed"][e]) if r0["exposed"].get(e) else None,
         }
     hdr = (
         f"{'engine':9} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
-        f"{'RSS/FSDP2':>10} {'comm MB/step':>13} {'exposed s':>10}"
+        f"{'RSS/FSDP2':>10} {'alone s':>8} {'/DDP':>6} {'comm MB/step':>13} {'exposed s':>10}"
     )
     print(
         f"\nGPT {args.model_size} ({r0['params'] / 1e6:.1f}M params), {args.ranks} gloo ranks, CPU fp32, "
-        f"{args.steps} interleaved steps, medians; RSS: median of {args.memory_runs} runs per engine; "
+        f"{args.steps} interleaved steps, medians; RSS and 'alone': {args.memory_runs} runs of each engine "
+        f"in its own processes ({args.steps} steps each), medians; "
         f"total {time.time() - t0:.0f}s"
     )
     print(hdr)
@@ -414,6 +442,7 @@ def main() -> None:
             f"{e:9} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
             f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} "
             f"{fmt(r['rss_ratio_to_fsdp2'], '10.2f'):>10} "
+            f"{fmt(r['alone_step_s'], '8.3f'):>8} {fmt(r['alone_ratio_to_ddp'], '6.2f'):>6} "
             f"{fmt(r['comm_mb_per_step'], '13.1f'):>13} "
             f"{fmt(r['exposed_comm_s'], '10.3f'):>10}"
         )

@@ -17,12 +17,14 @@ from typing import Callable, List, Optional
 # step's peak RSS is the resident holes plus those gradients. Once per backward, right after the
 # reduction of every unit but the last has been issued, the engine calls glibc's
 # `malloc_trim(0)`, which releases the whole free pages inside the heap (their contents are not
-# needed; what is in use is untouched). The holes the next forward fills fault back in.
-# Measured on `bench/engine.py` (25M, 2 ranks): peak RSS per rank 786-826 MB without, 715-750
-# with; one trim costs 2-7 ms, and the step time stays within the benchmark's noise
-# (bench/RESULTS.md). Only units that compute on the CPU trim, only with a C library that has
-# `malloc_trim` (glibc); `set_host_memory_trim(False)` or `parallelism.host_memory_trim=false`
-# turns it off. Accelerator memory has its own caching allocator and is not affected.
+# needed; what is in use is untouched).
+# Measured on `bench/engine.py` (25M, 2 ranks, medians of 3 runs): peak RSS per rank 845 MB
+# without, 770 with (FSDP2: 1079). It is not free: one trim takes 2-7 ms, and the released holes
+# fault back in when the optimizer step and the next forward reuse them, which cost 2-6% of the
+# step time there (bench/RESULTS.md). Only units that compute on the CPU trim, only with a C
+# library that has `malloc_trim` (glibc); `set_host_memory_trim(False)` or
+# `parallelism.host_memory_trim=false` turns it off. Accelerator memory has its own caching
+# allocator and is not affected.
 
 _enabled = [True]
 _trim_fn: List[Optional[Callable[[int], int]]] = []  # resolved on first use: [fn] or [None]
