@@ -11,8 +11,8 @@ the peak RSS (VmHWM) reset after warm-up, so each engine's high-water mark is it
 shows the median peak, and the median step time of those runs ("alone"). The two timings differ
 where engines share one heap in phase 1: our engine hands the heap's free pages back to the OS
 once per backward on the CPU ([Note: free host pages go back before the last unit's backward]),
-and in one process that includes pages the other engines freed. Tensor accounting = bytes of parameters + gradients +
-optimizer state + engine-held buffers between steps. Traffic: ours from `comm_stats()`; FSDP2
+and in one process that includes pages the other engines freed. Tensor accounting = bytes of
+parameters + gradients + optimizer state + engine-held buffers between steps. Traffic: ours from `comm_stats()`; FSDP2
 counted by wrapping torch.distributed's collective functions in this process; DDP from theory
 (its reducer calls gloo from C++): all-reduce of every gradient, 2 (N-1)/N x bytes.
 Writes a table to stdout and JSON to --out.

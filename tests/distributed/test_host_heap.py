@@ -47,7 +47,7 @@ def _train_worker(rank, world, trim, steps, accumulate):
     from framework.distributed.fsdp import fully_shard, set_host_memory_trim
 
     set_host_memory_trim(trim)
-    calls = []  # per call: (step, units whose reduction was issued, in reduce order), and the result
+    calls = []  # per call: which units' reductions were issued (in reduce order), and what the trim returned
     real = Cx.trim_host_heap
 
     def recording_trim():

@@ -20,11 +20,13 @@ from typing import Callable, List, Optional
 # needed; what is in use is untouched).
 # Measured on `bench/engine.py` (25M, 2 ranks, medians of 3 runs): peak RSS per rank 845 MB
 # without, 770 with (FSDP2: 1079). It is not free: one trim takes 2-7 ms, and the released holes
-# fault back in when the optimizer step and the next forward reuse them, which cost 2-6% of the
+# fault back in when the optimizer step and the next forward reuse them, which cost 2-9% of the
 # step time there (bench/RESULTS.md). Only units that compute on the CPU trim, only with a C
 # library that has `malloc_trim` (glibc); `set_host_memory_trim(False)` or
 # `parallelism.host_memory_trim=false` turns it off. Accelerator memory has its own caching
-# allocator and is not affected.
+# allocator and is not affected. A backward whose reductions are left to the final callback (a
+# unit that waits for an earlier one in the fixed order, see context.py) does not trim: by then
+# the last unit's gradients have been allocated and there is nothing left to lower.
 
 _enabled = [True]
 _trim_fn: List[Optional[Callable[[int], int]]] = []  # resolved on first use: [fn] or [None]
