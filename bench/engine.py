@@ -5,7 +5,9 @@
 
 Phase 1 (timing): one 2-rank group builds the three engines from the same initial weights and
 runs their steps interleaved (round r runs one step of each, in rotating order, after a barrier),
-so background load hits all three alike; we report medians. Phase 2 (memory, and time alone):
+so background load hits all three alike; we report medians. --timing-runs repeats phase 1 in fresh
+processes: the medians pool every run's steps, and each run's ratio to DDP is printed, which
+shows how far one run's ratio moves on a shared machine. Phase 2 (memory, and time alone):
 --memory-runs rounds of one 2-rank run per engine in its own processes, engines alternating, with
 the peak RSS (VmHWM) reset after warm-up, so each engine's high-water mark is its own; the table
 shows the median peak, and the median step time of those runs ("alone"). The two timings differ
@@ -346,6 +348,13 @@ def main() -> None:
     ap.add_argument("--out", default="bench/engine_results.json")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument(
+        "--timing-runs",
+        type=int,
+        default=3,
+        help="separate runs of the interleaved phase, each in fresh processes (the step medians pool "
+        "every run's steps; the per-run ratios to DDP are listed too)",
+    )
+    ap.add_argument(
         "--memory-runs",
         type=int,
         default=3,
@@ -388,12 +397,16 @@ def main() -> None:
     from tests.distributed.harness import run_ranks
 
     t0 = time.time()
-    res = run_ranks(
-        timing_worker,
-        args.ranks,
-        args=(args.model_size, args.steps, 2, args.gloo_row, args.notrim_row),
-        timeout_s=1800,
-    )
+    runs = [
+        run_ranks(
+            timing_worker,
+            args.ranks,
+            args=(args.model_size, args.steps, 2, args.gloo_row, args.notrim_row),
+            timeout_s=1800,
+        )
+        for _ in range(max(1, args.timing_runs))
+    ]
+    res = runs[0]
     mem = {}  # engine -> one list of per-rank results per run
     if not args.skip_memory:
         for _ in range(max(1, args.memory_runs)):
@@ -409,13 +422,22 @@ def main() -> None:
         for e, runs in mem.items()
     }
     r0 = res[0]
-    med = {e: statistics.median(max(r["times"][e][i] for r in res) for i in range(args.steps)) for e in r0["times"]}
+
+    def slowest_rank(run, e):  # each step's time is its slowest rank's
+        return [max(r["times"][e][i] for r in run) for i in range(args.steps)]
+
+    med = {e: statistics.median(t for run in runs for t in slowest_rank(run, e)) for e in r0["times"]}
+    run_ratio = {
+        e: [statistics.median(slowest_rank(run, e)) / statistics.median(slowest_rank(run, "ddp")) for run in runs]
+        for e in r0["times"]
+    }
     rows = {}
     for e in r0["times"]:
         rows[e] = {
             "median_step_s": med[e],
             "ratio_to_fsdp2": med[e] / med["fsdp2"],
             "ratio_to_ddp": med[e] / med["ddp"],
+            "ratio_to_ddp_runs": run_ratio[e],
             "tensor_bytes_mb": max(r["tensor_bytes"][e] for r in res) / 2**20,
             "rss_peak_mb": rss.get(e),
             "rss_peak_runs_mb": peaks.get(e),
@@ -431,8 +453,8 @@ def main() -> None:
     )
     print(
         f"\nGPT {args.model_size} ({r0['params'] / 1e6:.1f}M params), {args.ranks} gloo ranks, CPU fp32, "
-        f"{args.steps} interleaved steps, medians; RSS and 'alone': {args.memory_runs} runs of each engine "
-        f"in its own processes ({args.steps} steps each), medians; "
+        f"{args.timing_runs} x {args.steps} interleaved steps, medians; RSS and 'alone': "
+        f"{args.memory_runs} runs of each engine in its own processes ({args.steps} steps each), medians; "
         f"total {time.time() - t0:.0f}s"
     )
     print(hdr)
@@ -446,9 +468,14 @@ def main() -> None:
             f"{fmt(r['comm_mb_per_step'], '13.1f'):>13} "
             f"{fmt(r['exposed_comm_s'], '10.3f'):>10}"
         )
+    if len(runs) > 1:
+        print(
+            "step time / DDP in each interleaved run: "
+            + "; ".join(f"{e} " + " ".join(f"{x:.2f}" for x in v) for e, v in run_ratio.items() if e != "ddp")
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "params": r0["params"], "rows": rows, "raw": res, "memory": mem}, f, indent=1)
+        json.dump({"args": vars(args), "params": r0["params"], "rows": rows, "raw": runs, "memory": mem}, f, indent=1)
     print(f"wrote {args.out}")
     if args.tp:
         from bench.tp import run as run_tp

@@ -223,3 +223,61 @@ def test_every_note_referred_to_is_written():
             referred.update(NOTE.findall(line))
     referred.discard("...")  # the docs' way of saying "a note"
     assert referred - written == set(), f"notes referred to but written nowhere: {referred - written}"
+
+
+# ---------------------------------------------------------------- bench command lines
+# A benchmark command shown in the docs (fenced or inline) takes the flags it shows: each is
+# parsed by the script's own argument parser, which stops there (nothing is measured).
+BENCH_CALL = re.compile(r"bench/(\w+)\.py((?:\s+[^\s`|#)]+)*)")
+
+
+def _bench_commands() -> List[Tuple[str, str, str]]:
+    found = set()
+    for path in DOC_FILES:
+        text = path.read_text()
+        spans = ["\n".join(block) for block in _blocks(path)]
+        prose = re.sub(r"```.*?```", " ", text, flags=re.S)
+        spans += [m.group(1).replace("\n", " ") for m in re.finditer(r"`([^`]+)`", prose)]
+        for span in spans:
+            for line in span.splitlines():
+                line = line.split("#")[0]
+                for m in BENCH_CALL.finditer(line):
+                    args = m.group(2).strip()
+                    if PLACEHOLDER.search(args) or (args and not args.startswith("-")):
+                        continue
+                    source = REPO / "bench" / f"{m.group(1)}.py"
+                    if not args and (not source.exists() or "ArgumentParser(" not in source.read_text()):
+                        continue  # a module named, not a command (bench/common.py)
+                    found.add((str(path.relative_to(REPO)), m.group(1), args))
+    return sorted(found)
+
+
+BENCH_COMMANDS = _bench_commands()
+
+
+class _Parsed(Exception):
+    pass
+
+
+def test_docs_show_bench_commands():
+    assert sum(1 for _, script, _ in BENCH_COMMANDS if script == "engine") >= 3, BENCH_COMMANDS
+
+
+@pytest.mark.parametrize("where, script, args", BENCH_COMMANDS, ids=lambda v: v if isinstance(v, str) else None)
+def test_bench_command_in_docs_parses(monkeypatch, capsys, where, script, args):
+    import argparse
+    import runpy
+
+    def parse_only(self, argv=None, namespace=None):
+        ns, extra = self.parse_known_args(argv, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        raise _Parsed(ns)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    monkeypatch.setattr(sys, "argv", [f"bench/{script}.py", *shlex.split(args)])
+    with pytest.raises(_Parsed):
+        try:
+            runpy.run_path(str(REPO / "bench" / f"{script}.py"), run_name="__main__")
+        except SystemExit as e:
+            pytest.fail(f"{where}: `bench/{script}.py {args}`: {capsys.readouterr().err.strip()} (exit {e.code})")
