@@ -14,8 +14,8 @@ shows the median peak, and the median step time of those runs ("alone"). The two
 where engines share one heap in phase 1: our engine hands the heap's free pages back to the OS
 once per backward on the CPU ([Note: free host pages go back before the last unit's backward]),
 and in one process that includes pages the other engines freed. Tensor accounting = bytes of
-parameters + gradients + optimizer state + engine-held buffers between steps. Traffic: ours from `comm_stats()`; FSDP2
-counted by wrapping torch.distributed's collective functions in this process; DDP from theory
+parameters + gradients + optimizer state + engine-held buffers between steps. Traffic: ours from
+`comm_stats()`; FSDP2 counted by wrapping torch.distributed's collective functions in this process; DDP from theory
 (its reducer calls gloo from C++): all-reduce of every gradient, 2 (N-1)/N x bytes.
 Writes a table to stdout and JSON to --out.
 """
@@ -414,12 +414,12 @@ def main() -> None:
                 run = run_ranks(memory_worker, args.ranks, args=(e, args.model_size, args.steps), timeout_s=900)
                 mem.setdefault(e, []).append(run)
     # a run's peak is its highest rank's; glibc's heap makes it vary by a few percent run to run
-    peaks = {e: [max(m["rss_peak_mb"] for m in run) for run in runs] for e, runs in mem.items()}
+    peaks = {e: [max(m["rss_peak_mb"] for m in run) for run in e_runs] for e, e_runs in mem.items()}
     rss = {e: statistics.median(p) for e, p in peaks.items()}
     # step times of the engines alone (each run its own processes), the slower rank of each step
     alone = {
-        e: statistics.median(t for run in runs for t in map(max, zip(*(m["step_s"] for m in run))))
-        for e, runs in mem.items()
+        e: statistics.median(t for run in e_runs for t in map(max, zip(*(m["step_s"] for m in run))))
+        for e, e_runs in mem.items()
     }
     r0 = res[0]
 

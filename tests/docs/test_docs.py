@@ -263,8 +263,8 @@ def test_docs_show_bench_commands():
     assert sum(1 for _, script, _ in BENCH_COMMANDS if script == "engine") >= 3, BENCH_COMMANDS
 
 
-@pytest.mark.parametrize("where, script, args", BENCH_COMMANDS, ids=lambda v: v if isinstance(v, str) else None)
-def test_bench_command_in_docs_parses(monkeypatch, capsys, where, script, args):
+def _parse_bench(monkeypatch, capsys, where: str, script: str, args: str):
+    """The namespace `bench/<script>.py <args>` parses to; the script stops there."""
     import argparse
     import runpy
 
@@ -276,8 +276,23 @@ def test_bench_command_in_docs_parses(monkeypatch, capsys, where, script, args):
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
     monkeypatch.setattr(sys, "argv", [f"bench/{script}.py", *shlex.split(args)])
-    with pytest.raises(_Parsed):
+    with pytest.raises(_Parsed) as parsed:
         try:
             runpy.run_path(str(REPO / "bench" / f"{script}.py"), run_name="__main__")
         except SystemExit as e:
             pytest.fail(f"{where}: `bench/{script}.py {args}`: {capsys.readouterr().err.strip()} (exit {e.code})")
+    return parsed.value.args[0]
+
+
+@pytest.mark.parametrize("where, script, args", BENCH_COMMANDS, ids=lambda v: v if isinstance(v, str) else None)
+def test_bench_command_in_docs_parses(monkeypatch, capsys, where, script, args):
+    _parse_bench(monkeypatch, capsys, where, script, args)
+
+
+def test_bench_defaults_in_docs_are_the_scripts(monkeypatch, capsys):
+    # "`--timing-runs` ... default 3" in the engine page and the bench README
+    defaults = _parse_bench(monkeypatch, capsys, "defaults", "engine", "")
+    for path in (REPO / "docs" / "engine.md", REPO / "bench" / "README.md"):
+        said = re.findall(r"`--timing-runs`[^.;]*?default (\d+)", " ".join(path.read_text().split()))
+        assert said, f"{path.name} no longer states --timing-runs' default"
+        assert {int(n) for n in said} == {defaults.timing_runs}, (path.name, said, defaults.timing_runs)
