@@ -10,10 +10,8 @@ processes: the medians pool every run's steps, and each run's ratio to DDP is pr
 shows how far one run's ratio moves on a shared machine. Phase 2 (memory, and time alone):
 --memory-runs rounds of one 2-rank run per engine in its own processes, engines alternating, with
 the peak RSS (VmHWM) reset after warm-up, so each engine's high-water mark is its own; the table
-shows the median peak, and the median step time of those runs ("alone"). The two timings differ
-where engines share one heap in phase 1: our engine hands the heap's free pages back to the OS
-once per backward on the CPU ([Note: free host pages go back before the last unit's backward]),
-and in one process that includes pages the other engines freed. Tensor accounting = bytes of
+shows the median peak, and the median step time of those runs ("alone"); in phase 1 the engines
+share one process and its heap. Tensor accounting = bytes of
 parameters + gradients + optimizer state + engine-held buffers between steps. Traffic: ours from
 `comm_stats()`; FSDP2 counted by wrapping torch.distributed's collective functions in this process; DDP from theory
 (its reducer calls gloo from C++): all-reduce of every gradient, 2 (N-1)/N x bytes.
@@ -72,8 +70,8 @@ def _wrap_collectives() -> None:
 
 
 # ------------------------------------------------------------------ engines
-# our engine's variants: ours_gloo over gloo's TCP, ours_notrim without the per-backward heap trim
-OURS = ("ours", "ours_gloo", "ours_notrim")
+# our engine's variants: ours_gloo over gloo's TCP instead of shared memory
+OURS = ("ours", "ours_gloo")
 
 
 def build(engine: str, size: str, rank: int):
@@ -103,10 +101,9 @@ def build(engine: str, size: str, rank: int):
 def step(engine, model, opt, size, s, rank):
     vocab, d, layers, heads, seq, mb = SIZES[size]
     if engine in OURS:
-        from framework.distributed.fsdp import set_host_memory_trim, set_host_transport
+        from framework.distributed.fsdp import set_host_transport
 
         set_host_transport("gloo" if engine == "ours_gloo" else "shm")
-        set_host_memory_trim(engine != "ours_notrim")
     g = torch.Generator().manual_seed(s * 100 + rank)
     idx = torch.randint(0, vocab, (mb, seq + 1), generator=g)
     dist.barrier()
@@ -152,9 +149,9 @@ def _reset_hwm() -> None:
         pass
 
 
-def timing_worker(rank, ws, size, steps, warmup, gloo_row=False, notrim_row=False):
+def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
     _wrap_collectives()
-    engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else []) + (["ours_notrim"] if notrim_row else [])
+    engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else [])
     built = {e: build(e, size, rank) for e in engines}
     times = {e: [] for e in engines}
     traffic = {e: [] for e in engines}
@@ -366,11 +363,6 @@ def main() -> None:
         help="also time our engine with parallelism.host_transport=gloo (row ours_gloo), interleaved with the others",
     )
     ap.add_argument(
-        "--notrim-row",
-        action="store_true",
-        help="also run our engine with parallelism.host_memory_trim=false (row ours_notrim), in both phases",
-    )
-    ap.add_argument(
         "--tp",
         action="store_true",
         help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)",
@@ -401,7 +393,7 @@ def main() -> None:
         run_ranks(
             timing_worker,
             args.ranks,
-            args=(args.model_size, args.steps, 2, args.gloo_row, args.notrim_row),
+            args=(args.model_size, args.steps, 2, args.gloo_row),
             timeout_s=1800,
         )
         for _ in range(max(1, args.timing_runs))
@@ -410,7 +402,7 @@ def main() -> None:
     mem = {}  # engine -> one list of per-rank results per run
     if not args.skip_memory:
         for _ in range(max(1, args.memory_runs)):
-            for e in ("ours", "fsdp2", "ddp") + (("ours_notrim",) if args.notrim_row else ()):
+            for e in ("ours", "fsdp2", "ddp"):
                 run = run_ranks(memory_worker, args.ranks, args=(e, args.model_size, args.steps), timeout_s=900)
                 mem.setdefault(e, []).append(run)
     # a run's peak is its highest rank's; glibc's heap makes it vary by a few percent run to run

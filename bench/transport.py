@@ -25,24 +25,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def worker(rank: int, world: int, transport: str, numel: int, iters: int) -> tuple:
     from framework.distributed.fsdp import collectives as C
+    from framework.distributed.fsdp import set_host_transport
 
-    C.set_host_transport(transport)
-    group = dist.new_group(list(range(world)))
+    set_host_transport(transport)
+    group = C.transport_for(dist.new_group(list(range(world))), torch.device("cpu"))
     stats = C.CommStats()
     out, shard = torch.empty(world * numel), torch.randn(numel)
     full, reduced = torch.randn(world * numel), torch.empty(numel)
-    k = C.reduce_scatter_scratch_numel(group, numel)
+    k = group.scratch_numel(numel)
     scratch = torch.empty(k) if k else None
     for _ in range(2):
-        C.wait(C.all_gather(out, shard, group, stats))
-        C.wait(C.reduce_scatter(reduced, full, group, stats, scratch))
+        C.wait(C.all_gather(out, shard, group, stats, "bench"))
+        C.wait(C.reduce_scatter(reduced, full, group, stats, "bench", scratch))
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
-        C.wait(C.all_gather(out, shard, group, stats))
+        C.wait(C.all_gather(out, shard, group, stats, "bench"))
     t1 = time.perf_counter()
     for _ in range(iters):
-        C.wait(C.reduce_scatter(reduced, full, group, stats, scratch))
+        C.wait(C.reduce_scatter(reduced, full, group, stats, "bench", scratch))
     t2 = time.perf_counter()
     moved = (world - 1) * numel * 4 / 1e9
     return moved * iters / (t1 - t0), moved * iters / (t2 - t1)

@@ -148,9 +148,6 @@ class ParallelismConfig:
     # CPU jobs with the native engine: how a group of ranks on one host moves its all-gathers and
     # reduce-scatters (groups that span hosts use gloo either way)
     host_transport: HostTransport = HostTransport.shm
-    # CPU jobs with the native engine: give the C heap's free pages back to the OS once per
-    # backward, before the last unit's gradients (lower peak RSS; see framework/distributed/fsdp/host_heap.py)
-    host_memory_trim: bool = True
 
     def __post_init__(self) -> None:
         self.engine = _choice("parallelism", "engine", self.engine, Engine)

@@ -66,10 +66,9 @@ class NativeEngine(ShardingEngine):
         return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
 
     def configure(self, cfg):
-        from framework.distributed.fsdp import set_host_memory_trim, set_host_transport
+        from framework.distributed.fsdp import set_host_transport
 
         set_host_transport(getattr(cfg.host_transport, "value", cfg.host_transport))
-        set_host_memory_trim(cfg.host_memory_trim)
 
     def clip_grad_norm(self, model, max_norm):
         from framework.distributed.fsdp import clip_grad_norm_

@@ -23,7 +23,7 @@ def test_flat_layout_padding_and_chunks():
 
 
 def test_quantize_roundtrip_error_bound():
-    from framework.distributed.fsdp.flat import dequantize_into, packed_nbytes, quantize_into
+    from framework.distributed.fsdp.zeropp import dequantize_into, packed_nbytes, quantize_into
 
     x = torch.randn(1024)
     buf = torch.empty(packed_nbytes(1024, 256), dtype=torch.uint8)

@@ -746,7 +746,7 @@ def test_experts_unused_on_some_ranks(world, two, four):
 
 
 def test_fp16_reduce_splits_the_division(four):
-    from framework.distributed.fsdp.unit import grad_divide_factors
+    from framework.distributed.fsdp.reduce import grad_divide_factors
 
     assert grad_divide_factors(4, torch.float16) == (2.0, 2.0)
     assert grad_divide_factors(1024, torch.float16) == (32.0, 32.0)
@@ -766,7 +766,7 @@ def test_fp16_reduce_splits_the_division(four):
 def test_hpz_secondary_groups_same_on_every_rank():
     """hpZ with tensor parallel: each rank sees only its own dp row; the groups come from the
     gathered rows, so every rank creates the same groups in the same order."""
-    from framework.distributed.fsdp.fully_shard import secondary_blocks
+    from framework.distributed.fsdp.mesh import secondary_blocks
 
     rows_seen = {0: [(0, 2, 4, 6)], 1: [(1, 3, 5, 7)]}
     world_rows = sorted(r for rows in rows_seen.values() for r in rows)

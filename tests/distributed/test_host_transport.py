@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from framework.distributed.fsdp import collectives as C
-from framework.distributed.fsdp import shm
+from framework.distributed.fsdp.host import set_host_transport, shm
 from tests.distributed.harness import run_ranks
 
 pytestmark = [
@@ -42,9 +42,10 @@ def _collectives_worker(rank, world, transport, dtypes):
     region = shm.REGION_BYTES
     shm.REGION_BYTES = REGION
     try:
-        C.set_host_transport(transport)
+        set_host_transport(transport)
         before = _segments()
         groups = [dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
+        transports = [C.transport_for(g, torch.device("cpu")) for g in groups]
         stats = C.CommStats()
         errors = []
         for dtype in dtypes:
@@ -55,13 +56,13 @@ def _collectives_worker(rank, world, transport, dtypes):
                 # two gathers and two reductions in flight on two groups, and a gloo all-reduce among them
                 outs = [torch.full((world * S,), -1, dtype=dtype) for _ in groups]
                 reds = [torch.empty(S, dtype=dtype) for _ in groups]
-                pend = [C.all_gather(o, shards[rank].clone(), g, stats) for o, g in zip(outs, groups)]
+                pend = [C.all_gather(o, shards[rank].clone(), t, stats, "t") for o, t in zip(outs, transports)]
                 total = torch.tensor([float(rank)])
                 dist.all_reduce(total)
-                for red, g in zip(reds, groups):
-                    k = C.reduce_scatter_scratch_numel(g, S)
+                for red, t in zip(reds, transports):
+                    k = t.scratch_numel(S)
                     scratch = torch.empty(k, dtype=dtype) if k else None
-                    pend.append(C.reduce_scatter(red, fulls[rank].clone(), g, stats, scratch))
+                    pend.append(C.reduce_scatter(red, fulls[rank].clone(), t, stats, "t", scratch))
                 for p in pend:
                     C.wait(p)
                 for o in outs:
@@ -80,12 +81,14 @@ def _collectives_worker(rank, world, transport, dtypes):
                         errors.append(f"reduce-scatter (gloo) {dtype} {S}")
                 if total.item() != world * (world - 1) / 2:
                     errors.append("gloo all-reduce")
-        channels = [C._channels.get(id(g), (None, None))[1] for g in groups]
+        names = [t.name for t in transports]
+        channels = [getattr(t, "channel", None) for t in transports]
         used = [c is not None and c.region_bytes == REGION for c in channels]
         sizes = [c._map.size() for c in channels if c is not None]
         timeouts = [c.timeout_s for c in channels if c is not None]
         return {
             "errors": errors,
+            "names": names,
             "used": used,
             "left": sorted(_segments() - before),
             "sizes": sizes,
@@ -100,6 +103,7 @@ def test_collectives_match_the_reference_exactly(world):
     results = run_ranks(_collectives_worker, world, args=("shm", [torch.float32, torch.bfloat16]), timeout_s=240)
     for rank, res in enumerate(results):
         assert res["errors"] == [], (rank, res["errors"])
+        assert res["names"] == ["shm", "shm"], rank
         assert res["used"] == [True, True], rank  # both groups went through shared memory
         assert res["left"] == [], rank  # the segments were unlinked once mapped
         assert res["sizes"] == [4096 + 2 * world * REGION] * 2  # two slots of one region per rank
@@ -126,6 +130,7 @@ def test_host_transport_gloo_keeps_gloo():
     results = run_ranks(_collectives_worker, 2, args=("gloo", [torch.float32]), timeout_s=240)
     for res in results:
         assert res["errors"] == []
+        assert res["names"] == ["gloo", "gloo"]
         assert res["used"] == [False, False]
 
 
@@ -137,8 +142,9 @@ def _fallback_worker(rank, world):
         shm.SharedMemoryChannel.create = no_space
     group = dist.new_group(list(range(world)))
     out = torch.empty(world * 5)
-    C.wait(C.all_gather(out, torch.full((5,), float(rank)), group, C.CommStats()))
-    return out.tolist(), C._channels[id(group)][1] is None
+    transport = C.transport_for(group, torch.device("cpu"))
+    C.wait(C.all_gather(out, torch.full((5,), float(rank)), transport, C.CommStats(), "t"))
+    return out.tolist(), transport.name == "gloo"
 
 
 def test_no_room_in_dev_shm_keeps_gloo():

@@ -5,14 +5,16 @@
         fully_shard(block)
     fully_shard(model)
 
-See api.py for the policies, flat.py for the storage layout, state_dict.py for checkpoints.
+Files, in import order: api.py (policies, state enums), flat.py (storage layout), transport.py and
+host/ (how a group moves bytes), collectives.py, zeropp.py and reduce.py (parts of a unit), unit.py,
+context.py (one model's shared state), hooks.py, mesh.py (groups and meshes), state_dict.py,
+fully_shard.py (the entry point).
 """
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, TrainingPhase, UnitState
 from .clip import clip_grad_norm_
-from .collectives import set_host_transport
 from .fully_shard import ShardedModule, fully_shard
-from .host_heap import set_host_memory_trim
+from .host import set_host_transport
 from .state_dict import get_state_dicts, set_state_dicts
 from .unit import sharded_units
 
@@ -29,5 +31,4 @@ __all__ = [
     "TrainingPhase",
     "sharded_units",
     "set_host_transport",
-    "set_host_memory_trim",
 ]

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .api import TrainingPhase
-from .host_heap import trim_host_heap
 from .unit import ShardUnit
 
 # [Note: the gradient buffer pool]
@@ -22,7 +21,7 @@ from .unit import ShardUnit
 # gradient until its reduce-scatter completes. Usually it is the unit's own gathered storage
 # (see [Note: gradients reuse the gathered storage] in unit.py) and no pool buffer is used; the
 # pool serves units with frozen parameters, a reduce dtype different from the param dtype, or
-# int8 reduction outputs, plus short-lived scratch (gloo reduce-scatter receive, dequantization).
+# int8 reduction outputs, plus short-lived scratch (a transport's reduce-scatter receive scratch, dequantization).
 # Every buffer of one (tag, dtype, device) is cut to the largest size any unit of the model asks
 # for under that tag, so any free buffer fits any request and the pool never holds two sizes of
 # one kind. When none is free and MAX_IN_FLIGHT reductions are in flight it first finishes the
@@ -67,8 +66,13 @@ class ShardContext:
         self._owned: Dict[int, Tuple[Tuple, torch.Tensor]] = {}  # id(buffer) -> (key, buffer): all, free or in use
         self._caps: Dict[str, int] = {}
         self.rank = dist.get_rank()
+        fqns = {id(m): name for name, m in root.module.named_modules()}
         for u in units:
             u.ctx = self
+            # profiler labels and messages name the unit by its path in the model (`layers.3`)
+            u.name = fqns.get(id(u.module)) or u.name
+        for u in units:  # every rank, in module order: see [Note: one transport per group]
+            u.transports()
 
     def set_phase(self, new: TrainingPhase) -> None:
         legal = {
@@ -104,11 +108,6 @@ class ShardContext:
             elif u.used_this_step():
                 return  # an earlier unit in the order still waits for gradients
             self.next_reduce += 1
-            if self.next_reduce == len(order) - 1 and order[-1].compute_device.type == "cpu":
-                # only the last unit's gradients are still to come: see [Note: free host pages go
-                # back before the last unit's backward] (host_heap.py)
-                with record_function("fsdp::trim_host_heap"):
-                    trim_host_heap()
 
     # ------------------------------------------------------------ buffer pool
     def _cap(self, tag: str, numel: int) -> int:

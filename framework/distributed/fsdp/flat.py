@@ -13,13 +13,9 @@ r owns the contiguous slice [r S, (r+1) S). Consequences, all deliberate:
   * a parameter's per-parameter Shard(0) chunk (what checkpoints need) generally lives on other
     ranks, so `state_dict()` and the optimizer state dict redistribute (one all-gather per unit
     and state key), only at checkpoint time.
-Measured (torch.profiler, 27M GPT, 2 gloo ranks, one step, bench/engine.py model): torch FSDP2's
-per-parameter dim-0 layout spends its copy budget on copy-out after every all-gather and copy-in
-(cat) before every reduce-scatter, on top of gloo's own internal copies; with flat storage plus the
-gloo-aware collectives of collectives.py our hot path is down to ~24 ms/step of aten::copy_ (from
-~265 ms/step with flat storage over gloo's stock all_gather_single/reduce_scatter_single), and the
-step runs at ~0.5x FSDP2's time (bench/RESULTS.md). Per-parameter chunks would have made
-checkpoints free but every step dearer; checkpoints are rare, steps are not.
+Per-parameter dim-0 chunks (torch FSDP2's layout) spend the copy budget on a copy-out after every
+all-gather and a copy-in (cat) before every reduce-scatter; the profiles are in bench/RESULTS.md.
+They would have made checkpoints free but every step dearer; checkpoints are rare, steps are not.
 """
 
 from __future__ import annotations
@@ -109,51 +105,3 @@ def dim0_chunk(shape: torch.Size, world: int, rank: int) -> Tuple[int, int]:
     per = -(-rows // world) if rows else 0
     lo = min(rank * per, rows)
     return lo, min(lo + per, rows)
-
-
-# ---- int8 block quantization (ZeRO++ qwZ/qgZ) -------------------------------------------------
-# A packed block-quantized buffer of n values (n a multiple of the block) is a uint8 tensor of
-# n + 4 n / block bytes: n int8 values, then n / block fp32 scales (absmax / 127).
-
-
-def packed_nbytes(n: int, block: int) -> int:
-    return n + 4 * (n // block)
-
-
-# Quantization works through a unit in pieces of _PIECE blocks, so its temporaries (fp32 copies,
-# the int8 values) stay a few MB whatever the unit's size; see also [Note: int8 buffers live
-# inside the unit's own storage] in unit.py, which relies on the write order below.
-_PIECE = 4096
-
-
-def quantize_into(x: torch.Tensor, out: torch.Tensor, block: int) -> None:
-    """Quantize flat `x` (n values) into the packed uint8 buffer `out`.
-
-    Piece by piece, front to back: each piece of `x` is read whole before its int8 values are
-    written, and the scales are written last, so `out` may start at or before `x` in the same
-    memory (packing in place) as long as it never runs ahead of the part of `x` not yet read.
-    """
-    n = x.numel()
-    step = block * _PIECE
-    scales = torch.empty(n // block, dtype=torch.float32, device=x.device)
-    for a in range(0, n, step):
-        xb = x[a : a + step].reshape(-1, block).float()
-        scale = scales[a // block : a // block + xb.shape[0]]
-        torch.amax(xb.abs(), dim=1, out=scale)
-        scale.clamp_min_(1e-30).div_(127.0)
-        q = torch.round(xb / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        out[a : a + q.numel()].copy_(q.view(-1).view(torch.uint8))
-    out[n:].copy_(scales.view(torch.uint8))
-
-
-def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int, accumulate: bool = False) -> None:
-    """Inverse of `quantize_into`, writing (or with `accumulate`, adding) n values into `out`
-    (any float dtype), piece by piece. `packed` must not overlap `out`."""
-    n = out.numel()
-    step = block * _PIECE
-    scales = packed[n:].view(torch.float32)
-    for a in range(0, n, step):
-        q = packed[a : min(a + step, n)].view(torch.int8).view(-1, block)
-        vals = q.float().mul_(scales[a // block : a // block + q.shape[0], None])
-        dst = out[a : a + vals.numel()].view(-1, block)
-        dst.add_(vals) if accumulate else dst.copy_(vals)

@@ -10,7 +10,7 @@ See [Note: flat storage] in flat.py.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,25 +21,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
 from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
-from .flat import FlatEntry, FlatLayout, dequantize_into, packed_nbytes, quantize_into
+from .flat import FlatEntry, FlatLayout
+from .reduce import GradReduction, _Reduction
+from .transport import Transport
+from .zeropp import ZeroPlusPlus, packed_nbytes, quantize_into
 
 if TYPE_CHECKING:
     from .context import ShardContext
-
-
-class _Reduction(NamedTuple):
-    """A unit's gradient reduction in flight (issued by reduce_grads, drained by finish_reduce)."""
-
-    pending: C.Pending
-    pooled_input: Optional[torch.Tensor]  # reduce-scatter input to give back to the pool
-    direct: bool  # the output is the grad shard itself
-    fresh: bool  # the sharded params had no .grad: assign views instead of accumulating
-    post_divide: float  # divide the reduced shard by this (see grad_divide_factors)
-    out: Optional[torch.Tensor]  # pooled output buffer when not direct
-    in_place: bool  # the input is the unit's gathered storage: reshard when done
-    scratch: Optional[torch.Tensor]  # reduce-scatter receive scratch to give back
-    quantized: Optional[torch.Tensor]  # qgZ: the int8 chunks received, to dequantize and sum
-    quantized_pooled: bool  # ... received into a pooled buffer (not inside the input)
 
 
 # [Note: records of sharded parameters]
@@ -75,25 +63,6 @@ def sharded_units(module: nn.Module) -> List["ShardUnit"]:
     return [m._fsdp_unit for m in module.modules() if getattr(m, "_fsdp_unit", None) is not None]
 
 
-def grad_divide_factors(dp: int, reduce_dtype: torch.dtype) -> Tuple[float, float]:
-    """(divide before the sum, divide after it), whose product is the data-parallel size `dp`.
-
-    fp32 sums first and divides once. bf16 has fp32's exponent range: divide first so the sum
-    cannot overflow. fp16 can both overflow (summing first) and underflow (dividing the whole
-    world first, e.g. 1e-5 / 1024 is below fp16's smallest normal): split dp into a power of two
-    near sqrt(dp) before and the rest after, so each side loses at most ~sqrt(dp) of range (the
-    same split FSDP2 makes). Powers of two divide exactly.
-    """
-    if dp <= 1 or reduce_dtype == torch.float32 or reduce_dtype == torch.float64:
-        return 1.0, float(dp)
-    if reduce_dtype != torch.float16:
-        return float(dp), 1.0
-    pre = 1
-    while (pre * 2) * (pre * 2) <= dp:
-        pre *= 2
-    return float(pre), dp / pre
-
-
 # [Note: unsharded storage keeps its identity]
 # Autograd saves the full parameters (and views of them, e.g. `weight.t()` inside linear) for
 # backward. So a unit's unsharded parameters are created once, as tensors over one untyped storage
@@ -107,19 +76,11 @@ def grad_divide_factors(dp: int, reduce_dtype: torch.dtype) -> Tuple[float, floa
 # With one rank in the shard group and no dtype change (NO_SHARD fp32), the unsharded storage *is*
 # the shard buffer: no gather, no copy, never released.
 
-#
-# [Note: gradients reuse the gathered storage]
-# Once a parameter's gradient is complete (summed over all its uses), backward never reads that
-# parameter again. So a leaf hook copies each gradient into the parameter's own slot of the
-# unit's gathered storage (pre_accumulate), and when the unit's last gradient is in, that storage
-# is the reduce-scatter input; it is released when the reduce-scatter finishes (at most
-# MAX_IN_FLIGHT units wait, see state.py). No separate gradient buffer exists, the peak during
-# backward is one unit lower than with one, and between steps the engine holds only shards.
-# Units with frozen parameters (which later backward ops may still read) or a reduce dtype that
-# differs from the param dtype use a pooled buffer instead ([Note: the gradient buffer pool]).
 
+class ShardUnit(GradReduction, ZeroPlusPlus):
+    """One `fully_shard` call's parameters: storage, state machine and gather here; backward's
+    reduction in reduce.py (`GradReduction`), ZeRO++ in zeropp.py (`ZeroPlusPlus`)."""
 
-class ShardUnit:
     def __init__(
         self,
         module: nn.Module,
@@ -205,6 +166,7 @@ class ShardUnit:
         self._hpz: Optional[tuple] = None  # (group, k, index) for hpZ, see [Note: hpZ secondary shards]
         self._secondary: Optional[torch.Tensor] = None
         self._secondary_valid = False
+        self._transports: Optional[Tuple[Transport, Transport, Optional[Transport]]] = None
         self._build_full_storage()
 
     # ---------------------------------------------------------------- construction
@@ -246,10 +208,24 @@ class ShardUnit:
         if tag in ("out", "q"):
             return L.shard_numel
         if tag == "rs":
-            return C.reduce_scatter_scratch_numel(self.reduce_group, L.shard_numel)
+            return self.transports()[1].scratch_numel(L.shard_numel)
         if tag == "qrecv":
             return self.N * packed_nbytes(L.shard_numel, self.comm.block_size) if self.comm is not None else 0
         raise KeyError(tag)
+
+    def transports(self) -> Tuple[Transport, Transport, Optional[Transport]]:
+        """(gather, reduce, hpZ secondary gather) transports of this unit's groups, chosen on first
+        use (see [Note: one transport per group] in transport.py): the context asks for every
+        unit's at lazy init, so no collective of the step ever has to choose one."""
+        if self._transports is None:
+            dev = self.compute_device
+            secondary = C.transport_for(self._hpz[0], dev) if self._hpz is not None else None
+            self._transports = (
+                C.transport_for(self.shard_group, dev),
+                C.transport_for(self.reduce_group, dev),
+                secondary,
+            )
+        return self._transports
 
     def set_sharded_param(self, index: int, param: nn.Parameter) -> None:
         """Record `param` as entry `index`'s sharded piece (see [Note: records of sharded parameters])."""
@@ -309,6 +285,7 @@ class ShardUnit:
                 self.set_sharded_param(i, sp)
         self._send = self._secondary = self._accum = None
         self._accum_valid = self._secondary_valid = False
+        self._transports = None  # chosen again for the new device on first use
         self._build_full_storage()  # new unsharded params: the caller re-registers their hooks
 
     def assert_state(self, *allowed: UnitState, what: str) -> None:
@@ -341,7 +318,7 @@ class ShardUnit:
         self.storage.resize_(L.padded_total * self.full_flat.element_size())
         if self._secondary_valid:  # hpZ: backward gathers from the secondary shards, within k ranks
             self._gather_quantized = False
-            self._gather = C.all_gather(self.full_flat, self._secondary, self._hpz[0], self.stats)
+            self._gather = C.all_gather(self.full_flat, self._secondary, self.transports()[2], self.stats, self.name)
             self.set_state(UnitState.UNSHARDING)
             return
         qp = self.comm is not None and self.comm.params and self.N > 1
@@ -356,14 +333,14 @@ class ShardUnit:
             nb = packed_nbytes(L.shard_numel, self.comm.block_size)
             own = packed[L.rank * nb : (L.rank + 1) * nb]
             quantize_into(self.shard, own, self.comm.block_size)
-            self._gather = C.all_gather(packed, own, self.shard_group, self.stats)
+            self._gather = C.all_gather(packed, own, self.transports()[0], self.stats, self.name)
         else:
             src = self.shard
             if self.param_dtype != self.shard_dtype or self.shard.device != self.compute_device:
                 self._send = torch.empty(L.shard_numel, dtype=self.param_dtype, device=self.compute_device)
                 self._send.copy_(self.shard, non_blocking=True)
                 src = self._send
-            self._gather = C.all_gather(self.full_flat, src, self.shard_group, self.stats)
+            self._gather = C.all_gather(self.full_flat, src, self.transports()[0], self.stats, self.name)
         self.set_state(UnitState.UNSHARDING)
 
     def wait_unshard(self) -> None:
@@ -377,27 +354,6 @@ class ShardUnit:
             self._dequantize_gathered()
         self.set_state(UnitState.UNSHARDED)
         self._expose()
-
-    def _packed_tail(self) -> torch.Tensor:
-        """The last N x packed-shard bytes of the (resized) unsharded storage, as uint8."""
-        nb = packed_nbytes(self.layout.shard_numel, self.comm.block_size) * self.N
-        total = self.storage.nbytes()
-        t = torch.empty(0, dtype=torch.uint8, device=self.compute_device)
-        return t.set_(self.storage, total - nb, (nb,), (1,))
-
-    def _dequantize_gathered(self) -> None:
-        """See [Note: int8 buffers live inside the unit's own storage]."""
-        S, b = self.layout.shard_numel, self.comm.block_size
-        nb = packed_nbytes(S, b)
-        packed = self._packed_tail()
-        start = packed.storage_offset()  # byte offset of chunk 0 in the storage
-        esize = self.full_flat.element_size()
-        with record_function("fsdp::dequantize"):
-            for r in range(self.N):
-                src = packed[r * nb : (r + 1) * nb]
-                if esize * (r + 1) * S > start + r * nb:  # would overwrite its own packed chunk:
-                    src = src.clone()  # a transient copy of the int8 chunk (1/4 of an fp32 shard)
-                dequantize_into(src, self.full_flat[r * S : (r + 1) * S], b)
 
     def _expose(self) -> None:
         # The modules read the full parameter through the instance __dict__, which Python consults
@@ -431,33 +387,6 @@ class ShardUnit:
             for mod, attr, _ in e.users:
                 mod.__dict__.pop(attr, None)
 
-    # [Note: hpZ secondary shards]
-    # With reshard_after_forward=k (1 < k < N), resharding after forward keeps a secondary shard:
-    # this rank's 1/k of the gathered flat buffer (N S / k elements), so the backward re-gather is an
-    # all-gather over k ranks (intra-node in ZeRO++) instead of N. The secondary shard is dropped
-    # when backward ends; the next forward gathers from the primary (updated) shards again.
-    def set_secondary(self, group: dist.ProcessGroup, k: int, index: int) -> None:
-        self._hpz = (group, k, index)
-
-    def reshard_after_forward_step(self) -> None:
-        if self._hpz is None or self.state != UnitState.UNSHARDED:
-            self.reshard()
-            return
-        group, k, idx = self._hpz
-        M = self.layout.padded_total // k
-        if self._secondary is None:
-            self._secondary = torch.empty(M, dtype=self.param_dtype, device=self.compute_device)
-        elif self._secondary.untyped_storage().nbytes() == 0:
-            self._secondary.untyped_storage().resize_(M * self._secondary.element_size())
-        self._secondary.copy_(self.full_flat[idx * M : (idx + 1) * M])
-        self.reshard()
-        self._secondary_valid = True
-
-    def drop_secondary(self) -> None:
-        self._secondary_valid = False
-        if self._secondary is not None:
-            self._secondary.untyped_storage().resize_(0)
-
     def reshard(self) -> None:
         if self.state == UnitState.UNSHARDING:
             self.wait_unshard()
@@ -467,35 +396,6 @@ class ShardUnit:
         if self.storage is not None:
             self.storage.resize_(0)
         self.set_state(UnitState.SHARDED)
-
-    # ---------------------------------------------------------------- gradients
-    def _in_place_this_backward(self) -> bool:
-        return self.requires_grad_sync and not self._accum_valid and self._can_reduce_in_place()
-
-    def pre_accumulate(self, idx: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """Leaf hook, before autograd stores the full parameter's gradient.
-
-        With in-place reduction (see [Note: gradients reuse the gathered storage]) the gradient is
-        written straight into the parameter's own slot of the gathered storage, and that slot is
-        handed to autograd to store: one copy, which also fixes the layout of transposed weight
-        gradients (which autograd would otherwise clone into the parameter's layout first).
-        """
-        if not self._in_place_this_backward() or self._written[idx]:
-            return None
-        e = self.entries[idx]
-        dst = self.full_flat[e.offset : e.offset + e.numel].view(e.shape)
-        with torch.no_grad():
-            dst.copy_(grad)
-        self._written[idx] = True
-        return dst
-
-    def on_grad(self) -> None:
-        """Post-accumulate-grad of one trainable full parameter; after the last one the unit is
-        ready, and the context issues its reduction in the model's fixed order."""
-        self._grads_seen += 1
-        if self._grads_seen == len(self.trainable):
-            self._ready = True
-            self.ctx.on_unit_ready(self)
 
     def used_this_step(self) -> bool:
         return self.ctx is not None and self._used_step == self.ctx.step
@@ -526,214 +426,6 @@ class ShardUnit:
 
     def _backward_done(self) -> bool:
         return not self.has_frozen or (self._fwd_uses > 0 and self._bwd_done >= self._fwd_uses)
-
-    def reduce_grads(self) -> None:
-        """Put the unit's full grads in one flat buffer and issue the reduce-scatter (async).
-
-        Called by the context only (in the fixed order of [Note: reductions in a fixed order on
-        their own group]); a parameter without a gradient on this rank contributes zeros."""
-        if self._reduce_issued or not self.trainable:
-            return
-        self._reduce_issued = True
-        L = self.layout
-        if not self.requires_grad_sync:
-            if self._accum is None:
-                self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
-            self._write_grads(self._accum, accumulate=self._accum_valid)
-            self._accum_valid = True
-            if self._backward_done():
-                self.reshard()
-            return
-        in_place = False
-        with record_function("fsdp::copy_grads"):
-            if self._accum_valid:
-                self._write_grads(self._accum, accumulate=True)
-                buf, pooled = self._accum, False
-            elif self._can_reduce_in_place():
-                buf, pooled, in_place = self.full_flat, False, True
-                self._write_grads(buf, accumulate=False)
-            else:
-                buf = self.ctx.acquire_buffer(self, L.padded_total, self.reduce_dtype, self.compute_device, "in")
-                self._write_grads(buf, accumulate=False)
-                pooled = True
-        pre, post = grad_divide_factors(self.dp, self.reduce_dtype)
-        if pre != 1.0:
-            buf.div_(pre)  # see grad_divide_factors: 16-bit sums must not overflow
-        fresh = all(p.grad is None for p in self._trainable_sharded())
-        direct = fresh and buf.dtype == self.shard_dtype and self._grad_device() == buf.device
-        quant = self.comm is not None and self.comm.grads and self.N > 1
-        scratch = q_recv = None
-        q_pooled = False
-        if quant:  # the chunks are summed in fp32: straight into the grad shard when it is fp32 and fresh
-            direct = fresh and self.shard_dtype == torch.float32 and self._grad_device() == buf.device
-            if direct:
-                self.grad_shard = self._new_grad_shard()
-            out = (
-                self.grad_shard
-                if direct
-                else self.ctx.acquire_buffer(self, L.shard_numel, torch.float32, self.compute_device, "q")
-            )
-            pending, q_recv, q_pooled = self._issue_quantized_reduce(buf)
-        else:
-            if direct:
-                self.grad_shard = self._new_grad_shard()
-            out = (
-                self.grad_shard
-                if direct
-                else self.ctx.acquire_buffer(self, L.shard_numel, self.reduce_dtype, self.compute_device, "out")
-            )
-            k = C.reduce_scatter_scratch_numel(self.reduce_group, L.shard_numel)
-            scratch = self.ctx.acquire_buffer(self, k, buf.dtype, self.compute_device, "rs") if k else None
-            pending = C.reduce_scatter(out, buf, self.reduce_group, self.stats, scratch)
-        self._pending = _Reduction(
-            pending=pending,
-            pooled_input=buf if pooled else None,
-            direct=direct,
-            fresh=fresh,
-            post_divide=post,
-            out=None if direct else out,
-            in_place=in_place,
-            scratch=scratch,
-            quantized=q_recv,
-            quantized_pooled=q_pooled,
-        )
-        if in_place:
-            self._hide()  # the storage now holds gradients; resharded when the reduction finishes
-        elif self._backward_done():
-            self.reshard()
-        self.ctx.add_pending(self)
-
-    def _can_reduce_in_place(self) -> bool:
-        """All params trainable and same dtype: once the last grad arrived, backward no longer reads
-        the gathered params, so the gathered storage can be the reduce-scatter input."""
-        return (
-            self.storage is not None
-            and self.reduce_dtype == self.param_dtype
-            and len(self.trainable) == len(self.entries)
-            and self.state == UnitState.UNSHARDED
-        )
-
-    def _write_grads(self, buf: torch.Tensor, accumulate: bool) -> None:
-        L = self.layout
-        with torch.no_grad():
-            for i, (e, full) in enumerate(zip(self.entries, self.full_params)):
-                g = full.grad if e.requires_grad else None
-                if self._written[i]:  # already in place (pre_accumulate)
-                    full.grad = None
-                    continue
-                dst = buf[e.offset : e.offset + e.numel]
-                if g is None:
-                    if not accumulate:
-                        dst.zero_()
-                else:
-                    dst.add_(g.view(-1)) if accumulate else dst.copy_(g.reshape(-1))
-                    full.grad = None
-            if not accumulate and L.padded_total > L.total:
-                buf[L.total :].zero_()
-
-    def _issue_quantized_reduce(self, buf: torch.Tensor) -> Tuple[C.Pending, torch.Tensor, bool]:
-        """qgZ: quantize all N chunks, all-to-all them; finish_reduce sums the dequantized chunks.
-
-        See [Note: int8 buffers live inside the unit's own storage]: the chunks are packed in place
-        at the front of `buf` (chunk r's packed bytes end before chunk r+1's values start, and
-        `quantize_into` reads a chunk whole before writing), and with a 4-byte reduce dtype the
-        received chunks land behind them in `buf` too; a 2-byte one receives into a pooled buffer.
-        """
-        b, S = self.comm.block_size, self.layout.shard_numel
-        nb = packed_nbytes(S, b)
-        raw = buf.view(torch.uint8)
-        send = raw[: self.N * nb]
-        with record_function("fsdp::quantize"):
-            for r in range(self.N):
-                quantize_into(buf[r * S : (r + 1) * S], send[r * nb : (r + 1) * nb], b)
-        pooled = raw.numel() < 2 * self.N * nb
-        if pooled:
-            recv = self.ctx.acquire_buffer(self, self.N * nb, torch.uint8, self.compute_device, "qrecv")
-        else:
-            recv = raw[self.N * nb : 2 * self.N * nb]
-        return C.all_to_all(recv, send, self.reduce_group, self.stats), recv, pooled
-
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
-        if self._pending is None:
-            return
-        red = self._pending
-        self._pending = None
-        C.wait(red.pending)
-        out = red.out
-        if red.quantized is not None:  # sum the dequantized chunks before their buffer goes back
-            b, S = self.comm.block_size, self.layout.shard_numel
-            nb = packed_nbytes(S, b)
-            total = self.grad_shard if red.direct else out
-            with record_function("fsdp::dequantize"):
-                for r in range(self.N):
-                    dequantize_into(red.quantized[r * nb : (r + 1) * nb], total, b, accumulate=r > 0)
-            if red.quantized_pooled:
-                self.ctx.release_buffer(red.quantized)
-        if red.in_place:
-            self.reshard()
-        if red.scratch is not None:
-            self.ctx.release_buffer(red.scratch)
-        if red.pooled_input is not None:
-            self.ctx.release_buffer(red.pooled_input)
-        if self._accum_valid:
-            # the accumulated grads went into this reduction: free them until the next no-sync step
-            self._accum_valid = False
-            self._accum = None
-        reduced = self.grad_shard if red.direct else out
-        if self.R > 1:
-            C.wait(C.all_reduce(reduced, self.replicate_group, self.stats))
-        if red.post_divide != 1.0:
-            reduced.div_(red.post_divide)
-        params = self._trainable_sharded()
-        with torch.no_grad():
-            if red.fresh:
-                if not red.direct:
-                    self.grad_shard = self._new_grad_shard()
-                    self.grad_shard.copy_(reduced, non_blocking=True)
-                for p, e in zip(params, self.trainable):
-                    p.grad = self.grad_shard[self.layout.shard_slice(e)]
-                self.grad_shard = None  # the .grad views own it now (see the note in __init__)
-            else:
-                # gradients persist (zero_grad(set_to_none=False), or a second synced backward):
-                # accumulate where they live, so bring the reduced shard there first (CPU offload
-                # keeps them on the host, the reduction ran on the compute device)
-                host = reduced.to(self._grad_device())
-                for p, e in zip(params, self.trainable):
-                    piece = host[self.layout.shard_slice(e)].to(p.dtype)
-                    if p.grad is None:
-                        p.grad = piece.clone()
-                    else:
-                        p.grad.add_(piece)
-        if out is not None:
-            self.ctx.release_buffer(out)
-        # Autograd never accumulates into the sharded parameters (the modules compute with the
-        # unsharded ones), so their post-accumulate-grad hooks run here, once the reduced gradient
-        # is in place (as in FSDP2): e.g. an optimizer stepped per parameter inside backward.
-        for p in params:
-            for hook in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
-                hook(p)
-
-    def _grad_device(self) -> torch.device:
-        return self.shard.device
-
-    def _new_grad_shard(self) -> torch.Tensor:
-        pin = self.offload and self.compute_device.type == "cuda"
-        return torch.empty(self.layout.shard_numel, dtype=self.shard_dtype, device=self._grad_device(), pin_memory=pin)
-
-    def grad_bytes(self) -> int:
-        """Bytes of the gradients this unit's sharded parameters hold now (each storage once)."""
-        seen = {}
-        for p in self._trainable_sharded():
-            if p.grad is not None:
-                st = p.grad.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-        if self.grad_shard is not None:
-            seen[self.grad_shard.untyped_storage().data_ptr()] = self.grad_shard.untyped_storage().nbytes()
-        return sum(seen.values())
-
-    def _trainable_sharded(self) -> List[nn.Parameter]:
-        return [p for p, e in zip(self.sharded_params, self.entries) if e.requires_grad]
 
     def reset_backward(self) -> None:
         self.drop_secondary()

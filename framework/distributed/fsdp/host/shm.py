@@ -4,7 +4,8 @@
 gloo carries every byte over TCP loopback: about 1 GB/s on our CPU machines, and the kernel's
 copies take CPU time from the ranks' own compute. When every rank of a process group is a process
 on the same host, the engine instead passes its all-gathers and reduce-scatters through one
-shared-memory segment per group (collectives.py decides, and falls back to gloo otherwise):
+shared-memory segment per group (`open_shared_memory` decides, collectively, and the group keeps
+gloo otherwise):
 
 - The segment holds one arrival counter per rank (each on its own cache line) and two slots, each
   with one region of `region_bytes` per rank. A collective moves in chunks of at most one region.
@@ -34,16 +35,21 @@ process has exited fails it within about a second (each rank's process id is in 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import mmap
 import os
 import platform
 import queue
+import socket
 import threading
 import time
 from typing import Callable, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from ..transport import Transport
 
 SHM_DIR = "/dev/shm"
 REGION_BYTES = 4 << 20  # per rank and slot; 1, 2, 4, 8 and 16 MiB measured (bench/RESULTS.md)
@@ -299,3 +305,70 @@ class SharedMemoryChannel:
             torch.add(own, others[0], out=out)
             for p in others[1:]:
                 out.add_(p)
+
+
+class SharedMemoryTransport(Transport):
+    """A group's all-gathers and reduce-scatters through its `SharedMemoryChannel`."""
+
+    name = "shm"
+
+    def __init__(self, group, channel: SharedMemoryChannel) -> None:
+        super().__init__(group)
+        self.channel = channel
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> _Work:
+        return self.channel.all_gather(output, shard)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, scratch=None):
+        return self.channel.reduce_scatter(output, full), None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def host_key() -> int:
+    """This host's identity as a number: the hostname, the kernel's boot id and the process-id
+    namespace (the transport checks its peers' process ids, which must mean the same process)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        boot = pid_ns = ""
+    digest = hashlib.blake2b(f"{socket.gethostname()}/{boot}/{pid_ns}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**62 - 1)
+
+
+def open_shared_memory(group) -> Optional[SharedMemoryTransport]:
+    """Collective over the gloo `group`: its shared-memory transport, or None on every rank where
+    a rank is on another host, cannot run it, or the segment cannot be made or mapped."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    token = int.from_bytes(os.urandom(7), "little")
+    mine = torch.tensor([host_key(), int(supported()), token], dtype=torch.int64)
+    seen = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(seen, mine, group=group)
+    if not all(int(t[1]) for t in seen) or len({int(t[0]) for t in seen}) != 1:
+        return None
+    path = os.path.join(SHM_DIR, f"fsdp-collectives-{int(seen[0][2]):014x}")  # rank 0's token
+    channel, ok = None, torch.ones(1, dtype=torch.int64)
+    try:
+        if r == 0:
+            try:
+                channel = SharedMemoryChannel.create(path, r, n)
+            except OSError:
+                ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # rank 0 has made it: the others map it
+        if r != 0 and int(ok):
+            try:
+                channel = SharedMemoryChannel.attach(path, r, n)
+            except OSError:
+                ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has it mapped, or none uses it
+    finally:
+        if r == 0 and channel is not None:
+            channel.unlink()  # nothing stays in /dev/shm, however the processes end
+    if not int(ok):
+        if channel is not None:
+            channel.close()
+        return None
+    return SharedMemoryTransport(group, channel)

@@ -1,0 +1,49 @@
+"""Host transports: how process groups of CPU ranks move the engine's bulk collectives.
+
+Everything the engine does only because it runs on CPUs lives in this package; the rest of the
+engine sees a `Transport` ([Note: one transport per group] in transport.py). A CPU group on
+gloo takes, in this order of preference:
+
+- "shm" (the default): shared memory, when every rank of the group is on this host
+  ([Note: shared-memory collectives on one host] in shm.py);
+- "gloo": gloo's TCP, through in-place primitives ([Note: gloo collectives built from in-place
+  primitives] in gloo.py); also where shared memory cannot be opened, or the group spans hosts.
+
+`set_host_transport("gloo")` (`parallelism.host_transport=gloo`) skips shared memory for groups
+whose transport has not been chosen yet.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..transport import Transport
+from .gloo import GlooTransport
+from .shm import open_shared_memory
+
+HOST_TRANSPORTS = ("shm", "gloo")
+_preferred = ["shm"]
+
+
+def set_host_transport(name: str) -> None:
+    """Which transport CPU process groups on one host take when they are first used: "shm"
+    (shared memory, the default) or "gloo". Set it the same on every rank, before the model's
+    first forward."""
+    if name not in HOST_TRANSPORTS:
+        raise ValueError(f"host transport {name!r}: use one of {', '.join(HOST_TRANSPORTS)}")
+    _preferred[0] = name
+
+
+def host_transport(group, device: torch.device) -> Optional[Transport]:
+    """The host transport of `group` for tensors on `device`, or None where the group is not a
+    CPU group (the default transport serves it). Collective over the group for "shm"."""
+    if device.type != "cpu" or dist.get_backend(group) != "gloo":
+        return None
+    if _preferred[0] == "shm":
+        found = open_shared_memory(group)
+        if found is not None:
+            return found
+    return GlooTransport(group)

@@ -1,0 +1,155 @@
+"""The process groups and device meshes the engine shards over, made once and cached.
+
+Every cache here is keyed by the default process group (a re-initialised world gets fresh
+entries) and by the ranks of a mesh; groups are created by every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+_DEFAULT_MESH: Dict[tuple, DeviceMesh] = {}
+
+
+def _world_key() -> int:
+    """Caches below are per default process group (a re-initialised group gets fresh entries)."""
+    return id(dist.group.WORLD)
+
+
+def mesh_key(mesh: DeviceMesh) -> tuple:
+    return (_world_key(), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+
+
+_TP_OF_DP: Dict[tuple, DeviceMesh] = {}  # dp mesh -> the tp mesh seen with it (bottom-up: blocks first)
+_STATE_MESH: Dict[tuple, DeviceMesh] = {}
+
+
+def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
+    """The (dp..., tp) mesh for checkpoint DTensors, built from the existing groups (collective once).
+
+    2-D (dp_shard, tp) for a 1-D dp mesh, 3-D (dp_replicate, dp_shard, tp) for hybrid sharding.
+    """
+    key = mesh_key(dp) + mesh_key(tp)
+    if key not in _STATE_MESH:
+        coords = [None] * dist.get_world_size()
+        mine = tuple(dp.get_local_rank(d) for d in range(dp.ndim)) + (tp.get_local_rank(0),)
+        dist.all_gather_object(coords, mine)
+        grid = torch.empty(*dp.mesh.shape, tp.size(), dtype=torch.int64)
+        for rank, c in enumerate(coords):
+            grid[c] = rank
+        dp_names = dp.mesh_dim_names or (("dp",) if dp.ndim == 1 else ("dp_replicate", "dp_shard"))
+        names = tuple(dp_names) + ((tp.mesh_dim_names or ("tp",))[0],)
+        groups = [dp.get_group(d) for d in range(dp.ndim)] + [tp.get_group(0)]
+        _STATE_MESH[key] = DeviceMesh.from_group(groups, dp.device_type, mesh=grid, mesh_dim_names=names)
+    return _STATE_MESH[key]
+
+
+_GROUPS: Dict[tuple, dist.ProcessGroup] = {}
+_ROWS: Dict[tuple, List[Tuple[int, ...]]] = {}
+
+
+def _shard_rows(mesh: DeviceMesh) -> List[Tuple[int, ...]]:
+    """Every shard group of the world that `mesh` belongs to, as sorted rank tuples: the same
+    list on every rank. A mesh over part of the world (the dp dims beside tensor parallel) shows
+    each rank only its own rows, so the rows are gathered from all ranks (collective, once)."""
+    key = mesh_key(mesh)
+    if key not in _ROWS:
+        rows = [tuple(r) for r in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()]
+        if mesh.size() != dist.get_world_size():
+            seen: List[Optional[list]] = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, rows)
+            rows = [tuple(r) for rs in seen for r in rs]
+        _ROWS[key] = sorted(set(rows))
+    return _ROWS[key]
+
+
+def secondary_blocks(rows: Sequence[Sequence[int]], k: int) -> List[Tuple[int, ...]]:
+    """hpZ: the groups of k consecutive ranks of each shard row, in creation order (every rank
+    must create every group, in this order; `rows` must be the whole world's, see _shard_rows)."""
+    return [tuple(row[i : i + k]) for row in sorted(tuple(r) for r in rows) for i in range(0, len(row), k)]
+
+
+def _groups_for(blocks: List[Tuple[int, ...]]) -> Dict[Tuple[int, ...], dist.ProcessGroup]:
+    """One group per rank tuple, created by every rank in the given order (cached per tuple)."""
+    out = {}
+    for ranks in blocks:
+        key = (_world_key(), ranks)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(ranks))
+        out[ranks] = _GROUPS[key]
+    return out
+
+
+def secondary_group(mesh: DeviceMesh, k: int):
+    """hpZ: (the group of k consecutive ranks of this rank's shard row, k, this rank's index in it)."""
+    me = dist.get_rank()
+    groups = _groups_for(secondary_blocks(_shard_rows(mesh), k))
+    mine = next(r for r in groups if me in r)
+    return groups[mine], k, mine.index(me)
+
+
+_REDUCE_GROUPS: Dict[tuple, dist.ProcessGroup] = {}
+
+
+def reduce_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The twin of this rank's shard group that gradient reductions use ([Note: reductions in a
+    fixed order on their own group] in context.py); one per shard row, made on first use."""
+    if dist.get_world_size(shard_group) == 1:
+        return shard_group
+    key = mesh_key(mesh)
+    if key not in _REDUCE_GROUPS:
+        me = dist.get_rank()
+        rows = _shard_rows(mesh)
+        made = []
+        for ranks in rows:  # new_group directly: a twin is a second group over the same ranks
+            made.append(dist.new_group(list(ranks)))
+        _REDUCE_GROUPS[key] = next(g for r, g in zip(rows, made) if me in r)
+    return _REDUCE_GROUPS[key]
+
+
+def resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Optional[DeviceMesh] = None):
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs an initialised process group: call torch.distributed.init_process_group first"
+        )
+    world = dist.get_world_size()
+    if mesh is None:
+        if device.type == "meta":  # built on meta, materialised later with to_empty
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        key = (_world_key(), device.type)
+        if key not in _DEFAULT_MESH:
+            _DEFAULT_MESH[key] = init_device_mesh(device.type, (world,))
+        mesh = _DEFAULT_MESH[key]
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard: mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (shard) or a "
+            f"2-D mesh (replicate, shard) for hybrid sharding, e.g. mesh['dp_replicate', 'dp_shard']"
+        )
+    if world % mesh.size() != 0:
+        raise ValueError(
+            f"fully_shard: mesh size {mesh.size()} does not divide world size {world}; build the mesh over all ranks"
+        )
+    if tp_mesh is not None:
+        # [Note: tensor parallel composition] holds for a 2-D (replicate, shard) dp mesh as for a
+        # 1-D one: the TP-local tensors are sharded over the shard dim, their gradients
+        # reduce-scattered there and all-reduced over the replicate dim like plain parameters.
+        if mesh.size() * tp_mesh.size() != world:
+            raise ValueError(
+                f"fully_shard: dp mesh size {mesh.size()} x tp mesh size {tp_mesh.size()} != world size {world}; "
+                f"pass the dp dimension of the same mesh the tensor parallel plan used"
+            )
+        _TP_OF_DP[mesh_key(mesh)] = tp_mesh
+    elif mesh.size() != world:
+        tp_mesh = _TP_OF_DP.get(mesh_key(mesh))
+        if tp_mesh is None or mesh.size() * tp_mesh.size() != world:
+            raise NotImplementedError(
+                f"fully_shard: a mesh over {mesh.size()} of {world} ranks is only supported together with tensor "
+                f"parallel (shard the TP-parallelized blocks first); otherwise pass a mesh over all ranks"
+            )
+    if mesh.ndim == 1:
+        return mesh, mesh.get_group(0), None, tp_mesh
+    return mesh, mesh.get_group(1), mesh.get_group(0), tp_mesh

@@ -1,0 +1,284 @@
+"""A unit's gradients: written into one flat buffer, reduce-scattered (async), averaged, and handed
+to the sharded parameters' `.grad` views.
+
+`GradReduction` is the part of `ShardUnit` (unit.py) that runs backward's side of the step:
+`pre_accumulate` and `on_grad` (leaf hooks), `reduce_grads` (issued by the context in the fixed
+order of [Note: reductions in a fixed order on their own group] in context.py) and
+`finish_reduce` (drained by the context).
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.profiler import record_function
+
+from . import collectives as C
+from .api import UnitState
+from .zeropp import dequantize_into, packed_nbytes
+
+
+class _Reduction(NamedTuple):
+    """A unit's gradient reduction in flight (issued by reduce_grads, drained by finish_reduce)."""
+
+    pending: C.Pending
+    pooled_input: Optional[torch.Tensor]  # reduce-scatter input to give back to the pool
+    direct: bool  # the output is the grad shard itself
+    fresh: bool  # the sharded params had no .grad: assign views instead of accumulating
+    post_divide: float  # divide the reduced shard by this (see grad_divide_factors)
+    out: Optional[torch.Tensor]  # pooled output buffer when not direct
+    in_place: bool  # the input is the unit's gathered storage: reshard when done
+    scratch: Optional[torch.Tensor]  # reduce-scatter receive scratch to give back
+    quantized: Optional[torch.Tensor]  # qgZ: the int8 chunks received, to dequantize and sum
+    quantized_pooled: bool  # ... received into a pooled buffer (not inside the input)
+
+
+def grad_divide_factors(dp: int, reduce_dtype: torch.dtype) -> Tuple[float, float]:
+    """(divide before the sum, divide after it), whose product is the data-parallel size `dp`.
+
+    fp32 sums first and divides once. bf16 has fp32's exponent range: divide first so the sum
+    cannot overflow. fp16 can both overflow (summing first) and underflow (dividing the whole
+    world first, e.g. 1e-5 / 1024 is below fp16's smallest normal): split dp into a power of two
+    near sqrt(dp) before and the rest after, so each side loses at most ~sqrt(dp) of range (the
+    same split FSDP2 makes). Powers of two divide exactly.
+    """
+    if dp <= 1 or reduce_dtype == torch.float32 or reduce_dtype == torch.float64:
+        return 1.0, float(dp)
+    if reduce_dtype != torch.float16:
+        return float(dp), 1.0
+    pre = 1
+    while (pre * 2) * (pre * 2) <= dp:
+        pre *= 2
+    return float(pre), dp / pre
+
+
+# [Note: gradients reuse the gathered storage]
+# Once a parameter's gradient is complete (summed over all its uses), backward never reads that
+# parameter again. So a leaf hook copies each gradient into the parameter's own slot of the
+# unit's gathered storage (pre_accumulate), and when the unit's last gradient is in, that storage
+# is the reduce-scatter input; it is released when the reduce-scatter finishes (at most
+# MAX_IN_FLIGHT units wait, see context.py). No separate gradient buffer exists, the peak during
+# backward is one unit lower than with one, and between steps the engine holds only shards.
+# Units with frozen parameters (which later backward ops may still read) or a reduce dtype that
+# differs from the param dtype use a pooled buffer instead ([Note: the gradient buffer pool]).
+
+
+class GradReduction:
+    """Backward's side of a unit (mixed into `ShardUnit`)."""
+
+    def _in_place_this_backward(self) -> bool:
+        return self.requires_grad_sync and not self._accum_valid and self._can_reduce_in_place()
+
+    def pre_accumulate(self, idx: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Leaf hook, before autograd stores the full parameter's gradient.
+
+        With in-place reduction (see [Note: gradients reuse the gathered storage]) the gradient is
+        written straight into the parameter's own slot of the gathered storage, and that slot is
+        handed to autograd to store: one copy, which also fixes the layout of transposed weight
+        gradients (which autograd would otherwise clone into the parameter's layout first).
+        """
+        if not self._in_place_this_backward() or self._written[idx]:
+            return None
+        e = self.entries[idx]
+        dst = self.full_flat[e.offset : e.offset + e.numel].view(e.shape)
+        with torch.no_grad():
+            dst.copy_(grad)
+        self._written[idx] = True
+        return dst
+
+    def on_grad(self) -> None:
+        """Post-accumulate-grad of one trainable full parameter; after the last one the unit is
+        ready, and the context issues its reduction in the model's fixed order."""
+        self._grads_seen += 1
+        if self._grads_seen == len(self.trainable):
+            self._ready = True
+            self.ctx.on_unit_ready(self)
+
+    def reduce_grads(self) -> None:
+        """Put the unit's full grads in one flat buffer and issue the reduce-scatter (async).
+
+        Called by the context only (in the fixed order of [Note: reductions in a fixed order on
+        their own group]); a parameter without a gradient on this rank contributes zeros."""
+        if self._reduce_issued or not self.trainable:
+            return
+        self._reduce_issued = True
+        L = self.layout
+        if not self.requires_grad_sync:
+            if self._accum is None:
+                self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
+            self._write_grads(self._accum, accumulate=self._accum_valid)
+            self._accum_valid = True
+            if self._backward_done():
+                self.reshard()
+            return
+        in_place = False
+        with record_function("fsdp::copy_grads"):
+            if self._accum_valid:
+                self._write_grads(self._accum, accumulate=True)
+                buf, pooled = self._accum, False
+            elif self._can_reduce_in_place():
+                buf, pooled, in_place = self.full_flat, False, True
+                self._write_grads(buf, accumulate=False)
+            else:
+                buf = self.ctx.acquire_buffer(self, L.padded_total, self.reduce_dtype, self.compute_device, "in")
+                self._write_grads(buf, accumulate=False)
+                pooled = True
+        pre, post = grad_divide_factors(self.dp, self.reduce_dtype)
+        if pre != 1.0:
+            buf.div_(pre)  # see grad_divide_factors: 16-bit sums must not overflow
+        fresh = all(p.grad is None for p in self._trainable_sharded())
+        direct = fresh and buf.dtype == self.shard_dtype and self._grad_device() == buf.device
+        quant = self.comm is not None and self.comm.grads and self.N > 1
+        scratch = q_recv = None
+        q_pooled = False
+        if quant:  # the chunks are summed in fp32: straight into the grad shard when it is fp32 and fresh
+            direct = fresh and self.shard_dtype == torch.float32 and self._grad_device() == buf.device
+            if direct:
+                self.grad_shard = self._new_grad_shard()
+            out = (
+                self.grad_shard
+                if direct
+                else self.ctx.acquire_buffer(self, L.shard_numel, torch.float32, self.compute_device, "q")
+            )
+            pending, q_recv, q_pooled = self._issue_quantized_reduce(buf)
+        else:
+            if direct:
+                self.grad_shard = self._new_grad_shard()
+            out = (
+                self.grad_shard
+                if direct
+                else self.ctx.acquire_buffer(self, L.shard_numel, self.reduce_dtype, self.compute_device, "out")
+            )
+            transport = self.transports()[1]
+            k = transport.scratch_numel(L.shard_numel)
+            scratch = self.ctx.acquire_buffer(self, k, buf.dtype, self.compute_device, "rs") if k else None
+            pending = C.reduce_scatter(out, buf, transport, self.stats, self.name, scratch)
+        self._pending = _Reduction(
+            pending=pending,
+            pooled_input=buf if pooled else None,
+            direct=direct,
+            fresh=fresh,
+            post_divide=post,
+            out=None if direct else out,
+            in_place=in_place,
+            scratch=scratch,
+            quantized=q_recv,
+            quantized_pooled=q_pooled,
+        )
+        if in_place:
+            self._hide()  # the storage now holds gradients; resharded when the reduction finishes
+        elif self._backward_done():
+            self.reshard()
+        self.ctx.add_pending(self)
+
+    def _can_reduce_in_place(self) -> bool:
+        """All params trainable and same dtype: once the last grad arrived, backward no longer reads
+        the gathered params, so the gathered storage can be the reduce-scatter input."""
+        return (
+            self.storage is not None
+            and self.reduce_dtype == self.param_dtype
+            and len(self.trainable) == len(self.entries)
+            and self.state == UnitState.UNSHARDED
+        )
+
+    def _write_grads(self, buf: torch.Tensor, accumulate: bool) -> None:
+        L = self.layout
+        with torch.no_grad():
+            for i, (e, full) in enumerate(zip(self.entries, self.full_params)):
+                g = full.grad if e.requires_grad else None
+                if self._written[i]:  # already in place (pre_accumulate)
+                    full.grad = None
+                    continue
+                dst = buf[e.offset : e.offset + e.numel]
+                if g is None:
+                    if not accumulate:
+                        dst.zero_()
+                else:
+                    dst.add_(g.view(-1)) if accumulate else dst.copy_(g.reshape(-1))
+                    full.grad = None
+            if not accumulate and L.padded_total > L.total:
+                buf[L.total :].zero_()
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
+        if self._pending is None:
+            return
+        red = self._pending
+        self._pending = None
+        C.wait(red.pending)
+        out = red.out
+        if red.quantized is not None:  # sum the dequantized chunks before their buffer goes back
+            b, S = self.comm.block_size, self.layout.shard_numel
+            nb = packed_nbytes(S, b)
+            total = self.grad_shard if red.direct else out
+            with record_function("fsdp::dequantize"):
+                for r in range(self.N):
+                    dequantize_into(red.quantized[r * nb : (r + 1) * nb], total, b, accumulate=r > 0)
+            if red.quantized_pooled:
+                self.ctx.release_buffer(red.quantized)
+        if red.in_place:
+            self.reshard()
+        if red.scratch is not None:
+            self.ctx.release_buffer(red.scratch)
+        if red.pooled_input is not None:
+            self.ctx.release_buffer(red.pooled_input)
+        if self._accum_valid:
+            # the accumulated grads went into this reduction: free them until the next no-sync step
+            self._accum_valid = False
+            self._accum = None
+        reduced = self.grad_shard if red.direct else out
+        if self.R > 1:
+            C.wait(C.all_reduce(reduced, self.replicate_group, self.stats, self.name))
+        if red.post_divide != 1.0:
+            reduced.div_(red.post_divide)
+        params = self._trainable_sharded()
+        with torch.no_grad():
+            if red.fresh:
+                if not red.direct:
+                    self.grad_shard = self._new_grad_shard()
+                    self.grad_shard.copy_(reduced, non_blocking=True)
+                for p, e in zip(params, self.trainable):
+                    p.grad = self.grad_shard[self.layout.shard_slice(e)]
+                self.grad_shard = None  # the .grad views own it now (see the note in __init__)
+            else:
+                # gradients persist (zero_grad(set_to_none=False), or a second synced backward):
+                # accumulate where they live, so bring the reduced shard there first (CPU offload
+                # keeps them on the host, the reduction ran on the compute device)
+                host = reduced.to(self._grad_device())
+                for p, e in zip(params, self.trainable):
+                    piece = host[self.layout.shard_slice(e)].to(p.dtype)
+                    if p.grad is None:
+                        p.grad = piece.clone()
+                    else:
+                        p.grad.add_(piece)
+        if out is not None:
+            self.ctx.release_buffer(out)
+        # Autograd never accumulates into the sharded parameters (the modules compute with the
+        # unsharded ones), so their post-accumulate-grad hooks run here, once the reduced gradient
+        # is in place (as in FSDP2): e.g. an optimizer stepped per parameter inside backward.
+        for p in params:
+            for hook in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(p)
+
+    def _grad_device(self) -> torch.device:
+        return self.shard.device
+
+    def _new_grad_shard(self) -> torch.Tensor:
+        pin = self.offload and self.compute_device.type == "cuda"
+        return torch.empty(self.layout.shard_numel, dtype=self.shard_dtype, device=self._grad_device(), pin_memory=pin)
+
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients this unit's sharded parameters hold now (each storage once)."""
+        seen = {}
+        for p in self._trainable_sharded():
+            if p.grad is not None:
+                st = p.grad.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        if self.grad_shard is not None:
+            seen[self.grad_shard.untyped_storage().data_ptr()] = self.grad_shard.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def _trainable_sharded(self) -> List[nn.Parameter]:
+        return [p for p, e in zip(self.sharded_params, self.entries) if e.requires_grad]
