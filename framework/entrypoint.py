@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint.run_lock import lock_run_dir
 from framework.config import Stage, to_config, validate
-from framework.distributed.runtime import run_rank, spawn_local, under_torchrun
+from framework.runtime import run_rank, spawn_local, under_torchrun
 from framework.errors import EXIT_BAD_INPUT, UserInputError
 
 

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from framework.distributed.runtime import note_step
+from framework.runtime import note_step
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -19,7 +19,7 @@ from framework.data import build_data
 from framework.distributed.engines import engine_of
 from framework.distributed.parallel_dims import build_mesh
 from framework.distributed.parallelize import parallelize
-from framework.distributed.runtime import Runtime, init_distributed, report_crash, shutdown
+from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInputError
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
@@ -318,7 +318,7 @@ def _train(cfg: Config, rt: Runtime) -> int:
     except Exception as exc:  # noqa: BLE001
         # Anything else is a bug or a fault of the machine: its traceback, named by rank. Reported
         # here (not re-raised) so the trainer is gone before the process group (see run()); see
-        # [Note: every failure explained] in framework/distributed/runtime.py.
+        # [Note: every failure explained] in framework/runtime.py.
         report_crash(exc)
         return EXIT_CRASH
 

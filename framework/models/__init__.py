@@ -1,13 +1,26 @@
 """Model definitions (plain nn.Modules) and the registry that describes each family to the rest of
-the framework (`framework/models/registry.py`). Each family registers itself when imported here:
-one explicit import line per family."""
+the framework (`framework/models/registry.py`).
 
-from framework.models import cnn, hf, llama  # noqa: F401  (each registers its family)
-from framework.models.llama import Transformer, TransformerBlock, build_llama  # noqa: F401
-from framework.models.registry import ModelFamily, family_of, register_family  # noqa: F401
-from framework.models.tasks import Task, get_task, register_task  # noqa: F401
+A family is a folder here with a `family.py` that registers its record, and optionally a
+`shapes.py` for the planner (`framework/models/shapes.py`); its folder name is listed once, in
+`shapes.FAMILY_PACKAGES`. Importing this package loads no family and no torch: the names below
+are looked up on first use, and `registry.family_of` registers every family first.
+"""
+
+_WHERE = {
+    "ModelFamily": "registry",
+    "family_of": "registry",
+    "register_family": "registry",
+    "build_model": "registry",
+    "Task": "tasks",
+    "get_task": "tasks",
+    "register_task": "tasks",
+}
 
 
-def build_model(cfg, device="cpu"):
-    """The plain model `model.name` names, on `device` (meta: no memory)."""
-    return family_of(cfg).build(cfg, device)
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

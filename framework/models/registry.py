@@ -11,9 +11,8 @@ Nothing outside `framework/models/` knows a model's attribute names or tensor na
     family.blocks(model)                     # the sharding units, in forward order
     task = family.task(cfg.model)            # how a batch becomes a loss: task.loss(model, batch)
 
-Registering a family (our Llama does it in `framework/models/llama/__init__.py`; a new family adds
-one explicit import line to `framework/models/__init__.py`, there is no discovery by naming
-convention):
+Registering a family (our Llama does it in `framework/models/llama/family.py`; a new family's
+folder is named once, in `framework.models.shapes.FAMILY_PACKAGES`):
 
     from framework.models.registry import ModelFamily, register_family
 
@@ -121,6 +120,16 @@ class ModelFamily:
 _FAMILIES: dict[str, ModelFamily] = {}
 
 
+def register_all() -> None:
+    """Import every family's record (each registers itself once)."""
+    import importlib
+
+    from framework.models.shapes import FAMILY_PACKAGES
+
+    for package in FAMILY_PACKAGES:
+        importlib.import_module(f"framework.models.{package}.family")
+
+
 def register_family(family: ModelFamily) -> ModelFamily:
     """Add `family` under each of its names; a name may belong to one family only."""
     for name in family.names:
@@ -131,13 +140,17 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 
 def registered_names() -> list[str]:
+    register_all()
     return sorted(_FAMILIES)
+
+
+def build_model(cfg: ModelConfig, device="cpu") -> nn.Module:
+    """The plain model `model.name` names, on `device` (meta: no memory)."""
+    return family_of(cfg).build(cfg, device)
 
 
 def check_model(cfg: ModelConfig) -> list[str]:
     """Every refusal of the model section (an unknown name, the family's own checks), as lines."""
-    import framework.models  # noqa: F401  (every family registered)
-
     try:
         family = family_of(cfg)
         family.check(cfg)
@@ -149,6 +162,9 @@ def check_model(cfg: ModelConfig) -> list[str]:
 def family_of(cfg: ModelConfig) -> ModelFamily:
     """The family that builds `model.name`; an unknown name is refused in one line."""
     family = _FAMILIES.get(cfg.name)
+    if family is None:
+        register_all()
+        family = _FAMILIES.get(cfg.name)
     if family is None:
         raise UserInputError(
             f"model.name={cfg.name!r} is not a model this framework builds; choose one of "

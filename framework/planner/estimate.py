@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from framework.planner.devices import Device
-from framework.planner.shapes import (
+from framework.models.shapes import (
     ModelShape,
     Unit,
     flops_per_token,

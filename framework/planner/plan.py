@@ -28,7 +28,7 @@ from framework.planner.estimate import (
     total_params,
     traffic,
 )
-from framework.planner.shapes import ModelShape
+from framework.models.shapes import plan_shape
 
 
 def _vocab(cfg: Config) -> int:
@@ -45,7 +45,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
     if key not in DEVICES:
         raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")
-    shape = ModelShape(_vocab(cfg), m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.tie_embeddings)
+    shape = plan_shape(m, _vocab(cfg))  # the family's own units and widths (framework/models/shapes.py)
     return Job(
         model=shape,
         seq_len=cfg.data.seq_len,
@@ -142,7 +142,8 @@ def _tp_ok(job: Job, tp: int) -> bool:
     m = job.model
     world = job.world
     return (
-        tp <= job.nproc_per_node
+        m.tensor_parallel
+        and tp <= job.nproc_per_node
         and world % tp == 0
         and m.n_heads % tp == 0
         and m.n_kv_heads % tp == 0

@@ -295,7 +295,7 @@ def _import_rank(rank, world, export_dir, run_dir):
     from framework.checkpoint.dcp import get_state_dicts
     from framework.config import to_config
     from framework.config.compose import compose_config
-    from framework.distributed.runtime import Runtime
+    from framework.runtime import Runtime
     from framework.models.llama.adapter import to_hf_name
     from framework.trainer import Trainer
 
@@ -329,7 +329,7 @@ def _kill_in_commit_rank(rank, world, run_dir):
     import framework.checkpoint.layout as layout
     from framework.config import to_config
     from framework.config.compose import compose_config
-    from framework.distributed.runtime import Runtime
+    from framework.runtime import Runtime
     from framework.trainer import Trainer
 
     def die(*args, **kwargs):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from framework.distributed.runtime import Runtime, free_port
+from framework.runtime import Runtime, free_port
 
 
 @pytest.fixture(scope="module")

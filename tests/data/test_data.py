@@ -122,7 +122,7 @@ def one_rank_group():
     """megatron-core builds blends only inside a process group (as training always runs)."""
     import torch.distributed as dist
 
-    from framework.distributed.runtime import free_port
+    from framework.runtime import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield

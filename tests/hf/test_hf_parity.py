@@ -142,7 +142,7 @@ def _probe(cfg):
 
 
 def _parity_rank(rank, world, run_dir, source):
-    from framework.distributed.runtime import Runtime
+    from framework.runtime import Runtime
     from framework.trainer import Trainer
 
     out = {}
@@ -172,7 +172,7 @@ def _load_from_path(rank, world, run_dir, source, engine) -> float:
     difference between the sharded model's gathered weights and the file's tensors."""
     from safetensors import safe_open
 
-    from framework.distributed.runtime import Runtime
+    from framework.runtime import Runtime
     from framework.trainer import Trainer
 
     cfg = make_config({}, "causal_lm", {"engine": engine}, run_dir, path=source)

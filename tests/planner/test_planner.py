@@ -30,7 +30,8 @@ from framework.config.schema import (
 )
 from framework.planner import estimate, job_from_config, zero_model_state_bytes
 from framework.planner.estimate import activation_bytes_per_token, memory, traffic
-from framework.planner.shapes import ModelShape, param_count, units
+from framework.models.llama.shapes import llama_shape
+from framework.models.shapes import param_count, units
 from tests.distributed.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ def test_shapes_match_the_built_model():
             fields["vocab_size"] = 2048
         cfg = ModelConfig(**fields)
         model = build_llama(cfg, "meta")
-        shape = ModelShape(
+        shape = llama_shape(
             cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tie_embeddings
         )
         assert param_count(shape) == model.num_params(), preset
@@ -106,7 +107,7 @@ def test_activation_bytes_match_saved_tensors():
             skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
             skip.add(model.rope.untyped_storage().data_ptr())
             saved = _saved_bytes(lambda m=model, x=x: m.layers[0](x, m.rope), skip)
-            shape = ModelShape(256, d, 1, h, kv, f)
+            shape = llama_shape(256, d, 1, h, kv, f)
             assert saved == activation_bytes_per_token(shape, name) * 64, (dims, name)
 
 
@@ -299,9 +300,98 @@ def test_plan_stage_prints_and_advises(tmp_path):
     assert "Verdict: fits" in again.stdout, again.stdout
 
 
+HF_CONFIGS = {  # small configs of three families, each with its own names for the widths
+    "gpt2": {"model_type": "gpt2", "n_layer": 3, "n_embd": 64, "n_head": 4, "vocab_size": 500, "n_positions": 128},
+    "t5": {
+        "model_type": "t5",
+        "num_layers": 2,
+        "num_decoder_layers": 3,
+        "d_model": 48,
+        "d_ff": 96,
+        "d_kv": 12,
+        "num_heads": 4,
+        "vocab_size": 320,
+    },
+    "llama": {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 400,
+    },
+}
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_plan_counts_a_hugging_face_model_as_built(family):
+    """stage=plan asks the family: the planned parameters are the transformers model's own
+    (`sum(p.numel())`, tied tensors once), unit by unit as parallelize shards it."""
+    import transformers
+
+    from framework.models.hf.model import blocks, hf_config
+
+    task = "seq2seq" if family == "t5" else "causal_lm"
+    model_cfg = ModelConfig(name="hf", config=HF_CONFIGS[family], task=task)
+    cfg = Config(
+        model=model_cfg, data=DataConfig(name="synthetic", seq_len=32), cluster=ClusterConfig(nproc_per_node=2)
+    )
+    job = job_from_config(cfg)
+    auto = transformers.AutoModelForSeq2SeqLM if task == "seq2seq" else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(hf_config(model_cfg))
+    assert param_count(job.model) == sum(p.numel() for p in model.parameters())
+    assert job.model.n_layers == len(blocks(model)) and job.model.vocab_size == HF_CONFIGS[family]["vocab_size"]
+    planned_blocks = [u.numel for u in units(job.model)[1:]]
+    assert planned_blocks == [sum(p.numel() for p in b.parameters()) for b in blocks(model)]
+    assert job.model.dim == int(hf_config(model_cfg).get_text_config().hidden_size)
+
+
+def test_plan_of_a_hugging_face_gpt2_from_main(tmp_path):
+    """The command a user runs: the printed and saved parameter count is GPT-2's (it was 0)."""
+    inline = "{model_type: gpt2, n_layer: 2, n_embd: 32, n_head: 2, vocab_size: 128}"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "main.py",
+            "stage=plan",
+            "model=hf",
+            f"model.config={inline}",
+            "data=synthetic",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    # 128 x 32 tokens + 1024 x 32 positions + 2 blocks of 12 x 32^2 + 13 x 32 + final norm 2 x 32
+    expected = 128 * 32 + 1024 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32
+    assert json.loads((tmp_path / "plan.json").read_text())["params"] == expected
+
+
+def test_plan_refuses_a_family_without_shapes(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "main.py", "stage=plan", "experiment=digits_cnn", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "model.name=digits_cnn: stage=plan has no shapes for this family" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+
+
 def test_estimate_is_torch_free():
     code = (
         "import sys, framework.planner, framework.config; "
+        "from framework.config import compose_config; "
+        "framework.planner.make_plan(framework.config.to_config(compose_config(['model=llama_7b']))); "
         "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'"
     )
     res = subprocess.run(

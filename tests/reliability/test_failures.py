@@ -3,7 +3,7 @@ run directory, and a restart under torchrun that must resume exactly.
 
 Faults are injected from outside the framework: `inject/sitecustomize.py` (on PYTHONPATH for these
 runs only) makes one rank's loss computation raise or SIGKILL itself at a chosen step; a hang is a
-real SIGSTOP. See [Note: every failure explained] in framework/distributed/runtime.py.
+real SIGSTOP. See [Note: every failure explained] in framework/runtime.py.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_exception_in_one_rank_under_main_py_prints_its_traceback(tmp_path):
 
 
 def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys):
-    from framework.distributed.runtime import _print_failures
+    from framework.runtime import _print_failures
 
     class Proc:
         def __init__(self, exitcode):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from framework.config.schema import Config
-from framework.distributed.runtime import Runtime
+from framework.runtime import Runtime
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, UserInputError
 
 

@@ -13,7 +13,7 @@ from conftest import REPO
 LAYERS = [
     {"errors"},
     {"config"},
-    {"models", "data", "optim", "distributed", "peft", "metrics", "train_state"},
+    {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime"},
     {"finetune", "checkpoint", "stop", "planner"},
     {"trainer"},
     {"entrypoint"},

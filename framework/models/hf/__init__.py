@@ -1,30 +1,15 @@
-"""The Hugging Face family (`model=hf`): any transformers model type with `_no_split_modules`,
-registered here. transformers is imported only when such a model is built."""
+"""The Hugging Face family (`model=hf`): any transformers model type with `_no_split_modules`.
+transformers is imported only when such a model is built.
 
-from framework.models.hf.model import (
-    HFAdapter,
-    blocks,
-    build_hf,
-    check_config,
-    flops_per_token,
-    hf_config,
-    init_weights,
-    weights_dir,
-)
-from framework.models.registry import ModelFamily, register_family
-from framework.models.tasks import get_task
+Importing this package loads nothing heavy: its record is in `family.py` (torch), what the
+planner needs in `shapes.py` (no torch). The names below come from their modules on first use."""
 
-FAMILY = register_family(
-    ModelFamily(
-        names=("hf",),
-        build=build_hf,
-        check=check_config,
-        blocks=blocks,
-        task=lambda cfg: get_task(cfg.task),
-        init_weights=init_weights,
-        adapter=HFAdapter,
-        flops_per_token=flops_per_token,
-        vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
-        weights_dir=weights_dir,
-    )
-)
+_WHERE = {"FAMILY": "family"}
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -1,34 +1,14 @@
-"""Our Llama family: the model, its tensor-parallel plan, its Hugging Face adapter; registered here."""
+"""Our Llama family: the model, its tensor-parallel plan, its Hugging Face adapter.
 
-from framework.models.llama.adapter import LlamaAdapter, check_rope_scaling
-from framework.models.llama.model import Transformer, TransformerBlock, build_llama  # noqa: F401
-from framework.models.llama.parallelize import tp_plan
-from framework.models.registry import ModelFamily, register_family
+Importing this package loads nothing heavy: its record is in `family.py` (torch), what the
+planner needs in `shapes.py` (no torch). The names below come from their modules on first use."""
 
-# The conf/model presets (tests/unit/test_model.py checks that every preset file is registered).
-PRESETS = ("debug", "small", "llama_125m", "llama_350m", "llama_1b", "llama_7b", "llama_13b", "llama_70b")
+_WHERE = {"FAMILY": "family", "PRESETS": "family", "Transformer": "model", "TransformerBlock": "model", "build_llama": "model"}
 
 
-def _build(cfg, device="cpu") -> Transformer:
-    check_rope_scaling(cfg)
-    return build_llama(cfg, device)
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-
-def _init_weights(model: Transformer, seed) -> None:
-    model.init_weights(seed=seed)
-
-
-FAMILY = register_family(
-    ModelFamily(
-        names=PRESETS,
-        build=_build,
-        check=check_rope_scaling,
-        blocks=lambda model: list(model.layers),
-        init_weights=_init_weights,
-        tp_plan=tp_plan,
-        adapter=lambda cfg: LlamaAdapter(tied=cfg.tie_embeddings),
-        embedding_name="tok_embeddings.weight",
-        num_params=lambda model: model.num_params(),
-        flops_per_token=lambda model, seq_len: model.flops_per_token(seq_len),
-    )
-)
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

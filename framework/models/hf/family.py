@@ -1,0 +1,29 @@
+"""The Hugging Face family's record (`model=hf`)."""
+
+from framework.models.hf.model import (
+    HFAdapter,
+    blocks,
+    build_hf,
+    check_config,
+    flops_per_token,
+    hf_config,
+    init_weights,
+    weights_dir,
+)
+from framework.models.registry import ModelFamily, register_family
+from framework.models.tasks import get_task
+
+FAMILY = register_family(
+    ModelFamily(
+        names=("hf",),
+        build=build_hf,
+        check=check_config,
+        blocks=blocks,
+        task=lambda cfg: get_task(cfg.task),
+        init_weights=init_weights,
+        adapter=HFAdapter,
+        flops_per_token=flops_per_token,
+        vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
+        weights_dir=weights_dir,
+    )
+)

@@ -1,0 +1,53 @@
+"""Our Llama's units and tensors as the engine shards them, per tensor-parallel rank: pure
+arithmetic over `ModelConfig`, mirroring `model.py` and the plan of `parallelize.py`.
+`parallelize` makes one sharding unit per transformer block and one for the root (embeddings,
+final norm, output head); `tests/planner/test_planner.py` checks these counts against the built
+model, tensor by tensor."""
+
+from __future__ import annotations
+
+from framework.models.shapes import ModelShape, Tensor, Unit
+
+# The conf/model presets (tests/unit/test_model.py checks that every preset file is registered).
+NAMES = ("debug", "small", "llama_125m", "llama_350m", "llama_1b", "llama_7b", "llama_13b", "llama_70b")
+
+
+def _split(n: int, tp: int) -> int:
+    """Rows tp rank 0 holds of n (torch.chunk semantics, as DTensor's Shard: rank 0 has the most)."""
+    return -(-n // tp)
+
+
+def block_tensors(m: ModelShape, tp: int = 1) -> tuple[Tensor, ...]:
+    d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.kv_dim, m.ffn_dim
+    return (
+        Tensor("attention_norm.weight", d, False),
+        Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1),
+        Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1),
+        Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1),
+        Tensor("attention.wo.weight", d * _split(q, tp), tp > 1),
+        Tensor("ffn_norm.weight", d, False),
+        Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1),
+        Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1),
+        Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1),
+    )
+
+
+def root_tensors(m: ModelShape, tp: int = 1) -> tuple[Tensor, ...]:
+    rows = _split(m.vocab_size, tp)
+    out = [Tensor("tok_embeddings.weight", rows * m.dim, tp > 1), Tensor("norm.weight", m.dim, False)]
+    if not m.tie_embeddings:
+        out.append(Tensor("output.weight", rows * m.dim, tp > 1))
+    return tuple(out)
+
+
+def layout(m: ModelShape, tp: int = 1) -> list[Unit]:
+    block = block_tensors(m, tp)
+    return [Unit("root", root_tensors(m, tp))] + [Unit(f"layers.{i}", block) for i in range(m.n_layers)]
+
+
+def llama_shape(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tie_embeddings=False) -> ModelShape:
+    return ModelShape(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, layout, tie_embeddings)
+
+
+def plan_shape(cfg, vocab_size: int) -> ModelShape:
+    return llama_shape(vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tie_embeddings)

@@ -1,0 +1,109 @@
+"""What the planner needs to know of a model, asked of its family: sharding units of tensors per
+tensor-parallel rank, the widths its memory and FLOP arithmetic use, and nothing that needs torch.
+
+Each family folder may hold a `shapes.py` with `NAMES` (the `model.name` values it builds) and
+`plan_shape(cfg, vocab_size) -> ModelShape`; `plan_shape` below asks the one whose `NAMES` holds
+`model.name`. A family without one is refused by `stage=plan` in one line. Our Llama's is pure
+arithmetic (the launcher plans on a login node without torch); Hugging Face's builds the model on
+the meta device to count its tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from framework.errors import UserInputError
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    numel: int  # elements on one tensor-parallel rank (the whole tensor when tp = 1)
+    tp_split: bool  # split by the tensor-parallel plan (else replicated over tp ranks)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One `fully_shard` unit: its tensors in the order the engine lays them out."""
+
+    name: str
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the planner sees it. The widths feed the activation and FLOP estimates (for a
+    family other than a Llama-style decoder they are its nearest equivalents, said by its
+    `shapes.py`); `layout(shape, tp)` gives the units, root first, as the family shards them."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    layout: Callable[["ModelShape", int], list[Unit]]
+    tie_embeddings: bool = False
+    embedding_numel: int = -1  # parameters of the token embedding; -1: vocab_size x dim
+    tensor_parallel: bool = True  # the family has a tensor-parallel plan (else tp stays 1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def units(m: ModelShape, tp: int = 1) -> list[Unit]:
+    """Forward order: the root's first use (embeddings) comes before the blocks."""
+    return m.layout(m, tp)
+
+
+def param_count(m: ModelShape) -> int:
+    return sum(u.numel for u in units(m, 1))
+
+
+def non_embedding_params(m: ModelShape) -> int:
+    emb = m.embedding_numel if m.embedding_numel >= 0 else m.vocab_size * m.dim
+    return param_count(m) - emb
+
+
+def flops_per_token(m: ModelShape, seq_len: int) -> float:
+    """Training FLOPs per token, as the trainer counts them for MFU (6 N + attention)."""
+    return 6.0 * non_embedding_params(m) + 12.0 * m.n_layers * m.dim * seq_len
+
+
+FAMILY_PACKAGES = ("cnn", "hf", "llama")  # one entry per folder of framework/models/
+
+
+def plan_shape(cfg, vocab_size: int) -> ModelShape:
+    """The shape of `cfg` (a ModelConfig) from its family's shapes.py; refused in one line where
+    the family has none. Families with a shapes.py are asked first, so planning one of them loads
+    no other family (and no torch, for ours)."""
+    without = []
+    for package in FAMILY_PACKAGES:
+        try:
+            module = importlib.import_module(f"framework.models.{package}.shapes")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"framework.models.{package}.shapes":
+                raise
+            without.append(package)
+            continue
+        if cfg.name in module.NAMES:
+            return module.plan_shape(cfg, vocab_size)
+    for package in without:
+        family = importlib.import_module(f"framework.models.{package}.family").FAMILY
+        if cfg.name in family.names:
+            raise UserInputError(
+                f"model.name={cfg.name}: stage=plan has no shapes for this family "
+                f"(framework/models/{package} has no shapes.py); train it without stage=plan"
+            )
+    raise UserInputError(f"model.name={cfg.name!r}: no family builds it, so stage=plan cannot plan it")
