@@ -69,7 +69,7 @@ class Trainer:
                 dp_size=self.dims.dp,
                 seed=t.seed,
                 sample_kind=self.task.sample_kind,
-                num_labels=cfg.model.num_labels,
+                num_labels=family.num_labels(cfg.model),
             )
         model_cfg = dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size)
         # Small models are materialised identically on every rank (same seed, then sharded), so a

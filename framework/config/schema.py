@@ -104,8 +104,10 @@ class ModelConfig:
     # optionally, safetensors weights), or an inline transformers config for tests; never a hub name.
     path: str = ""
     config: Any = None  # e.g. {model_type: gpt2, n_layer: 2} (Any: Hydra adds keys to a typed dict only with +)
-    task: str = "causal_lm"  # causal_lm | seq2seq | sequence_classification (framework/models/tasks.py)
-    num_labels: int = 2  # classes of a classification task
+    # causal_lm | seq2seq | sequence_classification (framework/models/tasks.py); "": the model's
+    # own (model=hf: from config.json's architectures)
+    task: str = ""
+    num_labels: int = -1  # classes of a classification task; -1: the model's own (else 2)
 
     def __post_init__(self) -> None:
         if self.vocab_size != -1:

@@ -62,7 +62,10 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
         raise UserInputError(
             "stage=fine_tuning needs finetune.train_file (a JSONL file of records) or finetune.dataset=stdlib_functions"
         )
-    if f.packing and cfg.model.name == "hf" and cfg.model.task != "seq2seq":
+    from framework.models.registry import family_of
+
+    task = family_of(cfg.model).task(cfg.model).name
+    if f.packing and cfg.model.name == "hf" and task != "seq2seq":
         raise UserInputError(
             "finetune.packing=true needs a model that takes per-document positions (our "
             "Llama); with model=hf set finetune.packing=false (padded rows)"
@@ -73,9 +76,7 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
     else:
         train, valid = split_records(records, f.valid_fraction, t.seed)
     seq_len = cfg.data.seq_len
-    from framework.models.registry import family_of
-
-    if family_of(cfg.model).task(cfg.model).name == "seq2seq":  # source -> target, target a quarter as long
+    if task == "seq2seq":  # source -> target, target a quarter as long
         train_rows, valid_rows = (seq2seq_rows(r, tok, seq_len, max(1, seq_len // 4)) for r in (train, valid))
     else:
         train_rows, valid_rows = (build_rows(r, tok, seq_len, f.packing) for r in (train, valid))

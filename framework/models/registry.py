@@ -102,6 +102,8 @@ class ModelFamily:
     embedding_name: str | None = None  # state-dict key whose rows are the vocabulary
     num_params: Callable[[nn.Module], int] = _count_params
     flops_per_token: Callable[[nn.Module, int], float] = _default_flops
+    # Classes of a classification task (data=synthetic draws labels below it).
+    num_labels: Callable[[ModelConfig], int] = lambda cfg: cfg.num_labels if cfg.num_labels > 0 else 2
     # The vocabulary size before the data is built (data=synthetic draws tokens below it).
     vocab_size: Callable[[ModelConfig], int] = lambda cfg: cfg.vocab_size
     # Refuses (UserInputError) a configuration this family cannot build; run before any rank starts.

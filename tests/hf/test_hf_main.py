@@ -1,5 +1,6 @@
 """`python main.py model=hf model.path=<save_pretrained dir> ...` trains on 2 ranks and exports a
-directory that transformers' `from_pretrained` loads unchanged, with the trained logits."""
+directory that transformers' `from_pretrained` loads unchanged, with the trained logits; the task
+comes from the directory's config.json (GPT-2, T5, a BERT classifier) unless model.task says."""
 
 from __future__ import annotations
 
@@ -65,8 +66,7 @@ def test_a_save_pretrained_directory_trains_and_exports_for_from_pretrained(conf
     out = run_main(
         [
             "model=hf",
-            f"model.path={source}",
-            f"model.task={task}",
+            f"model.path={source}",  # no model.task: config.json's architectures say it
             "data=synthetic",
             "data.seq_len=16",
             "trainer.max_steps=5",
@@ -112,3 +112,55 @@ def test_a_save_pretrained_directory_trains_and_exports_for_from_pretrained(conf
         assert (hidden - ours_base(**inputs).last_hidden_state).abs().max() <= 1e-5
         # Training changed the weights read from model.path (else the comparison above proves little).
         assert (source_model(**inputs).logits - ours(**inputs).logits).abs().max() > 1e-4
+
+
+BERT = {
+    "model_type": "bert",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "num_labels": 3,
+}
+
+
+def _bert_dir(path, head: str):
+    import transformers
+    from transformers import AutoConfig
+
+    data = dict(BERT)
+    torch.manual_seed(0)
+    getattr(transformers, head)(AutoConfig.for_model(data.pop("model_type"), **data)).save_pretrained(path)
+    return path
+
+
+def test_a_bert_classifier_trains_with_its_own_task_and_labels(tmp_path):
+    """A BertForSequenceClassification directory of 3 labels: no model.task, no model.num_labels;
+    the export is the same 3-way classifier."""
+    from transformers import AutoModelForSequenceClassification
+
+    source = _bert_dir(tmp_path / "bert", "BertForSequenceClassification")
+    run = tmp_path / "run"
+    args = ["model=hf", f"model.path={source}", "data=synthetic", "data.seq_len=16", "trainer.max_steps=3"]
+    args += ["trainer.global_batch_size=4", "trainer.micro_batch_size=2", "checkpoint.export_safetensors=true"]
+    args += ["trainer.progress_bar=false", "logging.tensorboard=false", f"hydra.run.dir={run}"]
+    out = run_main(args, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded, info = AutoModelForSequenceClassification.from_pretrained(
+        run / "checkpoints" / "export", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    assert loaded.config.num_labels == 3 and loaded.classifier.out_features == 3
+
+
+def test_a_head_we_do_not_train_names_the_override(tmp_path):
+    source = _bert_dir(tmp_path / "bert", "BertForMaskedLM")
+    out = run_main(
+        ["model=hf", f"model.path={source}", "data=synthetic", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "['BertForMaskedLM']" in lines[0] and "set model.task" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr

@@ -117,7 +117,7 @@ def _reference(cfg, steps: int):
         dp_size=1,
         seed=cfg.trainer.seed,
         sample_kind=task.sample_kind,
-        num_labels=cfg.model.num_labels,
+        num_labels=family.num_labels(cfg.model),
     )
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, steps)

@@ -8,6 +8,8 @@ from framework.models.hf.model import (
     flops_per_token,
     hf_config,
     init_weights,
+    num_labels,
+    task_of,
     weights_dir,
 )
 from framework.models.registry import ModelFamily, register_family
@@ -19,7 +21,8 @@ FAMILY = register_family(
         build=build_hf,
         check=check_config,
         blocks=blocks,
-        task=lambda cfg: get_task(cfg.task),
+        task=lambda cfg: get_task(task_of(cfg)),
+        num_labels=num_labels,
         init_weights=init_weights,
         adapter=HFAdapter,
         flops_per_token=flops_per_token,

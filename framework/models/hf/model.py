@@ -86,7 +86,8 @@ def _hf_config(config_json: str, task: str, num_labels: int):
     except ValueError as exc:
         raise UserInputError(f"model=hf: model_type={model_type!r} is not built into transformers ({exc})") from None
     if task == "sequence_classification":
-        config.num_labels = num_labels
+        if num_labels > 0:  # else the directory's own (its id2label), 2 when it says nothing
+            config.num_labels = num_labels
         if getattr(config, "pad_token_id", None) is None:
             # Batches of more than one sequence need it to find each row's last token.
             eos = getattr(config, "eos_token_id", None)
@@ -96,24 +97,58 @@ def _hf_config(config_json: str, task: str, num_labels: int):
     return config
 
 
+# The head a saved model was trained with, by the ending of its class name in config.json's
+# `architectures` (what save_pretrained writes); an encoder-decoder's ...ForConditionalGeneration
+# is seq2seq, a decoder's (some vision-language models) causal_lm.
+_ARCHITECTURE_TASKS = (
+    ("ForCausalLM", "causal_lm"),
+    ("LMHeadModel", "causal_lm"),
+    ("ForSequenceClassification", "sequence_classification"),
+    ("ForConditionalGeneration", None),
+)
+
+
+def task_of(cfg: ModelConfig) -> str:
+    """model.task, or the task config.json's `architectures` names (causal_lm when it names none,
+    as an inline model.config does); refused in one line, naming the override, when the
+    architecture's head is no task we train."""
+    if cfg.task:
+        if cfg.task not in TASK_CLASSES:
+            raise UserInputError(f"model.task={cfg.task!r}: choose one of {', '.join(TASK_CLASSES)}")
+        return cfg.task
+    data = _config_dict(cfg)
+    architectures = data.get("architectures") or []
+    if not architectures:
+        return "causal_lm"
+    for suffix, task in _ARCHITECTURE_TASKS:
+        if architectures[0].endswith(suffix):
+            return task or ("seq2seq" if data.get("is_encoder_decoder", True) else "causal_lm")
+    where = f"model.path={cfg.path}" if cfg.path else "model.config"
+    raise UserInputError(
+        f"{where}: config.json's architectures {architectures} name no task this framework trains; "
+        f"set model.task to one of {', '.join(TASK_CLASSES)} (e.g. model.task=sequence_classification)"
+    )
+
+
 def check_config(cfg: ModelConfig) -> None:
     """The refusals that need no transformers import: the task, model.path or model.config."""
-    if cfg.task not in TASK_CLASSES:
-        raise UserInputError(f"model.task={cfg.task!r}: choose one of {', '.join(TASK_CLASSES)}")
-    _config_dict(cfg)
+    task_of(cfg)
 
 
 def hf_config(cfg: ModelConfig):
     """The transformers config of `cfg` (cached: every build and the data ask for it)."""
-    if cfg.task not in TASK_CLASSES:
-        raise UserInputError(f"model.task={cfg.task!r}: choose one of {', '.join(TASK_CLASSES)}")
-    return _hf_config(json.dumps(_config_dict(cfg), sort_keys=True), cfg.task, cfg.num_labels)
+    return _hf_config(json.dumps(_config_dict(cfg), sort_keys=True), task_of(cfg), cfg.num_labels)
+
+
+def num_labels(cfg: ModelConfig) -> int:
+    return int(hf_config(cfg).num_labels)
 
 
 def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
     import transformers
 
-    auto = getattr(transformers, TASK_CLASSES[cfg.task])
+    task = task_of(cfg)
+    auto = getattr(transformers, TASK_CLASSES[task])
     config = hf_config(cfg)
     try:
         with torch.device(device):
@@ -123,7 +158,7 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
         model.config.use_cache = False
     except ValueError as exc:
         raise UserInputError(
-            f"model.task={cfg.task}: transformers has no such model for "
+            f"model.task={task}: transformers has no such model for "
             f"model_type={config.model_type} ({str(exc).splitlines()[0]})"
         ) from None
     return model
