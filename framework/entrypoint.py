@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint.run_lock import lock_run_dir
 from framework.config import Stage, to_config, validate
-from framework.runtime import run_rank, spawn_local, under_torchrun
 from framework.errors import EXIT_BAD_INPUT, UserInputError
+from framework.runtime import run_rank, spawn_local, under_torchrun
 
 
 def fix_run_dir_under_torchrun(argv: List[str]) -> List[str]:

@@ -19,13 +19,13 @@ from framework.data import build_data
 from framework.distributed.engines import engine_of
 from framework.distributed.parallel_dims import build_mesh
 from framework.distributed.parallelize import parallelize
-from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInputError
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
 from framework.models import family_of
 from framework.models.tasks import to_device
 from framework.optim import build_optimizer, build_scheduler
+from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
 from framework.train_state import TrainState
 

@@ -33,13 +33,13 @@ from framework.checkpoint.dcp import (
 )
 from framework.checkpoint.hf import export_safetensors, import_safetensors, read_config
 from framework.config.schema import Config
-from framework.runtime import Runtime
 from framework.errors import EXIT_BAD_INPUT as EXIT_BAD_CHECKPOINT
 from framework.errors import (
     EXIT_REQUEUE,  # noqa: F401  (re-exported)
     UserInputError,
 )
 from framework.peft.lora import adapter_state, is_adapter, merged_sharded_state
+from framework.runtime import Runtime
 
 
 def _git_revision() -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from framework.planner.devices import Device
 from framework.models.shapes import (
     ModelShape,
     Unit,
@@ -35,6 +34,7 @@ from framework.models.shapes import (
     param_count,
     units,
 )
+from framework.planner.devices import Device
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 2**30

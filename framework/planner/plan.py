@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from framework.config.schema import Config
 from framework.config.validate import parallel_dims_of
 from framework.errors import EXIT_BAD_INPUT
+from framework.models.shapes import plan_shape
 from framework.planner.devices import DEVICES, device_for
 from framework.planner.estimate import (
     GIB,
@@ -28,7 +29,6 @@ from framework.planner.estimate import (
     total_params,
     traffic,
 )
-from framework.models.shapes import plan_shape
 
 
 def _vocab(cfg: Config) -> int:

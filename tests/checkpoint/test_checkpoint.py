@@ -295,8 +295,8 @@ def _import_rank(rank, world, export_dir, run_dir):
     from framework.checkpoint.dcp import get_state_dicts
     from framework.config import to_config
     from framework.config.compose import compose_config
-    from framework.runtime import Runtime
     from framework.models.llama.adapter import to_hf_name
+    from framework.runtime import Runtime
     from framework.trainer import Trainer
 
     cfg = to_config(compose_config(COMMON + ["parallelism.engine=torch", f"checkpoint.init_from={export_dir}"]))

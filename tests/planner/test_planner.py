@@ -28,10 +28,10 @@ from framework.config.schema import (
     ParallelismConfig,
     TrainerConfig,
 )
-from framework.planner import estimate, job_from_config, zero_model_state_bytes
-from framework.planner.estimate import activation_bytes_per_token, memory, traffic
 from framework.models.llama.shapes import llama_shape
 from framework.models.shapes import param_count, units
+from framework.planner import estimate, job_from_config, zero_model_state_bytes
+from framework.planner.estimate import activation_bytes_per_token, memory, traffic
 from tests.distributed.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from framework.config.schema import Config
-from framework.runtime import Runtime
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, UserInputError
+from framework.runtime import Runtime
 
 
 def _train_raising(monkeypatch, exc: BaseException) -> int:

@@ -1,7 +1,7 @@
 """The small image classifier of the digits recipe (`experiment=digits_cnn`).
 
-Importing this package loads nothing heavy: its record is in `family.py` (torch), what the
-planner needs in no shapes file (stage=plan refuses it) (no torch). The names below come from their modules on first use."""
+Importing this package loads nothing heavy: its record is in `family.py` (torch); it has no
+`shapes.py`, so stage=plan refuses it. The names below come from their modules on first use."""
 
 _WHERE = {"FAMILY": "family", "DigitsCNN": "model", "build_cnn": "family"}
 

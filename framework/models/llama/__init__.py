@@ -3,7 +3,13 @@
 Importing this package loads nothing heavy: its record is in `family.py` (torch), what the
 planner needs in `shapes.py` (no torch). The names below come from their modules on first use."""
 
-_WHERE = {"FAMILY": "family", "PRESETS": "family", "Transformer": "model", "TransformerBlock": "model", "build_llama": "model"}
+_WHERE = {
+    "FAMILY": "family",
+    "PRESETS": "family",
+    "Transformer": "model",
+    "TransformerBlock": "model",
+    "build_llama": "model",
+}
 
 
 def __getattr__(name):
