@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import os
 import platform
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from framework.runtime import free_port
+from tests.distributed.harness import peak_delta_bytes  # noqa: F401  (the benchmarks' peak reader)
 
 SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
     "tiny": (1024, 128, 2, 4, 64, 4),
@@ -119,12 +121,6 @@ def machine() -> dict:
     return info
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
     try:
         import warnings
@@ -158,7 +154,7 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 3600) -
     """Run `fn(rank, world, device, *args)` on `world` ranks; return the per-rank results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue), daemon=False) for r in range(world)]
     for p in procs:
         p.start()
@@ -234,30 +230,26 @@ class WireCounter:
 
 
 # ------------------------------------------------------------------ memory
-def peak_delta_bytes(fn, device) -> int:
-    """Highest net bytes allocated while `fn` runs: CUDA's allocator statistics on a GPU; on CPU
-    the profiler's allocation events (ops' own allocations and frees outside ops, in time order)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
+def rss_mb(field: str = "VmHWM") -> float:
+    """This process's resident memory in MiB from /proc/self/status: the high-water mark (VmHWM,
+    since the last `reset_rss_peak`) or the current VmRSS; nan where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    items = []
-    for e in prof.events():
-        usage = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        if usage:
-            items.append((e.time_range.start, usage))
-    cur = peak = 0
-    for _, usage in sorted(items):
-        cur += usage
-        peak = max(peak, cur)
-    return peak
+
+def reset_rss_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux: clear_refs 5), so a phase's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def live_tensor_bytes(model: nn.Module, opt: Any, extra: int = 0) -> int:

@@ -41,7 +41,7 @@ SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
 
 
 # The GPT-like benchmark model is the one every benchmark shares (bench/common.py).
-from bench.common import GPT  # noqa: E402
+from bench.common import GPT, reset_rss_peak, rss_mb  # noqa: E402
 
 # ------------------------------------------------------------------ traffic counting for FSDP2
 _COUNT = {"bytes": 0}
@@ -133,22 +133,6 @@ def tensor_bytes(engine, model, opt) -> int:
     return b
 
 
-def _rss_hwm_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
     _wrap_collectives()
     engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else [])
@@ -197,10 +181,10 @@ def memory_worker(rank, ws, engine, size, steps=2):
     model, opt = build(engine, size, rank)
     for s in range(2):
         step(engine, model, opt, size, s, rank)
-    _reset_hwm()
-    base = _rss_hwm_kb()
+    reset_rss_peak()
+    base = rss_mb()
     times = [step(engine, model, opt, size, s, rank)[0] for s in range(2, 2 + steps)]
-    return {"rss_peak_mb": _rss_hwm_kb() / 1024, "rss_after_warmup_mb": base / 1024, "step_s": times}
+    return {"rss_peak_mb": rss_mb(), "rss_after_warmup_mb": base, "step_s": times}
 
 
 def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):

@@ -32,21 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _rss_hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _reset_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+from bench.common import reset_rss_peak, rss_mb  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, model_name: str, lora: bool, steps: int, seq: int, queue) -> None:
@@ -82,7 +68,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, lora: bool, steps
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
             opt.step()
             if step == 0:
-                _reset_hwm()
+                reset_rss_peak()
             if step < steps - 1:
                 opt.zero_grad(set_to_none=True)
         engine = model.sharded_tensor_bytes()
@@ -105,7 +91,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, lora: bool, steps
                     )
                     / 2**20,
                     "optimizer_mb": optim / 2**20,
-                    "rss_peak_mb": _rss_hwm_mb(),
+                    "rss_peak_mb": rss_mb(),
                     "frozen_numel": frozen,
                 },
             )

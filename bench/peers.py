@@ -49,6 +49,7 @@ from bench.common import (
     loss_of,
     machine,
     peak_delta_bytes,
+    rss_mb,
     spawn,
 )
 
@@ -211,17 +212,6 @@ def timing_worker(rank, world, device, size, engines, steps, warmup):
     return {"times": times, "wire": wire, "exposed": exposed, "params": params}
 
 
-def _rss_peak_mb() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def memory_worker(rank, world, device, size, engine):
     def run():
         b = build(engine, size, device, world)
@@ -230,7 +220,7 @@ def memory_worker(rank, world, device, size, engine):
         run.held = live_tensor_bytes(b.model, b.opt) if b.opt is not None else None
 
     peak = peak_delta_bytes(run, device)
-    return {"peak_bytes": peak, "rss_peak_mb": _rss_peak_mb(), "model_state_bytes": run.held}
+    return {"peak_bytes": peak, "rss_peak_mb": rss_mb(), "model_state_bytes": run.held}
 
 
 def measure(size: str, world: int, engines, steps: int, warmup: int, memory: bool) -> dict:

@@ -25,13 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+from bench.common import rss_mb  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, model_name: str, quantized: bool, steps: int, seq: int, queue) -> None:
@@ -74,8 +68,8 @@ def _rank(rank: int, world: int, port: int, model_name: str, quantized: bool, st
         (
             rank,
             {
-                "peak_rss_mb": _status_kb("VmHWM") / 1024,
-                "rss_mb": _status_kb("VmRSS") / 1024,
+                "peak_rss_mb": rss_mb("VmHWM"),
+                "rss_mb": rss_mb("VmRSS"),
                 "tensor_mb": (engine["total"] + optim) / 2**20,
                 "engine": engine,
             },

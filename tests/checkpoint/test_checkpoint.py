@@ -20,13 +20,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, read_metrics, run_main
+from conftest import TINY, read_metrics, run_main, start_main
 
 from framework.errors import EXIT_REQUEUE
 
@@ -112,19 +111,9 @@ def test_exact_resume_is_bitwise(source, tmp_path):
     assert [got[s] for s in got] == [want[s] for s in got], "6 + resume + 6 differs from 12 straight"
 
 
-def _native_available() -> bool:
-    try:
-        from framework.distributed.fsdp import get_state_dicts, set_state_dicts  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def native_resumed(source, tmp_path_factory) -> Path:
     """torch checkpoint (step 6) -> native engine, saving at step 9."""
-    if not _native_available():
-        pytest.skip("framework.distributed.fsdp does not export get_state_dicts/set_state_dicts yet")
     root = tmp_path_factory.mktemp("ckpt_native")
     _ok(
         run_main(
@@ -401,15 +390,7 @@ def test_sigterm_saves_exits_requeueable_and_the_next_start_resumes(tmp_path):
         "checkpoint.resume=auto",
         f"hydra.run.dir={run}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "main.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_main(args, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -21,7 +21,6 @@ CUDA backend each rank takes GPU `rank % device_count` as its current device.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -30,15 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from framework.runtime import free_port
+
 
 class RankFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(
@@ -105,3 +100,29 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
+
+
+def peak_delta_bytes(fn, device: torch.device | None = None) -> int:
+    """Highest net bytes allocated while `fn` runs: CUDA's allocator statistics on a GPU; on CPU
+    the profiler's allocation events (ops' own allocations and frees outside ops, in time order)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    items = []
+    for e in prof.events():
+        usage = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        if usage:
+            items.append((e.time_range.start, usage))
+    cur = peak = 0
+    for _, usage in sorted(items):
+        cur += usage
+        peak = max(peak, cur)
+    return peak

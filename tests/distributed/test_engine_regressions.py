@@ -1,4 +1,4 @@
-"""Regression tests for engine defects found in the field (issue 10), each pinned by a case that
+"""Regression tests for engine defects found in the field, each pinned by a case that
 failed before its fix.
 
 One 2-rank and one 4-rank gloo spawn run every case (module-scoped fixtures); the tests assert on

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import subprocess
 import traceback
 from collections.abc import Callable
 
@@ -872,34 +870,3 @@ def test_world_size_1_issues_no_collectives(results1):
     r = results1["world_size_1_no_collectives"]
     _ok(r)
     assert r["collectives"] == [] and r["counted"] == 0, r
-
-
-# ------------------------------------------------------------------ bench/gpu_check.sh (no GPU here)
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_GPU_CHECK = os.path.join(_REPO, "bench", "gpu_check.sh")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run bench/gpu_check.sh itself")
-def test_gpu_check_refuses_without_gpu(tmp_path):
-    report = tmp_path / "report.txt"
-    p = subprocess.run(
-        ["bash", _GPU_CHECK, str(report)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=_REPO,
-    )
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: bench/gpu_check.sh needs a CUDA GPU"), p.stderr
-    assert not report.exists()  # nothing half-written
-
-
-def test_gpu_check_is_shellcheck_clean():
-    sc = os.path.join(_REPO, ".venv", "bin", "shellcheck")
-    sc = sc if os.path.exists(sc) else shutil.which("shellcheck")
-    if sc is None:
-        pytest.skip("shellcheck not installed (requirements-test.lock provides it)")
-    p = subprocess.run([sc, _GPU_CHECK], check=False, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stdout

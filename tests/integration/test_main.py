@@ -5,7 +5,7 @@ import os
 import re
 
 import pytest
-from conftest import REPO, TINY, read_metrics, run_main
+from conftest import REPO, TINY, read_metrics, run_main, start_main
 
 
 def test_help_lists_groups_and_choices(tmp_path):
@@ -226,26 +226,11 @@ def test_sigterm_to_main_reaches_the_local_ranks(tmp_path):
     """`kill <main.py>` (what a scheduler or a user does) is passed on to the ranks main.py started:
     they save a checkpoint and exit with the requeue status."""
     import signal
-    import subprocess
-    import sys
     import time
 
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "main.py"),
-            *TINY,
-            "trainer.max_steps=100000",
-            "checkpoint.interval=0",
-            f"hydra.run.dir={run}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_main(
+        [*TINY, "trainer.max_steps=100000", "checkpoint.interval=0", f"hydra.run.dir={run}"], cwd=tmp_path
     )
     try:
         deadline = time.monotonic() + 120
@@ -310,29 +295,10 @@ def test_activation_checkpointing_recomputes_exactly(tmp_path):
 
 def test_torchrun_ranks_share_one_run_directory(tmp_path):
     """Under torchrun every rank composes its own config; they must still agree on one run dir."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(REPO / "main.py"),
-            *TINY,
-            "trainer.max_steps=3",
-            "checkpoint.save_final=false",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = start_main([*TINY, "trainer.max_steps=3", "checkpoint.save_final=false"], cwd=tmp_path, launcher=torchrun)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
     runs = list((tmp_path / "outputs" / "torchrun").iterdir())
     assert len(runs) == 1, runs
     assert [r["step"] for r in read_metrics(runs[0])] == [1, 2, 3]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -17,6 +15,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from launcher_scripts.plan import Plan, make_job, plan, render_job  # noqa: E402
+from tests.conftest import free_port, pinned_tool  # noqa: E402,F401  (re-exported for the launcher tests)
 
 GOLDEN = REPO / "tests" / "golden" / "launcher"
 # Fixed paths for golden files: what the job would see, never this machine's.
@@ -204,11 +203,6 @@ def render_case_fresh(
     return files
 
 
-def shellcheck() -> Optional[str]:
-    exe = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
-    return exe if os.path.exists(exe) else None
-
-
 def write_exe(path: Path, text: str) -> Path:
     path.write_text(text)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
@@ -221,12 +215,6 @@ import json, os, sys
 with open(os.path.join(os.environ["FAKE_LOG"], os.path.basename(sys.argv[0]) + ".jsonl"), "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_launcher(

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from tests.conftest import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "sinfo")
 MUNGE_KEY = "/etc/munge/munge.key"
@@ -32,12 +34,6 @@ def missing() -> Optional[str]:
     if not os.path.exists(MUNGE_KEY):
         return f"{MUNGE_KEY} missing (the munge package creates it)"
     return unresolvable([local_host()])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _daemon(name: str) -> str:
@@ -195,14 +191,14 @@ def start(root: str, cpus: int = 2, nodes: Optional[List[str]] = None) -> SlurmC
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     munge_socket = os.path.join(root, "munge", "munge.socket")
     conf = os.path.join(root, "slurm.conf")
-    node_lines = "\n".join(NODE_LINE.format(name=n, host=host, port=_free_port(), cpus=cpus) for n in nodes)
+    node_lines = "\n".join(NODE_LINE.format(name=n, host=host, port=free_port(), cpus=cpus) for n in nodes)
     with open(conf, "w") as f:
         f.write(
             SLURM_CONF.format(
                 host=host,
                 root=root,
                 munge_socket=munge_socket,
-                ctld_port=_free_port(),
+                ctld_port=free_port(),
                 node_lines=node_lines,
                 node_list=",".join(nodes),
             )

