@@ -1,7 +1,15 @@
-"""Builds the train / validation loaders a config asks for."""
+"""Builds the train / validation loaders a config asks for, through one registry of data sources.
+
+    bundle = build_data(cfg.data, vocab_size=..., micro_batch_size=..., ...)
+
+`data.name` names one `DataSource` in `SOURCES`; a source says which samples it yields (tokens,
+images with labels, ...) and builds the bundle. Adding a source is one `register_source(...)` call
+here (or in the source's own module, imported below) and one choice in the config's `DataName`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,57 +27,88 @@ class DataBundle:
     tokenizer: Optional[Any] = None  # has encode(str) -> list[int] and decode(list[int]) -> str
 
 
-def build_data(
-    cfg: DataConfig,
-    *,
-    vocab_size: int,
-    micro_batch_size: int,
-    global_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    sample_kind: str = "tokens",
-    num_labels: int = 2,
-) -> DataBundle:
-    """`sample_kind`/`num_labels`: what the model's task consumes (framework/data/synthetic.py)."""
+@dataclass(frozen=True)
+class DataRequest:
+    """What the job asks of a data source: the model's vocabulary and task, the batch and this
+    rank's place among the data-parallel ranks."""
 
-    def loaders(train, valid):
-        kw = dict(micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    vocab_size: int
+    micro_batch_size: int
+    global_batch_size: int
+    dp_rank: int
+    dp_size: int
+    seed: int
+    sample_kind: str = "tokens"  # what the model's task consumes (framework/data/synthetic.py)
+    num_labels: int = 2
+
+    def loaders(self, train, valid) -> tuple:
+        kw = dict(micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size)
         return (
-            GlobalBatchLoader(train, global_batch_size=global_batch_size, **kw),
-            GlobalBatchLoader(valid, global_batch_size=global_batch_size, **kw),
+            GlobalBatchLoader(train, global_batch_size=self.global_batch_size, **kw),
+            GlobalBatchLoader(valid, global_batch_size=self.global_batch_size, **kw),
         )
 
-    if cfg.name == DataName.synthetic:
-        if vocab_size <= 0:
-            raise UserInputError("data=synthetic needs model.vocab_size > 0")
-        kind = dict(kind=sample_kind, num_labels=num_labels)
-        train = SyntheticSource(vocab_size, cfg.seq_len, seed, **kind)
-        valid = SyntheticSource(vocab_size, cfg.seq_len, seed + 1, **kind)
-        return DataBundle(*loaders(train, valid), vocab_size=vocab_size)
-    if cfg.name == DataName.digits:
-        if sample_kind != "image_label":
-            raise UserInputError(
-                "data=digits yields images and labels; use it with model=digits_cnn (experiment=digits_cnn)"
-            )
-        from framework.data.digits import build_digits_data
 
-        return build_digits_data(
-            micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=seed,
-        )
-    if sample_kind != "tokens":
+@dataclass(frozen=True)
+class DataSource:
+    name: str  # the data.name value
+    build: Callable[[DataConfig, DataRequest], DataBundle]
+    sample_kinds: tuple = ("tokens",)  # the samples it can yield; None: any the task asks for
+    hint: str = "use data=synthetic or a dataset made for that task"  # when the task needs another kind
+
+
+SOURCES: dict[str, DataSource] = {}
+
+
+def register_source(source: DataSource) -> DataSource:
+    SOURCES[source.name] = source
+    return source
+
+
+def build_data(cfg: DataConfig, **request) -> DataBundle:
+    """The loaders of `data.name` for this rank (keyword arguments: the fields of DataRequest)."""
+    req = DataRequest(**request)
+    name = getattr(cfg.name, "value", cfg.name)
+    source = SOURCES[name]
+    if source.sample_kinds is not None and req.sample_kind not in source.sample_kinds:
         raise UserInputError(
-            f"data={cfg.name.value} yields token sequences, but the model's task needs "
-            f"{sample_kind} samples; use data=synthetic or a dataset made for that task"
+            f"data={name} yields {' or '.join(source.sample_kinds)} samples, but the model's task needs "
+            f"{req.sample_kind} samples; {source.hint}"
         )
-    return _build_indexed_data(cfg, loaders, vocab_size=vocab_size, seed=seed)
+    return source.build(cfg, req)
 
 
-def _build_indexed_data(cfg: DataConfig, loaders, *, vocab_size: int, seed: int) -> DataBundle:
+def _synthetic(cfg: DataConfig, req: DataRequest) -> DataBundle:
+    if req.vocab_size <= 0:
+        raise UserInputError("data=synthetic needs model.vocab_size > 0")
+    kind = dict(kind=req.sample_kind, num_labels=req.num_labels)
+    train = SyntheticSource(req.vocab_size, cfg.seq_len, req.seed, **kind)
+    valid = SyntheticSource(req.vocab_size, cfg.seq_len, req.seed + 1, **kind)
+    return DataBundle(*req.loaders(train, valid), vocab_size=req.vocab_size)
+
+
+def _digits(cfg: DataConfig, req: DataRequest) -> DataBundle:
+    from framework.data.digits import build_digits_data
+
+    return build_digits_data(
+        micro_batch_size=req.micro_batch_size,
+        global_batch_size=req.global_batch_size,
+        dp_rank=req.dp_rank,
+        dp_size=req.dp_size,
+        seed=req.seed,
+    )
+
+
+def _stdlib_paths(cfg: DataConfig, distributed: bool, barrier) -> tuple:
+    import torch.distributed as dist
+
+    from framework.data.stdlib import ensure_stdlib
+
+    is_main = not distributed or dist.get_rank() == 0
+    return [ensure_stdlib(cfg.cache_dir, cfg.vocab_size, cfg.workers, is_main=is_main, barrier=barrier)], []
+
+
+def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
     """data=indexed (files named by data.paths) and data=stdlib (prepared once, then the same)."""
     import torch.distributed as dist
 
@@ -78,16 +117,11 @@ def _build_indexed_data(cfg: DataConfig, loaders, *, vocab_size: int, seed: int)
     distributed = dist.is_available() and dist.is_initialized()
     barrier = dist.barrier if distributed else (lambda: None)
     if cfg.name == DataName.stdlib:
-        from framework.data.stdlib import ensure_stdlib
-
-        is_main = not distributed or dist.get_rank() == 0
-        paths, weights = (
-            [ensure_stdlib(cfg.cache_dir, cfg.vocab_size, cfg.workers, is_main=is_main, barrier=barrier)],
-            [],
-        )
+        paths, weights = _stdlib_paths(cfg, distributed, barrier)
     else:
         paths, weights = list(cfg.paths), list(cfg.weights)
     tokenizer = resolve_tokenizer(cfg.tokenizer, paths)
+    vocab_size = req.vocab_size
     if tokenizer is not None:
         vocab_size = tokenizer.vocab_size
         info = tokenizer
@@ -99,6 +133,20 @@ def _build_indexed_data(cfg: DataConfig, loaders, *, vocab_size: int, seed: int)
             "size is unknown: set data.tokenizer=<tokenizer.json> or model.vocab_size"
         )
     train, valid = build_indexed(
-        paths, weights, split=cfg.split, seq_len=cfg.seq_len, seed=seed, tokenizer=info, cache_dir=cfg.cache_dir
+        paths, weights, split=cfg.split, seq_len=cfg.seq_len, seed=req.seed, tokenizer=info, cache_dir=cfg.cache_dir
     )
-    return DataBundle(*loaders(train, valid), vocab_size=vocab_size, tokenizer=tokenizer)
+    return DataBundle(*req.loaders(train, valid), vocab_size=vocab_size, tokenizer=tokenizer)
+
+
+for _source in (
+    DataSource("synthetic", _synthetic, sample_kinds=None),
+    DataSource(
+        "digits",
+        _digits,
+        sample_kinds=("image_label",),
+        hint="use it with model=digits_cnn (experiment=digits_cnn)",
+    ),
+    DataSource("stdlib", _indexed),
+    DataSource("indexed", _indexed),
+):
+    register_source(_source)

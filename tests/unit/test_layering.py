@@ -51,6 +51,15 @@ def test_every_engine_choice_has_one_engine_record():
         assert engine_of(choice) is engine_of(choice.value) is ENGINES[choice.value]
 
 
+def test_every_data_choice_has_one_source():
+    """`data.name` choices and the data sources (framework/data/build.py) agree."""
+    from framework.config.schema import DataName
+    from framework.data.build import SOURCES
+
+    assert sorted(SOURCES) == sorted(e.value for e in DataName)
+    assert all(SOURCES[name].name == name for name in SOURCES)
+
+
 def _framework_imports(path) -> set:
     """The framework packages a file imports (`framework.X...` -> X), lazy imports included."""
     found = set()
