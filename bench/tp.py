@@ -49,7 +49,7 @@ def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str,
     from framework.distributed.tensor_parallel import full, loss_context
     from framework.models.llama import FAMILY as LLAMA
     from framework.models.llama import build_llama
-    from framework.trainer import loss_fn
+    from framework.models.tasks import cross_entropy as loss_fn
 
     dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, tp=tp, world_size=world)
     mesh = build_mesh(dims, "cpu")

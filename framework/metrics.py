@@ -24,6 +24,18 @@ def device_peak_tflops(device: torch.device, configured: float) -> Optional[floa
     return next((peak for key, peak in _PEAK_TFLOPS.items() if key in name), None)
 
 
+def throughput(
+    step_time_s: float, tokens_per_step: int, flops_per_token: float, world_size: int, peak_tflops: Optional[float]
+) -> Dict[str, float]:
+    """One step's speed: tokens/s over the job, achieved TFLOP/s per device, and MFU against the
+    device's peak when it is known."""
+    achieved = flops_per_token * tokens_per_step / step_time_s / world_size / 1e12
+    out = {"step_time_s": step_time_s, "tokens_per_s": tokens_per_step / step_time_s, "tflops_per_device": achieved}
+    if peak_tflops:
+        out["mfu"] = achieved / peak_tflops
+    return out
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30

@@ -11,7 +11,6 @@ from typing import Dict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from framework.config.schema import Config, Stage
 from framework.config.validate import parallel_dims_of
@@ -21,9 +20,9 @@ from framework.distributed.parallel_dims import build_mesh
 from framework.distributed.parallelize import parallelize
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInputError
-from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
+from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib, throughput
 from framework.models import family_of
-from framework.models.tasks import to_device
+from framework.models.tasks import RunView, to_device
 from framework.optim import build_optimizer, build_scheduler
 from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
@@ -32,10 +31,6 @@ from framework.train_state import TrainState
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 class Trainer:
@@ -145,44 +140,32 @@ class Trainer:
         return {"loss": loss_value, "grad_norm": float(grad_norm), "lr": lr}
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the same validation samples every time: `eval_iters` global batches
-        from the start of the validation set, split over the data-parallel ranks like training."""
+    def evaluate(self) -> Dict[str, float]:
+        """`val_loss`: the mean loss over the same validation samples every time (`eval_iters`
+        global batches from the start of the validation set, split over the data-parallel ranks
+        like training); and the task's own numbers (`val_<name>`: accuracy, ...) over those
+        batches, or the whole split when its loader can give it (`whole_split`)."""
         self.model.eval()
         valid = self.data.valid
         valid.load_state_dict({"consumed_samples": 0})
+        batches = [valid.next_batch() for _ in range(self.cfg.trainer.eval_iters * valid.accum_steps)]
         total = torch.zeros((), device=self.rt.device)
-        batches = self.cfg.trainer.eval_iters * valid.accum_steps
-        for _ in range(batches):
-            batch = to_device(valid.next_batch(), self.rt.device)
-            with loss_context(self.model):  # tensor parallel: the loss on vocabulary-sharded logits
-                total += full(self.task.loss(self.model, batch))
-        self.model.train()
-        return _world_mean(total) / batches
-
-    @torch.no_grad()
-    def evaluate_metrics(self) -> dict[str, float]:
-        """The task's own numbers (accuracy, ...) over the whole validation split when its loader
-        can give it (`whole_split`), else over the `eval_iters` batches of `evaluate`."""
-        if self.task.metrics is None:
-            return {}
-        self.model.eval()
-        valid = self.data.valid
-        if hasattr(valid, "whole_split"):
-            batches = valid.whole_split()
-        else:
-            valid.load_state_dict({"consumed_samples": 0})
-            batches = [valid.next_batch() for _ in range(self.cfg.trainer.eval_iters * valid.accum_steps)]
-        sums: dict[str, torch.Tensor] = {}
         for batch in batches:
-            for name, (value, count) in self.task.metrics(self.model, to_device(batch, self.rt.device)).items():
-                pair = torch.stack([full(value).float(), count.float()])
-                sums[name] = sums[name] + pair if name in sums else pair
+            with loss_context(self.model):  # tensor parallel: the loss on vocabulary-sharded logits
+                total += full(self.task.loss(self.model, to_device(batch, self.rt.device)))
+        out = {"val_loss": _world_mean(total) / len(batches)}
+        if self.task.metrics is not None:
+            if hasattr(valid, "whole_split"):
+                batches = valid.whole_split()
+            sums: dict[str, torch.Tensor] = {}
+            for batch in batches:
+                for name, (value, count) in self.task.metrics(self.model, to_device(batch, self.rt.device)).items():
+                    pair = torch.stack([full(value).float(), count.float()])
+                    sums[name] = sums[name] + pair if name in sums else pair
+            for name, pair in sorted(sums.items()):
+                dist.all_reduce(pair)  # tensor-parallel ranks would count twice: same ratio
+                out[f"val_{name}"] = float(pair[0] / pair[1].clamp(min=1))
         self.model.train()
-        out = {}
-        for name, pair in sorted(sums.items()):
-            dist.all_reduce(pair)  # tensor-parallel ranks would count twice: same ratio
-            out[f"val_{name}"] = float(pair[0] / pair[1].clamp(min=1))
         return out
 
     def fit(self) -> int:
@@ -219,18 +202,12 @@ class Trainer:
                 self.state.step += 1
                 step = self.state.step
                 metrics.update(
-                    step_time_s=step_time,
-                    tokens_per_s=tokens_per_step / step_time,
-                    peak_memory_gib=peak_memory_gib(rt.device),
+                    throughput(step_time, tokens_per_step, self.flops_per_token, rt.world_size, self.peak_tflops)
                 )
-                achieved = self.flops_per_token * tokens_per_step / step_time / rt.world_size / 1e12
-                metrics["tflops_per_device"] = achieved
-                if self.peak_tflops:
-                    metrics["mfu"] = achieved / self.peak_tflops
+                metrics["peak_memory_gib"] = peak_memory_gib(rt.device)
                 metrics.update(self.engine.step_counters(self.model))
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
-                    metrics["val_loss"] = self.evaluate()
-                    metrics.update(self.evaluate_metrics())
+                    metrics.update(self.evaluate())
                     logger.write(
                         f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
                     )
@@ -245,15 +222,12 @@ class Trainer:
                     self.ckpt.save(self.state)
             if self.ckpt is not None:
                 self.ckpt.finish(self.state)
-            if t.sample_tokens and self.data.tokenizer is not None and self.task.name == "causal_lm":
-                text = self.sample(t.sample_tokens)
-                if rt.is_main:
-                    logger.write("--- sample ---\n" + text + "\n--------------")
-            if self.task.name == "seq2seq" and self.data.tokenizer is not None:
-                from framework.finetune.examples import seq2seq_examples
-
-                text = seq2seq_examples(self.model, self.data.valid, self.data.tokenizer, rt.device)
-                if rt.is_main:
+            if self.task.end_of_run is not None and self.data.tokenizer is not None:
+                # the task's own showing of the trained model (a text sample, generated examples);
+                # every rank runs it: the sharded model's forwards are collective
+                view = RunView(self.model, self.data, rt.device, t.seed, cfg.data.seq_len, t.sample_tokens, full)
+                text = self.task.end_of_run(view)
+                if text and rt.is_main:
                     logger.write(text)
         finally:
             logger.close()
@@ -276,23 +250,6 @@ class Trainer:
         if self.ckpt is not None:
             self.ckpt.save(self.state, blocking=True)
         return EXIT_REQUEUE
-
-    @torch.no_grad()
-    def sample(self, n_tokens: int, prompt: str = "def ") -> str:
-        """Text generated from `prompt` by top-k sampling. Every rank runs the same forwards (the
-        sharded model needs them all) with the same seeded generator, so all agree on each token."""
-        self.model.eval()
-        tok = self.data.tokenizer
-        ids = tok.encode(prompt)
-        gen = torch.Generator().manual_seed(self.cfg.trainer.seed)
-        window = self.cfg.data.seq_len
-        for _ in range(n_tokens):
-            logits = full(self.model(torch.tensor([ids[-window:]], device=self.rt.device)))[0, -1].float().cpu()
-            top = torch.topk(logits / 0.8, k=20)
-            choice = torch.multinomial(F.softmax(top.values, -1), 1, generator=gen)
-            ids.append(int(top.indices[choice]))
-        self.model.train()
-        return tok.decode(ids)
 
 
 def _world_mean(value: torch.Tensor) -> float:

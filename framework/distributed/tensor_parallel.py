@@ -2,7 +2,7 @@
 
     apply_tensor_parallel(model, mesh["tp"], cfg)    # once, before activation checkpointing / sharding
     with loss_context(model):                        # forward loss AND backward
-        loss = loss_fn(model(x), y); loss.backward()
+        loss = cross_entropy(model(x), y); loss.backward()
     full(loss)                                        # a plain tensor whatever the layout
 
 Each model family keeps its plan next to its definition, as `tp_plan(model, sequence_parallel)`

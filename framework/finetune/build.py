@@ -8,9 +8,9 @@ import torch
 
 from framework.config.schema import Config
 from framework.data.build import DataBundle
+from framework.data.loader import GlobalBatchLoader
 from framework.errors import UserInputError
 from framework.finetune.data import (
-    RowBatchLoader,
     RowSource,
     SFTTokenizer,
     build_rows,
@@ -94,8 +94,8 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
         "dp_size": dp_size,
     }
     return DataBundle(
-        RowBatchLoader(RowSource(train_rows), **kw),
-        RowBatchLoader(RowSource(valid_rows), **kw),
+        GlobalBatchLoader(RowSource(train_rows), **kw),
+        GlobalBatchLoader(RowSource(valid_rows), **kw),
         vocab_size=tok.vocab_size,
         tokenizer=tok,
     )

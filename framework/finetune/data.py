@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from framework.data.loader import GlobalBatchLoader
 from framework.errors import UserInputError
 
 IGNORE_INDEX = -100
@@ -256,20 +255,6 @@ def split_records(records: list, valid_fraction: float, seed: int):
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
     n_valid = min(len(records) - 1, max(1, round(len(records) * valid_fraction)))
     return [records[i] for i in order[n_valid:]], [records[i] for i in order[:n_valid]]
-
-
-class RowBatchLoader(GlobalBatchLoader):
-    """`GlobalBatchLoader` over rows that are dicts of tensors: `next_batch` gives a dict of
-    stacked tensors, in the same global sample order ([Note: global sample order])."""
-
-    def next_batch(self) -> dict:
-        indices = self.sample_indices()
-        self._micro_step += 1
-        if self._micro_step == self.accum_steps:
-            self._micro_step = 0
-            self.consumed += self.global_batch
-        rows = [self.source[i] for i in indices]
-        return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
 def build_rows(records: list, tok: SFTTokenizer, seq_len: int, packing: bool) -> list:

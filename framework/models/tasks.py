@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,65 @@ def _image_accuracy(model, batch) -> dict:
 
 
 @dataclass(frozen=True)
+class RunView:
+    """What a task's end-of-run hook may use of the finished job."""
+
+    model: Any
+    data: Any  # the DataBundle: loaders and the tokenizer
+    device: torch.device
+    seed: int
+    seq_len: int
+    sample_tokens: int  # trainer.sample_tokens
+    gather: Callable[[torch.Tensor], torch.Tensor]  # a tensor-parallel shard -> the full tensor
+
+
+@torch.no_grad()
+def _causal_lm_sample(run: RunView, prompt: str = "def ") -> Optional[str]:
+    """Text generated from `prompt` by top-k sampling. Every rank runs the same forwards (the
+    sharded model needs them all) with the same seeded generator, so all agree on each token."""
+    if not run.sample_tokens:
+        return None
+    model, tok = run.model, run.data.tokenizer
+    model.eval()
+    ids = tok.encode(prompt)
+    gen = torch.Generator().manual_seed(run.seed)
+    for _ in range(run.sample_tokens):
+        logits = run.gather(model(torch.tensor([ids[-run.seq_len :]], device=run.device)))[0, -1].float().cpu()
+        top = torch.topk(logits / 0.8, k=20)
+        choice = torch.multinomial(F.softmax(top.values, -1), 1, generator=gen)
+        ids.append(int(top.indices[choice]))
+    model.train()
+    return "--- sample ---\n" + tok.decode(ids) + "\n--------------"
+
+
+@torch.no_grad()
+def _seq2seq_examples(run: RunView, count: int = 4) -> str:
+    """Source, expected and generated text of the first validation samples of this rank."""
+    model, loader, tokenizer = run.model, run.data.valid, run.data.tokenizer
+    model.eval()
+    loader.load_state_dict({"consumed_samples": 0})
+    batch = to_device(loader.next_batch(), run.device)
+    generated = greedy_decode(model, batch, batch["labels"].shape[1])
+    model.train()
+    eod = getattr(tokenizer, "eod", 0)
+
+    def text(ids) -> str:
+        ids = [int(i) for i in ids if int(i) != IGNORE_INDEX]
+        return tokenizer.decode(ids[: ids.index(eod)] if eod in ids else ids).strip()
+
+    lines = []
+    for i in range(min(count, batch["labels"].shape[0])):
+        source = [int(t) for t, m in zip(batch["input_ids"][i], batch["attention_mask"][i]) if m]
+        first_line = text(source).splitlines()[0] if text(source) else ""
+        lines += [
+            f"--- example {i + 1}: {first_line}",
+            f"expected:  {text(batch['labels'][i])}",
+            f"generated: {text(generated[i])}",
+        ]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class Task:
     name: str
     loss: Callable[[Any, Any], torch.Tensor]  # (model, batch on the device) -> scalar mean loss
@@ -108,6 +167,8 @@ class Task:
     # Evaluation numbers besides the loss: (model, batch) -> {name: (sum, count)}; the trainer sums
     # both over the whole validation split and the ranks and logs sum / count as `val_<name>`.
     metrics: Callable[[Any, Any], dict] | None = None
+    # Shown when training ends, if the data has a tokenizer: (RunView) -> text for the log, or None.
+    end_of_run: Callable[[RunView], Optional[str]] | None = None
 
 
 _TASKS: dict[str, Task] = {}
@@ -127,8 +188,8 @@ def get_task(name: str) -> Task:
 
 
 for _task in (
-    Task("causal_lm", _causal_lm),
-    Task("seq2seq", _seq2seq, "seq2seq", _seq2seq_exact_match),
+    Task("causal_lm", _causal_lm, end_of_run=_causal_lm_sample),
+    Task("seq2seq", _seq2seq, "seq2seq", _seq2seq_exact_match, _seq2seq_examples),
     Task("sequence_classification", _sequence_classification, "sequence_label"),
     Task("image_classification", _image_classification, "image_label", _image_accuracy),
 ):

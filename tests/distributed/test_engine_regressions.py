@@ -253,7 +253,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
     from framework.distributed.tensor_parallel import full, loss_context
     from framework.models import family_of
     from framework.models.llama import build_llama
-    from framework.trainer import loss_fn
+    from framework.models.tasks import cross_entropy as loss_fn
 
     T = _tp_model_cfg()
     cfg_model = T.model_cfg(T.MODEL.vocab_size)

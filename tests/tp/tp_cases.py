@@ -26,7 +26,7 @@ from framework.distributed.parallelize import parallelize
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.models.llama import FAMILY as LLAMA
 from framework.models.llama import build_llama
-from framework.trainer import loss_fn
+from framework.models.tasks import cross_entropy as loss_fn
 
 SEED = 1234
 STEPS = 10
