@@ -21,18 +21,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from framework.checkpoint import layout
-from framework.checkpoint.dcp import (
+from framework.checkpoint.contents import (
     dcp_load,
-    get_state_dicts,
     join_optim,
     read_rng,
     set_rng_state,
-    set_state_dicts,
     split_optim,
     write_rng,
 )
 from framework.checkpoint.hf import export_safetensors, import_safetensors, read_config
 from framework.config.schema import Config
+from framework.distributed.engines import engine_of
 from framework.errors import EXIT_BAD_INPUT as EXIT_BAD_CHECKPOINT
 from framework.errors import (
     EXIT_REQUEUE,  # noqa: F401  (re-exported)
@@ -73,6 +72,7 @@ class CheckpointManager:
         c = cfg.checkpoint
         self.root = c.dir if os.path.isabs(c.dir) else os.path.join(run_dir, c.dir)
         self.engine = cfg.parallelism.engine
+        self._sharded = engine_of(self.engine)  # its state dicts (framework/distributed/engines.py)
         self._last_saved = -1
         self._pending = None  # (future, tmp_dir, step) of an async save not yet committed
         # Async saves run their collectives in a background thread: they get their own gloo group,
@@ -108,7 +108,7 @@ class CheckpointManager:
             return
         self._finalize_pending()
         tmp = os.path.join(self.root, f"{layout.step_dir_name(step)}.tmp-{self._token}")
-        model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
         if self.cfg.peft.lora.enabled:  # the adapters only: the frozen base is checkpoint.init_from's
             model_sd = adapter_state(model_sd)
         optim_tensors, groups = split_optim(optim_sd)
@@ -301,19 +301,18 @@ class CheckpointManager:
             raise layout.CheckpointError(layout.integrity_message(path, problems, find_good=self.rt.is_main))
         self._check_same_model(path, manifest)
         self._check_same_optimizer(path, manifest)
-        model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
         optim_tensors, _ = split_optim(optim_sd)
         lora = self.cfg.peft.lora.enabled  # LoRA checkpoints hold the adapters; the rest stays as it is
         app = {"model": adapter_state(model_sd) if lora else model_sd, "optim": optim_tensors}
         dcp_load(app, path)
         with open(os.path.join(path, layout.TRAIN_STATE)) as f:
             saved = json.load(f)
-        set_state_dicts(
+        self._sharded.set_state_dicts(
             state.model,
             state.optimizer,
             {**model_sd, **app["model"]},
             join_optim(app["optim"], saved["optimizer_param_groups"]),
-            self.engine,
         )
         state.scheduler.load_state_dict(saved["scheduler"])
         state.train_loader.load_state_dict(saved["train_loader"])
@@ -388,7 +387,7 @@ class CheckpointManager:
     def export(self, state, out_dir: Optional[str] = None) -> Optional[str]:
         """model.safetensors + config.json under `<checkpoint.dir>/export` (every rank calls it)."""
         out_dir = out_dir or os.path.join(self.root, "export")
-        model_sd, _ = get_state_dicts(state.model, state.optimizer, self.engine)
+        model_sd, _ = self._sharded.get_state_dicts(state.model, state.optimizer)
         if self.cfg.peft.lora.enabled:  # a plain model: the adapters folded into their weights
             lora = self.cfg.peft.lora
             model_sd = merged_sharded_state(model_sd, lora.alpha / lora.rank)
@@ -403,7 +402,7 @@ class CheckpointManager:
         return path
 
     def import_weights(self, state, directory: str) -> None:
-        model_sd, optim_sd = get_state_dicts(state.model, state.optimizer, self.engine)
+        model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
         adapters = {k: v for k, v in model_sd.items() if is_adapter(k)}  # LoRA's, not in the file
         model_sd = {k: v for k, v in model_sd.items() if not is_adapter(k)}
         where = (
@@ -416,7 +415,7 @@ class CheckpointManager:
         if hf_config is not None:
             adapter.check_hf_config(hf_config, model_cfg, where)
         loaded, count = import_safetensors(directory, model_sd, adapter, where)
-        set_state_dicts(state.model, state.optimizer, {**loaded, **adapters}, optim_sd, self.engine)
+        self._sharded.set_state_dicts(state.model, state.optimizer, {**loaded, **adapters}, optim_sd)
         if self.rt.is_main:
             print(f"initialised {count} tensors from {directory}", file=sys.stderr, flush=True)
 

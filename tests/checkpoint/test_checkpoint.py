@@ -254,7 +254,7 @@ def test_safetensors_export_equals_sharded_weights(source):
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
-    from framework.checkpoint.dcp import TensorsOnlyLoadPlanner
+    from framework.checkpoint.contents import TensorsOnlyLoadPlanner
     from framework.models.llama.adapter import to_hf_name
 
     export = source / "checkpoints" / "export"
@@ -281,9 +281,9 @@ def _import_rank(rank, world, export_dir, run_dir):
     the file (plain strings: tensors through the harness's queue would outlive their sender)."""
     from safetensors import safe_open
 
-    from framework.checkpoint.dcp import get_state_dicts
     from framework.config import to_config
     from framework.config.compose import compose_config
+    from framework.distributed.engines import engine_of
     from framework.models.llama.adapter import to_hf_name
     from framework.runtime import Runtime
     from framework.trainer import Trainer
@@ -292,7 +292,7 @@ def _import_rank(rank, world, export_dir, run_dir):
     cfg.run_dir = run_dir
     trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
     assert trainer.ckpt.resume(trainer.state) == 0
-    model_sd, _ = get_state_dicts(trainer.model, trainer.optimizer, cfg.parallelism.engine)
+    model_sd, _ = engine_of(cfg.parallelism.engine).get_state_dicts(trainer.model, trainer.optimizer)
     different, compared = [], 0
     with safe_open(os.path.join(export_dir, "model.safetensors"), framework="pt") as f:
         for name, value in model_sd.items():
@@ -442,7 +442,7 @@ def test_loading_refuses_pickled_entries(tmp_path):
     default planner would load with weights_only=False) is refused."""
     import torch.distributed.checkpoint as dcp
 
-    from framework.checkpoint.dcp import dcp_load
+    from framework.checkpoint.contents import dcp_load
 
     dcp.save({"w": torch.ones(3), "extra": {"note": "pickled"}}, checkpoint_id=str(tmp_path), no_dist=True)
     target = {"w": torch.zeros(3), "extra": {"note": ""}}

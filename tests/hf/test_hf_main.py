@@ -38,7 +38,7 @@ def _trained_state(checkpoint_dir) -> dict:
     """The model's weights in a DCP checkpoint, read on one process without a process group."""
     import torch.distributed.checkpoint as dcp
 
-    from framework.checkpoint.dcp import TensorsOnlyLoadPlanner
+    from framework.checkpoint.contents import TensorsOnlyLoadPlanner
 
     meta = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     state = {

@@ -3,7 +3,10 @@
 Model and optimizer state are sharded DTensor state dicts in the format of
 `torch.distributed.checkpoint.state_dict.get_state_dict` (fully-qualified parameter names), for
 either engine, so DCP can reshard them on load: a checkpoint saved on 2 ranks loads on 1 or 4,
-and one saved by the torch engine loads into the native engine and back.
+and one saved by the torch engine loads into the native engine and back (each engine's
+`get_state_dicts`/`set_state_dicts`, framework/distributed/engines.py). This module holds what
+else a checkpoint carries: the optimizer's param groups as JSON, the RNG states, and the loader
+that refuses anything pickled.
 """
 
 from __future__ import annotations
@@ -18,18 +21,6 @@ from typing import Any, Dict, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-from framework.config.schema import Engine
-from framework.distributed.engines import engine_of
-
-
-def get_state_dicts(model, optimizer, engine: Engine) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """(model_sd, optim_sd): sharded, keyed by parameter name; the same format for every engine."""
-    return engine_of(engine).get_state_dicts(model, optimizer)
-
-
-def set_state_dicts(model, optimizer, model_sd, optim_sd, engine: Engine) -> None:
-    engine_of(engine).set_state_dicts(model, optimizer, model_sd, optim_sd)
 
 
 class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
