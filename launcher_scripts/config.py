@@ -270,7 +270,7 @@ class K8sCluster(ClusterBase):
             raise _bad("cluster.gang_scheduling=true needs cluster.scheduler_name (the gang scheduler, e.g. volcano)")
 
 
-BACKENDS = {Backend.local: LocalCluster, Backend.slurm: SlurmCluster, Backend.k8s: K8sCluster}
+BACKENDS = {schema.type: schema for schema in (LocalCluster, SlurmCluster, K8sCluster)}  # typed settings per backend
 
 
 @dataclass

@@ -195,15 +195,17 @@ def env_names(job: Job) -> List[str]:
     return sorted(c.nccl_env) + sorted(c.env) + sorted(c.secret_env)
 
 
-def script_header(what: str) -> List[str]:
+def script_header(what: str, shebang: str = "#!/usr/bin/env bash", directives: Sequence[str] = ()) -> List[str]:
+    """A generated script's first lines: the interpreter, what it is, and `directives` (e.g. the
+    #SBATCH lines, which sbatch reads only before the first command) after the comments."""
     # SC2016: a `$(...)` inside a user's value is single-quoted on purpose; it must never expand.
-    return [
-        "#!/usr/bin/env bash",
+    lines = [
+        shebang,
         "# shellcheck disable=SC2016",
         f"# {what}",
         "# Written by launcher_scripts/main.py; re-run the launcher rather than editing it.",
-        "",
     ]
+    return lines + [""] + ([*directives, ""] if directives else [])
 
 
 def join_lines(lines: Iterable[str]) -> str:

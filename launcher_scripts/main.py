@@ -30,6 +30,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 sys.path.insert(0, REPO)
 
 from framework.errors import EXIT_BAD_INPUT  # noqa: E402  (no torch: the launcher's statuses are the job's)
+from launcher_scripts.backends import backend_of  # noqa: E402
 from launcher_scripts.lifecycle import ACTIONS, lifecycle_commands, read_job  # noqa: E402
 from launcher_scripts.plan import Plan, Refused, make_job, plan, render_job  # noqa: E402
 
@@ -66,13 +67,14 @@ def write_job(p: Plan, argv: Sequence[str], now: Optional[float] = None) -> str:
 def submit(p: Plan, job_dir: str) -> int:
     """Run the job's submit.sh: sbatch, kubectl apply, or the local run itself."""
     script = os.path.join(job_dir, "submit.sh")
-    tool = {"slurm": "sbatch", "k8s": "kubectl"}.get(p.launch.cluster.type.value)
+    backend = backend_of(p.launch.cluster.type)
+    tool = backend.submit_tool
     if tool and shutil.which(tool) is None:
         print(
             f"{tool} not found here; the job is written: submit it with `bash {script}` where {tool} is available",
             file=sys.stderr,
         )
-        return 1 if tool == "sbatch" else 0
+        return backend.missing_tool_status
     sys.stdout.flush()
     return subprocess.call(["bash", script])
 

@@ -19,13 +19,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from framework.config import Config, Stage, register_schema, to_config, validate
 from framework.config.compose import CONF_DIR as TRAINING_CONF_DIR
-from launcher_scripts import k8s, local, slurm
+from launcher_scripts.backends import backend_of, secret_env_problems
 from launcher_scripts.config import (
     Backend,
     ContainerRuntime,
-    K8sCluster,
     LauncherConfig,
-    SlurmCluster,
     compose_launcher,
     field_hint,
     override_key,
@@ -33,18 +31,13 @@ from launcher_scripts.config import (
     to_launcher_config,
 )
 from launcher_scripts.job import Job, stages_of
+from launcher_scripts.slurm import slurm_seconds  # noqa: F401  (re-exported)
 
 # Keys the launcher sets itself; the user's value is dropped (with a warning).
 DROPPED_KEYS = ("hydra.run.dir",)
 MESH_KEYS = ("parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.strategy")
-# #SBATCH lines are not parsed by a shell: a path there must need no quoting.
-SBATCH_SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A validation problem about a file the job reads: only meaningful where the job sees this file system.
 PATH_PROBLEM = re.compile(r"does not exist|no such (file|checkpoint|directory)")
-# The trainer's own stop (trainer.max_time_minutes, derived from cluster.time_limit) is a backstop
-# for a lost warning: half the warning's lead before the limit, or this when there is no warning.
-NO_WARNING_MARGIN_S = 300
 
 
 class Refused(Exception):
@@ -90,99 +83,22 @@ def derive_mesh(cfg: DictConfig, user_keys: Sequence[str]) -> List[str]:
     return derived
 
 
-def slurm_seconds(limit: str) -> int:
-    """Slurm's time formats in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
-    days, _, rest = limit.rpartition("-")
-    parts = [int(x) for x in rest.split(":")]
-    if days:
-        h, m, sec = (parts + [0, 0])[:3]
-        return ((int(days) * 24 + h) * 60 + m) * 60 + sec
-    if len(parts) == 1:
-        return parts[0] * 60
-    if len(parts) == 2:
-        return parts[0] * 60 + parts[1]
-    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
-
-
-def derived_max_time_minutes(c: SlurmCluster) -> float:
-    """trainer.max_time_minutes from cluster.time_limit: the job stops and saves by itself before
-    Slurm kills it, even if the warning signal never arrives."""
-    limit = slurm_seconds(c.time_limit)
-    margin = c.signal_seconds // 2 if (c.requeue and c.signal_seconds) else NO_WARNING_MARGIN_S
-    return round(max(limit - margin, 60) / 60, 2)
-
-
 def sees_local_files(launch: LauncherConfig) -> bool:
     """Whether the job reads the same files as this machine (so paths can be checked here)."""
-    return launch.cluster.type != Backend.k8s and launch.container.runtime == ContainerRuntime.none
+    return backend_of(launch.cluster.type).files_here and launch.container.runtime == ContainerRuntime.none
 
 
 def launcher_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
     """What the backend and the container runtime need, beyond each config's own checks."""
-    c, k, shape = launch.cluster, launch.container, cfg.cluster
+    k = launch.container
     problems: List[str] = []
-    runtime = k.runtime.value
     if k.runtime != ContainerRuntime.none and not k.image:
         problems.append(
-            f"container.runtime={runtime} needs container.image (e.g. container.image=registry.example/org/train:1.0)"
+            f"container.runtime={k.runtime.value} needs container.image "
+            "(e.g. container.image=registry.example/org/train:1.0)"
         )
-    if isinstance(c, SlurmCluster):
-        limit = slurm_seconds(c.time_limit)
-        if c.requeue and c.signal_seconds and limit <= c.signal_seconds:
-            problems.append(
-                f"cluster.signal_seconds={c.signal_seconds} is not shorter than "
-                f"cluster.time_limit={c.time_limit} ({limit}s); lower signal_seconds or raise "
-                "the time limit"
-            )
-        if k.runtime in (ContainerRuntime.docker, ContainerRuntime.podman):
-            problems.append(
-                f"container.runtime={runtime} runs containers on this machine only; with "
-                "cluster=slurm choose container.runtime=pyxis, apptainer or none"
-            )
-        jobs_dir = os.path.abspath(c.jobs_dir)
-        if not SBATCH_SAFE_PATH.fullmatch(jobs_dir):
-            problems.append(
-                f"cluster.jobs_dir={jobs_dir!r}: #SBATCH lines cannot quote a path; choose one "
-                "of letters, digits and . _ + - /"
-            )
-    elif isinstance(c, K8sCluster):
-        if not k.image:
-            problems.append("cluster=k8s needs container.image (the image every pod runs)")
-        if len(stages_of_launch(cfg, launch)) > 1:
-            problems.append(
-                "cluster.stages with cluster=k8s: submit one stage per job "
-                "(stage=data_preparation, then stage=training)"
-            )
-        if shape.nodes > 1 and not c.checkpoint_volume:
-            problems.append(
-                f"cluster.nodes={shape.nodes} with cluster=k8s needs cluster.checkpoint_volume: "
-                "every pod writes its checkpoint shards and verifies the others', so give a "
-                "PersistentVolumeClaim with accessModes ReadWriteMany"
-            )
-        if k.runtime not in (ContainerRuntime.none,):
-            problems.append(
-                f"container.runtime={runtime} with cluster=k8s: the pods run container.image "
-                "themselves; drop container.runtime"
-            )
-    else:
-        if k.runtime == ContainerRuntime.pyxis:
-            problems.append(
-                "container.runtime=pyxis needs srun; with cluster=local choose docker, podman, apptainer or none"
-            )
-        if shape.nodes > 1 and k.runtime != ContainerRuntime.none:
-            problems.append(
-                f"cluster.nodes={shape.nodes} with cluster=local runs the agents side by side "
-                f"without a container; set container.runtime=none or cluster.nodes=1"
-            )
-    if not isinstance(c, K8sCluster):
-        for key, ref in sorted(c.secret_env.items()):
-            if ref and not ENV_NAME.fullmatch(ref):
-                problems.append(
-                    f"cluster.secret_env.{key}={ref!r}: with cluster={c.type.value} give the name "
-                    "of a variable in the environment you submit from (or leave it empty for the "
-                    "same name)"
-                )
-    return problems
+    problems += backend_of(launch.cluster.type).problems(cfg, launch, stages_of_launch(cfg, launch))
+    return problems + secret_env_problems(launch)
 
 
 def stages_of_launch(cfg: Config, launch: LauncherConfig) -> List[Stage]:
@@ -194,7 +110,7 @@ def job_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
     world size, then the backend's. The one place a job is checked before it is written."""
     stages = stages_of_launch(cfg, launch)
     checked = cfg
-    if launch.cluster.type != Backend.local:  # the job's machines have the GPUs; the job checks again
+    if not backend_of(launch.cluster.type).devices_here:  # the job's machines have the GPUs; it checks again
         checked = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device="auto"))
     problems = validate(checked, cfg.cluster.nodes * cfg.cluster.nproc_per_node)
     if not sees_local_files(launch):
@@ -214,22 +130,10 @@ def job_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
 
 def advice(cfg: Config, launch: LauncherConfig, keys: Sequence[str] = ()) -> List[str]:
     """Jobs that can start but may not be what the user wants (printed as warnings)."""
-    c = launch.cluster
     notes = []
     if "hydra.run.dir" in keys:
         notes.append("hydra.run.dir is the launcher's: the job writes to <job dir>/run; your value is ignored")
-    if (
-        isinstance(c, SlurmCluster)
-        and not c.cpus_per_task
-        and not slurm.exclusive(cfg, c)
-        and cfg.cluster.nproc_per_node > 1
-    ):
-        notes.append(
-            f"cluster.cpus_per_task=0: each node's torchrun and its {cfg.cluster.nproc_per_node} "
-            "ranks share the CPUs Slurm gives one task (often 1); set cluster.cpus_per_task or "
-            "cluster.exclusive=true"
-        )
-    return notes
+    return notes + backend_of(launch.cluster.type).advice(cfg, launch)
 
 
 def _compose_training(overrides: List[str]) -> Tuple[DictConfig, str]:
@@ -272,9 +176,7 @@ def plan(argv: Sequence[str]) -> Plan:
     # The container runtime an image alone means: the backend's usual one (k8s always runs the image).
     runtime_chosen = any(k == "container.runtime" or k == "container" for k in keys)
     if launch.container.image and launch.container.runtime == ContainerRuntime.none and not runtime_chosen:
-        default = {Backend.slurm: ContainerRuntime.pyxis, Backend.local: ContainerRuntime.docker}.get(
-            launch.cluster.type
-        )
+        default = backend_of(launch.cluster.type).image_runtime
         if default:
             logging.getLogger("launcher").warning(
                 f"container.image given without container.runtime: running it with {default.value} "
@@ -291,12 +193,7 @@ def plan(argv: Sequence[str]) -> Plan:
         # start there is nothing to resume and training begins at step 0. An explicit choice is kept.
         if "checkpoint.resume" not in keys and composed.checkpoint.resume == "none":
             training_only.append("checkpoint.resume=auto")
-        if (
-            isinstance(launch.cluster, SlurmCluster)
-            and "trainer.max_time_minutes" not in keys
-            and not composed.trainer.max_time_minutes
-        ):
-            training_only.append(f"trainer.max_time_minutes={derived_max_time_minutes(launch.cluster)}")
+        training_only += backend_of(launch.cluster.type).training_overrides(composed, launch, keys)
     # The values main.py will get, so validation sees the job's own config.
     for override in extra + training_only:
         key, value = override.split("=", 1)
@@ -356,13 +253,9 @@ def make_job(p: Plan, job_dir: str, repo_dir: str, python: str) -> Job:
         cluster=launch.cluster,
         container=launch.container,
     )
-    if isinstance(launch.cluster, K8sCluster):
-        return Job(
-            job_dir=k8s.k8s_job_dir(launch.cluster, launch.container.workdir, name),
-            repo_dir=launch.container.workdir,
-            python="python",
-            **common,
-        )
+    elsewhere = backend_of(launch.cluster.type).job_location(launch, job_dir, name)
+    if elsewhere is not None:
+        return Job(**elsewhere, **common)
     if launch.container.runtime != ContainerRuntime.none:
         repo_dir, python = launch.container.workdir, "python"
     folders, create = auto_mounts(p.cfg, launch, stages_of_launch(p.cfg, launch))
@@ -377,15 +270,7 @@ def render_job(p: Plan, job: Job, script_dir: str) -> Dict[str, str]:
         "config.yaml": OmegaConf.to_yaml(p.resolved, resolve=True),
         "launcher.yaml": OmegaConf.to_yaml(p.launcher_resolved, resolve=True),
     }
-    backend = p.launch.cluster.type
-    if backend == Backend.slurm:
-        files.update(slurm.render_files(cfg, job, script_dir))
-    elif backend == Backend.k8s:
-        manifest = k8s.render_pytorchjob(cfg, job)
-        files["pytorchjob.yaml"] = yaml.safe_dump(manifest, sort_keys=False)
-        files["submit.sh"] = k8s.render_submit(f"{script_dir}/pytorchjob.yaml")
-    else:
-        files["submit.sh"] = local.render_local(cfg, job)
+    files.update(backend_of(p.launch.cluster.type).render(cfg, job, script_dir))
     return files
 
 

@@ -20,6 +20,7 @@ or a second `submit.sh` of a live job, waits until no job of that name runs or i
 
 from __future__ import annotations
 
+import re
 from typing import List
 
 from framework.config import Config, Stage
@@ -47,6 +48,34 @@ SCRIPT_NAMES = {
     Stage.training: "training.sbatch",
     Stage.fine_tuning: "fine_tuning.sbatch",
 }
+
+# #SBATCH lines are not parsed by a shell: a path there must need no quoting.
+SBATCH_SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
+# The trainer's own stop (trainer.max_time_minutes, derived from cluster.time_limit) is a backstop
+# for a lost warning: half the warning's lead before the limit, or this when there is no warning.
+NO_WARNING_MARGIN_S = 300
+
+
+def slurm_seconds(limit: str) -> int:
+    """Slurm's time formats in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days, _, rest = limit.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        h, m, sec = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
+def derived_max_time_minutes(c: SlurmCluster) -> float:
+    """trainer.max_time_minutes from cluster.time_limit: the job stops and saves by itself before
+    Slurm kills it, even if the warning signal never arrives."""
+    limit = slurm_seconds(c.time_limit)
+    margin = c.signal_seconds // 2 if (c.requeue and c.signal_seconds) else NO_WARNING_MARGIN_S
+    return round(max(limit - margin, 60) / 60, 2)
 
 
 def _cluster(job: Job) -> SlurmCluster:
@@ -129,9 +158,9 @@ def render_sbatch(cfg: Config, job: Job, stage: Stage = Stage.training) -> str:
     """The sbatch script for one stage of `job` (pure: same inputs, same text)."""
     c, shape = _cluster(job), cfg.cluster
     prep = stage == Stage.data_preparation
-    lines = script_header(f"{job.name}: {stage.value} on Slurm")
-    lines[0] = "#!/bin/bash"
-    lines[5:5] = _sbatch_options(cfg, job, stage) + [""]
+    lines = script_header(
+        f"{job.name}: {stage.value} on Slurm", shebang="#!/bin/bash", directives=_sbatch_options(cfg, job, stage)
+    )
     lines += ["set -uo pipefail", ""]
     if c.setup:
         lines += ["# Setup (cluster.setup, as given).", *c.setup, ""]

@@ -337,3 +337,22 @@ def test_fine_tuning_stage_starts_from_the_training_stages_export(tmp_path):
     mine = plan_of([*argv, f"checkpoint.init_from={tmp_path}"])
     tune = render_job(mine, make_job(mine, JOB_DIR, REPO_DIR, PYTHON), JOB_DIR)["fine_tuning.sbatch"]
     assert f"checkpoint.init_from={tmp_path}" in tune and "/run/checkpoints/export" not in tune
+
+
+def test_every_backend_is_one_object_with_its_settings():
+    """`cluster=<backend>` choices, their typed settings and the backend objects agree, and a
+    backend's behaviour is its object's (no name comparisons elsewhere in the launcher)."""
+    import re
+    from pathlib import Path
+
+    from launcher_scripts.backends import BACKEND_OBJECTS, backend_of
+    from launcher_scripts.config import BACKENDS, Backend
+
+    assert set(BACKEND_OBJECTS) == set(BACKENDS) == set(Backend)
+    for backend in Backend:
+        assert backend_of(backend.value) is BACKEND_OBJECTS[backend] and BACKENDS[backend].type == backend
+    here = Path(__file__).resolve().parents[2] / "launcher_scripts"
+    for path in here.glob("*.py"):
+        if path.name != "backends.py":
+            text = path.read_text()
+            assert not re.search(r"==\s*Backend\.|Backend\.\w+\s*:|== \"(slurm|k8s|local)\"", text), path.name
