@@ -2,7 +2,7 @@
 signal or the time limit is decided by framework/stop.py; this class only saves.)
 
 The trainer talks to this class only; the on-disk layout is in `layout.py` (see [Note: atomic
-checkpoints]) and the state gathering in `dcp.py`.
+checkpoints]) and what else a checkpoint holds in `contents.py`.
 """
 
 from __future__ import annotations

@@ -108,6 +108,12 @@ class ModelConfig:
     # own (model=hf: from config.json's architectures)
     task: str = ""
     num_labels: int = -1  # classes of a classification task; -1: the model's own (else 2)
+    # The family's own arguments, checked against its typed dataclass (ModelFamily.args_type), e.g.
+    # model=digits_cnn: {channels: 32, hidden: 128}. Any: Hydra adds keys to a typed dict only with +.
+    args: Any = None
+    # A module outside framework/models that registers this model's family (register_family) when
+    # imported: a user's own family, named by its conf/model YAML. "": the built-in families.
+    family_module: str = ""
 
     def __post_init__(self) -> None:
         if self.vocab_size != -1:

@@ -2,8 +2,8 @@
 the framework (`framework/models/registry.py`).
 
 A family is a folder here with a `family.py` that registers its record, and optionally a
-`shapes.py` for the planner (`framework/models/shapes.py`); its folder name is listed once, in
-`shapes.FAMILY_PACKAGES`. Importing this package loads no family and no torch: the names below
+`shapes.py` for the planner (`framework/models/shapes.py`), plus its `conf/model/<name>.yaml`;
+nothing else names it. Importing this package loads no family and no torch: the names below
 are looked up on first use, and `registry.family_of` registers every family first.
 """
 

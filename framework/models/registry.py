@@ -11,8 +11,10 @@ Nothing outside `framework/models/` knows a model's attribute names or tensor na
     family.blocks(model)                     # the sharding units, in forward order
     task = family.task(cfg.model)            # how a batch becomes a loss: task.loss(model, batch)
 
-Registering a family (our Llama does it in `framework/models/llama/family.py`; a new family's
-folder is named once, in `framework.models.shapes.FAMILY_PACKAGES`):
+Registering a family: our Llama does it in `framework/models/llama/family.py`. Every folder of
+framework/models/ with a `family.py` is a family (`shapes.family_packages`); a family kept outside
+this package (a user's own, or a test's) is a module named by `model.family_module` in its
+conf/model YAML, imported before the name is looked up:
 
     from framework.models.registry import ModelFamily, register_family
 
@@ -30,6 +32,7 @@ Hugging Face export: see `ModelFamily`. A task is looked up by name from `framew
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -111,9 +114,35 @@ class ModelFamily:
     # A directory whose weights initialise the model at the start (model=hf model.path); "" none.
     weights_dir: Callable[[ModelConfig], str] = lambda cfg: ""
 
+    # The family's own typed arguments (`model.args`), a dataclass whose fields have defaults;
+    # None: the family takes none (it reads the shared fields of ModelConfig).
+    args_type: type | None = None
+
     @property
     def name(self) -> str:
         return self.names[0]
+
+    def args_of(self, cfg: ModelConfig):
+        """`model.args` as the family's dataclass; an unknown or mistyped field is refused in one
+        line naming it and the fields there are."""
+        given = dict(cfg.args or {})
+        if self.args_type is None:
+            if given:
+                raise UserInputError(f"model.args: model.name={cfg.name} takes no family arguments; drop model.args")
+            return None
+        fields = {f.name: f for f in dataclasses.fields(self.args_type)}
+        for key, value in given.items():
+            if key not in fields:
+                raise UserInputError(
+                    f"model.args.{key}: model.name={cfg.name} has no such argument; its arguments are "
+                    f"{', '.join(fields)}"
+                )
+            default = fields[key].default
+            if default is not dataclasses.MISSING and not isinstance(value, type(default)):
+                raise UserInputError(
+                    f"model.args.{key}={value!r}: give a {type(default).__name__} (default {default!r})"
+                )
+        return self.args_type(**given)
 
     def activation_checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
         return (self.checkpoint_targets or self.blocks)(model)
@@ -122,14 +151,25 @@ class ModelFamily:
 _FAMILIES: dict[str, ModelFamily] = {}
 
 
-def register_all() -> None:
-    """Import every family's record (each registers itself once)."""
+def register_all(extra_module: str = "") -> None:
+    """Import every family's record (each registers itself once), and `extra_module` (a family
+    from outside this package: `model.family_module`)."""
     import importlib
 
-    from framework.models.shapes import FAMILY_PACKAGES
+    from framework.models.shapes import family_packages
 
-    for package in FAMILY_PACKAGES:
+    for package in family_packages():
         importlib.import_module(f"framework.models.{package}.family")
+    if extra_module:
+        try:
+            importlib.import_module(extra_module)
+        except ModuleNotFoundError as exc:
+            if exc.name and extra_module.startswith(exc.name):
+                raise UserInputError(
+                    f"model.family_module={extra_module}: no such module on the path; give an importable "
+                    "module that calls register_family (e.g. my_models.family, with PYTHONPATH set)"
+                ) from None
+            raise
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
@@ -155,6 +195,7 @@ def check_model(cfg: ModelConfig) -> list[str]:
     """Every refusal of the model section (an unknown name, the family's own checks), as lines."""
     try:
         family = family_of(cfg)
+        family.args_of(cfg)
         family.check(cfg)
     except UserInputError as exc:
         return [str(exc)]
@@ -165,7 +206,7 @@ def family_of(cfg: ModelConfig) -> ModelFamily:
     """The family that builds `model.name`; an unknown name is refused in one line."""
     family = _FAMILIES.get(cfg.name)
     if family is None:
-        register_all()
+        register_all(cfg.family_module)
         family = _FAMILIES.get(cfg.name)
     if family is None:
         raise UserInputError(

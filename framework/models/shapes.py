@@ -3,14 +3,16 @@ tensor-parallel rank, the widths its memory and FLOP arithmetic use, and nothing
 
 Each family folder may hold a `shapes.py` with `NAMES` (the `model.name` values it builds) and
 `plan_shape(cfg, vocab_size) -> ModelShape`; `plan_shape` below asks the one whose `NAMES` holds
-`model.name`. A family without one is refused by `stage=plan` in one line. Our Llama's is pure
-arithmetic (the launcher plans on a login node without torch); Hugging Face's builds the model on
-the meta device to count its tensors.
+`model.name` (a family from outside, `model.family_module`, may define both in that module). A
+family without one is refused by `stage=plan` in one line. Our Llama's is pure arithmetic (the
+launcher plans on a login node without torch); Hugging Face's builds the model on the meta device
+to count its tensors.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,15 +83,23 @@ def flops_per_token(m: ModelShape, seq_len: int) -> float:
     return 6.0 * non_embedding_params(m) + 12.0 * m.n_layers * m.dim * seq_len
 
 
-FAMILY_PACKAGES = ("cnn", "hf", "llama")  # one entry per folder of framework/models/
+def family_packages() -> tuple:
+    """Every family folder of framework/models/: a package holding a `family.py` (found by
+    looking, so adding a family is its folder and its conf/model YAML, nothing else)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return tuple(sorted(name for name in os.listdir(here) if os.path.isfile(os.path.join(here, name, "family.py"))))
 
 
 def plan_shape(cfg, vocab_size: int) -> ModelShape:
     """The shape of `cfg` (a ModelConfig) from its family's shapes.py; refused in one line where
     the family has none. Families with a shapes.py are asked first, so planning one of them loads
     no other family (and no torch, for ours)."""
+    if getattr(cfg, "family_module", ""):
+        module = importlib.import_module(cfg.family_module)
+        if cfg.name in getattr(module, "NAMES", ()):
+            return module.plan_shape(cfg, vocab_size)
     without = []
-    for package in FAMILY_PACKAGES:
+    for package in family_packages():
         try:
             module = importlib.import_module(f"framework.models.{package}.shapes")
         except ModuleNotFoundError as exc:

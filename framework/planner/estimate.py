@@ -18,7 +18,7 @@ The memory model follows our engine (`framework/distributed/fsdp/`) buffer by bu
                   zero_grad] in unit.py); the send buffer of a gather in flight (the shard cast
                   to 16 bits, or copied to the device), freed when the gather is waited on.
 
-Traffic follows ENGINE_NOTES.md section 5 and the counters of `collectives.py`: an all-gather counts
+Traffic follows the engine's byte counters (`framework/distributed/fsdp/collectives.py`): an all-gather counts
 the bytes this rank receives, a reduce-scatter or all-to-all the bytes it sends, an all-reduce the
 ring volume 2 (n-1)/n x bytes.
 """

@@ -209,6 +209,17 @@ def test_every_path_named_in_docs_and_comments_exists():
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
 
 
+# A file named without its folder ("see state.py", "ENGINE_NOTES.md"): some file of the
+# repository must have that name.
+BARE = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|md|sh))\b")
+
+
+def test_every_bare_file_name_in_docs_and_comments_exists():
+    names = {p.name for p in REPO.rglob("*") if not {".venv", ".git"} & set(p.parts)}
+    missing = sorted({f"{where}: {ref}" for where, text in _texts() for ref in BARE.findall(text) if ref not in names})
+    assert not missing, "files named that exist nowhere in the repository:\n" + "\n".join(missing)
+
+
 NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 NOTE_HEADER = re.compile(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]")
 

@@ -105,3 +105,12 @@ def dim0_chunk(shape: torch.Size, world: int, rank: int) -> Tuple[int, int]:
     per = -(-rows // world) if rows else 0
     lo = min(rank * per, rows)
     return lo, min(lo + per, rows)
+
+
+def contiguous_stride(shape) -> tuple:
+    """The strides of a contiguous tensor of `shape` (zero-size dims count as 1)."""
+    stride, acc = [], 1
+    for d in reversed(list(shape)):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))

@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
 from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
-from .flat import FlatEntry, FlatLayout
+from .flat import FlatEntry, FlatLayout, contiguous_stride
 from .reduce import GradReduction, _Reduction
 from .transport import Transport
 from .zeropp import ZeroPlusPlus, packed_nbytes, quantize_into
@@ -189,7 +189,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         for e in self.entries:
             t = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
             with torch.no_grad():
-                t.set_(base, e.offset, e.shape, _contiguous_stride(e.shape))
+                t.set_(base, e.offset, e.shape, contiguous_stride(e.shape))
             t.requires_grad_(e.requires_grad)
             self.full_params.append(t)
         if self.storage is not None:
@@ -448,11 +448,3 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
             "secondary": nbytes(self._secondary),
             "send": nbytes(self._send),
         }
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for d in reversed(list(shape)):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
