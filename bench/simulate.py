@@ -168,16 +168,6 @@ class Recorder:
         return recorded
 
 
-def _parallelize(model, dims, mesh, pcfg, mcfg):
-    from framework.distributed.parallelize import parallelize
-
-    if "family" in inspect.signature(parallelize).parameters:
-        from framework.models import family_of
-
-        return parallelize(model, dims, mesh, pcfg, family_of(mcfg))
-    return parallelize(model, dims, mesh, pcfg)
-
-
 class _mesh_coordinates:
     """The engine asks every rank for its mesh coordinates once (`all_gather_object`, to build the
     checkpoint mesh under tensor parallel); a fake group answers nothing, so answer for the other
@@ -213,7 +203,9 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
     from framework.config.validate import parallel_dims_of
     from framework.distributed.fsdp import context as fsdp_context
     from framework.distributed.parallel_dims import build_mesh
+    from framework.distributed.parallelize import parallelize
     from framework.distributed.tensor_parallel import loss_context
+    from framework.models import family_of
     from framework.models.llama import build_llama
 
     cfg = job_config(model, world, layout, seq, micro)
@@ -233,7 +225,7 @@ def simulate_row(model: str, world: int, layout: str, seq: int = 2048, micro: in
         dim_of[("tp",)] = "tp"
         model_ = build_llama(cfg.model, "meta")
         with _mesh_coordinates(dims):
-            model_ = _parallelize(model_, dims, mesh, p, cfg.model)
+            model_ = parallelize(model_, dims, mesh, p, family_of(cfg.model))
         opt = torch.optim.AdamW(model_.parameters(), lr=1e-4, foreach=False)
         tokens = torch.zeros(micro, seq + 1, dtype=torch.long, device="meta")
         with Recorder(dims.tp) as rec, loss_context(model_):

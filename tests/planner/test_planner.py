@@ -9,7 +9,6 @@ exactly, peak memory within 10% (measured with torch.profiler's allocation event
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import subprocess
 import sys
@@ -134,16 +133,6 @@ def _config(name: str) -> Config:
     )
 
 
-def _parallelize(model, dims, mesh, pcfg, mcfg):
-    from framework.distributed.parallelize import parallelize
-
-    if "family" in inspect.signature(parallelize).parameters:
-        from framework.models import family_of
-
-        return parallelize(model, dims, mesh, pcfg, family_of(mcfg))
-    return parallelize(model, dims, mesh, pcfg)
-
-
 def _other_unit_buffers(model) -> int:
     """Bytes of tensors the units hold that `sharded_tensor_bytes()` does not report."""
     counted, extra = set(), 0
@@ -179,9 +168,10 @@ def _train_step(model, opt, g, before_zero_grad=None) -> None:
 
 
 def _engine_worker(rank: int, world: int, names):
-
     from framework.config.validate import parallel_dims_of
     from framework.distributed.parallel_dims import build_mesh
+    from framework.distributed.parallelize import parallelize
+    from framework.models import family_of
     from framework.models.llama import build_llama
 
     out = {}
@@ -193,7 +183,7 @@ def _engine_worker(rank: int, world: int, names):
         torch.manual_seed(0)
         model = build_llama(cfg.model)
         model.init_weights(0)
-        model = _parallelize(model, dims, mesh, p, cfg.model)
+        model = parallelize(model, dims, mesh, p, family_of(cfg.model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         g = torch.Generator().manual_seed(rank // dims.tp)
 
