@@ -27,6 +27,7 @@ SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
     "tiny": (1024, 128, 2, 4, 64, 4),
     "25m": (16384, 512, 6, 8, 128, 2),  # 27.4M parameters (tied embedding)
     "125m": (50304, 768, 12, 12, 128, 2),  # GPT-2 small: 124M parameters
+    "1b": (32000, 2048, 18, 16, 1024, 4),  # 0.97B; for bench/engine.py --device cuda (bench/gpu_check.sh)
 }
 
 

@@ -33,41 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
-    "tiny": (1024, 128, 2, 4, 64, 4),
-    "25m": (16384, 512, 6, 8, 128, 2),
-    "1b": (32000, 2048, 18, 16, 1024, 4),  # 0.97B; for --device cuda (bench/gpu_check.sh)
-}
-
-
-# The GPT-like benchmark model is the one every benchmark shares (bench/common.py).
-from bench.common import GPT, reset_rss_peak, rss_mb  # noqa: E402
-
-# ------------------------------------------------------------------ traffic counting for FSDP2
-_COUNT = {"bytes": 0}
-
-
-def _wrap_collectives() -> None:
-    import inspect
-
-    def wrap(name, nbytes):
-        orig = getattr(dist, name)
-        sig = inspect.signature(orig)
-
-        def f(*a, **k):
-            b = sig.bind(*a, **k)
-            args = list(b.arguments.values())
-            n = dist.get_world_size(b.arguments.get("group"))
-            _COUNT["bytes"] += nbytes(args[0], args[1], n)
-            return orig(*a, **k)
-
-        setattr(dist, name, f)
-
-    for name in ("all_gather_into_tensor", "all_gather_single"):  # bytes received
-        wrap(name, lambda out, inp, n: (n - 1) * inp.numel() * inp.element_size())
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # bytes sent
-        wrap(name, lambda out, inp, n: (n - 1) * out.numel() * inp.element_size())
-
+# The GPT-like benchmark model and its sizes are the ones every benchmark shares (bench/common.py).
+from bench.common import SIZES, WireCounter, build_gpt, live_tensor_bytes, reset_rss_peak, rss_mb  # noqa: E402
 
 # ------------------------------------------------------------------ engines
 # our engine's variants: ours_gloo over gloo's TCP instead of shared memory
@@ -75,9 +42,7 @@ OURS = ("ours", "ours_gloo")
 
 
 def build(engine: str, size: str, rank: int):
-    vocab, d, layers, heads, seq, _ = SIZES[size]
-    torch.manual_seed(0)
-    model = GPT(vocab, d, layers, heads, seq)
+    model = build_gpt(size)
     if engine in OURS:
         from framework.distributed.fsdp import fully_shard
 
@@ -117,24 +82,16 @@ def step(engine, model, opt, size, s, rank):
 
 
 def tensor_bytes(engine, model, opt) -> int:
-    def local(t):
-        return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-    params = {id(p): p for p in model.parameters()}
-    b = sum(local(p).numel() * local(p).element_size() for p in params.values())
-    b += sum(local(p.grad).numel() * local(p.grad).element_size() for p in params.values() if p.grad is not None)
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                b += local(v).numel() * local(v).element_size()
+    """Parameters, gradients and optimizer state, plus our engine's buffers held between steps."""
+    extra = 0
     if engine in OURS:
         sb = model.sharded_tensor_bytes()
-        b += sb["unsharded"] + sb["accum"] + sb["secondary"] + sb["grad_pool"]
-    return b
+        extra = sb["unsharded"] + sb["accum"] + sb["secondary"] + sb["grad_pool"]
+    return live_tensor_bytes(model, opt, extra)
 
 
 def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
-    _wrap_collectives()
+    counter = WireCounter().install()  # FSDP2's traffic, at torch.distributed's functions
     engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else [])
     built = {e: build(e, size, rank) for e in engines}
     times = {e: [] for e in engines}
@@ -146,7 +103,7 @@ def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
             model, opt = built[e]
             if e in OURS:
                 model.reset_comm_stats()
-            _COUNT["bytes"] = 0
+            before = counter.bytes
             t, _ = step(e, model, opt, size, r, rank)
             if r >= warmup:
                 times[e].append(t)
@@ -155,7 +112,7 @@ def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
                     traffic[e].append(st["allgather_bytes"] + st["reduce_scatter_bytes"] + st["allreduce_bytes"])
                     exposed[e].append(st["exposed_comm_s"])
                 elif e == "fsdp2":
-                    traffic[e].append(_COUNT["bytes"])
+                    traffic[e].append(counter.bytes - before)
     grad_bytes = sum(p.numel() * 4 for p in built["ddp"][0].parameters())
     traffic["ddp"] = [2 * (ws - 1) * grad_bytes // ws]
     tb = {}
@@ -200,9 +157,8 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
     vocab, d, layers, heads, seq, mb = SIZES[size]
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.reset_peak_memory_stats(dev)
-    torch.manual_seed(0)
     with dev:
-        model = GPT(vocab, d, layers, heads, seq)
+        model = build_gpt(size)
     n_params = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.blocks:
