@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.runtime import free_port
+from tests.distributed.engine_models import TinyGPT, block_body
 from tests.distributed.harness import peak_delta_bytes  # noqa: F401  (the benchmarks' peak reader)
 
 SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
@@ -40,23 +41,15 @@ class Block(nn.Module):
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return block_body(self, x)
 
 
-class GPT(nn.Module):
+class GPT(TinyGPT):
+    """The engine tests' GPT (tests/distributed/engine_models.py) at benchmark sizes, with biased
+    q/k/v projections and GPT-2's initialisation."""
+
     def __init__(self, vocab, d, layers, heads, seq):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
+        super().__init__(vocab, d, heads, layers, seq, block=Block)
         # GPT-2's initialisation: N(0, 0.02) weights, zero biases. torch's defaults (an N(0, 1)
         # embedding, tied here to the head) give logits with a standard deviation of ~20, whose
         # softmax gradients underflow to subnormal floats within a few steps; x86 computes with
@@ -66,12 +59,6 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln_f(x))
 
 
 def build_gpt(size: str, seed: int = 0) -> GPT:

@@ -47,8 +47,8 @@ def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str,
     from framework.distributed.parallel_dims import ParallelDims, build_mesh
     from framework.distributed.parallelize import parallelize
     from framework.distributed.tensor_parallel import full, loss_context
-    from framework.models.llama import FAMILY as LLAMA
-    from framework.models.llama import build_llama
+    from framework.models.llama.family import FAMILY as LLAMA
+    from framework.models.llama.model import build_llama
     from framework.models.tasks import cross_entropy as loss_fn
 
     dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, tp=tp, world_size=world)

@@ -35,31 +35,44 @@ class Block(nn.Module):
         return self.body(x)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return block_body(self, x)
 
 
 class TinyGPT(nn.Module):
     """GPT-like: token + position embeddings, pre-LN blocks, final LN, head tied to the embedding."""
 
-    def __init__(self, vocab: int = 61, d: int = 32, heads: int = 2, layers: int = 2, seq: int = 8) -> None:
+    def __init__(
+        self, vocab: int = 61, d: int = 32, heads: int = 2, layers: int = 2, seq: int = 8, block: type = None
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList((block or Block)(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied: both users live in the root unit
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln_f(x))
+        return gpt_forward(self, idx)
+
+
+def block_body(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A pre-LN GPT block (`ln1`, `qkv`, `proj`, `ln2`, `fc`, `out`, `heads`): causal attention,
+    then a GELU MLP, each added to the residual. The benchmarks' GPT (bench/common.py) runs it too."""
+    B, T, D = x.shape
+    q, k, v = block.qkv(block.ln1(x)).split(D, dim=-1)
+    q, k, v = (t.view(B, T, block.heads, D // block.heads).transpose(1, 2) for t in (q, k, v))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + block.proj(a.transpose(1, 2).reshape(B, T, D))
+    return x + block.out(F.gelu(block.fc(block.ln2(x))))
+
+
+def gpt_forward(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Token + position embeddings (`tok`, `pos`), the `blocks`, the final norm and the head."""
+    x = model.tok(idx) + model.pos[: idx.shape[1]]
+    for b in model.blocks:
+        x = b(x)
+    return model.head(model.ln_f(x))
 
 
 class TinyMLP(nn.Module):
