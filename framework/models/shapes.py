@@ -95,25 +95,26 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
     the family has none. Families with a shapes.py are asked first, so planning one of them loads
     no other family (and no torch, for ours)."""
     if getattr(cfg, "family_module", ""):
+        from framework.models.registry import register_all
+
+        register_all(cfg.family_module)  # a module that is not there is refused in one line
         module = importlib.import_module(cfg.family_module)
         if cfg.name in getattr(module, "NAMES", ()):
             return module.plan_shape(cfg, vocab_size)
-    without = []
     for package in family_packages():
         try:
             module = importlib.import_module(f"framework.models.{package}.shapes")
         except ModuleNotFoundError as exc:
             if exc.name != f"framework.models.{package}.shapes":
                 raise
-            without.append(package)
             continue
         if cfg.name in module.NAMES:
             return module.plan_shape(cfg, vocab_size)
-    for package in without:
-        family = importlib.import_module(f"framework.models.{package}.family").FAMILY
-        if cfg.name in family.names:
-            raise UserInputError(
-                f"model.name={cfg.name}: stage=plan has no shapes for this family "
-                f"(framework/models/{package} has no shapes.py); train it without stage=plan"
-            )
-    raise UserInputError(f"model.name={cfg.name!r}: no family builds it, so stage=plan cannot plan it")
+    # No family has shapes for it: say whether it exists at all (this may import torch).
+    from framework.models.registry import family_of
+
+    family_of(cfg)  # an unknown model.name is refused here, naming the choices
+    raise UserInputError(
+        f"model.name={cfg.name}: stage=plan has no shapes for this family (its folder has no shapes.py, "
+        "or its model.family_module defines no NAMES and plan_shape); train it without stage=plan"
+    )

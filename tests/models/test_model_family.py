@@ -33,3 +33,10 @@ def test_a_family_argument_it_does_not_have_is_refused(tmp_path):
     assert errors == [
         "error: model.args.heads: model.name=toy_mlp has no such argument; its arguments are width, depth"
     ]
+
+
+def test_stage_plan_says_the_family_has_no_shapes(tmp_path):
+    out = run_main(TINY + TOY + ["stage=plan", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "error: model.name=toy_mlp: stage=plan has no shapes for this family" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
