@@ -44,11 +44,20 @@ OURS = ("ours", "ours_gloo")
 def build(engine: str, size: str, rank: int):
     model = build_gpt(size)
     if engine in OURS:
+        from torch.distributed.device_mesh import DeviceMesh
+
         from framework.distributed.fsdp import fully_shard
 
+        # A transport is chosen once per process group ([Note: one transport per group]): the
+        # variant over gloo gets groups of its own (a new group under a mesh of another name), else
+        # it would share the default mesh's groups (the world's), and their transport, with `ours`.
+        mesh = None
+        if engine == "ours_gloo":
+            group = dist.new_group(list(range(dist.get_world_size())))
+            mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp_gloo",))
         for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     elif engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -113,6 +122,10 @@ def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
                     exposed[e].append(st["exposed_comm_s"])
                 elif e == "fsdp2":
                     traffic[e].append(counter.bytes - before)
+    for e in set(engines) & set(OURS):  # each variant ran on the transport it names
+        model = built[e][0]
+        used = {t.name for u in model._fsdp_unit.ctx.units for t in u.transports()[:2]}
+        assert used == {"gloo" if e == "ours_gloo" else "shm"}, (e, used)
     grad_bytes = sum(p.numel() * 4 for p in built["ddp"][0].parameters())
     traffic["ddp"] = [2 * (ws - 1) * grad_bytes // ws]
     tb = {}
