@@ -138,7 +138,10 @@ class ModelFamily:
                     f"{', '.join(fields)}"
                 )
             default = fields[key].default
-            if default is not dataclasses.MISSING and not isinstance(value, type(default)):
+            kinds = (int, float) if isinstance(default, float) else type(default)  # 0 is a fine float
+            if default is not dataclasses.MISSING and (
+                not isinstance(value, kinds) or isinstance(value, bool) != isinstance(default, bool)
+            ):
                 raise UserInputError(
                     f"model.args.{key}={value!r}: give a {type(default).__name__} (default {default!r})"
                 )

@@ -40,3 +40,18 @@ def test_stage_plan_says_the_family_has_no_shapes(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert "error: model.name=toy_mlp: stage=plan has no shapes for this family" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_family_arguments_are_typed():
+    """model.args against the family's dataclass: an int is a fine float, a bool is not an int."""
+    import pytest
+
+    from framework.config.schema import ModelConfig
+    from framework.errors import UserInputError
+    from framework.models.cnn.family import FAMILY as CNN
+
+    args = CNN.args_of(ModelConfig(name="digits_cnn", args={"channels": 8, "dropout": 0}))
+    assert (args.channels, args.dropout, args.hidden) == (8, 0, 128)
+    for bad, said in (({"channels": True}, "give a int"), ({"hidden": "wide"}, "give a int")):
+        with pytest.raises(UserInputError, match=f"model.args.{next(iter(bad))}=.*{said}"):
+            CNN.args_of(ModelConfig(name="digits_cnn", args=bad))
