@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from framework.runtime import free_port  # noqa: E402,F401  (a free loopback port, for the tests' helpers)
 
 # Small, fast settings shared by the end-to-end tests: the tiny model on synthetic data.
 TINY = [
@@ -66,13 +67,6 @@ def pinned_tool(name: str) -> str:
     exe = Path(sys.executable).parent / name
     assert exe.exists(), f"{exe} is missing: `make venv` installs it from requirements-test.lock"
     return str(exe)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (for a rendezvous or a daemon)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_metrics(run_dir: Path) -> List[dict]:

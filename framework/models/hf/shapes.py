@@ -15,12 +15,9 @@ NAMES = ("hf",)
 
 
 def plan_shape(cfg, vocab_size: int) -> ModelShape:
-    import torch
-
     from framework.models.hf.model import blocks, build_hf, hf_config
 
-    with torch.device("meta"):
-        model = build_hf(cfg, "meta")
+    model = build_hf(cfg, "meta")  # no memory, no weights read
     seen: set = set()
 
     def tensors(module) -> tuple:
