@@ -8,6 +8,7 @@ switch back to gloo, a clear error when a rank never arrives, and nothing left i
 
 from __future__ import annotations
 
+import datetime
 import glob
 import os
 import subprocess
@@ -44,7 +45,12 @@ def _collectives_worker(rank, world, transport, dtypes):
     try:
         set_host_transport(transport)
         before = _segments()
-        groups = [dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
+        # the second group with a timeout of its own: its channel must take it (a hung rank on this
+        # transport fails after trainer.collective_timeout_s, as on gloo)
+        groups = [
+            dist.new_group(list(range(world))),
+            dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=42)),
+        ]
         transports = [C.transport_for(g, torch.device("cpu")) for g in groups]
         stats = C.CommStats()
         errors = []
@@ -107,7 +113,8 @@ def test_collectives_match_the_reference_exactly(world):
         assert res["used"] == [True, True], rank  # both groups went through shared memory
         assert res["left"] == [], rank  # the segments were unlinked once mapped
         assert res["sizes"] == [4096 + 2 * world * REGION] * 2  # two slots of one region per rank
-        assert res["timeouts"] == [1800.0] * 2  # gloo's default timeout (docs/engine.md)
+        # each group's own timeout: torch's default (30 minutes), and the 42 s the second was made with
+        assert res["timeouts"] == [1800.0, 42.0]
 
 
 def test_default_region_is_four_mib():
@@ -170,7 +177,10 @@ def test_a_rank_that_never_arrives_fails_with_a_message(tmp_path):
     channel.unlink()
     out = torch.zeros(8)
     work = channel.all_gather(out, torch.ones(4))
-    with pytest.raises(shm.SharedMemoryError, match=r"rank 0: rank\(s\) \[1\] of this group did not reach"):
+    with pytest.raises(
+        shm.SharedMemoryError,
+        match=r"rank 0: collective timed out after 0.5 s: rank\(s\) \[1\] of this group did not reach",
+    ):
         work.wait()
     with pytest.raises(shm.SharedMemoryError, match="an earlier collective on this group failed"):
         channel.reduce_scatter(torch.zeros(4), torch.ones(8)).wait()

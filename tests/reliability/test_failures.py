@@ -4,6 +4,9 @@ run directory, and a restart under torchrun that must resume exactly.
 Faults are injected from outside the framework: `inject/sitecustomize.py` (on PYTHONPATH for these
 runs only) makes one rank's loss computation raise or SIGKILL itself at a chosen step; a hang is a
 real SIGSTOP. See [Note: every failure explained] in framework/runtime.py.
+
+Each fault runs on every transport our engine can pick on this machine (`TRANSPORTS`): a failure
+must end the job the same way whichever transport the rank was waiting in.
 """
 
 from __future__ import annotations
@@ -15,16 +18,27 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, TINY, read_metrics, run_main
 
+from framework.distributed.fsdp.host import HOST_TRANSPORTS, shm
+
 INJECT = Path(__file__).resolve().parent / "inject"
-# engine=torch: these tests are about the job around the engine, not the engine.
 SHORT = TINY + [
     "trainer.eval_interval=0",
     "trainer.max_steps=8",
     "optimizer.schedule=constant",
-    "parallelism.engine=torch",
 ]
+# The transports the native engine can pick for CPU ranks on this host (shared memory needs Linux on
+# x86-64); torch's engine runs on gloo, as our gloo transport does.
+TRANSPORTS = [
+    pytest.param(name, marks=pytest.mark.skipif(name == "shm" and not shm.supported(), reason="no shared memory here"))
+    for name in HOST_TRANSPORTS
+]
+
+
+def _on(transport: str) -> list:
+    return ["parallelism.engine=native", f"parallelism.host_transport={transport}"]
 
 
 def _env(fault: str = "") -> dict:
@@ -38,8 +52,9 @@ def _torchrun(args, cwd, env, timeout=300, *extra):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_exception_in_one_rank_under_main_py_prints_its_traceback(tmp_path):
-    out = run_main(SHORT + [f"hydra.run.dir={tmp_path}/run"], tmp_path, env=_env("runtime:1:3"))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_exception_in_one_rank_under_main_py_prints_its_traceback(tmp_path, transport):
+    out = run_main(SHORT + _on(transport) + [f"hydra.run.dir={tmp_path}/run"], tmp_path, env=_env("runtime:1:3"))
     assert out.returncode == 1, out.stderr[-3000:]
     # Rank 1's own traceback (the injected error), under its rank number; rank 0's error (its peer
     # vanished mid-collective) is printed too, before it. Each once.
@@ -77,9 +92,11 @@ def _rank_pids(parent: int) -> list:
     )
 
 
-def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path, transport):
     """SIGSTOP one rank: the other's next collective times out after trainer.collective_timeout_s
-    (5 s here, 300 by default), the job ends naming the stopped rank, and no process remains."""
+    (5 s here, 300 by default) on whichever transport it waits in, the job ends naming the stopped
+    rank, and no process remains (the stopped one is killed with SIGKILL, which reaches it)."""
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [
@@ -90,7 +107,7 @@ def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path):
             "trainer.eval_interval=0",
             "checkpoint.save_final=false",
             "trainer.collective_timeout_s=5",
-            "parallelism.engine=torch",
+            *_on(transport),
             f"hydra.run.dir={run}",
         ],
         cwd=tmp_path,
@@ -176,14 +193,14 @@ def _losses(run: Path) -> dict:
 RESTART = TINY + [
     "trainer.eval_interval=0",
     "trainer.max_steps=10",
-    "parallelism.engine=torch",
     "checkpoint.interval=3",
     "checkpoint.resume=auto",
 ]
 RESTART_TOLERANCE = 1e-6  # fp32 on CPU, gloo: a resume is bitwise in practice; 1e-6 as the issue asks
 
 
-def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_path, transport):
     """Under torchrun --max-restarts=2 --rdzv-backend=c10d: rank 1 is SIGKILLed at step 5 (first
     attempt), then rank 0 raises an OSError at step 7 (second attempt). The OSError's traceback is
     printed with its rank; each time torchrun restarts the group, which resumes from the latest
@@ -191,14 +208,14 @@ def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_
 
     FRAMEWORK_TEST_RESTART_RUNS=5 (read when the test runs) repeats the faulty run that many times
     against the one reference: the "must work every time" check, too long for every suite run."""
-    reference = run_main(RESTART + [f"hydra.run.dir={tmp_path}/reference"], tmp_path)
+    reference = run_main(RESTART + _on(transport) + [f"hydra.run.dir={tmp_path}/reference"], tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = _losses(tmp_path / "reference")
     for attempt in range(int(os.environ.get("FRAMEWORK_TEST_RESTART_RUNS", "1"))):
         run = tmp_path / f"run{attempt}"
         started = time.monotonic()
         out = _torchrun(
-            RESTART + [f"hydra.run.dir={run}"],
+            RESTART + _on(transport) + [f"hydra.run.dir={run}"],
             tmp_path,
             _env("kill:1:5,oserror:0:4:1"),
             300,

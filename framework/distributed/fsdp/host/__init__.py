@@ -37,13 +37,24 @@ def set_host_transport(name: str) -> None:
     _preferred[0] = name
 
 
+def group_timeout_s(group) -> float:
+    """The timeout `group` was made with (`init_process_group`/`new_group(timeout=...)`, which
+    `trainer.collective_timeout_s` sets); torch's default where the group does not say."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+        return float(timeout.total_seconds())
+    except (AttributeError, RuntimeError):  # torch keeps it on a private field: fall back, never fail
+        return float(dist.default_pg_timeout.total_seconds())
+
+
 def host_transport(group, device: torch.device) -> Optional[Transport]:
     """The host transport of `group` for tensors on `device`, or None where the group is not a
     CPU group (the default transport serves it). Collective over the group for "shm"."""
     if device.type != "cpu" or dist.get_backend(group) != "gloo":
         return None
     if _preferred[0] == "shm":
-        found = open_shared_memory(group)
+        found = open_shared_memory(group, group_timeout_s(group))
         if found is not None:
             return found
     return GlooTransport(group)

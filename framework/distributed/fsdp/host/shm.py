@@ -28,8 +28,11 @@ spun would take the core from its own rank's compute.
 
 The segment's file is unlinked as soon as every rank has mapped it, so nothing is left in
 /dev/shm after the processes end, however they end. A rank that has not arrived within
-`timeout_s` fails the collective with an error naming the ranks that were missing; one whose
-process has exited fails it within about a second (each rank's process id is in the segment).
+`timeout_s` fails the collective with a timeout naming the ranks that were missing (a rank that is
+alive but stopped or stuck: its process id still exists); one whose process has exited fails it
+within about a second (each rank's process id is in the segment). `open_shared_memory` gives the
+channel its process group's own timeout (`trainer.collective_timeout_s`), so a hung rank ends the
+job after the same time on this transport as on gloo or NCCL.
 """
 
 from __future__ import annotations
@@ -140,10 +143,21 @@ class SharedMemoryChannel:
     `attach`; once all have it mapped, rank 0 calls `unlink`.
     """
 
-    def __init__(self, path: str, rank: int, world: int, create: bool, region_bytes: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        path: str,
+        rank: int,
+        world: int,
+        create: bool,
+        region_bytes: int,
+        timeout_s: float,
+        global_ranks: Optional[list] = None,
+    ) -> None:
         if region_bytes % 4096:
             raise ValueError(f"region_bytes={region_bytes}: use a multiple of 4096")
         self.path, self.rank, self.world = path, rank, world
+        # the job's rank numbers of this group's ranks, for the messages (default: the same)
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(world))
         self.region_bytes, self.timeout_s = region_bytes, timeout_s
         size = segment_bytes(world, region_bytes)
         self._slots_at = _header_bytes(world)
@@ -176,12 +190,16 @@ class SharedMemoryChannel:
         self._thread.start()
 
     @classmethod
-    def create(cls, path: str, rank: int, world: int, region_bytes: Optional[int] = None, timeout_s: float = 1800.0):
-        return cls(path, rank, world, True, region_bytes or REGION_BYTES, timeout_s)
+    def create(
+        cls, path: str, rank: int, world: int, region_bytes: Optional[int] = None, timeout_s: float = 1800.0, **kw
+    ):
+        return cls(path, rank, world, True, region_bytes or REGION_BYTES, timeout_s, **kw)
 
     @classmethod
-    def attach(cls, path: str, rank: int, world: int, region_bytes: Optional[int] = None, timeout_s: float = 1800.0):
-        return cls(path, rank, world, False, region_bytes or REGION_BYTES, timeout_s)
+    def attach(
+        cls, path: str, rank: int, world: int, region_bytes: Optional[int] = None, timeout_s: float = 1800.0, **kw
+    ):
+        return cls(path, rank, world, False, region_bytes or REGION_BYTES, timeout_s, **kw)
 
     def unlink(self) -> None:
         os.unlink(self.path)
@@ -257,15 +275,16 @@ class SharedMemoryChannel:
                 deadline = deadline or now + self.timeout_s
                 if spins % 10 == 0 and not _alive(int(self._pids[j])):
                     raise SharedMemoryError(
-                        f"rank {self.rank}: rank {j} of this group (process {int(self._pids[j])}) exited "
-                        f"before chunk {seq} of the shared-memory collectives"
+                        f"rank {self.global_ranks[self.rank]}: rank {self.global_ranks[j]} of this group "
+                        f"(process {int(self._pids[j])}) exited before chunk {seq} of the shared-memory "
+                        "collectives"
                     )
                 if now > deadline:
-                    missing = [i for i in range(self.world) if counters[i] < seq]
+                    missing = [self.global_ranks[i] for i in range(self.world) if counters[i] < seq]
                     raise SharedMemoryError(
-                        f"rank {self.rank}: rank(s) {missing} of this group did not reach chunk {seq} of the "
-                        f"shared-memory collectives within {self.timeout_s:.0f} s (a rank died or issued "
-                        f"other collectives)"
+                        f"rank {self.global_ranks[self.rank]}: collective timed out after {self.timeout_s:g} s: "
+                        f"rank(s) {missing} of this group did not reach chunk {seq} of the shared-memory "
+                        "collectives (stopped, stuck, or issuing other collectives)"
                     )
 
     def _counter_address(self, rank: int) -> int:
@@ -339,10 +358,12 @@ def host_key() -> int:
     return int.from_bytes(digest, "little") & (2**62 - 1)
 
 
-def open_shared_memory(group) -> Optional[SharedMemoryTransport]:
-    """Collective over the gloo `group`: its shared-memory transport, or None on every rank where
-    a rank is on another host, cannot run it, or the segment cannot be made or mapped."""
+def open_shared_memory(group, timeout_s: float) -> Optional[SharedMemoryTransport]:
+    """Collective over the gloo `group`: its shared-memory transport, whose collectives fail after
+    `timeout_s` (the group's own timeout), or None on every rank where a rank is on another host,
+    cannot run it, or the segment cannot be made or mapped."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    opts = dict(timeout_s=timeout_s, global_ranks=dist.get_process_group_ranks(group))
     token = int.from_bytes(os.urandom(7), "little")
     mine = torch.tensor([host_key(), int(supported()), token], dtype=torch.int64)
     seen = [torch.empty_like(mine) for _ in range(n)]
@@ -354,13 +375,13 @@ def open_shared_memory(group) -> Optional[SharedMemoryTransport]:
     try:
         if r == 0:
             try:
-                channel = SharedMemoryChannel.create(path, r, n)
+                channel = SharedMemoryChannel.create(path, r, n, **opts)
             except OSError:
                 ok.zero_()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # rank 0 has made it: the others map it
         if r != 0 and int(ok):
             try:
-                channel = SharedMemoryChannel.attach(path, r, n)
+                channel = SharedMemoryChannel.attach(path, r, n, **opts)
             except OSError:
                 ok.zero_()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has it mapped, or none uses it
