@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as torch_clip_grad_norm_  # bound before any sharding
 
 from tests.distributed.harness import run_ranks
 
@@ -650,6 +651,95 @@ def b_explicit_prefetch(rank, n):
     return out
 
 
+# ------------------------------------------------------------ requires_grad set after sharding
+FROZEN_BEFORE_SHARDING = ("layers.2.0.weight",)
+# step -> {parameter name: requires_grad}, applied to the reference and to the sharded model alike
+# (step 0: right after sharding, the usual order when fine-tuning a wrapped model)
+REQUIRES_GRAD_PLAN = {
+    0: {"layers.1.0.weight": False, "layers.3.0.bias": False, "layers.2.0.weight": True},
+    2: {"head.weight": False, "layers.1.0.weight": True},
+}
+
+
+def b_requires_grad_after_sharding(rank, n):
+    dev = _device(rank)
+
+    def build():
+        m = Deep().to(dev)
+        for name, p in m.named_parameters():
+            p.requires_grad_(name not in FROZEN_BEFORE_SHARDING)
+        return m
+
+    def shard(m):
+        for lin in m.layers:
+            _fs(lin)
+        return _fs(m)
+
+    ref, ours = build(), shard(build())
+    init = _snapshot(ref)
+    opts = {id(m): _sgd(m.parameters()) for m in (ref, ours)}  # the optimizer holds every parameter
+    losses = {id(ref): [], id(ours): []}
+    grads_of_frozen = []  # names of frozen parameters of ours that got a gradient
+    for step in range(4):
+        for model, r, world in ((ref, 0, 1), (ours, rank, n)):
+            params = dict(model.named_parameters())
+            for name, flag in REQUIRES_GRAD_PLAN.get(step, {}).items():
+                params[name].requires_grad_(flag)
+            x, y = _batch(step, dev, r, world)
+            loss = _mse(model, step, x, y)
+            loss.backward()
+            if model is ours:
+                grads_of_frozen += [k for k, p in params.items() if not p.requires_grad and p.grad is not None]
+            opts[id(model)].step()
+            opts[id(model)].zero_grad(set_to_none=True)
+            losses[id(model)].append(_global_mean(float(loss.detach()), world))
+    out = _compare(init, ref, ours, losses[id(ref)], losses[id(ours)])
+    full = _full_params(ours, ["layers.3.0.bias"])
+    out["frozen_throughout_moved"] = (full["layers.3.0.bias"] - init["layers.3.0.bias"]).abs().max().item()
+    out["grads_of_frozen"] = sorted(set(grads_of_frozen))
+    return out
+
+
+# ---------------------------------------------------- torch's own clip_grad_norm_ on our model
+def b_torch_clip_grad_norm(rank, n):
+    """`torch.nn.utils.clip_grad_norm_`, through a name imported before any model was sharded
+    (this module's `torch_clip_grad_norm_`), on 4 ranks and on 2 x 2 HSDP, against the same call on
+    the unsharded model: the same norms, the same clipped training."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = _device(rank)
+    out = {}
+    # the 2 x 2 mesh without dimension names, after a 1-D model over the same 4 ranks (an unnamed
+    # mesh once shared the 1-D mesh's cached shard rows and reduction group, and crashed)
+    for label, mesh in (("shard", None), ("hsdp", init_device_mesh(dev.type, (2, n // 2)))):
+        norms = {"ref": [], "ours": []}
+
+        def shard(m, mesh=mesh):
+            for lin in m.layers:
+                _fs(lin, mesh=mesh)
+            return _fs(m, mesh=mesh)
+
+        ref = Deep().to(dev)
+        init = _snapshot(ref)
+        ours = shard(Deep().to(dev))
+        losses = {"ref": [], "ours": []}
+        for tag, model, r, world in (("ref", ref, 0, 1), ("ours", ours, rank, n)):
+            opt = _sgd(model.parameters())
+            for step in range(STEPS):
+                x, y = _batch(step, dev, r, world)
+                loss = _mse(model, step, x, y)
+                loss.backward()
+                norms[tag].append(float(torch_clip_grad_norm_(model.parameters(), 0.05)))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses[tag].append(_global_mean(float(loss.detach()), world))
+        res = _compare(init, ref, ours, losses["ref"], losses["ours"])
+        res["norm_diff"] = max(abs(a - b) / b for a, b in zip(norms["ref"], norms["ours"]))
+        res["norms"] = norms["ours"]
+        out[label] = res
+    return out
+
+
 # ------------------------------------- HSDP 2x2: activation checkpointing, CPU offload, no-sync accum
 def b_hsdp_ckpt_offload_accum(rank, n):
     from torch.distributed.device_mesh import init_device_mesh
@@ -687,6 +777,8 @@ BEHAVIOURS_4 = {
         b_fp16_one_submodule,
         b_module_list_dict_subclasses,
         b_explicit_prefetch,
+        b_requires_grad_after_sharding,
+        b_torch_clip_grad_norm,
         b_hsdp_ckpt_offload_accum,
     )
 }
@@ -870,3 +962,25 @@ def test_world_size_1_issues_no_collectives(results1):
     r = results1["world_size_1_no_collectives"]
     _ok(r)
     assert r["collectives"] == [] and r["counted"] == 0, r
+
+
+def test_requires_grad_set_after_sharding_holds(results4):
+    """Freezing and unfreezing the sharded parameters after `fully_shard`, and again between steps,
+    trains exactly like the same changes on the unsharded model (as FSDP2 does): a frozen weight
+    gets no gradient and does not move, an unfrozen one trains."""
+    r = _result(results4, "requires_grad_after_sharding")
+    _ok(r)
+    assert r["grads_of_frozen"] == [], r
+    assert r["frozen_throughout_moved"] == 0.0, r
+
+
+def test_torch_clip_grad_norm_is_global_on_our_parameters(results4):
+    """torch's `clip_grad_norm_` on our 1-D local pieces returns the global norm and clips every
+    rank by the same factor (sharded and 2 x 2 HSDP): the losses, parameters and norms of the
+    unsharded run. Without it, each rank clipped by its own piece's norm (a silent wrong result)."""
+    r = _result(results4, "torch_clip_grad_norm")
+    assert "error" not in r, r.get("error")
+    for label in ("shard", "hsdp"):
+        _ok(r[label])
+        assert r[label]["norm_diff"] < TOL, r[label]
+        assert min(r[label]["norms"]) > 0.05, r[label]  # every step was clipped: the test clips something

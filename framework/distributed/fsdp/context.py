@@ -74,6 +74,15 @@ class ShardContext:
         for u in units:  # every rank, in module order: see [Note: one transport per group]
             u.transports()
 
+    def trainable_changed(self) -> None:
+        """A unit's trainable parameters changed between steps ([Note: requires_grad is read at
+        every step] in unit.py): the reduction order and the pool's buffer sizes follow."""
+        self.reduce_order = [u for u in reversed(self.units) if u.trainable]
+        self.next_reduce = 0
+        self._caps.clear()
+        self._pool.clear()
+        self._owned.clear()
+
     def set_phase(self, new: TrainingPhase) -> None:
         legal = {
             # PRE_BACKWARD from IDLE: a non-root's own forward, or a second backward over a

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from . import hooks
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy
+from .clip import install_torch_norm
 from .flat import FlatEntry, TPSpec, build_layout
 from .mesh import dp_tp_mesh, mesh_key, reduce_group, resolve_mesh, secondary_group
 from .state_dict import register_state_dict_hooks
@@ -131,6 +132,7 @@ def fully_shard(
     comm_policy: QuantizedCommPolicy for int8 all-gather / all-to-all gradient reduction (ZeRO++);
         `MixedPrecisionPolicy(quantized_comm=True)` is the same with the default block of 256.
     """
+    install_torch_norm()  # [Note: torch's clip_grad_norm_ on sharded parameters] in clip.py
     if getattr(module, "_fsdp_unit", None) is not None:
         raise ValueError(
             f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module, bottom-up"

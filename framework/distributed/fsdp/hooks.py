@@ -119,6 +119,11 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
         return None
     moved = False
     if unit is ctx.root:
+        if ctx.phase == TrainingPhase.IDLE:  # a step starts: see [Note: requires_grad is read at every step]
+            if [u for u in ctx.units if u.sync_requires_grad()]:  # every unit, no short-circuit
+                for u in ctx.units:
+                    register_param_hooks(u)
+                ctx.trainable_changed()
         ctx.set_phase(TrainingPhase.FORWARD)
         # The root moves host inputs to the model's accelerator (FSDP2 does); the model's device is
         # that of its first unit with parameters (an empty root has none of its own).
@@ -220,8 +225,10 @@ def register(unit: ShardUnit) -> None:
 
 
 def register_param_hooks(unit: ShardUnit) -> None:
-    """Gradient hooks on the unit's (persistent) unsharded parameters."""
+    """Gradient hooks on the unit's (persistent) unsharded parameters that are trainable and have
+    none yet (a parameter unfrozen after sharding gets its hooks here, at its first step)."""
     for i, (e, full) in enumerate(zip(unit.entries, unit.full_params)):
-        if e.requires_grad:
+        if e.requires_grad and i not in unit.hooked:
             full.register_hook(lambda g, u=unit, i=i: u.pre_accumulate(i, g))
             full.register_post_accumulate_grad_hook(lambda t, u=unit: post_accumulate_grad(u, t))
+            unit.hooked.add(i)

@@ -21,7 +21,9 @@ def _world_key() -> int:
 
 
 def mesh_key(mesh: DeviceMesh) -> tuple:
-    return (_world_key(), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+    # the shape too: a 1-D mesh over 4 ranks and an unnamed 2 x 2 one list the same ranks, and
+    # sharing their cached rows and reduction group crashed the 2 x 2 one's first reduce-scatter
+    return (_world_key(), tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
 
 
 _TP_OF_DP: Dict[tuple, DeviceMesh] = {}  # dp mesh -> the tp mesh seen with it (bottom-up: blocks first)

@@ -9,15 +9,33 @@ order of [Note: reductions in a fixed order on their own group] in context.py) a
 
 from __future__ import annotations
 
+import weakref
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.profiler import record_function
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
 from .api import UnitState
 from .zeropp import dequantize_into, packed_nbytes
+
+# a gradient the engine gave a sharded parameter -> a weak reference to that parameter (weak both
+# ways: the parameter holds its gradient, so a strong value would keep the model alive)
+_GRADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def note_grad(param: torch.Tensor) -> None:
+    """Record `param.grad` (just set by the engine) as that sharded parameter's gradient, so a
+    norm over gradients alone (torch's clip_grad_norm_) can tell the pieces' owners."""
+    _GRADS[param.grad] = weakref.ref(param)
+
+
+def param_of_grad(grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """The sharded parameter whose gradient `grad` is, None for any other tensor."""
+    ref = _GRADS.get(grad)
+    return None if ref is None else ref()
 
 
 class _Reduction(NamedTuple):
@@ -253,6 +271,9 @@ class GradReduction:
                         p.grad = piece.clone()
                     else:
                         p.grad.add_(piece)
+            for p in params:
+                if p.grad is not None:
+                    note_grad(p)  # see [Note: torch's clip_grad_norm_ on sharded parameters] in clip.py
         if out is not None:
             self.ctx.release_buffer(out)
         # Autograd never accumulates into the sharded parameters (the modules compute with the

@@ -185,6 +185,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
             self.storage = self.full_flat.untyped_storage()
         base = self.full_flat.untyped_storage()
         self.full_params = []
+        self.hooked: set = set()  # indices of full_params whose gradient hooks are registered (hooks.py)
         self._tp_views: List[Optional[DTensor]] = [None] * len(self.entries)
         for e in self.entries:
             t = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
@@ -396,6 +397,30 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         if self.storage is not None:
             self.storage.resize_(0)
         self.set_state(UnitState.SHARDED)
+
+    # [Note: requires_grad is read at every step]
+    # Users freeze and unfreeze the sharded parameters they see (`p.requires_grad_(False)` on the
+    # wrapped model, the usual order when fine-tuning), at any time between steps. The engine works
+    # from each entry's `requires_grad` (which gradients to wait for, what to reduce, which
+    # unsharded parameters autograd tracks), so the root's forward first copies the sharded
+    # parameters' flags onto the entries and the unsharded parameters (`sync_requires_grad`); a
+    # change re-derives the unit's trainable set, hooks newly trainable parameters and rebuilds the
+    # model's reduction order and buffer sizes (ShardContext.trainable_changed). As in FSDP2, a
+    # parameter frozen after sharding gets no gradient and is not moved by the optimizer, and one
+    # unfrozen after sharding trains.
+    def sync_requires_grad(self) -> bool:
+        """Take each sharded parameter's `requires_grad` (see the note above); True if one changed.
+        Call between steps only."""
+        changed = False
+        for e, sp, full in zip(self.entries, self.sharded_params, self.full_params):
+            if sp.requires_grad != e.requires_grad:
+                e.requires_grad = sp.requires_grad
+                full.requires_grad_(e.requires_grad)
+                changed = True
+        if changed:
+            self.trainable = [e for e in self.entries if e.requires_grad]
+            self.has_frozen = len(self.trainable) < len(self.entries)
+        return changed
 
     def used_this_step(self) -> bool:
         return self.ctx is not None and self._used_step == self.ctx.step
