@@ -740,6 +740,47 @@ def b_torch_clip_grad_norm(rank, n):
     return out
 
 
+# ------------------------------------------------ nanoGPT's configure_optimizers on our model
+def _nanogpt_groups(model, ndim, weight_decay=0.1):
+    """nanoGPT's `configure_optimizers` grouping, with `ndim(p)` in place of `p.dim()`."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    decay = [n for n, p in params.items() if ndim(p) >= 2]
+    nodecay = [n for n, p in params.items() if ndim(p) < 2]
+    groups = [
+        {"params": [params[n] for n in decay], "weight_decay": weight_decay},
+        {"params": [params[n] for n in nodecay], "weight_decay": 0.0},
+    ]
+    return groups, (decay, nodecay)
+
+
+def b_nanogpt_param_groups(rank, n):
+    from framework.distributed.fsdp import original_shape
+
+    dev = _device(rank)
+
+    def shard(m):
+        for lin in m.layers:
+            _fs(lin)
+        return _fs(m)
+
+    ref, ours = Deep().to(dev), shard(Deep().to(dev))
+    _, ref_names = _nanogpt_groups(ref, lambda p: p.dim())
+    # as written: every sharded piece is 1-D, so the decay group comes out empty; the first step refuses
+    groups, _ = _nanogpt_groups(ours, lambda p: p.dim())
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    x, y = _batch(0, dev, rank, n)
+    _mse(ours, 0, x, y).backward()
+    try:
+        opt.step()
+        refusal = None
+    except ValueError as exc:
+        refusal = str(exc)
+    # with the original shape: the unsharded model's groups, and the optimizer steps
+    groups, our_names = _nanogpt_groups(ours, lambda p: len(original_shape(p)))
+    torch.optim.AdamW(groups, lr=1e-3).step()
+    return {"refusal": refusal, "ref_groups": ref_names, "our_groups": our_names}
+
+
 # ------------------------------------- HSDP 2x2: activation checkpointing, CPU offload, no-sync accum
 def b_hsdp_ckpt_offload_accum(rank, n):
     from torch.distributed.device_mesh import init_device_mesh
@@ -779,6 +820,7 @@ BEHAVIOURS_4 = {
         b_explicit_prefetch,
         b_requires_grad_after_sharding,
         b_torch_clip_grad_norm,
+        b_nanogpt_param_groups,
         b_hsdp_ckpt_offload_accum,
     )
 }
@@ -984,3 +1026,14 @@ def test_torch_clip_grad_norm_is_global_on_our_parameters(results4):
         _ok(r[label])
         assert r[label]["norm_diff"] < TOL, r[label]
         assert min(r[label]["norms"]) > 0.05, r[label]  # every step was clipped: the test clips something
+
+
+def test_nanogpt_configure_optimizers_fails_loudly_or_matches(results4):
+    """Grouping weight decay by `p.dim()` sees only 1-D pieces on our model: the optimizer's first
+    step refuses it with a message naming the fix; grouping by `original_shape(p)` gives exactly
+    the unsharded model's groups."""
+    r = _result(results4, "nanogpt_param_groups")
+    assert "error" not in r, r.get("error")
+    assert r["refusal"] and "grouping by p.dim()/p.ndim" in r["refusal"], r
+    assert "original_shape(p)" in r["refusal"] and "layers.0.0.weight" in r["refusal"], r
+    assert r["our_groups"] == r["ref_groups"] and r["ref_groups"][0], r

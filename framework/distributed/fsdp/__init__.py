@@ -8,13 +8,15 @@
 Files, in import order: api.py (policies, state enums), flat.py (storage layout), transport.py and
 host/ (how a group moves bytes), collectives.py, zeropp.py and reduce.py (parts of a unit), unit.py,
 context.py (one model's shared state), hooks.py, mesh.py (groups and meshes), state_dict.py,
-fully_shard.py (the entry point).
+clip.py (global gradient norms, also for torch's clip_grad_norm_), optim_check.py (what the
+optimizer sees: original_shape), fully_shard.py (the entry point).
 """
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, TrainingPhase, UnitState
 from .clip import clip_grad_norm_
 from .fully_shard import ShardedModule, fully_shard
 from .host import set_host_transport
+from .optim_check import original_shape
 from .state_dict import get_state_dicts, set_state_dicts
 from .unit import sharded_units
 
@@ -30,5 +32,6 @@ __all__ = [
     "UnitState",
     "TrainingPhase",
     "sharded_units",
+    "original_shape",
     "set_host_transport",
 ]

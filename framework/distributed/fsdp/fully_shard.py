@@ -21,6 +21,7 @@ from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy
 from .clip import install_torch_norm
 from .flat import FlatEntry, TPSpec, build_layout
 from .mesh import dp_tp_mesh, mesh_key, reduce_group, resolve_mesh, secondary_group
+from .optim_check import install_param_group_check
 from .state_dict import register_state_dict_hooks
 from .unit import ShardUnit, claim, claimed_by, owner_of, sharded_units
 
@@ -133,6 +134,7 @@ def fully_shard(
         `MixedPrecisionPolicy(quantized_comm=True)` is the same with the default block of 256.
     """
     install_torch_norm()  # [Note: torch's clip_grad_norm_ on sharded parameters] in clip.py
+    install_param_group_check()  # [Note: grouping optimizer parameters by ndim] in optim_check.py
     if getattr(module, "_fsdp_unit", None) is not None:
         raise ValueError(
             f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module, bottom-up"
