@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, model_name: str, feature: str, on: bool, step
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False)
     gen = torch.Generator().manual_seed(rank)
     for step in range(steps):
-        tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=gen)
+        tokens = torch.randint(0, cfg.args["vocab_size"], (1, seq + 1), generator=gen)
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         opt.step()
         if step == 0:

@@ -30,10 +30,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config.schema import Engine, ModelConfig, ParallelismConfig  # noqa: E402
+from framework.models.llama.args import llama_args  # noqa: E402
 
 MODEL = ModelConfig(
-    name="bench", vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=128
+    name="bench",
+    args=dict(vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=128),
 )
+SIZES = llama_args(MODEL)
 GLOBAL_BATCH = 8  # samples of 128 tokens per step, split over the dp ranks: 1,024 tokens/step
 
 
@@ -66,7 +69,7 @@ def worker(rank: int, world: int, dp_shard: int, tp: int, sp: bool, engine: str,
     gen = torch.Generator().manual_seed(1 + mesh["dp_shard"].get_local_rank())
     times = []
     for s in range(2 + steps):
-        tokens = torch.randint(MODEL.vocab_size, (per_rank, MODEL.max_seq_len + 1), generator=gen)
+        tokens = torch.randint(SIZES.vocab_size, (per_rank, SIZES.max_seq_len + 1), generator=gen)
         dist.barrier()
         tic = time.perf_counter()
         with loss_context(model):
@@ -87,7 +90,7 @@ def layouts(ranks: int):
     """(dp_shard, tp, sequence_parallel) rows for a world of `ranks`."""
     rows = [(ranks, 1, False)]
     tp = 2
-    while tp <= ranks and MODEL.n_kv_heads % tp == 0:
+    while tp <= ranks and SIZES.n_kv_heads % tp == 0:
         rows += [(ranks // tp, tp, False), (ranks // tp, tp, True)]
         tp *= 2
     return rows
@@ -107,14 +110,14 @@ def run(ranks: int, steps: int, engines, out: str | None = None) -> dict:
                 step_s = statistics.median(max(r["times"][i] for r in res) for i in range(steps))
                 row.update(
                     median_step_s=step_s,
-                    tokens_per_s=GLOBAL_BATCH * MODEL.max_seq_len / step_s,
+                    tokens_per_s=GLOBAL_BATCH * SIZES.max_seq_len / step_s,
                     tensor_mb_per_rank=max(r["tensor_bytes"] for r in res) / 2**20,
                 )
             rows.append(row)
     n_params = sum(p.numel() for p in _plain_model().parameters())
     print(
         f"\nLlama {n_params / 1e6:.1f}M params, {ranks} gloo ranks, CPU fp32, {GLOBAL_BATCH} x "
-        f"{MODEL.max_seq_len} tokens/step, median of {steps} steps"
+        f"{SIZES.max_seq_len} tokens/step, median of {steps} steps"
     )
     print(f"{'engine':7} {'dp x tp':>8} {'SP':>3} {'step s':>8} {'tok/s':>8} {'tensor MB/rank':>15}")
     for r in rows:

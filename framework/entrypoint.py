@@ -46,9 +46,11 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
     if cfg.stage != Stage.data_preparation:
+        from framework.models.args import job_model_problems
         from framework.models.registry import check_model
 
-        problems += check_model(cfg.model)  # the model family's own refusals, before any rank starts
+        problems += job_model_problems(cfg)  # the model's arguments against the job (no torch)
+        problems += [p for p in check_model(cfg.model) if p not in problems]  # the family's own refusals
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)

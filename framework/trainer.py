@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import sys
@@ -66,7 +65,7 @@ class Trainer:
                 sample_kind=self.task.sample_kind,
                 num_labels=family.num_labels(cfg.model),
             )
-        model_cfg = dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size)
+        model_cfg = family.with_vocab_size(cfg.model, self.data.vocab_size)
         # Small models are materialised identically on every rank (same seed, then sharded), so a
         # run's numbers do not depend on its layout; large ones are built on the meta device and
         # initialised shard by shard after sharding, never whole on one rank.

@@ -113,6 +113,10 @@ def job_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
     if not backend_of(launch.cluster.type).devices_here:  # the job's machines have the GPUs; it checks again
         checked = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device="auto"))
     problems = validate(checked, cfg.cluster.nodes * cfg.cluster.nproc_per_node)
+    if Stage.data_preparation not in stages or len(stages) > 1:
+        from framework.models.args import job_model_problems  # torch-free (framework/models/args.py)
+
+        problems += job_model_problems(cfg)
     if not sees_local_files(launch):
         # The job's files are on the cluster (a volume, a container mount), not here: the job checks
         # them itself and refuses in one line.

@@ -360,9 +360,15 @@ class CheckpointManager:
 
     def _check_same_model(self, path: str, manifest: dict) -> None:
         saved = manifest.get("config", {}).get("model", {})
-        now = dataclasses.asdict(self.cfg.model)
+        # the family's arguments (older checkpoints kept them beside name, newer under args)
+        saved_args = {**{k: v for k, v in saved.items() if k != "args"}, **(saved.get("args") or {})}
+        now = dict(self.cfg.model.args or {})
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
-        differ = [f"model.{k}={saved[k]} there, {now[k]} here" for k in keys if k in saved and saved[k] != now[k]]
+        differ = [
+            f"model.args.{k}={saved_args[k]} there, {now[k]} here"
+            for k in keys
+            if k in saved_args and k in now and saved_args[k] != now[k]
+        ]
         if differ:
             raise layout.CheckpointError(
                 f"checkpoint.resume: {path} holds another model ({'; '.join(differ)}); resume it with "
@@ -377,7 +383,7 @@ class CheckpointManager:
         from framework.models.registry import family_of
 
         family = family_of(self.cfg.model)
-        model_cfg = dataclasses.replace(self.cfg.model, vocab_size=_vocab_of(model_sd, self.cfg, family.embedding_name))
+        model_cfg = family.with_vocab_size(self.cfg.model, _vocab_of(model_sd, self.cfg, family))
         if family.adapter is None:
             raise UserInputError(
                 f"{where}: model={self.cfg.model.name} has no Hugging Face adapter; turn this option off for it"
@@ -467,10 +473,10 @@ def _wait(future) -> None:
     (future.upload_completion if hasattr(future, "upload_completion") else future).result()
 
 
-def _vocab_of(model_sd: dict, cfg: Config, embedding_name: Optional[str]) -> int:
+def _vocab_of(model_sd: dict, cfg: Config, family) -> int:
     """The vocabulary size the model was built with (the data's tokenizer may have decided it)."""
-    emb = model_sd.get(embedding_name) if embedding_name else None
-    return int(emb.shape[0]) if emb is not None else cfg.model.vocab_size
+    emb = model_sd.get(family.embedding_name) if family.embedding_name else None
+    return int(emb.shape[0]) if emb is not None else family.vocab_size(cfg.model)
 
 
 def _cpu_snapshot(tree):

@@ -81,21 +81,14 @@ def _choice(section: str, name: str, value: Any, enum: type[Enum]) -> Enum:
 
 @dataclass
 class ModelConfig:
+    """What every model has; a family's own arguments (sizes, widths) are its `args`."""
+
     name: str = "debug"  # a registered architecture preset (conf/model/*.yaml)
-    vocab_size: int = 256  # -1: take it from the data's tokenizer
-    dim: int = 64  # hidden size
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2  # grouped-query attention: n_heads must be a multiple
-    ffn_dim: int = 176  # SwiGLU inner size
-    max_seq_len: int = 128  # the longest sequence the rotary table covers
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # null, or Llama 3's scaling: {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings} (framework/models/llama/model.py: llama3_frequencies)
-    rope_scaling: Any = None
-    tie_embeddings: bool = False  # share the token embedding with the output head
-    init_std: float = 0.02
+    # The family's own arguments, checked against its typed dataclass (framework/models/args.py):
+    # our Llama's sizes (LlamaArgs: dim, n_layers, ..., vocab_size -1 for the tokenizer's), the
+    # digits CNN's {channels, hidden}, Hugging Face's {max_seq_len}. Each conf/model preset lists
+    # its own, so `model.args.n_layers=4` overrides one. Any: Hydra adds keys to a typed dict only with +.
+    args: Any = None
     # Build on the meta device and initialise each rank's shards after sharding (never the whole
     # model on one rank). null: only when the fp32 model exceeds 4 GiB. Small models are otherwise
     # built whole with the seed, so their numbers do not depend on the layout.
@@ -108,35 +101,9 @@ class ModelConfig:
     # own (model=hf: from config.json's architectures)
     task: str = ""
     num_labels: int = -1  # classes of a classification task; -1: the model's own (else 2)
-    # The family's own arguments, checked against its typed dataclass (ModelFamily.args_type), e.g.
-    # model=digits_cnn: {channels: 32, hidden: 128}. Any: Hydra adds keys to a typed dict only with +.
-    args: Any = None
     # A module outside framework/models that registers this model's family (register_family) when
     # imported: a user's own family, named by its conf/model YAML. "": the built-in families.
     family_module: str = ""
-
-    def __post_init__(self) -> None:
-        if self.vocab_size != -1:
-            _positive("model", vocab_size=self.vocab_size)
-        _positive(
-            "model",
-            dim=self.dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            ffn_dim=self.ffn_dim,
-            max_seq_len=self.max_seq_len,
-        )
-        if self.dim % self.n_heads:
-            raise UserInputError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise UserInputError(
-                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}"
-            )
-        if (self.dim // self.n_heads) % 2:
-            raise UserInputError(
-                f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary embeddings need an even head size"
-            )
 
 
 @dataclass

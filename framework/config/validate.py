@@ -1,6 +1,8 @@
 """Checks that span sections, run before any process group starts.
 
-Each problem is one line naming the field and the fix; `main.py` prints them all and exits 2.
+Each problem is one line naming the field and the fix; `main.py` prints them all and exits 2. The
+model's own arguments (its sizes against the tensor-parallel degree and the sequence length) are
+its family's to check: `framework.models.args.job_model_problems`, run beside this.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         return _validate_data_preparation(cfg)
     errors: List[str] = []
     world = world_size if world_size is not None else world_size_of(cfg)
-    p, m, t = cfg.parallelism, cfg.model, cfg.trainer
+    p, t = cfg.parallelism, cfg.trainer
 
     dims: Optional[ParallelDims] = None
     try:
@@ -37,26 +39,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         errors.append(str(exc))
 
     if p.tp > 1:
-        for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
-            value = getattr(m, name)
-            if value % p.tp:
-                errors.append(
-                    f"model.{name}={value} is not divisible by parallelism.tp={p.tp}; choose a tp that divides it"
-                )
-    if p.tp > 1:
-        vocab = _vocab_known_before_start(cfg)
-        if vocab and vocab % p.tp:
-            # Not refused: DTensor shards the embedding table and the output head unevenly
-            # (torch.chunk sizes: ceil(vocab / tp) rows, the last rank fewer; its collectives pad
-            # the short shard) and the numbers are exact (tests/tp). Said, because the work is
-            # unbalanced and an even size is one config value away.
-            per_rank = -(-vocab // p.tp)
-            _advise(
-                f"vocabulary size {vocab} is not divisible by parallelism.tp={p.tp}: the embedding and "
-                f"output head are split unevenly (at most {per_rank} rows per rank, the short shards "
-                f"padded in communication); for even shards pad model.vocab_size to "
-                f"{per_rank * p.tp}"
-            )
         if p.tp > cfg.cluster.nproc_per_node or (cfg.cluster.nodes > 1 and cfg.cluster.nproc_per_node % p.tp):
             _advise(
                 f"parallelism.tp={p.tp} with cluster.nproc_per_node={cfg.cluster.nproc_per_node}: "
@@ -75,11 +57,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
                 f"({dims.dp}) = {per_step}; make it a multiple of {per_step}"
             )
 
-    if cfg.data.seq_len > m.max_seq_len:
-        errors.append(
-            f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
-            f"{m.max_seq_len} of model={m.name}; lower data.seq_len"
-        )
     if cfg.data.name == DataName.indexed and not cfg.data.paths:
         errors.append(
             "data=indexed needs data.paths (prefixes of .bin/.idx files); prepare them with stage=data_preparation"
@@ -123,15 +100,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         except ImportError:  # the launcher's environment may lack torch; the job checks again
             pass
     return errors
-
-
-def _vocab_known_before_start(cfg: Config) -> int:
-    """The model's vocabulary size if the config fixes it (0 when a tokenizer decides at start)."""
-    if cfg.model.vocab_size > 0:
-        return cfg.model.vocab_size
-    if cfg.data.name == DataName.stdlib and not cfg.data.tokenizer:
-        return cfg.data.vocab_size
-    return 0
 
 
 def _advise(message: str) -> None:

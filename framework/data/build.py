@@ -80,7 +80,7 @@ def build_data(cfg: DataConfig, **request) -> DataBundle:
 
 def _synthetic(cfg: DataConfig, req: DataRequest) -> DataBundle:
     if req.vocab_size <= 0:
-        raise UserInputError("data=synthetic needs model.vocab_size > 0")
+        raise UserInputError("data=synthetic needs a model vocabulary > 0 (model.args.vocab_size)")
     kind = dict(kind=req.sample_kind, num_labels=req.num_labels)
     train = SyntheticSource(req.vocab_size, cfg.seq_len, req.seed, **kind)
     valid = SyntheticSource(req.vocab_size, cfg.seq_len, req.seed + 1, **kind)
@@ -130,7 +130,7 @@ def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
     else:
         raise UserInputError(
             f"data.tokenizer is empty and no {paths[0]}.tokenizer.json exists, so the vocabulary "
-            "size is unknown: set data.tokenizer=<tokenizer.json> or model.vocab_size"
+            "size is unknown: set data.tokenizer=<tokenizer.json> or model.args.vocab_size"
         )
     train, valid = build_indexed(
         paths, weights, split=cfg.split, seq_len=cfg.seq_len, seed=req.seed, tokenizer=info, cache_dir=cfg.cache_dir

@@ -93,7 +93,9 @@ def _check_token_ids(prefix: str, dataset, tokenizer) -> None:
     largest = max(int(ids[:_ID_SAMPLE].max()), int(ids[-_ID_SAMPLE:].max()))
     del ids
     if largest >= vocab:
-        where = f"the tokenizer {tokenizer.path}" if getattr(tokenizer, "path", None) else f"model.vocab_size={vocab}"
+        where = (
+            f"the tokenizer {tokenizer.path}" if getattr(tokenizer, "path", None) else f"model.args.vocab_size={vocab}"
+        )
         raise UserInputError(
             f"data.paths: {prefix}.bin holds token id {largest}, but {where} has only {vocab} ids: "
             "the data was prepared with another tokenizer; give that one with "

@@ -32,7 +32,6 @@ Hugging Face export: see `ModelFamily`. A task is looked up by name from `framew
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -107,15 +106,17 @@ class ModelFamily:
     flops_per_token: Callable[[nn.Module, int], float] = _default_flops
     # Classes of a classification task (data=synthetic draws labels below it).
     num_labels: Callable[[ModelConfig], int] = lambda cfg: cfg.num_labels if cfg.num_labels > 0 else 2
-    # The vocabulary size before the data is built (data=synthetic draws tokens below it).
-    vocab_size: Callable[[ModelConfig], int] = lambda cfg: cfg.vocab_size
+    # The vocabulary size before the data is built (data=synthetic draws tokens below it); <= 0:
+    # the data's tokenizer decides it, and `with_vocab_size` gives the config the model is built with.
+    vocab_size: Callable[[ModelConfig], int] = lambda cfg: 0
+    with_vocab_size: Callable[[ModelConfig, int], ModelConfig] = lambda cfg, vocab_size: cfg
     # Refuses (UserInputError) a configuration this family cannot build; run before any rank starts.
     check: Callable[[ModelConfig], None] = lambda cfg: None
     # A directory whose weights initialise the model at the start (model=hf model.path); "" none.
     weights_dir: Callable[[ModelConfig], str] = lambda cfg: ""
 
-    # The family's own typed arguments (`model.args`), a dataclass whose fields have defaults;
-    # None: the family takes none (it reads the shared fields of ModelConfig).
+    # The family's own typed arguments (`model.args`), a dataclass whose fields have defaults
+    # (framework/models/args.py); None: the family takes none.
     args_type: type | None = None
 
     @property
@@ -124,28 +125,10 @@ class ModelFamily:
 
     def args_of(self, cfg: ModelConfig):
         """`model.args` as the family's dataclass; an unknown or mistyped field is refused in one
-        line naming it and the fields there are."""
-        given = dict(cfg.args or {})
-        if self.args_type is None:
-            if given:
-                raise UserInputError(f"model.args: model.name={cfg.name} takes no family arguments; drop model.args")
-            return None
-        fields = {f.name: f for f in dataclasses.fields(self.args_type)}
-        for key, value in given.items():
-            if key not in fields:
-                raise UserInputError(
-                    f"model.args.{key}: model.name={cfg.name} has no such argument; its arguments are "
-                    f"{', '.join(fields)}"
-                )
-            default = fields[key].default
-            kinds = (int, float) if isinstance(default, float) else type(default)  # 0 is a fine float
-            if default is not dataclasses.MISSING and (
-                not isinstance(value, kinds) or isinstance(value, bool) != isinstance(default, bool)
-            ):
-                raise UserInputError(
-                    f"model.args.{key}={value!r}: give a {type(default).__name__} (default {default!r})"
-                )
-        return self.args_type(**given)
+        line naming it and the fields there are (framework/models/args.py)."""
+        from framework.models.args import parse_args
+
+        return parse_args(self.args_type, cfg)
 
     def activation_checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
         return (self.checkpoint_targets or self.blocks)(model)

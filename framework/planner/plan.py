@@ -31,12 +31,6 @@ from framework.planner.estimate import (
 )
 
 
-def _vocab(cfg: Config) -> int:
-    if cfg.model.vocab_size > 0:
-        return cfg.model.vocab_size
-    return cfg.data.vocab_size  # the tokenizer data preparation trains has this size
-
-
 def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     """The job `cfg` describes; raises ValueError (naming the field) when the mesh cannot be built."""
     c, p, t, m = cfg.cluster, cfg.parallelism, cfg.trainer, cfg.model
@@ -45,7 +39,9 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
     if key not in DEVICES:
         raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")
-    shape = plan_shape(m, _vocab(cfg))  # the family's own units and widths (framework/models/shapes.py)
+    # the family's own units and widths (framework/models/shapes.py); the data's vocabulary (the
+    # tokenizer data preparation trains has this size) where the model takes it from the data
+    shape = plan_shape(m, cfg.data.vocab_size)
     return Job(
         model=shape,
         seq_len=cfg.data.seq_len,

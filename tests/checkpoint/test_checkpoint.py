@@ -458,12 +458,12 @@ def test_resume_with_another_model_is_one_line(source, tmp_path):
         + [
             "parallelism.engine=torch",
             "cluster.nproc_per_node=1",
-            "model.n_layers=3",
+            "model.args.n_layers=3",
             f"checkpoint.resume={_ckpt(source, 6)}",
             f"hydra.run.dir={tmp_path}/run",
         ],
         tmp_path,
     )
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "error: checkpoint.resume:" in out.stderr and "model.n_layers=2 there, 3 here" in out.stderr
+    assert "error: checkpoint.resume:" in out.stderr and "model.args.n_layers=2 there, 3 here" in out.stderr
     assert "Traceback" not in out.stderr

@@ -68,7 +68,7 @@ def test_data_from_another_tokenizer_is_refused(prepared, tmp_path):
     assert len(train) > 0
     with pytest.raises(
         UserInputError,
-        match=rf"{prefix}.bin holds token id \d+, but model.vocab_size=100 has only "
+        match=rf"{prefix}.bin holds token id \d+, but model.args.vocab_size=100 has only "
         "100 ids: the data was prepared with another tokenizer",
     ):
         _build(prefix, MegatronTokenizerInfo(100, eod=99), tmp_path / "cache")

@@ -256,7 +256,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
     from framework.models.tasks import cross_entropy as loss_fn
 
     T = _tp_model_cfg()
-    cfg_model = T.model_cfg(T.MODEL.vocab_size)
+    cfg_model = T.model_cfg(T.MODEL.args["vocab_size"])
     dims = ParallelDims(dp_replicate=1, dp_shard=ws // 2, tp=2, world_size=ws)
     mesh = build_mesh(dims, "cpu")
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), ws // 2
@@ -283,7 +283,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
             model = build(ac)
             opt = torch.optim.SGD(model.parameters(), lr=T.LR, momentum=T.MOMENTUM)
             losses = []
-            for inputs, labels in T.batches(T.MODEL.vocab_size)[:3]:
+            for inputs, labels in T.batches(T.MODEL.args["vocab_size"])[:3]:
                 rows = slice(dp_rank * per, (dp_rank + 1) * per)
                 with loss_context(model):
                     loss = loss_fn(model(inputs[rows]), labels[rows])
@@ -309,7 +309,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
                     plain = build_llama(cfg_model)
                     plain.init_weights(seed=T.SEED)
                     model.load_state_dict(plain.state_dict())
-                inputs, labels = T.batches(T.MODEL.vocab_size)[0]
+                inputs, labels = T.batches(T.MODEL.args["vocab_size"])[0]
                 rows = slice(dp_rank * per, (dp_rank + 1) * per)
                 with loss_context(model):
                     loss_fn(model(inputs[rows]), labels[rows]).backward()

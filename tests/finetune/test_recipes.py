@@ -49,7 +49,7 @@ def test_lora_fine_tuning_from_an_export(tmp_path):
         [
             "model=debug",
             "data=synthetic",
-            f"model.vocab_size={vocab}",
+            f"model.args.vocab_size={vocab}",
             "trainer.max_steps=2",
             "checkpoint.export_safetensors=true",
             f"hydra.run.dir={tmp_path}/pre",

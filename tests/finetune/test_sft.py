@@ -54,7 +54,9 @@ TOK = SFTTokenizer(ByteTokenizer(), eod=0)
 
 def _model(vocab=257, seed=0):
     model = build_llama(
-        ModelConfig(vocab_size=vocab, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, n_layers=2, max_seq_len=256)
+        ModelConfig(
+            args=dict(vocab_size=vocab, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, n_layers=2, max_seq_len=256)
+        )
     )
     model.init_weights(seed=seed)
     return model

@@ -81,7 +81,7 @@ def make_config(model_config: dict, task: str, parallelism: dict, run_dir: str, 
 
     return Config(
         model=ModelConfig(
-            name="hf", config=dict(model_config) if model_config else None, task=task, max_seq_len=64, **model
+            name="hf", config=dict(model_config) if model_config else None, task=task, args={"max_seq_len": 64}, **model
         ),
         parallelism=ParallelismConfig(**parallelism),
         data=DataConfig(name="synthetic", seq_len=16),

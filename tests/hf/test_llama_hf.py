@@ -29,8 +29,8 @@ LLAMA3_SCALING = {
 def _llama(**overrides) -> ModelConfig:
     # debug-sized: head_dim 16 gives rotary frequencies on both sides of the llama3 bands.
     return ModelConfig(
-        **{
-            "name": "debug",
+        name="debug",
+        args={
             "vocab_size": 96,
             "dim": 64,
             "n_layers": 2,
@@ -39,7 +39,7 @@ def _llama(**overrides) -> ModelConfig:
             "ffn_dim": 96,
             "max_seq_len": 128,
             **overrides,
-        }
+        },
     )
 
 
@@ -75,7 +75,7 @@ def test_export_with_llama3_rope_scaling_and_tokenizer_loads_in_transformers(tmp
     assert tok.eod == 0  # our end-of-document token is id 0
     model, _ = _export(cfg, tmp_path / "export", tok)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    ids = torch.randint(cfg.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(cfg.args["vocab_size"], (2, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (hf(ids).logits - model(ids)).abs().max().item()
     # fp32, same weights, same math in another order: ~1e-6. Without the llama3 scaling the
@@ -107,15 +107,15 @@ def test_sharded_export_with_index_reads_back_exactly(tmp_path):
 @pytest.mark.parametrize(
     "field, value, fix",
     [
-        ("rope_theta", 500000.0, "model.rope_theta=500000"),
-        ("rope_scaling", LLAMA3_SCALING, "model.rope_scaling="),
-        ("rms_norm_eps", 1e-6, "model.norm_eps=1e-06"),
+        ("rope_theta", 500000.0, "model.args.rope_theta=500000"),
+        ("rope_scaling", LLAMA3_SCALING, "model.args.rope_scaling="),
+        ("rms_norm_eps", 1e-6, "model.args.norm_eps=1e-06"),
         ("hidden_act", "gelu", "silu"),
         ("attention_bias", True, "no bias"),
         ("mlp_bias", True, "no bias"),
-        ("tie_word_embeddings", True, "model.tie_embeddings=true"),
+        ("tie_word_embeddings", True, "model.args.tie_embeddings=true"),
         ("model_type", "mistral", "model=hf"),
-        ("num_key_value_heads", 4, "model.n_kv_heads=4"),
+        ("num_key_value_heads", 4, "model.args.n_kv_heads=4"),
     ],
 )
 def test_a_config_that_computes_differently_is_refused_naming_the_field(field, value, fix, tmp_path):

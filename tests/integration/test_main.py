@@ -30,11 +30,11 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     [
         (["parallelism.dp_shard=3"], "must equal the world size (2)"),
         (
-            ["parallelism.tp=2", "model.n_heads=3", "model.dim=96", "model.n_kv_heads=3"],
-            "model.n_heads=3 is not divisible by parallelism.tp=2",
+            ["parallelism.tp=2", "model.args.n_heads=3", "model.args.dim=96", "model.args.n_kv_heads=3"],
+            "model.args.n_heads=3 is not divisible by parallelism.tp=2",
         ),
         (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible"),
-        (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=128"),
+        (["data.seq_len=512"], "data.seq_len=512 is longer than model.args.max_seq_len=128"),
         (["model=gpt9"], "Could not find 'model/gpt9'"),
         (["parallelism.engine=jax"], "parallelism.engine"),
         (["parallelism.strategy=zero9"], "parallelism.strategy"),

@@ -31,7 +31,7 @@ def test_a_family_argument_it_does_not_have_is_refused(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        "error: model.args.heads: model.name=toy_mlp has no such argument; its arguments are width, depth"
+        "error: model.args.heads: model.name=toy_mlp has no such argument; its arguments are vocab_size, width, depth"
     ]
 
 
@@ -52,6 +52,6 @@ def test_family_arguments_are_typed():
 
     args = CNN.args_of(ModelConfig(name="digits_cnn", args={"channels": 8, "dropout": 0}))
     assert (args.channels, args.dropout, args.hidden) == (8, 0, 128)
-    for bad, said in (({"channels": True}, "give a int"), ({"hidden": "wide"}, "give a int")):
+    for bad, said in (({"channels": True}, "give an integer"), ({"hidden": "wide"}, "give an integer")):
         with pytest.raises(UserInputError, match=f"model.args.{next(iter(bad))}=.*{said}"):
             CNN.args_of(ModelConfig(name="digits_cnn", args=bad))

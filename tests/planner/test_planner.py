@@ -56,19 +56,19 @@ def test_zero_paper_worked_example():
 def test_shapes_match_the_built_model():
     """The planner's per-unit tensor sizes are the model's own, for every preset shape we ship."""
     from framework.models.llama import build_llama
+    from framework.models.llama.args import llama_args
 
     for preset in ("llama_7b", "llama_70b", "small"):
         text = (ROOT / "conf" / "model" / f"{preset}.yaml").read_text()
         import yaml
 
-        fields = {k: v for k, v in yaml.safe_load(text).items() if k in ModelConfig.__dataclass_fields__}
-        if fields.get("vocab_size", -1) <= 0:
-            fields["vocab_size"] = 2048
+        fields = yaml.safe_load(text)
+        if fields["args"]["vocab_size"] <= 0:
+            fields["args"]["vocab_size"] = 2048
         cfg = ModelConfig(**fields)
         model = build_llama(cfg, "meta")
-        shape = llama_shape(
-            cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tie_embeddings
-        )
+        a = llama_args(cfg)
+        shape = llama_shape(a.vocab_size, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.tie_embeddings)
         assert param_count(shape) == model.num_params(), preset
         block = dict(model.layers[0].named_parameters())
         planned = {t.name: t.numel for t in units(shape)[1].tensors}
@@ -97,7 +97,9 @@ def test_activation_bytes_match_saved_tensors():
 
     for dims in ((64, 4, 2, 176), (192, 6, 2, 512), (256, 8, 8, 704)):
         d, h, kv, f = dims
-        cfg = ModelConfig(vocab_size=256, dim=d, n_heads=h, n_kv_heads=kv, ffn_dim=f, n_layers=1, max_seq_len=64)
+        cfg = ModelConfig(
+            args=dict(vocab_size=256, dim=d, n_heads=h, n_kv_heads=kv, ffn_dim=f, n_layers=1, max_seq_len=64)
+        )
         for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
             model = build_llama(cfg)
             model.init_weights(0)
@@ -124,7 +126,7 @@ def _config(name: str) -> Config:
     p = ParallelismConfig(**CASES[name])
     dp = 4 // p.tp
     return Config(
-        model=ModelConfig(**MODEL),
+        model=ModelConfig(args=MODEL),
         parallelism=p,
         optimizer=OptimizerConfig(),
         data=DataConfig(name="synthetic", seq_len=SEQ),

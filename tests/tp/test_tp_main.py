@@ -62,20 +62,20 @@ def test_main_refuses_tp_that_does_not_divide_heads(tmp_path):
             "cluster.nproc_per_node=2",
             "parallelism.dp_shard=1",
             "parallelism.tp=2",
-            "model.n_kv_heads=1",
+            "model.args.n_kv_heads=1",
             f"hydra.run.dir={tmp_path}/bad",
         ],
         tmp_path,
     )
     assert out.returncode == 2
-    assert "model.n_kv_heads=1 is not divisible by parallelism.tp=2" in out.stderr
+    assert "model.args.n_kv_heads=1 is not divisible by parallelism.tp=2" in out.stderr
 
 
 def _cfg(**parallelism) -> Config:
     from framework.config.schema import ClusterConfig, ModelConfig, ParallelismConfig
 
     cfg = Config()
-    cfg.model = ModelConfig(vocab_size=parallelism.pop("vocab", 256), n_kv_heads=4)  # tp=4 divides it
+    cfg.model = ModelConfig(args={"vocab_size": parallelism.pop("vocab", 256), "n_kv_heads": 4})  # tp=4 divides it
     cfg.cluster = ClusterConfig(nproc_per_node=parallelism.pop("nproc_per_node", 2), nodes=parallelism.pop("nodes", 1))
     cfg.parallelism = ParallelismConfig(**parallelism)
     cfg.trainer.global_batch_size = 8
@@ -88,7 +88,7 @@ def test_validation_says_uneven_vocabulary(caplog):
         problems = validate(_cfg(tp=2, dp_shard=1, vocab=255), world_size=2)
     assert problems == []  # uneven shards are exact (test_tp2_uneven_vocabulary_matches_single_process)
     assert "vocabulary size 255 is not divisible by parallelism.tp=2" in caplog.text
-    assert "pad model.vocab_size to 256" in caplog.text
+    assert "pad model.args.vocab_size to 256" in caplog.text
 
 
 def test_validation_warns_tp_across_nodes(caplog):

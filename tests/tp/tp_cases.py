@@ -34,7 +34,8 @@ GLOBAL_BATCH = 4
 SEQ = 16  # divisible by tp (sequence parallel shards it)
 LR, MOMENTUM, MAX_NORM = 0.5, 0.9, 1.0  # large lr: 10 steps move the weights visibly
 MODEL = ModelConfig(
-    name="debug", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=SEQ
+    name="debug",
+    args=dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=SEQ),
 )
 
 
@@ -44,7 +45,7 @@ class Layout:
     tp: int
     sequence_parallel: bool = False
     engine: str = "torch"
-    vocab: int = MODEL.vocab_size  # 255: uneven vocabulary shards at tp=2
+    vocab: int = MODEL.args["vocab_size"]  # 255: uneven vocabulary shards at tp=2
     tie: bool = False  # output head tied to the embedding table
     dp_replicate: int = 1  # > 1: hybrid sharding (replicate x shard) composed with tp
 
@@ -55,7 +56,7 @@ class Layout:
     @property
     def name(self) -> str:
         sp = "-sp" if self.sequence_parallel else ""
-        vocab = "" if self.vocab == MODEL.vocab_size else f"-vocab{self.vocab}"
+        vocab = "" if self.vocab == MODEL.args["vocab_size"] else f"-vocab{self.vocab}"
         tie = "-tied" if self.tie else ""
         rep = f"rep{self.dp_replicate}x" if self.dp_replicate > 1 else ""
         return f"{rep}dp{self.dp_shard}xtp{self.tp}{sp}-{self.engine}{vocab}{tie}"
@@ -74,7 +75,7 @@ class Job:
 
 
 def model_cfg(vocab: int, tie: bool = False) -> ModelConfig:
-    return dataclasses.replace(MODEL, vocab_size=vocab, tie_embeddings=tie)
+    return dataclasses.replace(MODEL, args={**MODEL.args, "vocab_size": vocab, "tie_embeddings": tie})
 
 
 def batches(vocab: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -86,7 +87,7 @@ def batches(vocab: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def reference(vocab: int = MODEL.vocab_size, tie: bool = False) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def reference(vocab: int = MODEL.args["vocab_size"], tie: bool = False) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """Losses of each step, the final parameters and (key "logits") the final model's logits on
     the first batch, of a plain single-process run."""
     torch.manual_seed(SEED)

@@ -28,7 +28,8 @@ def test_groups_and_overrides_compose():
     cfg = cfg_of(
         "model=llama_7b", "parallelism=hybrid", "optimizer=sgd", "trainer.max_steps=7", "parallelism.engine=torch"
     )
-    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.ffn_dim) == (4096, 32, 11008)
+    args = cfg.model.args
+    assert (args["dim"], args["n_layers"], args["ffn_dim"]) == (4096, 32, 11008)
     assert cfg.optimizer.name.value == "sgd" and cfg.trainer.max_steps == 7
     assert cfg.parallelism.engine == "torch"  # str enums compare equal to their values
 
@@ -61,20 +62,23 @@ def test_unknown_engine_is_refused():
         (
             ["model=debug", "parallelism.tp=3", "parallelism.dp_shard=1"],
             3,
-            "model.n_heads=4 is not divisible by parallelism.tp=3",
+            "model.args.n_heads=4 is not divisible by parallelism.tp=3",
         ),
         (
             ["trainer.global_batch_size=6", "trainer.micro_batch_size=4"],
             2,
             "trainer.global_batch_size=6 is not divisible",
         ),
-        (["model=debug", "data.seq_len=4096"], 2, "data.seq_len=4096 is longer than model.max_seq_len=128"),
+        (["model=debug", "data.seq_len=4096"], 2, "data.seq_len=4096 is longer than model.args.max_seq_len=128"),
         (["checkpoint.resume=/no/such/ckpt"], 2, "checkpoint.resume=/no/such/ckpt: no such checkpoint"),
         (["parallelism.strategy=hybrid", "parallelism.dp_replicate=1"], 2, "hybrid needs dp_replicate > 1"),
     ],
 )
 def test_cross_field_problems_name_the_field(overrides, world, needle):
-    problems = validate(cfg_of(*overrides), world_size=world)
+    from framework.models.args import job_model_problems  # the model's arguments, checked by its family
+
+    cfg = cfg_of(*overrides)
+    problems = validate(cfg, world_size=world) + job_model_problems(cfg)
     assert any(needle in p for p in problems), problems
 
 
@@ -83,7 +87,6 @@ def test_cross_field_problems_name_the_field(overrides, world, needle):
     [
         ("optimizer.lr=0", "optimizer.lr=0.0: must be > 0"),
         ("trainer.micro_batch_size=-1", "trainer.micro_batch_size=-1: must be > 0"),
-        ("model.n_heads=5", "model.dim=192 is not divisible by model.n_heads=5"),
         ("parallelism.param_dtype=float8", "parallelism.param_dtype='float8'"),
     ],
 )
@@ -190,3 +193,23 @@ def test_group_options_set_only_what_they_change():
                     assert value != getattr(section, key), f"conf/{group}/{option}: {key}: {value} is the default"
                 checked += 1
     assert checked >= 10  # the options were read
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.args.n_heads=5", "model.args.dim=192 is not divisible by model.args.n_heads=5"),
+        ("model.args.n_layers=0", "model.args.n_layers=0: must be > 0"),
+        ("model.args.dim=true", "model.args.dim=True: give an integer"),
+        (
+            "+model.args.width=3",
+            "model.args.width: model.name=small has no such argument; its arguments are vocab_size",
+        ),
+    ],
+)
+def test_llama_arguments_are_checked_by_their_family(override, needle):
+    """Our Llama's sizes are its own typed arguments (LlamaArgs), checked without torch."""
+    from framework.models.args import job_model_problems
+
+    problems = job_model_problems(cfg_of(override))
+    assert len(problems) == 1 and needle in problems[0], problems

@@ -12,10 +12,17 @@ from framework.models import build_model
 
 
 def model_cfg(name, **overrides):
+    """The preset's ModelConfig, with `overrides` of its family's arguments (model.args)."""
     cfg = to_config(compose_config([f"model={name}"])).model
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
+    if overrides:
+        cfg.args = {**(cfg.args or {}), **overrides}
     return cfg
+
+
+def sizes(cfg):
+    from framework.models.llama.args import llama_args
+
+    return llama_args(cfg)
 
 
 @pytest.mark.parametrize(
@@ -63,13 +70,16 @@ def test_forward_shapes_gqa_and_causality():
     cfg = model_cfg("debug")
     model = build_model(cfg)
     model.init_weights(seed=0)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    tokens = torch.randint(0, sizes(cfg).vocab_size, (2, 16))
     logits = model(tokens)
-    assert logits.shape == (2, 16, cfg.vocab_size)
-    assert model.layers[0].attention.wk.weight.shape == (cfg.n_kv_heads * cfg.dim // cfg.n_heads, cfg.dim)
+    assert logits.shape == (2, 16, sizes(cfg).vocab_size)
+    assert model.layers[0].attention.wk.weight.shape == (
+        sizes(cfg).n_kv_heads * sizes(cfg).dim // sizes(cfg).n_heads,
+        sizes(cfg).dim,
+    )
     # Changing a later token must not change earlier positions' logits.
     changed = tokens.clone()
-    changed[:, 10] = (changed[:, 10] + 1) % cfg.vocab_size
+    changed[:, 10] = (changed[:, 10] + 1) % sizes(cfg).vocab_size
     assert torch.allclose(model(changed)[:, :10], logits[:, :10], atol=1e-6)
     assert not torch.allclose(model(changed)[:, 10:], logits[:, 10:])
 
@@ -116,7 +126,7 @@ def test_llama_family_record_describes_the_model():
     adapter = family.adapter(cfg)
     assert adapter.to_hf("layers.1.attention.wq.weight") == "model.layers.1.self_attn.q_proj.weight"
     # The causal-LM task's loss is the cross-entropy of the model's logits on the shifted labels.
-    tokens = torch.randint(cfg.vocab_size, (2, 9))
+    tokens = torch.randint(sizes(cfg).vocab_size, (2, 9))
     loss = family.task(cfg).loss(model, (tokens[:, :-1], tokens[:, 1:]))
     ref = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     assert torch.equal(loss, ref)

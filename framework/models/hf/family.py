@@ -1,5 +1,6 @@
 """The Hugging Face family's record (`model=hf`)."""
 
+from framework.models.hf.args import HFArgs
 from framework.models.hf.model import (
     HFAdapter,
     blocks,
@@ -28,5 +29,6 @@ FAMILY = register_family(
         flops_per_token=flops_per_token,
         vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
         weights_dir=weights_dir,
+        args_type=HFArgs,
     )
 )

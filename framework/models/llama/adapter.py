@@ -14,6 +14,7 @@ import torch
 
 from framework.config.schema import ModelConfig
 from framework.errors import UserInputError
+from framework.models.llama.args import llama_args
 
 _TO_HF = [
     (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
@@ -63,46 +64,48 @@ ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 
 
 def check_rope_scaling(cfg: ModelConfig) -> None:
-    """model.rope_scaling: null or a complete Llama 3 scaling."""
-    scaling = cfg.rope_scaling
+    """model.args.rope_scaling: null or a complete Llama 3 scaling."""
+    a = llama_args(cfg)
+    scaling = a.rope_scaling
     if not scaling:
         return
     kind = scaling.get("rope_type", scaling.get("type")) if hasattr(scaling, "get") else None
     missing = [k for k in ROPE_SCALING_KEYS if not hasattr(scaling, "get") or k not in scaling]
     if kind != "llama3" or missing:
         raise UserInputError(
-            f"model.rope_scaling={scaling!r}: only Llama 3's scaling is implemented; give "
+            f"model.args.rope_scaling={scaling!r}: only Llama 3's scaling is implemented; give "
             "{rope_type: llama3, factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
             "original_max_position_embeddings: 8192} or null"
         )
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    a = llama_args(cfg)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings,
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.dim,
+        "intermediate_size": a.ffn_dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.dim // a.n_heads,
+        "max_position_embeddings": a.max_seq_len,
+        "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_theta,
+        "tie_word_embeddings": a.tie_embeddings,
         "hidden_act": "silu",
         "torch_dtype": str(dtype).replace("torch.", ""),
-        "initializer_range": cfg.init_std,
+        "initializer_range": a.init_std,
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": EOD_ID,
         "eos_token_id": EOD_ID,
         "pad_token_id": EOD_ID,
     }
-    if cfg.rope_scaling:
-        config["rope_scaling"] = {"rope_type": "llama3", **{k: cfg.rope_scaling[k] for k in ROPE_SCALING_KEYS}}
+    if a.rope_scaling:
+        config["rope_scaling"] = {"rope_type": "llama3", **{k: a.rope_scaling[k] for k in ROPE_SCALING_KEYS}}
     return config
 
 
@@ -119,6 +122,7 @@ def _rope_of(hf: dict) -> tuple:
 def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
     """Refuse, in one line naming the field and the setting that matches, a config.json whose
     model computes differently from `cfg`: every field that changes the computation is compared."""
+    a = llama_args(cfg)
 
     def refuse(message: str) -> None:
         raise UserInputError(f"{where}: its config.json has {message}")
@@ -141,7 +145,7 @@ def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
     ):
         if key in hf and hf[key] is not None and hf[key] != want[key]:
             fix = (
-                f"set model.{field}={hf[key]}"
+                f"set model.args.{field}={hf[key]}"
                 if field
                 else "this head size is not dim / n_heads, which our Llama needs"
             )
@@ -152,29 +156,30 @@ def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
         if hf.get(key):
             refuse(f"{key}=true; our Llama has no bias tensors (a Qwen2-style model: use model=hf model.path=<dir>)")
     theta, scaling = _rope_of(hf)
-    if abs(theta - cfg.rope_theta) > 1e-6 * theta:
-        refuse(f"rope_theta={theta:g} but model.rope_theta={cfg.rope_theta:g}; set model.rope_theta={theta:g}")
+    if abs(theta - a.rope_theta) > 1e-6 * theta:
+        refuse(f"rope_theta={theta:g} but model.args.rope_theta={a.rope_theta:g}; set model.args.rope_theta={theta:g}")
     if scaling is not None and scaling["rope_type"] != "llama3":
         refuse(f"rope scaling of type {scaling['rope_type']!r}; only llama3 scaling is implemented")
-    ours = {"rope_type": "llama3", **{k: cfg.rope_scaling[k] for k in ROPE_SCALING_KEYS}} if cfg.rope_scaling else None
+    ours = {"rope_type": "llama3", **{k: a.rope_scaling[k] for k in ROPE_SCALING_KEYS}} if a.rope_scaling else None
     theirs = {"rope_type": "llama3", **{k: scaling.get(k) for k in ROPE_SCALING_KEYS}} if scaling else None
     if ours != theirs:
         shown = "{" + ", ".join(f"{k}: {v}" for k, v in theirs.items()) + "}" if theirs else "null"
-        refuse(f"rope_scaling={theirs} but model.rope_scaling={ours}; set 'model.rope_scaling={shown}'")
-    eps = hf.get("rms_norm_eps", cfg.norm_eps)
-    if abs(eps - cfg.norm_eps) > 1e-12:
-        refuse(f"rms_norm_eps={eps:g} but model.norm_eps={cfg.norm_eps:g}; set model.norm_eps={eps:g}")
+        refuse(f"rope_scaling={theirs} but model.args.rope_scaling={ours}; set 'model.args.rope_scaling={shown}'")
+    eps = hf.get("rms_norm_eps", a.norm_eps)
+    if abs(eps - a.norm_eps) > 1e-12:
+        refuse(f"rms_norm_eps={eps:g} but model.args.norm_eps={a.norm_eps:g}; set model.args.norm_eps={eps:g}")
     tied = bool(hf.get("tie_word_embeddings", False))  # transformers' LlamaConfig default
-    if tied != cfg.tie_embeddings:
+    if tied != a.tie_embeddings:
         refuse(
-            f"tie_word_embeddings={str(tied).lower()} but model.tie_embeddings={str(cfg.tie_embeddings).lower()}; "
-            f"set model.tie_embeddings={str(tied).lower()}"
+            f"tie_word_embeddings={str(tied).lower()} but model.args.tie_embeddings={str(a.tie_embeddings).lower()}; "
+            f"set model.args.tie_embeddings={str(tied).lower()}"
         )
 
 
 def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
     """What a transformers user needs besides the weights: the generation config (stop at our
     end-of-document token) and, when the job had one, the tokenizer."""
+    a = llama_args(cfg)
     import shutil
 
     eod = getattr(tokenizer, "eod", EOD_ID) if tokenizer is not None else EOD_ID
@@ -187,7 +192,7 @@ def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
                 "do_sample": True,
                 "temperature": 0.8,
                 "top_k": 20,
-                "max_length": cfg.max_seq_len,
+                "max_length": a.max_seq_len,
             },
             f,
             indent=2,
@@ -204,7 +209,7 @@ def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
                 "bos_token": token,
                 "eos_token": token,
                 "pad_token": token,
-                "model_max_length": cfg.max_seq_len,
+                "model_max_length": a.max_seq_len,
                 "clean_up_tokenization_spaces": False,
             },
             f,

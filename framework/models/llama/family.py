@@ -1,9 +1,10 @@
 """Our Llama family's record: the model, its tensor-parallel plan, its Hugging Face adapter."""
 
 from framework.models.llama.adapter import LlamaAdapter, check_rope_scaling
+from framework.models.llama.args import NAMES as PRESETS
+from framework.models.llama.args import LlamaArgs, llama_args, with_vocab_size
 from framework.models.llama.model import Transformer, TransformerBlock, build_llama  # noqa: F401
 from framework.models.llama.parallelize import tp_plan
-from framework.models.llama.shapes import NAMES as PRESETS
 from framework.models.registry import ModelFamily, register_family
 
 
@@ -24,9 +25,12 @@ FAMILY = register_family(
         blocks=lambda model: list(model.layers),
         init_weights=_init_weights,
         tp_plan=tp_plan,
-        adapter=lambda cfg: LlamaAdapter(tied=cfg.tie_embeddings),
+        adapter=lambda cfg: LlamaAdapter(tied=llama_args(cfg).tie_embeddings),
         embedding_name="tok_embeddings.weight",
         num_params=lambda model: model.num_params(),
         flops_per_token=lambda model, seq_len: model.flops_per_token(seq_len),
+        args_type=LlamaArgs,
+        vocab_size=lambda cfg: llama_args(cfg).vocab_size,
+        with_vocab_size=with_vocab_size,
     )
 )

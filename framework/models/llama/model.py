@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.config.schema import ModelConfig
+from framework.models.llama.args import LlamaArgs, llama_args
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +53,7 @@ def rotary_table(
 ) -> torch.Tensor:
     """(max_seq_len, head_dim) table: cos in the first half of the last dim, sin in the second.
     `scaling`: None, or {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings} (model.rope_scaling)."""
+    original_max_position_embeddings} (model.args.rope_scaling)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling:
         params = {k: v for k, v in scaling.items() if k not in ("rope_type", "type")}
@@ -77,7 +77,7 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
         self.n_rep = cfg.n_heads // cfg.n_kv_heads  # query heads per KV head
@@ -103,7 +103,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
@@ -114,7 +114,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -127,10 +127,10 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         if cfg.vocab_size <= 0:
-            raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building")
+            raise ValueError("model.args.vocab_size must be resolved (from the tokenizer) before building")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
@@ -208,6 +208,8 @@ class Transformer(nn.Module):
         return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.dim * seq_len
 
 
-def build_llama(cfg: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
+def build_llama(cfg, device: str | torch.device = "cpu") -> Transformer:
+    """The Llama a ModelConfig describes (its `model.args`), on `device` (meta: no memory)."""
+    args = llama_args(cfg)
     with torch.device(device):
-        return Transformer(cfg)
+        return Transformer(args)

@@ -1,15 +1,13 @@
 """Our Llama's units and tensors as the engine shards them, per tensor-parallel rank: pure
-arithmetic over `ModelConfig`, mirroring `model.py` and the plan of `parallelize.py`.
+arithmetic over `LlamaArgs` (args.py), mirroring `model.py` and the plan of `parallelize.py`.
 `parallelize` makes one sharding unit per transformer block and one for the root (embeddings,
 final norm, output head); `tests/planner/test_planner.py` checks these counts against the built
 model, tensor by tensor."""
 
 from __future__ import annotations
 
+from framework.models.llama.args import NAMES, llama_args  # noqa: F401 - NAMES: the presets this module plans
 from framework.models.shapes import ModelShape, Tensor, Unit
-
-# The conf/model presets (tests/unit/test_model.py checks that every preset file is registered).
-NAMES = ("debug", "small", "llama_125m", "llama_350m", "llama_1b", "llama_7b", "llama_13b", "llama_70b")
 
 
 def _split(n: int, tp: int) -> int:
@@ -50,4 +48,7 @@ def llama_shape(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tie_embeddin
 
 
 def plan_shape(cfg, vocab_size: int) -> ModelShape:
-    return llama_shape(vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tie_embeddings)
+    """`vocab_size`: the data's, used where model.args.vocab_size=-1 leaves it to the tokenizer."""
+    a = llama_args(cfg)
+    vocab = a.vocab_size if a.vocab_size > 0 else vocab_size
+    return llama_shape(vocab, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.tie_embeddings)

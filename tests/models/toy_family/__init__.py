@@ -16,6 +16,7 @@ from framework.models.registry import ModelFamily, register_family
 
 @dataclass(frozen=True)
 class ToyArgs:
+    vocab_size: int = 64
     width: int = 32
     depth: int = 2
 
@@ -45,9 +46,16 @@ class ToyLM(nn.Module):
 
 def _build(cfg, device="cpu") -> ToyLM:
     with torch.device(device):
-        return ToyLM(cfg.vocab_size, FAMILY.args_of(cfg))
+        args = FAMILY.args_of(cfg)
+        return ToyLM(args.vocab_size, args)
 
 
 FAMILY = register_family(
-    ModelFamily(names=("toy_mlp",), build=_build, blocks=lambda m: list(m.blocks), args_type=ToyArgs)
+    ModelFamily(
+        names=("toy_mlp",),
+        build=_build,
+        blocks=lambda m: list(m.blocks),
+        args_type=ToyArgs,
+        vocab_size=lambda cfg: FAMILY.args_of(cfg).vocab_size,
+    )
 )

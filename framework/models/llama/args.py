@@ -1,0 +1,99 @@
+"""Our Llama family's arguments (`model.args`), its preset names and its checks; no torch, so the
+planner and the launcher read them on a machine without it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, List
+
+from framework.errors import UserInputError
+
+# The conf/model presets (tests/unit/test_model.py checks that every preset file is registered).
+NAMES = ("debug", "small", "llama_125m", "llama_350m", "llama_1b", "llama_7b", "llama_13b", "llama_70b")
+
+
+@dataclass
+class LlamaArgs:
+    """The sizes of one Llama (each conf/model preset sets them all under `args:`; override one
+    with e.g. `model.args.n_layers=4`). The defaults are the debug preset's."""
+
+    vocab_size: int = 256  # -1: take it from the data's tokenizer
+    dim: int = 64  # hidden size
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads must be a multiple
+    ffn_dim: int = 176  # SwiGLU inner size
+    max_seq_len: int = 128  # the longest sequence the rotary table covers
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # null, or Llama 3's scaling: {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings} (framework/models/llama/model.py: llama3_frequencies)
+    rope_scaling: Any = None
+    tie_embeddings: bool = False  # share the token embedding with the output head
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.vocab_size != -1 and self.vocab_size <= 0:
+            raise UserInputError(f"model.args.vocab_size={self.vocab_size}: must be > 0, or -1 (the tokenizer's)")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise UserInputError(f"model.args.{name}={getattr(self, name)}: must be > 0")
+        if self.dim % self.n_heads:
+            raise UserInputError(f"model.args.dim={self.dim} is not divisible by model.args.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise UserInputError(
+                f"model.args.n_heads={self.n_heads} is not a multiple of model.args.n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise UserInputError(
+                f"model.args.dim / model.args.n_heads = {self.dim // self.n_heads}: rotary embeddings need an "
+                "even head size"
+            )
+
+
+def llama_args(cfg) -> LlamaArgs:
+    """A ModelConfig's Llama arguments (refused in one line where a field is unknown or mistyped)."""
+    from framework.models.args import parse_args
+
+    return parse_args(LlamaArgs, cfg)
+
+
+def with_vocab_size(cfg, vocab_size: int):
+    """`cfg` with the vocabulary the data decided (model.args.vocab_size=-1)."""
+    return dataclasses.replace(cfg, args={**dict(cfg.args or {}), "vocab_size": vocab_size})
+
+
+def problems(cfg, tp: int, seq_len: int, data_vocab: int) -> List[str]:
+    """The refusals of these arguments for a job with this tensor-parallel degree and sequence
+    length (see framework/models/args.py); advice that does not stop the job is logged."""
+    a = llama_args(cfg)
+    out = []
+    if tp > 1:
+        for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
+            value = getattr(a, name)
+            if value % tp:
+                out.append(
+                    f"model.args.{name}={value} is not divisible by parallelism.tp={tp}; choose a tp that divides it"
+                )
+        vocab = a.vocab_size if a.vocab_size > 0 else data_vocab
+        if vocab and vocab % tp:
+            # Not refused: DTensor shards the embedding table and the output head unevenly
+            # (torch.chunk sizes: ceil(vocab / tp) rows, the last rank fewer; its collectives pad
+            # the short shard) and the numbers are exact (tests/tp). Said, because the work is
+            # unbalanced and an even size is one config value away.
+            per_rank = -(-vocab // tp)
+            if os.environ.get("RANK", "0") == "0":
+                logging.getLogger("framework.config").warning(
+                    f"vocabulary size {vocab} is not divisible by parallelism.tp={tp}: the embedding and "
+                    f"output head are split unevenly (at most {per_rank} rows per rank, the short shards "
+                    f"padded in communication); for even shards pad model.args.vocab_size to {per_rank * tp}"
+                )
+    if seq_len > a.max_seq_len:
+        out.append(
+            f"data.seq_len={seq_len} is longer than model.args.max_seq_len={a.max_seq_len} of model={cfg.name}; "
+            "lower data.seq_len"
+        )
+    return out
