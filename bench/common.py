@@ -67,6 +67,12 @@ def build_gpt(size: str, seed: int = 0) -> GPT:
     return GPT(vocab, d, layers, heads, seq)
 
 
+def gpt_params(size: str) -> int:
+    """Parameters of the benchmark GPT of `size` (counted on the meta device: nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_gpt(size).parameters())
+
+
 def flops_per_token(size: str) -> float:
     """6 x non-embedding parameters + attention (12 x layers x d x seq), as the trainer counts."""
     _vocab, d, layers, _heads, seq, _ = SIZES[size]
@@ -82,6 +88,114 @@ def batch(size: str, step: int, dp_rank: int, device) -> torch.Tensor:
 
 def loss_of(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1))
+
+
+# ------------------------------------------------------------------ engines
+LR = 1e-4
+
+
+class Built:
+    """One engine ready to step: `step(idx)` runs forward, backward and the optimizer."""
+
+    def __init__(self, name, model, opt=None, ds=None):
+        self.name, self.model, self.opt, self.ds = name, model, opt, ds
+
+    def step(self, idx, zero_grad: bool = True):
+        if self.ds is not None:
+            loss = loss_of(self.ds(idx[:, :-1]), idx)
+            self.ds.backward(loss)
+            self.ds.step()
+            return loss
+        loss = loss_of(self.model(idx[:, :-1]), idx)
+        loss.backward()
+        self.opt.step()
+        if zero_grad:
+            self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def comm(self):
+        return self.model.comm_stats() if hasattr(self.model, "comm_stats") else None
+
+
+def _ds_config(stage: int, size: str) -> dict:
+    mb = SIZES[size][5]
+    return {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+        # Buckets sized for these models (50M elements, 200 MB fp32): DeepSpeed's defaults (500M
+        # elements) target billion-parameter models and would allocate 2 GB per bucket per rank here.
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 5e7,
+            "allgather_bucket_size": 5e7,
+            "stage3_prefetch_bucket_size": 5e7,
+        },
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(name: str, size: str, device, world: int, *, foreach: bool | None = None, bf16: bool = False) -> Built:
+    """The benchmark GPT of `size` under engine `name`, every block one unit and the root kept
+    gathered after forward (as `parallelize` and torchtitan do), with AdamW. Names: ours_full (or
+    ours), ours_gloo (ours over gloo's TCP on process groups of its own), ours_grad_op,
+    ours_hybrid, ours_int8, fsdp2, ddp, ds_zero2, ds_zero3; a "+compile" suffix compiles each
+    block. `foreach`: AdamW's (None: torch's choice on CUDA, off on CPU); `bf16`: bf16 compute
+    with fp32 shards and reduction (ours and fsdp2)."""
+    compile_blocks = name.endswith("+compile")
+    base = name.removesuffix("+compile")
+    model = build_gpt(size).to(device)  # the same initial weights on every device
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
+    if base.startswith("ours") or base == "fsdp2":
+        if base == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        else:
+            from framework.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        mesh = None
+        if base == "ours_hybrid" and world >= 2:
+            mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        if base == "ours_gloo":
+            # A transport is chosen once per process group ([Note: one transport per group]): this
+            # variant gets groups of its own (a new group under a mesh of another name), else it
+            # would share the default mesh's groups (the world's), and their transport, with `ours`.
+            group = dist.new_group(list(range(dist.get_world_size())))
+            mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp_gloo",))
+        kw = {}
+        if bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        elif base == "ours_int8":
+            kw["mp_policy"] = MixedPrecisionPolicy(quantized_comm=True)
+        if mesh is not None:
+            kw["mesh"] = mesh
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=base != "ours_grad_op", **kw)
+        fully_shard(model, reshard_after_forward=False, **kw)
+    elif base == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, gradient_as_bucket_view=True, device_ids=[device.index] if device.type == "cuda" else None)
+    elif base.startswith("ds_zero"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=_ds_config(int(base[-1]), size)
+        )
+        return Built(name, engine, ds=engine)
+    else:
+        raise ValueError(f"unknown engine {name!r}")
+    if foreach is None:
+        foreach = None if device.type == "cuda" else False
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
+    return Built(name, model, opt)
 
 
 # ------------------------------------------------------------------ ranks

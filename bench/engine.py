@@ -34,42 +34,28 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The GPT-like benchmark model and its sizes are the ones every benchmark shares (bench/common.py).
-from bench.common import SIZES, WireCounter, build_gpt, live_tensor_bytes, reset_rss_peak, rss_mb  # noqa: E402
+from bench.common import (  # noqa: E402
+    SIZES,
+    Built,
+    WireCounter,
+    batch,
+    build_engine,
+    gpt_params,
+    live_tensor_bytes,
+    loss_of,
+    reset_rss_peak,
+    rss_mb,
+)
 
 # ------------------------------------------------------------------ engines
 # our engine's variants: ours_gloo over gloo's TCP instead of shared memory
 OURS = ("ours", "ours_gloo")
 
 
-def build(engine: str, size: str, rank: int):
-    model = build_gpt(size)
-    if engine in OURS:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        from framework.distributed.fsdp import fully_shard
-
-        # A transport is chosen once per process group ([Note: one transport per group]): the
-        # variant over gloo gets groups of its own (a new group under a mesh of another name), else
-        # it would share the default mesh's groups (the world's), and their transport, with `ours`.
-        mesh = None
-        if engine == "ours_gloo":
-            group = dist.new_group(list(range(dist.get_world_size())))
-            mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp_gloo",))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
-    else:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, gradient_as_bucket_view=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    return model, opt
+def build(engine: str, size: str):
+    """`engine` as every benchmark builds it (bench/common.py), with foreach AdamW."""
+    b = build_engine(engine, size, torch.device("cpu"), dist.get_world_size(), foreach=True)
+    return b.model, b.opt
 
 
 def step(engine, model, opt, size, s, rank):
@@ -78,15 +64,10 @@ def step(engine, model, opt, size, s, rank):
         from framework.distributed.fsdp import set_host_transport
 
         set_host_transport("gloo" if engine == "ours_gloo" else "shm")
-    g = torch.Generator().manual_seed(s * 100 + rank)
-    idx = torch.randint(0, vocab, (mb, seq + 1), generator=g)
+    idx = batch(size, s, rank, "cpu")
     dist.barrier()
     t0 = time.perf_counter()
-    out = model(idx[:, :-1])
-    loss = F.cross_entropy(out.reshape(-1, vocab), idx[:, 1:].reshape(-1))
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    loss = Built(engine, model, opt).step(idx)
     return time.perf_counter() - t0, loss.item()
 
 
@@ -102,7 +83,7 @@ def tensor_bytes(engine, model, opt) -> int:
 def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
     counter = WireCounter().install()  # FSDP2's traffic, at torch.distributed's functions
     engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else [])
-    built = {e: build(e, size, rank) for e in engines}
+    built = {e: build(e, size) for e in engines}
     times = {e: [] for e in engines}
     traffic = {e: [] for e in engines}
     exposed = {e: [] for e in OURS}
@@ -148,7 +129,7 @@ def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
 def memory_worker(rank, ws, engine, size, steps=2):
     """One engine alone in its processes: the RSS high-water mark of `steps` steps after 2 warm-up
     ones, and their step times (no other engine's tensors share this heap)."""
-    model, opt = build(engine, size, rank)
+    model, opt = build(engine, size)
     for s in range(2):
         step(engine, model, opt, size, s, rank)
     reset_rss_peak()
@@ -162,22 +143,12 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
     `engine` is "ours" or "fsdp2" (torch's fully_shard, same policy), one block per unit."""
     from framework.metrics import device_peak_tflops
 
-    if engine == "ours":
-        from framework.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     vocab, d, layers, heads, seq, mb = SIZES[size]
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.reset_peak_memory_stats(dev)
-    with dev:
-        model = build_gpt(size)
-    n_params = sum(p.numel() for p in model.parameters())
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        fully_shard(b, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    built = build_engine(engine, size, dev, ws, foreach=True, bf16=True)
+    model, opt = built.model, built.opt
+    n_params = gpt_params(size)
     times, exposed = [], []
     for s in range(warmup + steps):
         idx = torch.randint(0, vocab, (mb, seq + 1), device=dev)
@@ -186,10 +157,7 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
         torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        out = model(idx[:, :-1])
-        F.cross_entropy(out.float().reshape(-1, vocab), idx[:, 1:].reshape(-1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        built.step(idx)
         torch.cuda.synchronize()
         if s >= warmup:
             times.append(time.perf_counter() - t0)
@@ -202,7 +170,7 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
         if phase == "forward":
-            loss = F.cross_entropy(model(idx[:, :-1]).float().reshape(-1, vocab), idx[:, 1:].reshape(-1))
+            loss = loss_of(model(idx[:, :-1]), idx)
         elif phase == "backward":
             loss.backward()
         else:
@@ -223,7 +191,7 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
         "phase_peak_gib": phases,
         "gpu": torch.cuda.get_device_name(dev),
     }
-    del model, opt, loss
+    del model, opt, loss, built
     torch.cuda.empty_cache()
     return out
 

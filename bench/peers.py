@@ -43,10 +43,10 @@ from bench.common import (
     SIZES,
     WireCounter,
     batch,
-    build_gpt,
+    build_engine,
     flops_per_token,
+    gpt_params,
     live_tensor_bytes,
-    loss_of,
     machine,
     peak_delta_bytes,
     rss_mb,
@@ -66,7 +66,6 @@ LABELS = {
     "ours_full+compile": "ours ZeRO-3 + compile",
     "fsdp2+compile": "FSDP2 + compile",
 }
-LR = 1e-4
 
 
 def have_deepspeed() -> bool:
@@ -78,94 +77,6 @@ def have_deepspeed() -> bool:
         return False
 
 
-class Built:
-    """One engine ready to step: `step(idx)` runs forward, backward and the optimizer."""
-
-    def __init__(self, name, model, opt=None, ds=None):
-        self.name, self.model, self.opt, self.ds = name, model, opt, ds
-
-    def step(self, idx, zero_grad: bool = True):
-        if self.ds is not None:
-            loss = loss_of(self.ds(idx[:, :-1]), idx)
-            self.ds.backward(loss)
-            self.ds.step()
-            return loss
-        loss = loss_of(self.model(idx[:, :-1]), idx)
-        loss.backward()
-        self.opt.step()
-        if zero_grad:
-            self.opt.zero_grad(set_to_none=True)
-        return loss
-
-    def comm(self):
-        return self.model.comm_stats() if hasattr(self.model, "comm_stats") else None
-
-
-def _ds_config(stage: int, size: str) -> dict:
-    mb = SIZES[size][5]
-    return {
-        "train_micro_batch_size_per_gpu": mb,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
-        # Buckets sized for these models (50M elements, 200 MB fp32): DeepSpeed's defaults (500M
-        # elements) target billion-parameter models and would allocate 2 GB per bucket per rank here.
-        "zero_optimization": {
-            "stage": stage,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": 5e7,
-            "allgather_bucket_size": 5e7,
-            "stage3_prefetch_bucket_size": 5e7,
-        },
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
-def build(name: str, size: str, device, world: int) -> Built:
-    compile_blocks = name.endswith("+compile")
-    base = name.removesuffix("+compile")
-    model = build_gpt(size).to(device)
-    if compile_blocks:
-        for block in model.blocks:
-            block.compile()
-    if base.startswith("ours"):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from framework.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = None
-        if base == "ours_hybrid" and world >= 2:
-            mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-        mp = MixedPrecisionPolicy(quantized_comm=base == "ours_int8")
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=base != "ours_grad_op", mp_policy=mp)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)  # as parallelize()
-    elif base == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model, reshard_after_forward=False)
-    elif base == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, gradient_as_bucket_view=True, device_ids=[device.index] if device.type == "cuda" else None)
-    elif base.startswith("ds_zero"):
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=_ds_config(int(base[-1]), size)
-        )
-        return Built(name, engine, ds=engine)
-    else:
-        raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=None if device.type == "cuda" else False)
-    return Built(name, model, opt)
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -173,7 +84,7 @@ def _sync(device):
 
 def timing_worker(rank, world, device, size, engines, steps, warmup):
     counter = WireCounter().install()
-    built = {e: build(e, size, device, world) for e in engines}
+    built = {e: build_engine(e, size, device, world) for e in engines}
     times = {e: [] for e in engines}
     wire = {e: [] for e in engines}
     exposed = {e: [] for e in engines}
@@ -208,13 +119,13 @@ def timing_worker(rank, world, device, size, engines, steps, warmup):
                 wire[e].append(2 * (world - 1) * grads // world)
             else:
                 wire[e].append(counter.bytes - before)
-    params = sum(p.numel() for p in build_gpt(size).parameters())
+    params = gpt_params(size)
     return {"times": times, "wire": wire, "exposed": exposed, "params": params}
 
 
 def memory_worker(rank, world, device, size, engine):
     def run():
-        b = build(engine, size, device, world)
+        b = build_engine(engine, size, device, world)
         for s in range(3):
             b.step(batch(size, s, rank, device))
         run.held = live_tensor_bytes(b.model, b.opt) if b.opt is not None else None
@@ -265,7 +176,7 @@ def _bf16_peak_tflops() -> float:
 
 # ------------------------------------------------------------------ scaling and compile
 def scaling_worker(rank, world, device, size, steps):
-    b = build("ours_full", size, device, world)
+    b = build_engine("ours_full", size, device, world)
     times = []
     for s in range(steps + 1):
         dist.barrier()
@@ -281,7 +192,7 @@ def scaling_worker(rank, world, device, size, steps):
 def scaling(size: str, ranks, steps: int) -> list:
     from framework.planner import zero_model_state_bytes
 
-    params = sum(p.numel() for p in build_gpt(size).parameters())
+    params = gpt_params(size)
     out = []
     for n in ranks:
         res = spawn(scaling_worker, n, args=(size, steps))
