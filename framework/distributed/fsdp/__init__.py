@@ -9,19 +9,32 @@ Files, in import order: api.py (policies, state enums), flat.py (storage layout)
 host/ (how a group moves bytes), collectives.py, zeropp.py and reduce.py (parts of a unit), unit.py,
 context.py (one model's shared state), hooks.py, mesh.py (groups and meshes), state_dict.py,
 clip.py (global gradient norms, also for torch's clip_grad_norm_), optim_check.py (what the
-optimizer sees: original_shape), fully_shard.py (the entry point).
+optimizer sees: original_shape), sharded_module.py (FSDP2's FSDPModule methods), fully_shard.py
+(the entry point).
 """
 
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, TrainingPhase, UnitState
+from .api import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    QuantizedCommPolicy,
+    TrainingPhase,
+    UnitState,
+)
 from .clip import clip_grad_norm_
-from .fully_shard import ShardedModule, fully_shard
+from .fully_shard import fully_shard
 from .host import set_host_transport
 from .optim_check import original_shape
+from .sharded_module import FSDPModule, ShardedModule, UnshardHandle, register_fsdp_forward_method
 from .state_dict import get_state_dicts, set_state_dicts
 from .unit import sharded_units
 
 __all__ = [
     "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "OffloadPolicy",
+    "register_fsdp_forward_method",
     "MixedPrecisionPolicy",
     "CPUOffloadPolicy",
     "QuantizedCommPolicy",

@@ -33,7 +33,13 @@ class MixedPrecisionPolicy:
 
 
 @dataclass(frozen=True)
-class CPUOffloadPolicy:
+class OffloadPolicy:
+    """No offloading: shards, gradients and optimizer state on the compute device (FSDP2's base
+    policy; `fully_shard(offload_policy=OffloadPolicy())` is the same as passing none)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded params, grads and optimizer state on the CPU; compute on the accelerator.
 
     The gathered parameters live on the compute device for the duration of the unit's use; the

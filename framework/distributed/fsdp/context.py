@@ -182,7 +182,8 @@ class ShardContext:
             for dev in {u.compute_device for u in self.units if u.offload and u.compute_device.type == "cuda"}:
                 torch.cuda.current_stream(dev).synchronize()  # offloaded grad shards were copied non-blocking
             for u in self.units:
-                u.reshard()
+                if u.reshard_after_backward:
+                    u.reshard()
                 u.reset_backward()
             self._release_pool_after_backward()
             self.callback_queued = False
@@ -195,6 +196,25 @@ class ShardContext:
         kept = lambda key: key[2] in POOL_KEPT_BETWEEN_STEPS_ON  # key: (tag, dtype, device type, index)
         self._pool = {key: free for key, free in self._pool.items() if kept(key)}
         self._owned = {i: rec for i, rec in self._owned.items() if kept(rec[0])}
+
+    def reset_iter_state(self) -> None:
+        """Back to the start of a step after an exception mid-step: wait for what is in flight,
+        free every gathered parameter, forget this step's progress (reduced gradients stay)."""
+        for u in self.units:
+            if u._gather is not None:
+                u.wait_unshard()
+        while self.pending_units:
+            self.pending_units.pop(0).finish_reduce()
+        for u in self.units:
+            u.reshard()
+            u.reset_backward()
+            u._fwd_uses = 0
+        self.next_reduce = 0
+        self.callback_queued = False
+        self.backward_done = True
+        if not self.order_frozen:  # a partly recorded first forward: record it again
+            self.order.clear()
+        self.phase = TrainingPhase.IDLE
 
     def reshard_all(self) -> None:
         for u in self.units:

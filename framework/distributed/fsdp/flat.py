@@ -41,7 +41,8 @@ class TPSpec:
 class FlatEntry:
     """One distinct parameter of a unit (tied parameters appear once, with several users)."""
 
-    users: List[Tuple[nn.Module, str, str]]  # (owning submodule, attribute name, FQN relative to the unit module)
+    users: List[Tuple[nn.Module, str, str]]  # (owning submodule, attribute name, FQN relative to its member module)
+    members: List[int] = field(default_factory=list)  # per user: which module of the unit's group it is under
     shape: torch.Size
     offset: int  # start in the unsharded flat buffer
     numel: int

@@ -1,14 +1,12 @@
 """`fully_shard(module, ...)`: turn a module's not-yet-owned parameters into one sharded unit.
 
 Applied bottom-up (each block, then the root), like FSDP2. The module's class is swapped for a
-subclass that adds the FSDP2-style methods (`set_requires_gradient_sync`, `reshard`, `unshard`,
-`set_modules_to_forward_prefetch`, `set_modules_to_backward_prefetch`) and ours (`comm_stats`,
-`reset_comm_stats`, `sharded_tensor_bytes`).
+subclass of `ShardedModule` (FSDP2's `FSDPModule`; sharded_module.py), which adds FSDP2's methods.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Set, Union
 
 import torch
 import torch.distributed as dist
@@ -17,94 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import hooks
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizedCommPolicy
 from .clip import install_torch_norm
 from .flat import FlatEntry, TPSpec, build_layout
 from .mesh import dp_tp_mesh, mesh_key, reduce_group, resolve_mesh, secondary_group
 from .optim_check import install_param_group_check
+from .sharded_module import ShardedModule
 from .state_dict import register_state_dict_hooks
-from .unit import ShardUnit, claim, claimed_by, owner_of, sharded_units
-
-
-class ShardedModule:
-    """Methods added to every module that `fully_shard` was applied to."""
-
-    def _units(self) -> List[ShardUnit]:
-        return sharded_units(self)
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False for gradient-accumulation micro-steps: gradients accumulate unsharded, no communication."""
-        for u in self._units() if recurse else [self._fsdp_unit]:
-            u.requires_grad_sync = requires_gradient_sync
-
-    def comm_stats(self) -> dict:
-        """Communication since `reset_comm_stats()`, summed over the units at and below this module."""
-        keys = (
-            "allgather_bytes",
-            "reduce_scatter_bytes",
-            "allreduce_bytes",
-            "alltoall_bytes",
-            "num_collectives",
-            "exposed_comm_s",
-        )
-        out = {k: 0 for k in keys}
-        for u in self._units():
-            u.stats.resolve()  # CUDA: read the timed waits (see collectives.wait)
-            for k in keys:
-                out[k] += getattr(u.stats, k)
-        return out
-
-    def reset_comm_stats(self) -> None:
-        for u in self._units():
-            u.stats.reset()
-
-    def sharded_tensor_bytes(self) -> dict:
-        """Bytes the engine holds on this rank: per unit its shard, grad shard, unsharded storage,
-        accumulation buffer, hpZ secondary shard and send buffer; once for the model its pooled
-        buffers (gradient inputs and outputs, reduce-scatter scratch, int8 receive buffers).
-        `total` is their sum: everything the engine holds besides the optimizer's state."""
-        out: dict = {}
-        for u in self._units():
-            for k, v in u.tensor_bytes().items():
-                out[k] = out.get(k, 0) + v
-        ctx = self._fsdp_unit.ctx
-        out["grad_pool"] = ctx.pool_bytes() if ctx is not None else 0
-        out["total"] = sum(out.values())
-        return out
-
-    def _apply(self, fn, recurse=True):
-        # `.to(device)`, `.to_empty(device=...)`, `.double()` replace the parameters' data; the
-        # children (their own units) rebind in their own _apply, this unit after its parameters.
-        result = super()._apply(fn, recurse)
-        self._fsdp_unit.rebind_after_apply(fn)
-        hooks.register_param_hooks(self._fsdp_unit)
-        return result
-
-    def set_modules_to_forward_prefetch(self, modules: List[nn.Module]) -> None:
-        """Gather these sharded modules' parameters (async) when this module's forward starts,
-        instead of the next unit of the recorded forward order (FSDP2's explicit prefetching)."""
-        self._fsdp_unit.forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
-
-    def set_modules_to_backward_prefetch(self, modules: List[nn.Module]) -> None:
-        """Gather these sharded modules' parameters (async) when this module's backward starts,
-        instead of the previous unit of the recorded forward order."""
-        self._fsdp_unit.backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
-
-    def unshard(self) -> None:
-        self._fsdp_unit.wait_unshard()
-
-    def reshard(self) -> None:
-        self._fsdp_unit.reshard()
-
-
-def _units_of(modules: List[nn.Module], what: str) -> List[ShardUnit]:
-    units = []
-    for m in modules:
-        if getattr(m, "_fsdp_unit", None) is None:
-            raise ValueError(f"{what}: {type(m).__name__} is not sharded; pass modules that fully_shard was applied to")
-        units.append(m._fsdp_unit)
-    return units
-
+from .unit import ShardUnit, claim, claimed_by, owner_of
 
 _CLASS_CACHE: Dict[type, type] = {}
 
@@ -116,15 +34,21 @@ def _sharded_class(cls: type) -> type:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: Union[nn.Module, List[nn.Module]],
     *,
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Union[bool, int] = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: Optional[CPUOffloadPolicy] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
     comm_policy: Optional[QuantizedCommPolicy] = None,
+    ignored_params: Optional[Set[nn.Parameter]] = None,
+    shard_placement_fn: Optional[Callable] = None,
 ) -> nn.Module:
     """Shard `module`'s parameters that no sub-unit owns yet into one unit (ZeRO-3 by default).
+
+    module: one module, or a list of modules sharded together as one unit (FSDP2's grouping,
+        e.g. torchtitan's [norm, output]): gathered when the first of them runs forward, freed
+        (ZeRO-3) once all of them have; each becomes a sharded module. Returns what it was given.
 
     reshard_after_forward: True = free the gathered parameters after forward (ZeRO-3); False = keep
         them until backward ends (ZeRO-2); an int k = hpZ: keep a secondary shard over groups of k
@@ -132,18 +56,41 @@ def fully_shard(
         shard-group size; k equal to it means True, 1 means False).
     comm_policy: QuantizedCommPolicy for int8 all-gather / all-to-all gradient reduction (ZeRO++);
         `MixedPrecisionPolicy(quantized_comm=True)` is the same with the default block of 256.
+    offload_policy: CPUOffloadPolicy() keeps shards, gradients and optimizer state on the host;
+        OffloadPolicy() or None: no offloading.
+    ignored_params: parameters the engine leaves alone (FSDP2's): not sharded, not gathered, their
+        gradients not reduced; they stay plain, replicated parameters of the module.
+    shard_placement_fn: refused (FSDP2 uses it for Shard(1) and other per-parameter placements):
+        a unit is one flat buffer cut into equal contiguous pieces, so a parameter cannot be split
+        on another dimension. State dicts are Shard(0) DTensors either way.
     """
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard: shard_placement_fn is not supported: the engine keeps each unit as one flat buffer cut "
+            "into equal contiguous pieces (docs/engine.md), so a parameter cannot be sharded on another dimension "
+            "(Shard(1)); drop shard_placement_fn (state dicts are Shard(0) DTensors either way)"
+        )
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(
+            f"fully_shard: offload_policy={offload_policy!r}; give CPUOffloadPolicy(), OffloadPolicy() or None"
+        )
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    ignored = {id(p) for p in (ignored_params or ())}
     install_torch_norm()  # [Note: torch's clip_grad_norm_ on sharded parameters] in clip.py
     install_param_group_check()  # [Note: grouping optimizer parameters by ndim] in optim_check.py
-    if getattr(module, "_fsdp_unit", None) is not None:
-        raise ValueError(
-            f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module, bottom-up"
-        )
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not members or not all(isinstance(m, nn.Module) for m in members):
+        raise ValueError(f"fully_shard: {module!r}; give a module or a non-empty list of modules")
+    for m in members:
+        if getattr(m, "_fsdp_unit", None) is not None:
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} is already sharded; apply fully_shard once per module, bottom-up"
+            )
     if not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward!r}; use True, False or an int")
     if comm_policy is None and mp_policy.quantized_comm:
         comm_policy = QuantizedCommPolicy()
-    if offload_policy is not None and comm_policy is not None:
+    if offload and comm_policy is not None:
         raise NotImplementedError(
             "fully_shard: CPUOffloadPolicy together with QuantizedCommPolicy is not supported; drop one"
         )
@@ -151,9 +98,12 @@ def fully_shard(
     by_id: Dict[int, FlatEntry] = {}
     params: Dict[int, torch.Tensor] = {}  # the values to shard (a DTensor's TP-local tensor)
     owners: Dict[int, nn.Parameter] = {}  # the registered parameter objects
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
+    walk = [
+        (k, name, mod) for k, member in enumerate(members) for name, mod in member.named_modules(remove_duplicate=False)
+    ]
+    for k, mod_name, mod in walk:
         for name, p in list(mod._parameters.items()):
-            if p is None or owner_of(p) is not None:
+            if p is None or owner_of(p) is not None or id(p) in ignored:
                 continue
             claimed = claimed_by(p)
             if claimed is not None:
@@ -179,6 +129,7 @@ def fully_shard(
                 params[id(p)] = src
                 owners[id(p)] = p
             by_id[id(p)].users.append((mod, name, fqn))
+            by_id[id(p)].members.append(k)
     entries = list(by_id.values())
     originals = [params[i] for i in by_id]
     if not entries:
@@ -206,7 +157,7 @@ def fully_shard(
         elif k == 1:
             reshard_after_forward = False
         elif 1 < k < n_shard and n_shard % k == 0:
-            if comm_policy is not None or offload_policy is not None:
+            if comm_policy is not None or offload:
                 raise NotImplementedError(
                     "fully_shard: reshard_after_forward=<int> (hpZ) together with QuantizedCommPolicy or "
                     "CPUOffloadPolicy is not supported; drop one"
@@ -222,7 +173,7 @@ def fully_shard(
     layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align)
     shard_dtype = originals[0].dtype if originals else torch.float32
     unit = ShardUnit(
-        module,
+        members[0],
         entries=entries,
         layout=layout,
         shard_group=shard_group,
@@ -231,7 +182,7 @@ def fully_shard(
         mesh=mesh,
         reshard_after_forward=bool(reshard_after_forward),
         mp=mp_policy,
-        offload=offload_policy is not None,
+        offload=offload,
         comm=comm_policy,
         compute_device=device,
         shard_dtype=shard_dtype,
@@ -253,11 +204,13 @@ def fully_shard(
         unit.set_sharded_param(i, sp)  # [Note: records of sharded parameters] in unit.py
         for mod, name, _ in e.users:
             mod._parameters[name] = sp
-        claim(p, f"{type(module).__name__} unit")
+        claim(p, f"{type(members[0]).__name__} unit")
         if not isinstance(p, DTensor):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # release the unsharded original
-    module._fsdp_unit = unit
-    module.__class__ = _sharded_class(type(module))
-    hooks.register(unit)
-    register_state_dict_hooks(unit)
+    unit.members = members if len(members) > 1 else None
+    for k, m in enumerate(members):
+        m._fsdp_unit = unit
+        m.__class__ = _sharded_class(type(m))
+        hooks.register(unit, m)
+        register_state_dict_hooks(unit, m, k)
     return module

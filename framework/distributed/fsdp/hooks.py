@@ -69,7 +69,7 @@ def _labelled(name: str) -> Callable:
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs once everything the unit computed
     from them has run backward. See [Note: frozen parameters reshard after the unit's whole
-    backward] in unit.py."""
+    backward] in reduce.py."""
 
     @staticmethod
     def forward(ctx, unit: ShardUnit, *tensors: torch.Tensor):
@@ -103,12 +103,15 @@ def _lazy_init(unit: ShardUnit) -> None:
             f"[rank {u.rank}] unit {u.name} already belongs to a sharded model rooted at "
             f"{u.ctx.root.name}; call forward on the root module"
         )
-    unit.reshard_after_forward = False  # backward needs the root first; keep it (as FSDP2 does)
+    if not unit.reshard_after_forward_set:  # set_reshard_after_forward on the root wins
+        unit.reshard_after_forward = False  # backward needs the root first; keep it (as FSDP2 does)
     ShardContext(unit, units)
 
 
 @_labelled("fsdp::pre_forward")
 def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
+    if unit.in_method:  # a forward inside a registered forward method: that method's hooks gathered
+        return None
     if unit.ctx is None:
         _lazy_init(unit)
     ctx = unit.ctx
@@ -118,7 +121,14 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
         unit.wait_unshard()
         return None
     moved = False
-    if unit is ctx.root:
+    # A group (fully_shard([m1, m2])): its first member's forward of this pass gathers and
+    # prefetches; the others find it gathered. See [Note: a group of modules is one unit].
+    later_member = unit.members is not None and bool(unit.members_run)
+    if unit.members is not None:
+        unit.members_run.add(id(module))
+    if later_member:
+        unit.wait_unshard()
+    elif unit is ctx.root:
         if ctx.phase == TrainingPhase.IDLE:  # a step starts: see [Note: requires_grad is read at every step]
             if [u for u in ctx.units if u.sync_requires_grad()]:  # every unit, no short-circuit
                 for u in ctx.units:
@@ -131,19 +141,8 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
         if dev.type != "cpu" and any(t.device != dev for t in _tensors((args, kwargs))):
             args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(dev, non_blocking=True))
             moved = True
-    if not ctx.order_frozen and torch.is_grad_enabled():
-        ctx.order.append(unit)
-    # Issue this unit's gather (if no prefetch did), then the next unit's, and only then wait:
-    # the next gather overlaps this unit's wait and compute.
-    unit.unshard()
-    if unit.forward_prefetch is not None:  # set_modules_to_forward_prefetch replaces the implicit order
-        for other in unit.forward_prefetch:
-            other.unshard()
-    elif ctx.order_frozen:
-        i = ctx.order.index(unit) if unit in ctx.order else -1
-        if 0 <= i < len(ctx.order) - 1:
-            ctx.order[i + 1].unshard()
-    unit.wait_unshard()
+    if not later_member:
+        _gather_and_prefetch(unit, ctx)
     if torch.is_grad_enabled():
         ctx.note_forward(unit)
         if unit.has_frozen:
@@ -158,21 +157,45 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
     return (args, kwargs) if moved else None
 
 
+def _gather_and_prefetch(unit: ShardUnit, ctx: ShardContext) -> None:
+    if not ctx.order_frozen and torch.is_grad_enabled():
+        ctx.order.append(unit)
+    # Issue this unit's gather (if no prefetch did), then the next unit's, and only then wait:
+    # the next gather overlaps this unit's wait and compute.
+    unit.unshard()
+    if unit.forward_prefetch is not None:  # set_modules_to_forward_prefetch replaces the implicit order
+        for other in unit.forward_prefetch:
+            other.unshard()
+    elif ctx.order_frozen:
+        i = ctx.order.index(unit) if unit in ctx.order else -1
+        if 0 <= i < len(ctx.order) - 1:
+            ctx.order[i + 1].unshard()
+    unit.wait_unshard()
+
+
 @_labelled("fsdp::post_forward")
 def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    if unit.in_method:
+        return output
     ctx = unit.ctx
     if ctx.phase == TrainingPhase.PRE_BACKWARD:  # recomputation, see pre_forward
         return output
     grad = torch.is_grad_enabled()
-    if unit is ctx.root:
+    if unit.members is not None and len(unit.members_run) < len(unit.members):
+        pass  # a group frees its parameters once every member has run forward
+    elif unit is ctx.root:
         ctx.order_frozen = ctx.order_frozen or grad
         if not grad:
             ctx.reshard_all()
             ctx.set_phase(TrainingPhase.IDLE)
+        elif unit.reshard_after_forward:  # only when set_reshard_after_forward asked it of the root
+            unit.reshard_after_forward_step()
     elif not grad:
         unit.reshard()
     elif unit.reshard_after_forward:
         unit.reshard_after_forward_step()
+    if unit.members is not None and len(unit.members_run) == len(unit.members):
+        unit.members_run.clear()
     if grad:
         for t in _tensors(output):
             if t.requires_grad:
@@ -216,11 +239,11 @@ def post_accumulate_grad(unit: ShardUnit, full: torch.Tensor) -> None:
     unit.on_grad()
 
 
-def register(unit: ShardUnit) -> None:
-    unit.module.register_forward_pre_hook(
-        lambda m, a, k, u=unit: pre_forward(u, m, a, k), prepend=True, with_kwargs=True
-    )
-    unit.module.register_forward_hook(lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True)
+def register(unit: ShardUnit, module: nn.Module) -> None:
+    """The forward hooks on `module` (the unit's, or one member of its group) and, once per unit,
+    the gradient hooks."""
+    module.register_forward_pre_hook(lambda m, a, k, u=unit: pre_forward(u, m, a, k), prepend=True, with_kwargs=True)
+    module.register_forward_hook(lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True)
     register_param_hooks(unit)
 
 

@@ -37,17 +37,31 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     """
     key = mesh_key(dp) + mesh_key(tp)
     if key not in _STATE_MESH:
-        coords = [None] * dist.get_world_size()
+        seen = [None] * dist.get_world_size()
         mine = tuple(dp.get_local_rank(d) for d in range(dp.ndim)) + (tp.get_local_rank(0),)
-        dist.all_gather_object(coords, mine)
+        dist.all_gather_object(seen, (mine, dp.mesh.flatten().tolist(), tp.mesh.flatten().tolist()))
         grid = torch.empty(*dp.mesh.shape, tp.size(), dtype=torch.int64)
-        for rank, c in enumerate(coords):
-            grid[c] = rank
+        for rank in _connected(seen, dist.get_rank()):  # the ranks of this (dp x tp) block only
+            grid[seen[rank][0]] = rank
         dp_names = dp.mesh_dim_names or (("dp",) if dp.ndim == 1 else ("dp_replicate", "dp_shard"))
         names = tuple(dp_names) + ((tp.mesh_dim_names or ("tp",))[0],)
         groups = [dp.get_group(d) for d in range(dp.ndim)] + [tp.get_group(0)]
         _STATE_MESH[key] = DeviceMesh.from_group(groups, dp.device_type, mesh=grid, mesh_dim_names=names)
     return _STATE_MESH[key]
+
+
+def _connected(seen: list, me: int) -> List[int]:
+    """The ranks sharing a dp or tp group with `me`, transitively: this rank's (dp x tp) block when
+    the meshes cover only part of the world (a pipeline stage of a pp x dp x tp mesh).
+    `seen[r]` is rank r's (coordinates, dp ranks, tp ranks)."""
+    block, todo = {me}, [me]
+    while todo:
+        r = todo.pop()
+        for other in seen[r][1] + seen[r][2]:
+            if other not in block:
+                block.add(other)
+                todo.append(other)
+    return sorted(block)
 
 
 _GROUPS: Dict[tuple, dist.ProcessGroup] = {}
@@ -135,23 +149,21 @@ def resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opti
         raise ValueError(
             f"fully_shard: mesh size {mesh.size()} does not divide world size {world}; build the mesh over all ranks"
         )
+    # A dp mesh may cover part of the world, as in FSDP2: the dp dims of a (pp, dp, tp) mesh hold
+    # one pipeline stage's ranks. Every group is made from all ranks' rows (_shard_rows), so each
+    # stage shards and reduces within its own ranks.
     if tp_mesh is not None:
         # [Note: tensor parallel composition] holds for a 2-D (replicate, shard) dp mesh as for a
         # 1-D one: the TP-local tensors are sharded over the shard dim, their gradients
         # reduce-scattered there and all-reduced over the replicate dim like plain parameters.
-        if mesh.size() * tp_mesh.size() != world:
+        if world % (mesh.size() * tp_mesh.size()):
             raise ValueError(
-                f"fully_shard: dp mesh size {mesh.size()} x tp mesh size {tp_mesh.size()} != world size {world}; "
-                f"pass the dp dimension of the same mesh the tensor parallel plan used"
+                f"fully_shard: dp mesh size {mesh.size()} x tp mesh size {tp_mesh.size()} does not divide world size "
+                f"{world}; pass the dp dimension of the same mesh the tensor parallel plan used"
             )
         _TP_OF_DP[mesh_key(mesh)] = tp_mesh
     elif mesh.size() != world:
-        tp_mesh = _TP_OF_DP.get(mesh_key(mesh))
-        if tp_mesh is None or mesh.size() * tp_mesh.size() != world:
-            raise NotImplementedError(
-                f"fully_shard: a mesh over {mesh.size()} of {world} ranks is only supported together with tensor "
-                f"parallel (shard the TP-parallelized blocks first); otherwise pass a mesh over all ranks"
-            )
+        tp_mesh = _TP_OF_DP.get(mesh_key(mesh))  # the root of a TP model: its blocks named the tp mesh
     if mesh.ndim == 1:
         return mesh, mesh.get_group(0), None, tp_mesh
     return mesh, mesh.get_group(1), mesh.get_group(0), tp_mesh

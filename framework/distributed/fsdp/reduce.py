@@ -86,6 +86,58 @@ def grad_divide_factors(dp: int, reduce_dtype: torch.dtype) -> Tuple[float, floa
 class GradReduction:
     """Backward's side of a unit (mixed into `ShardUnit`)."""
 
+    # [Note: requires_grad is read at every step]
+    # Users freeze and unfreeze the sharded parameters they see (`p.requires_grad_(False)` on the
+    # wrapped model, the usual order when fine-tuning), at any time between steps. The engine works
+    # from each entry's `requires_grad` (which gradients to wait for, what to reduce, which
+    # unsharded parameters autograd tracks), so the root's forward first copies the sharded
+    # parameters' flags onto the entries and the unsharded parameters (`sync_requires_grad`); a
+    # change re-derives the unit's trainable set, hooks newly trainable parameters and rebuilds the
+    # model's reduction order and buffer sizes (ShardContext.trainable_changed). As in FSDP2, a
+    # parameter frozen after sharding gets no gradient and is not moved by the optimizer, and one
+    # unfrozen after sharding trains.
+    def sync_requires_grad(self) -> bool:
+        """Take each sharded parameter's `requires_grad` (see the note above); True if one changed.
+        Call between steps only."""
+        changed = False
+        for e, sp, full in zip(self.entries, self.sharded_params, self.full_params):
+            if sp.requires_grad != e.requires_grad:
+                e.requires_grad = sp.requires_grad
+                full.requires_grad_(e.requires_grad)
+                changed = True
+        if changed:
+            self.trainable = [e for e in self.entries if e.requires_grad]
+            self.has_frozen = len(self.trainable) < len(self.entries)
+        return changed
+
+    # [Note: frozen parameters reshard after the unit's whole backward]
+    # A unit whose parameters are all trainable is done with them once its last gradient is in
+    # (see [Note: gradients reuse the gathered storage]). A frozen parameter has no gradient to
+    # say so: a frozen layer run before a trainable one in forward is still needed by backward
+    # after the trainable one's gradient arrived. Such a unit therefore reshards when its whole
+    # backward is done, as FSDP2 does: the forward pre-hook passes the unit's inputs through an
+    # identity autograd function (hooks.py) whose backward runs after everything the unit
+    # computed; once every forward use of this step has come back, the unit reshards. Uses whose
+    # inputs need no gradient never come back; the final callback reshards those units.
+    def note_forward_use(self) -> None:
+        """A forward under grad mode whose inputs carry the post-backward hook (frozen units)."""
+        self._fwd_uses += 1
+
+    def post_backward(self) -> None:
+        """The backward of one forward use is complete (see the note above)."""
+        self._bwd_done += 1
+        if self._bwd_done >= self._fwd_uses and self.state != UnitState.SHARDED and self._pending_reshard_ok():
+            with record_function("fsdp::post_backward_reshard"):
+                if self.reshard_after_backward:
+                    self.reshard()
+
+    def _pending_reshard_ok(self) -> bool:
+        # an in-place reduction still reads the gathered storage; it reshards when it finishes
+        return self._pending is None or not self._pending.in_place
+
+    def _backward_done(self) -> bool:
+        return not self.has_frozen or (self._fwd_uses > 0 and self._bwd_done >= self._fwd_uses)
+
     def _in_place_this_backward(self) -> bool:
         return self.requires_grad_sync and not self._accum_valid and self._can_reduce_in_place()
 
@@ -128,7 +180,7 @@ class GradReduction:
                 self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
             self._write_grads(self._accum, accumulate=self._accum_valid)
             self._accum_valid = True
-            if self._backward_done():
+            if self._backward_done() and self.reshard_after_backward:
                 self.reshard()
             return
         in_place = False
@@ -143,7 +195,7 @@ class GradReduction:
                 buf = self.ctx.acquire_buffer(self, L.padded_total, self.reduce_dtype, self.compute_device, "in")
                 self._write_grads(buf, accumulate=False)
                 pooled = True
-        pre, post = grad_divide_factors(self.dp, self.reduce_dtype)
+        pre, post = grad_divide_factors(self.divide_factor or self.dp, self.reduce_dtype)
         if pre != 1.0:
             buf.div_(pre)  # see grad_divide_factors: 16-bit sums must not overflow
         fresh = all(p.grad is None for p in self._trainable_sharded())
@@ -187,7 +239,7 @@ class GradReduction:
         )
         if in_place:
             self._hide()  # the storage now holds gradients; resharded when the reduction finishes
-        elif self._backward_done():
+        elif self._backward_done() and self.reshard_after_backward:
             self.reshard()
         self.ctx.add_pending(self)
 
@@ -199,6 +251,7 @@ class GradReduction:
             and self.reduce_dtype == self.param_dtype
             and len(self.trainable) == len(self.entries)
             and self.state == UnitState.UNSHARDED
+            and self.reshard_after_backward  # else the gathered parameters must survive backward
         )
 
     def _write_grads(self, buf: torch.Tensor, accumulate: bool) -> None:
@@ -248,6 +301,16 @@ class GradReduction:
             self._accum = None
         reduced = self.grad_shard if red.direct else out
         if self.R > 1:
+            if self._partial is not None:  # reduce-scattered without the all-reduce before (set_requires_all_reduce)
+                reduced.add_(self._partial.to(reduced.dtype))
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial = reduced.clone()
+                if red.direct:
+                    self.grad_shard = None
+                if out is not None:
+                    self.ctx.release_buffer(out)
+                return
             C.wait(C.all_reduce(reduced, self.replicate_group, self.stats, self.name))
         if red.post_divide != 1.0:
             reduced.div_(red.post_divide)

@@ -80,27 +80,33 @@ def _local_piece(unit: "ShardUnit", e: FlatEntry, full: torch.Tensor) -> torch.T
     return full.reshape(-1)[unit.layout.piece_slice(e)].to(unit.shard.device).clone()
 
 
-def register_state_dict_hooks(unit: "ShardUnit") -> None:
+def register_state_dict_hooks(unit: "ShardUnit", module: nn.Module, member: int = 0) -> None:
+    """On `module` (the unit's module, or member `member` of its group): its state dict holds
+    Shard(0) DTensors of the unit's parameters used under it, and loads them back."""
+
+    def mine(e):
+        return [fqn for (_, _, fqn), k in zip(e.users, e.members or [0] * len(e.users)) if k == member]
+
     def post_state_dict(module, state_dict, prefix, local_metadata):
-        full_flat = _gather_flat(unit, unit.shard)
+        full_flat = _gather_flat(unit, unit.shard)  # collective: every member's hook gathers alike
         for e in unit.entries:
-            dt = _to_dtensor(unit, e, full_flat)
-            for _, _, fqn in e.users:
+            dt = _to_dtensor(unit, e, full_flat)  # every entry on every rank: may be collective (TP)
+            for fqn in mine(e):
                 if prefix + fqn in state_dict:
                     state_dict[prefix + fqn] = dt
 
     def pre_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         for e in unit.entries:
             done: Optional[torch.Tensor] = None
-            for _, _, fqn in e.users:
+            for fqn in mine(e):
                 key = prefix + fqn
                 if key in state_dict:
                     if done is None:
                         done = _local_piece(unit, e, _full_value(state_dict[key]))
                     state_dict[key] = done
 
-    unit.module.register_state_dict_post_hook(post_state_dict)
-    unit.module.register_load_state_dict_pre_hook(pre_load)
+    module.register_state_dict_post_hook(post_state_dict)
+    module.register_load_state_dict_pre_hook(pre_load)
 
 
 # ------------------------------------------------------------------ optimizer

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
@@ -59,8 +58,10 @@ def claim(param: torch.Tensor, owner: str) -> None:
 
 
 def sharded_units(module: nn.Module) -> List["ShardUnit"]:
-    """The units at and below `module`, in module order (the same on every rank)."""
-    return [m._fsdp_unit for m in module.modules() if getattr(m, "_fsdp_unit", None) is not None]
+    """The units at and below `module`, in module order (the same on every rank); a group's unit
+    (fully_shard([m1, m2])) once, where its first member is."""
+    found = [m._fsdp_unit for m in module.modules() if getattr(m, "_fsdp_unit", None) is not None]
+    return list({id(u): u for u in found}.values())
 
 
 # [Note: unsharded storage keeps its identity]
@@ -126,6 +127,27 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         self.ctx: Optional["ShardContext"] = None
         self.stats = C.CommStats()
         self.requires_grad_sync = True
+        # FSDP2's per-module settings (sharded_module.py): the all-reduce over replicas (hybrid;
+        # False keeps the reduce-scattered gradient as a partial sum, `_partial`), the factor the
+        # summed gradients are divided by (None: the data-parallel size), freeing the gathered
+        # parameters after backward, whether the user set reshard_after_forward (then the root
+        # keeps it), and a forward method running (register_fsdp_forward_method)
+        self.requires_all_reduce = True
+        self._partial: Optional[torch.Tensor] = None
+        self.is_last_backward = True
+        self.divide_factor: Optional[float] = None
+        self.reshard_after_backward = True
+        self.reshard_after_forward_set = False
+        self.in_method = False
+        # [Note: a group of modules is one unit]
+        # fully_shard([m1, m2]) shards the parameters of several modules as one unit (FSDP2's
+        # grouping): each member gets the forward hooks; the first member to run forward in a pass
+        # gathers (and prefetches), the others find the unit gathered, and it is freed after
+        # forward (ZeRO-3) once every member has run (`members_run`, reset then and when the unit
+        # is resharded for any other reason). Backward needs no change: the unit's gradients are
+        # complete when the last of its parameters has its gradient, whichever member used it.
+        self.members: Optional[List[nn.Module]] = None
+        self.members_run: set = set()
         # units gathered ahead of this one's forward / backward when set explicitly; None = the
         # recorded forward order (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch)
         self.forward_prefetch: Optional[List["ShardUnit"]] = None
@@ -389,6 +411,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
                 mod.__dict__.pop(attr, None)
 
     def reshard(self) -> None:
+        self.members_run.clear()
         if self.state == UnitState.UNSHARDING:
             self.wait_unshard()
         if self.state == UnitState.SHARDED:
@@ -398,59 +421,8 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
             self.storage.resize_(0)
         self.set_state(UnitState.SHARDED)
 
-    # [Note: requires_grad is read at every step]
-    # Users freeze and unfreeze the sharded parameters they see (`p.requires_grad_(False)` on the
-    # wrapped model, the usual order when fine-tuning), at any time between steps. The engine works
-    # from each entry's `requires_grad` (which gradients to wait for, what to reduce, which
-    # unsharded parameters autograd tracks), so the root's forward first copies the sharded
-    # parameters' flags onto the entries and the unsharded parameters (`sync_requires_grad`); a
-    # change re-derives the unit's trainable set, hooks newly trainable parameters and rebuilds the
-    # model's reduction order and buffer sizes (ShardContext.trainable_changed). As in FSDP2, a
-    # parameter frozen after sharding gets no gradient and is not moved by the optimizer, and one
-    # unfrozen after sharding trains.
-    def sync_requires_grad(self) -> bool:
-        """Take each sharded parameter's `requires_grad` (see the note above); True if one changed.
-        Call between steps only."""
-        changed = False
-        for e, sp, full in zip(self.entries, self.sharded_params, self.full_params):
-            if sp.requires_grad != e.requires_grad:
-                e.requires_grad = sp.requires_grad
-                full.requires_grad_(e.requires_grad)
-                changed = True
-        if changed:
-            self.trainable = [e for e in self.entries if e.requires_grad]
-            self.has_frozen = len(self.trainable) < len(self.entries)
-        return changed
-
     def used_this_step(self) -> bool:
         return self.ctx is not None and self._used_step == self.ctx.step
-
-    # [Note: frozen parameters reshard after the unit's whole backward]
-    # A unit whose parameters are all trainable is done with them once its last gradient is in
-    # (see [Note: gradients reuse the gathered storage]). A frozen parameter has no gradient to
-    # say so: a frozen layer run before a trainable one in forward is still needed by backward
-    # after the trainable one's gradient arrived. Such a unit therefore reshards when its whole
-    # backward is done, as FSDP2 does: the forward pre-hook passes the unit's inputs through an
-    # identity autograd function (hooks.py) whose backward runs after everything the unit
-    # computed; once every forward use of this step has come back, the unit reshards. Uses whose
-    # inputs need no gradient never come back; the final callback reshards those units.
-    def note_forward_use(self) -> None:
-        """A forward under grad mode whose inputs carry the post-backward hook (frozen units)."""
-        self._fwd_uses += 1
-
-    def post_backward(self) -> None:
-        """The backward of one forward use is complete (see the note above)."""
-        self._bwd_done += 1
-        if self._bwd_done >= self._fwd_uses and self.state != UnitState.SHARDED and self._pending_reshard_ok():
-            with record_function("fsdp::post_backward_reshard"):
-                self.reshard()
-
-    def _pending_reshard_ok(self) -> bool:
-        # an in-place reduction still reads the gathered storage; it reshards when it finishes
-        return self._pending is None or not self._pending.in_place
-
-    def _backward_done(self) -> bool:
-        return not self.has_frozen or (self._fwd_uses > 0 and self._bwd_done >= self._fwd_uses)
 
     def reset_backward(self) -> None:
         self.drop_secondary()

@@ -1,0 +1,223 @@
+"""The methods every module `fully_shard` was applied to gains: FSDP2's `FSDPModule` API, and ours.
+
+`fully_shard` swaps a module's class for a subclass of `ShardedModule` (so
+`isinstance(m, FSDPModule)` holds, as in FSDP2). The `set_*` methods that take `recurse` apply to
+the units at and below the module (its own and those of sharded submodules). Where the flat
+layout makes an FSDP2 behaviour impossible, the method refuses by name (docs/engine.md, "Where it
+differs from FSDP2").
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import hooks
+from .unit import ShardUnit, sharded_units
+
+
+class UnshardHandle:
+    """What `unshard(async_op=True)` returns: `wait()` blocks until the module's parameters are
+    gathered and exposed (FSDP2's handle)."""
+
+    def __init__(self, units: List[ShardUnit]) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for u in self._units:
+            u.wait_unshard()
+        self._units = []
+
+
+class ShardedModule:
+    """Methods added to every module that `fully_shard` was applied to (FSDP2's `FSDPModule`)."""
+
+    def _units(self) -> List[ShardUnit]:
+        return sharded_units(self)
+
+    def _chosen(self, recurse: bool) -> List[ShardUnit]:
+        return self._units() if recurse else [self._fsdp_unit]
+
+    # ---------------------------------------------------------------- gradient synchronisation
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False for gradient-accumulation micro-steps: gradients accumulate unsharded, no communication."""
+        for u in self._chosen(recurse):
+            u.requires_grad_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Hybrid sharding: False skips the all-reduce over the replicas after the reduce-scatter
+        (the reduce-scattered gradients accumulate on each replica until a backward with True)."""
+        for u in self._chosen(recurse):
+            u.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility: every backward of ours waits for its reductions in
+        the root's final callback, so there is nothing to defer (FSDP2 uses it to skip waiting
+        between micro-batches of pipeline schedules)."""
+        for u in self._units():
+            u.is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by `factor` instead of the data-parallel size (e.g. 1.0 for
+        a sum; FSDP2's `set_gradient_divide_factor`). Applies to this module's units and below."""
+        if factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor={factor}; give a positive number")
+        for u in self._units():
+            u.divide_factor = float(factor)
+
+    # ---------------------------------------------------------------- when parameters are gathered
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """True frees the gathered parameters after forward (ZeRO-3), False keeps them until
+        backward ends (ZeRO-2). Also for the root, which otherwise stays gathered after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward: {reshard_after_forward!r}; give True or False (hpZ, an int, is "
+                "chosen once in fully_shard)"
+            )
+        for u in self._chosen(recurse):
+            u.reshard_after_forward = reshard_after_forward
+            u.reshard_after_forward_set = True
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps the gathered parameters after backward (a following forward, e.g. the next
+        gradient-accumulation micro-batch, then needs no all-gather); `reshard()` frees them."""
+        for u in self._chosen(recurse):
+            u.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Refused for False: see docs/engine.md. Each unit's gradients reuse its gathered storage
+        ([Note: gradients reuse the gathered storage] in reduce.py), so a unit with trainable
+        parameters is always gathered in backward."""
+        if not unshard_in_backward and self._fsdp_unit.trainable:
+            raise NotImplementedError(
+                "set_unshard_in_backward(False): the engine reduces a unit's gradients in its gathered "
+                "storage, so a unit with trainable parameters is gathered in backward; freeze its "
+                "parameters (requires_grad_(False)) if backward does not need them"
+            )
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """Gather this module's parameters now (FSDP2's `unshard`): with `async_op=True` the
+        all-gather is issued and a handle returned, whose `wait()` exposes the parameters; the
+        next forward then needs no gather. Collective over the module's shard group."""
+        unit = self._fsdp_unit
+        unit.unshard()
+        handle = UnshardHandle([unit])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters (only the shards stay)."""
+        self._fsdp_unit.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception in the middle of a step: finish what is in flight, free every gathered
+        parameter and return the model to the start of a step (FSDP2's `reset_iter_state`)."""
+        ctx = self._fsdp_unit.ctx
+        if ctx is not None:
+            ctx.reset_iter_state()
+
+    def set_modules_to_forward_prefetch(self, modules: List[nn.Module]) -> None:
+        """Gather these sharded modules' parameters (async) when this module's forward starts,
+        instead of the next unit of the recorded forward order (FSDP2's explicit prefetching)."""
+        self._fsdp_unit.forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: List[nn.Module]) -> None:
+        """Gather these sharded modules' parameters (async) when this module's backward starts,
+        instead of the previous unit of the recorded forward order."""
+        self._fsdp_unit.backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
+
+    # ---------------------------------------------------------------- ours
+    def comm_stats(self) -> dict:
+        """Communication since `reset_comm_stats()`, summed over the units at and below this module."""
+        keys = (
+            "allgather_bytes",
+            "reduce_scatter_bytes",
+            "allreduce_bytes",
+            "alltoall_bytes",
+            "num_collectives",
+            "exposed_comm_s",
+        )
+        out = {k: 0 for k in keys}
+        for u in self._units():
+            u.stats.resolve()  # CUDA: read the timed waits (see collectives.wait)
+            for k in keys:
+                out[k] += getattr(u.stats, k)
+        return out
+
+    def reset_comm_stats(self) -> None:
+        for u in self._units():
+            u.stats.reset()
+
+    def sharded_tensor_bytes(self) -> dict:
+        """Bytes the engine holds on this rank: per unit its shard, grad shard, unsharded storage,
+        accumulation buffer, hpZ secondary shard and send buffer; once for the model its pooled
+        buffers (gradient inputs and outputs, reduce-scatter scratch, int8 receive buffers).
+        `total` is their sum: everything the engine holds besides the optimizer's state."""
+        out: dict = {}
+        for u in self._units():
+            for k, v in u.tensor_bytes().items():
+                out[k] = out.get(k, 0) + v
+        ctx = self._fsdp_unit.ctx
+        out["grad_pool"] = ctx.pool_bytes() if ctx is not None else 0
+        out["total"] = sum(out.values())
+        return out
+
+    def _apply(self, fn, recurse=True):
+        # `.to(device)`, `.to_empty(device=...)`, `.double()` replace the parameters' data; the
+        # children (their own units) rebind in their own _apply, this unit after its parameters.
+        # The engine's records of its parameters are weak references (unit.py), which
+        # `torch.utils.swap_tensors` refuses; so the conversion assigns `.data` (torch's default)
+        # even where `torch.__future__.set_swap_module_params_on_conversion(True)` asks to swap,
+        # and `rebind_after_apply` then rebuilds the shards from the converted values.
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+        self._fsdp_unit.rebind_after_apply(fn)
+        hooks.register_param_hooks(self._fsdp_unit)
+        return result
+
+
+FSDPModule = ShardedModule  # FSDP2's name, for isinstance checks written against torch's API
+
+
+def _units_of(modules: List[nn.Module], what: str) -> List[ShardUnit]:
+    units = []
+    for m in modules:
+        if getattr(m, "_fsdp_unit", None) is None:
+            raise ValueError(f"{what}: {type(m).__name__} is not sharded; pass modules that fully_shard was applied to")
+        units.append(m._fsdp_unit)
+    return units
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>` gather and free the module's parameters as `forward` does
+    (FSDP2's function of this name): e.g. `generate` on a sharded model. Forwards the method
+    calls inside it (`self(...)`) run without hooks of their own for this module."""
+    unit = getattr(module, "_fsdp_unit", None)
+    if unit is None:
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} is not sharded; apply fully_shard to it first"
+        )
+    method = getattr(module, method_name)
+
+    def run(*args, **kwargs):
+        if unit.in_method:  # a nested call (generate calling generate): the outer one gathered
+            return method(*args, **kwargs)
+        changed = hooks.pre_forward(unit, module, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        unit.in_method = True
+        try:
+            out = method(*args, **kwargs)
+        finally:
+            unit.in_method = False
+        return hooks.post_forward(unit, module, args, kwargs, out)
+
+    setattr(module, method_name, run)
