@@ -9,6 +9,8 @@ first step of each optimizer a global step pre-hook (torch's public
 `register_optimizer_step_pre_hook`, installed by `fully_shard`) refuses the tell-tale layout: the
 groups with weight decay are empty (or hold no sharded piece, one empty) while a group without
 decay holds sharded matrices. The check runs once per optimizer; later steps cost one lookup.
+The same first step registers the optimizer's state-dict hooks ([Note: the optimizer's own
+state_dict holds DTensors] in state_dict.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def _pre_step(optimizer, args, kwargs) -> None:
         return
     _CHECKED.add(optimizer)
     check_param_groups(optimizer)
+    if any(original_shape(p) is not None for g in optimizer.param_groups for p in g["params"]):
+        from .state_dict import hook_optimizer_state_dict  # [Note: the optimizer's own state_dict holds DTensors]
+
+        hook_optimizer_state_dict(optimizer)
 
 
 def install_param_group_check() -> None:

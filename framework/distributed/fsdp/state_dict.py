@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import collectives as C
 from .flat import FlatEntry, dim0_chunk
-from .unit import sharded_units
+from .unit import owner_of, sharded_units
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -145,6 +145,77 @@ def _sharded_keys(states: List[dict], params: List[torch.Tensor]) -> List[str]:
             if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == p.shape:
                 keys.add(k)
     return sorted(keys)
+
+
+# [Note: the optimizer's own state_dict holds DTensors]
+# FSDP2's optimizer state is DTensors, so `optimizer.state_dict()` and torch's
+# `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` / `set_optimizer_state_dict`
+# (which go through it) save per-parameter Shard(0) state that DCP reshards. Ours keeps the state
+# as flat local pieces (what the optimizer steps on), so on an optimizer's first step over our
+# parameters the engine registers two public optimizer hooks: `state_dict()` turns each sharded
+# piece into its parameter's DTensor (collective, like the model's state_dict), and
+# `load_state_dict()` turns a DTensor, or a whole tensor, back into this rank's piece. Pieces
+# already local (what `set_state_dicts` passes) are left as they are.
+def hook_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    """Register the hooks of the note above on `optimizer` (once)."""
+    if getattr(optimizer, "_fsdp_state_dict_hooks", False):
+        return
+    optimizer._fsdp_state_dict_hooks = True
+    optimizer.register_state_dict_post_hook(_optimizer_state_to_dtensors)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_state_to_pieces)
+
+
+def _params_by_key(optimizer, state_dict: dict) -> dict:
+    """The optimizer's parameter under each key of `state_dict` (ints from `state_dict()`, names
+    from torch's `set_optimizer_state_dict`): the groups list them in the same order."""
+    keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+    return dict(zip(keys, (p for g in optimizer.param_groups for p in g["params"])))
+
+
+def _optimizer_state_to_dtensors(optimizer, state_dict: dict) -> dict:
+    by_key = _params_by_key(optimizer, state_dict)
+    index = {id(p): k for k, p in by_key.items()}
+    units: Dict[int, "ShardUnit"] = {}
+    for p in by_key.values():  # every rank lists the same parameters: the same units, in the same order
+        owner = owner_of(p)
+        if owner is not None:
+            units.setdefault(id(owner[0]), owner[0])
+    state = dict(state_dict["state"])
+    for unit in units.values():
+        entries = [(e, sp) for e, sp in zip(unit.entries, unit.sharded_params) if id(sp) in index]
+        sts = [state.get(index[id(sp)], {}) for _, sp in entries]
+        for k in _sharded_keys(sts, [sp for _, sp in entries]):
+            local = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=unit.shard.device)
+            for (e, _), st in zip(entries, sts):
+                if k in st:
+                    local[unit.layout.shard_slice(e)] = st[k]
+            full_flat = _gather_flat(unit, local)
+            for (e, sp), st in zip(entries, sts):
+                if k in st:  # a new dict: the values of state_dict()'s are the optimizer's own
+                    i = index[id(sp)]
+                    state[i] = {**state[i], k: _to_dtensor(unit, e, full_flat).to(st[k].dtype)}
+    return {**state_dict, "state": state}
+
+
+def _optimizer_state_to_pieces(optimizer, state_dict: dict) -> dict:
+    by_key = _params_by_key(optimizer, state_dict)
+    state = {}
+    for i, st in state_dict["state"].items():
+        owner = owner_of(by_key[i]) if i in by_key else None
+        if owner is None:
+            state[i] = st
+            continue
+        unit, idx = owner
+        e = unit.entries[idx]
+        state[i] = {
+            k: _local_piece(unit, e, _full_value(v))
+            if k != "step"
+            and isinstance(v, torch.Tensor)
+            and (isinstance(v, DTensor) or (v.dim() >= 1 and v.numel() == math.prod(e.global_shape)))
+            else v
+            for k, v in sorted(st.items())
+        }
+    return {**state_dict, "state": state}
 
 
 def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[dict, dict]:
