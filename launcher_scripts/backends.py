@@ -150,8 +150,15 @@ class SlurmBackend(ClusterBackend):
                 ["sacct", jobs, "--allocations", "--format=JobID,JobName%40,State,Elapsed,ExitCode"],
             ]
         if action == "logs":
-            last = ids[-1] if ids else "*"
-            return [["tail", "-n", str(LOG_LINES), f"{job_dir}/logs/{name}-{last}.{ext}"] for ext in ("out", "err")]
+            # The running copy: of the submissions (a requeue chain queues copies that have not
+            # started), the one whose log was written last; the first one while none has started.
+            logs = f"{job_dir}/logs"
+            bases = [f"{logs}/{name}-{i}" for i in ids] or sorted(p[:-4] for p in glob.glob(f"{logs}/{name}-*.out"))
+            if not bases:
+                return [["ls", "-l", logs]]
+            started = [b for b in bases if os.path.exists(f"{b}.out")]
+            base = max(started, key=lambda b: os.path.getmtime(f"{b}.out")) if started else bases[0]
+            return [["tail", "-n", str(LOG_LINES), f"{base}.{ext}"] for ext in ("out", "err")]
         return [["scancel", *ids]]
 
 

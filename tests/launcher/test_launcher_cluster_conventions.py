@@ -396,12 +396,27 @@ def test_torchrun_options_operators_use():
     assert "--local-ranks-filter=0" in argv and "--max-restarts=1" in argv
 
 
+def test_slurm_logs_show_the_running_copy_never_a_literal_glob(tmp_path):
+    """`launcher logs` tails the submission that is running: not the last id of a requeue chain
+    (a copy that has not started has no log), and without job_ids the logs that exist."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tail = lambda ids: lifecycle.lifecycle_commands("logs", "slurm", "train-x", str(tmp_path), ids)[0]
+    assert tail([]) == ["ls", "-l", str(logs)]  # nothing written yet, no ids: no literal '*'
+    assert tail(["101", "102"])[-1] == f"{logs}/train-x-101.out"  # queued: the first submission
+    (logs / "train-x-101.out").write_text("step 1\n")
+    assert tail(["101", "102"])[-1] == f"{logs}/train-x-101.out"  # 102 is a chained copy, not started
+    (logs / "train-x-102.out").write_text("step 9\n")
+    os.utime(logs / "train-x-101.out", (1, 1))
+    assert tail(["101", "102"])[-1] == f"{logs}/train-x-102.out"  # the requeued copy now runs
+    assert tail([])[-1] == f"{logs}/train-x-102.out"  # no job_ids file: the newest log there is
+
+
 def test_lifecycle_commands_per_backend():
     ids = ["101", "102"]
     assert lifecycle.lifecycle_commands("cancel", "slurm", "train-x", "/j", ids) == [["scancel", "101", "102"]]
     status = lifecycle.lifecycle_commands("status", "slurm", "train-x", "/j", ids)
     assert status[0][:3] == ["squeue", "--jobs=101,102", "--states=all"] and status[1][0] == "sacct"
-    assert lifecycle.lifecycle_commands("logs", "slurm", "train-x", "/j", ids)[0][-1] == "/j/logs/train-x-102.out"
     assert lifecycle.lifecycle_commands("cancel", "k8s", "train-x", "/j", [], "research") == [
         ["kubectl", "delete", "pytorchjob", "train-x", "--namespace=research"]
     ]
