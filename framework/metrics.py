@@ -79,10 +79,14 @@ class MetricsLogger:
         start_step: int,
         jsonl: bool,
         tensorboard: bool,
-        progress_bar: bool,
+        progress_bar: Optional[bool],
+        log_interval: int = 1,
     ):
         self.enabled = enabled
         self._jsonl = self._tb = self._bar = None
+        # no terminal (a batch job's log file): lines instead of a bar that rewrites one line
+        self._lines = progress_bar is None and not sys.stderr.isatty()
+        self._step, self._total, self._every = start_step, total_steps, max(1, log_interval)
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -94,7 +98,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        if progress_bar:
+        if progress_bar or (progress_bar is None and not self._lines):
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -121,6 +125,10 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
 
     def progress(self, values: Dict[str, float]) -> None:
+        self._step += 1
+        if self._lines and self.enabled and (self._step % self._every == 0 or self._step == self._total):
+            shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+            print(f"step {self._step}/{self._total}: {shown}", file=sys.stderr, flush=True)
         if self._bar is not None:
             self._bar.set_postfix(
                 {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items()}, refresh=False

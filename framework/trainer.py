@@ -179,6 +179,7 @@ class Trainer:
             jsonl=cfg.logging.jsonl,
             tensorboard=cfg.logging.tensorboard,
             progress_bar=t.progress_bar,
+            log_interval=t.log_interval,
         )
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         d = self.dims

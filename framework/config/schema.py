@@ -219,7 +219,9 @@ class TrainerConfig:
     seed: int = 1234
     max_time_minutes: float = 0.0  # stop (with a checkpoint) after this wall time; 0: no limit
     device: str = "auto"  # auto | cpu | cuda
-    progress_bar: bool = True
+    # A progress bar on the terminal; null: a bar when stderr is a terminal, else (batch logs:
+    # Slurm's .err files, kubectl logs) one line per trainer.log_interval steps; false: neither.
+    progress_bar: Optional[bool] = None
     sample_tokens: int = 160  # tokens of text generated at the end of training (0: none; needs a tokenizer)
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: look it up, unknown on CPU
     # A collective that waits longer than this for a rank fails, and the job ends naming the rank(s)

@@ -224,7 +224,7 @@ def prepare_data(cfg) -> int:
             tokenizer=d.tokenizer,
             vocab_size=d.vocab_size,
             workers=d.workers,
-            progress=cfg.trainer.progress_bar,
+            progress=cfg.trainer.progress_bar is not False and (cfg.trainer.progress_bar or sys.stderr.isatty()),
         )
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
