@@ -169,10 +169,10 @@ class Recorder:
 
 
 class _mesh_coordinates:
-    """The engine asks every rank for its mesh coordinates once (`all_gather_object`, to build the
-    checkpoint mesh under tensor parallel); a fake group answers nothing, so answer for the other
-    ranks here: rank r of the row-major (dp_replicate, dp_shard, tp) mesh, with the replicate
-    coordinate left out when the engine's dp mesh is 1-D."""
+    """The engine asks every rank for its mesh coordinates and its dp and tp ranks once
+    (`all_gather_object`, to build the checkpoint mesh under tensor parallel); a fake group answers
+    nothing, so answer for the other ranks here: rank r of the row-major (dp_replicate, dp_shard,
+    tp) mesh, with the replicate coordinate left out when the engine's dp mesh is 1-D."""
 
     def __init__(self, dims) -> None:
         self.dims = dims
@@ -182,10 +182,15 @@ class _mesh_coordinates:
         R, S, T = self.dims.dp_replicate, self.dims.dp_shard, self.dims.tp
 
         def gather(out, obj, group=None):
-            if isinstance(obj, tuple) and len(obj) in (2, 3) and len(out) == R * S * T:
+            # obj: (this rank's coordinates, its dp mesh's ranks, its tp mesh's ranks)
+            if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[0], tuple) and len(out) == R * S * T:
+                hybrid = len(obj[0]) == 3
                 for r in range(len(out)):
-                    full = (r // (S * T), (r // T) % S, r % T)
-                    out[r] = full if len(obj) == 3 else full[1:]
+                    rep, shard, t = r // (S * T), (r // T) % S, r % T
+                    coords = (rep, shard, t) if hybrid else (shard, t)
+                    reps = range(R) if hybrid else (rep,)
+                    dp = [q * S * T + k * T + t for q in reps for k in range(S)]
+                    out[r] = (coords, dp, [r - t + k for k in range(T)])
                 return None
             return self._orig(out, obj, group=group)
 

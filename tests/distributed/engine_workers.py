@@ -245,12 +245,6 @@ def errors(rank, ws, d):
         lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (1, 1, ws))),
     )
     expect(
-        "submesh",
-        NotImplementedError,
-        ["mesh over all ranks"],
-        lambda: fully_shard(M.make_model("mlp"), mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("a", "b"))["b"]),
-    )
-    expect(
         "hpz_int_not_dividing",
         ValueError,
         ["reshard_after_forward", "divide"],

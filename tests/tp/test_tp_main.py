@@ -84,8 +84,11 @@ def _cfg(**parallelism) -> Config:
 
 
 def test_validation_says_uneven_vocabulary(caplog):
+    from framework.models.args import job_model_problems  # the model's own checks (its family's)
+
     with caplog.at_level(logging.WARNING, logger="framework.config"):
-        problems = validate(_cfg(tp=2, dp_shard=1, vocab=255), world_size=2)
+        cfg = _cfg(tp=2, dp_shard=1, vocab=255)
+        problems = validate(cfg, world_size=2) + job_model_problems(cfg)
     assert problems == []  # uneven shards are exact (test_tp2_uneven_vocabulary_matches_single_process)
     assert "vocabulary size 255 is not divisible by parallelism.tp=2" in caplog.text
     assert "pad model.args.vocab_size to 256" in caplog.text
