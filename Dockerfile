@@ -9,8 +9,10 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # RDMA user-space libraries: NCCL's InfiniBand/RoCE transport loads libibverbs and the device
-# providers (mlx5, efa, ...) from the image; without them it falls back to TCP sockets. The pods
-# or containers still need the devices (cluster.ib_resources on Kubernetes, IPC_LOCK).
+# providers (mlx5 and the other verbs drivers) from the image; without them it falls back to TCP
+# sockets. The pods or containers still need the devices (cluster.ib_resources on Kubernetes,
+# IPC_LOCK). AWS EFA is not covered: NCCL reaches it through the aws-ofi-nccl plugin (and
+# libfabric), which this image does not install; build on an EFA-enabled base image for it.
 # Versions follow the base image's Ubuntu release (pinned by its tag), hence no apt pins here.
 # hadolint ignore=DL3008
 RUN apt-get update \

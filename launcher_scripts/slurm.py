@@ -128,13 +128,26 @@ def _sbatch_options(cfg: Config, job: Job, stage: Stage) -> List[str]:
     return [f"#SBATCH {o}" for o in opts]
 
 
+def pyxis_image(ref: str) -> str:
+    """An image reference in enroot's form, `REGISTRY#IMAGE[:TAG]`: a registry host (the first
+    path part holds a '.' or ':' or is localhost, Docker's own rule) is separated by '#', since
+    some enroot versions look `nvcr.io/org/train:1.0` up on Docker Hub. A reference already in
+    that form, one without a registry, or a local squashfs file is left as it is."""
+    if "#" in ref or ref.startswith(("/", "./", "../")) or ref.endswith(".sqsh"):
+        return ref
+    host, slash, rest = ref.partition("/")
+    if slash and ("." in host or ":" in host or host == "localhost"):
+        return f"{host}#{rest}"
+    return ref
+
+
 def container_args(cfg: Config, job: Job, stage: Stage = Stage.training) -> List[str]:
     """What goes between `srun <options>` and the command: the container runtime's flags."""
     k = job.container
     mounts = list(job.mounts)
     if k.runtime == ContainerRuntime.pyxis:
         return [
-            f"--container-image={k.image}",
+            f"--container-image={pyxis_image(k.image)}",
             f"--container-mounts={','.join(mounts)}",
             f"--container-workdir={k.workdir}",
             "--no-container-mount-home",

@@ -356,3 +356,20 @@ def test_every_backend_is_one_object_with_its_settings():
         if path.name != "backends.py":
             text = path.read_text()
             assert not re.search(r"==\s*Backend\.|Backend\.\w+\s*:|== \"(slurm|k8s|local)\"", text), path.name
+
+
+def test_pyxis_image_references_take_enroots_registry_form():
+    """enroot/pyxis name a registry with '#': `nvcr.io/org/train:1.0` becomes `nvcr.io#org/train:1.0`
+    (some enroot versions look the slash form up on Docker Hub); both forms are accepted as input."""
+    from launcher_scripts.slurm import pyxis_image
+
+    assert pyxis_image("nvcr.io/org/train:1.0") == "nvcr.io#org/train:1.0"
+    assert pyxis_image("nvcr.io#org/train:1.0") == "nvcr.io#org/train:1.0"
+    assert pyxis_image("registry:5000/train:1.0") == "registry:5000#train:1.0"
+    assert pyxis_image("localhost/train") == "localhost#train"
+    assert (
+        pyxis_image("pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime") == "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
+    )
+    assert pyxis_image("ubuntu:24.04") == "ubuntu:24.04"
+    assert pyxis_image("/lustre/images/train.sqsh") == "/lustre/images/train.sqsh"
+    assert "--container-image=registry.example#org/train:1.0" in render_case("slurm_pyxis")["training.sbatch"]
