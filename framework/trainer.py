@@ -263,13 +263,15 @@ def _train(cfg: Config, rt: Runtime) -> int:
     try:
         return Trainer(cfg, rt).fit()
     except TrainingDiverged as exc:
-        if rt.is_main:
+        if rt.local_rank == 0:
             print(f"error: {exc}", flush=True)
         return EXIT_DIVERGED
     except UserInputError as exc:
         # Bad input found only once the job runs (a dataset, a checkpoint that does not fit):
         # one line, the bad-input status, as for a refused config. See [Note: bad input vs bugs].
-        if rt.is_main:
+        # Said by the first rank of each node, so every node's log has it (the input a node
+        # lacks, its data cache say, may be refused there only); one line per node's log.
+        if rt.local_rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001

@@ -239,3 +239,39 @@ def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_
             f"restart run {attempt + 1}: finished in {time.monotonic() - started:.0f} s, "
             f"largest loss difference after the restarts {worst:.1e}"
         )
+
+
+def test_a_refusal_on_another_node_is_said_in_that_nodes_log(tmp_path):
+    """Two torchrun agents (two "nodes", one rank each, in their own working directories): bad
+    input found by rank 1 only is one `error:` line in rank 1's node log, not a silent exit 2."""
+    from framework.runtime import free_port
+
+    port = free_port()
+    agents = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=refusal",
+            str(REPO / "main.py"),
+            *SHORT,
+            "trainer.collective_timeout_s=20",
+            f"hydra.run.dir={tmp_path}/run",
+        ]
+        agents.append(
+            subprocess.Popen(
+                cmd, cwd=cwd, env=_env("refuse:1:1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    errs = [a.communicate(timeout=240)[1] for a in agents]
+    assert all(a.returncode != 0 for a in agents), errs
+    mine = [line for line in errs[1].splitlines() if line.startswith("error:")]
+    assert mine == ["error: injected refusal on rank 1"], errs[1][-3000:]

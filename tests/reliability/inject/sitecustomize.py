@@ -6,6 +6,7 @@ FRAMEWORK_TEST_FAULT=<kind>:<rank>:<call>[:<attempt>][,<another fault>...] makes
 of that rank, at its <call>-th call of cross_entropy in that process (the step, when each step
 computes the loss once and nothing else does), do <kind>:
   runtime  raise RuntimeError     oserror  raise OSError       kill  SIGKILL itself
+  refuse   raise the framework's UserInputError (bad input found by that rank only)
 <attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean).
 """
 
@@ -38,6 +39,10 @@ if _spec:
                     raise OSError(28, "No space left on device (injected)")
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "refuse":
+                    from framework.errors import UserInputError
+
+                    raise UserInputError(f"injected refusal on rank {rank}")
         return _original(*args, **kwargs)
 
     F.cross_entropy = _faulty_cross_entropy
