@@ -190,6 +190,19 @@ class K8sBackend(ClusterBackend):
             )
         return out
 
+    def advice(self, cfg, launch):
+        # One pod without a checkpoint volume keeps its run directory in the container's own
+        # layer: a restart (restartPolicy OnFailure) gets a fresh container, and resume=auto
+        # silently starts over. Multi-node jobs are refused for it (problems); one pod is warned.
+        checkpoints = cfg.checkpoint.interval > 0 or cfg.checkpoint.save_final
+        if cfg.cluster.nodes == 1 and not launch.cluster.checkpoint_volume and checkpoints:
+            return [
+                "cluster=k8s without cluster.checkpoint_volume: the run directory lives in the container, so "
+                "a restarted pod starts over and its checkpoints are lost; give cluster.checkpoint_volume "
+                "(a PersistentVolumeClaim) to keep them"
+            ]
+        return []
+
     def job_location(self, launch, job_dir, name):
         workdir = launch.container.workdir
         return {"job_dir": k8s.k8s_job_dir(launch.cluster, workdir, name), "repo_dir": workdir, "python": "python"}

@@ -373,3 +373,25 @@ def test_pyxis_image_references_take_enroots_registry_form():
     assert pyxis_image("ubuntu:24.04") == "ubuntu:24.04"
     assert pyxis_image("/lustre/images/train.sqsh") == "/lustre/images/train.sqsh"
     assert "--container-image=registry.example#org/train:1.0" in render_case("slurm_pyxis")["training.sbatch"]
+
+
+def test_k8s_single_pod_without_a_checkpoint_volume_is_warned(caplog):
+    """One pod keeps its run directory in the container layer: a restarted pod would start over
+    with resume=auto. Warned, naming the fix; not warned with a volume or without checkpoints."""
+    one_pod = [
+        "cluster=k8s",
+        "model=debug",
+        "data=synthetic",
+        "container.image=registry.example/org/train:1.0",
+        "trainer.global_batch_size=64",
+    ]
+    for extra, warned in (
+        ([], True),
+        (["cluster.checkpoint_volume=ckpt"], False),
+        (["checkpoint.save_final=false", "checkpoint.interval=0"], False),
+    ):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="launcher"):
+            plan_of(one_pod + extra)
+        said = [r.message for r in caplog.records if "cluster.checkpoint_volume" in r.message]
+        assert bool(said) == warned, (extra, said)
