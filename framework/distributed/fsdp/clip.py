@@ -8,9 +8,10 @@ FSDP2, torchtitan-style loops), often through a name imported before our engine 
 first `fully_shard`, `install_torch_norm` wraps the function torch's clipping computes its total
 norm with (`torch.nn.utils.clip_grad._get_total_norm`, which `clip_grad_norm_` looks up when
 called, and its public alias `torch.nn.utils.get_total_norm`): when any gradient it is given is
-one our engine wrote (`reduce.param_of_grad`), the norm is the global one, computed as
-`clip_grad_norm_` below does (collective: every rank calls it, as every rank calls clipping);
-otherwise torch's own runs unchanged. torch then scales each local piece by the global factor,
+the `.grad` of a parameter our engine sharded (looked up when the norm is asked for, from the
+engine's records of its parameters, so the step itself does no extra work), the norm is the
+global one, computed as `clip_grad_norm_` below does (collective: every rank calls it, as every
+rank calls clipping); otherwise torch's own runs unchanged. torch then scales each local piece by the global factor,
 which is the right clipping. Tested against a single-process reference in
 tests/distributed/test_fsdp2_behaviours.py (`torch_clip_grad_norm`).
 """
@@ -24,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from .reduce import param_of_grad
-from .unit import owner_of
+from .unit import owner_of, sharded_parameters
 
 
 def _global_norm(pieces: List[Tuple[torch.Tensor, int]], norm_type: float) -> torch.Tensor:
@@ -92,7 +92,8 @@ def _sharded_norm(torch_norm):
     @torch.no_grad()
     def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        owners = [param_of_grad(g) for g in grads]
+        ours = {id(p.grad): p for p in sharded_parameters() if p.grad is not None}
+        owners = [ours.get(id(g)) for g in grads]
         if all(p is None for p in owners):
             return torch_norm(grads, norm_type, error_if_nonfinite, foreach)
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -76,7 +76,7 @@ class ShardContext:
 
     def trainable_changed(self) -> None:
         """A unit's trainable parameters changed between steps ([Note: requires_grad is read at
-        every step] in unit.py): the reduction order and the pool's buffer sizes follow."""
+        every step] in reduce.py): the reduction order and the pool's buffer sizes follow."""
         self.reduce_order = [u for u in reversed(self.units) if u.trainable]
         self.next_reduce = 0
         self._caps.clear()
@@ -182,8 +182,7 @@ class ShardContext:
             for dev in {u.compute_device for u in self.units if u.offload and u.compute_device.type == "cuda"}:
                 torch.cuda.current_stream(dev).synchronize()  # offloaded grad shards were copied non-blocking
             for u in self.units:
-                if u.reshard_after_backward:
-                    u.reshard()
+                u.reshard_after_backward_step()
                 u.reset_backward()
             self._release_pool_after_backward()
             self.callback_queued = False

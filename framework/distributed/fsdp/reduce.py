@@ -9,33 +9,15 @@ order of [Note: reductions in a fixed order on their own group] in context.py) a
 
 from __future__ import annotations
 
-import weakref
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.profiler import record_function
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
 from .api import UnitState
 from .zeropp import dequantize_into, packed_nbytes
-
-# a gradient the engine gave a sharded parameter -> a weak reference to that parameter (weak both
-# ways: the parameter holds its gradient, so a strong value would keep the model alive)
-_GRADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def note_grad(param: torch.Tensor) -> None:
-    """Record `param.grad` (just set by the engine) as that sharded parameter's gradient, so a
-    norm over gradients alone (torch's clip_grad_norm_) can tell the pieces' owners."""
-    _GRADS[param.grad] = weakref.ref(param)
-
-
-def param_of_grad(grad: torch.Tensor) -> Optional[torch.Tensor]:
-    """The sharded parameter whose gradient `grad` is, None for any other tensor."""
-    ref = _GRADS.get(grad)
-    return None if ref is None else ref()
 
 
 class _Reduction(NamedTuple):
@@ -128,8 +110,7 @@ class GradReduction:
         self._bwd_done += 1
         if self._bwd_done >= self._fwd_uses and self.state != UnitState.SHARDED and self._pending_reshard_ok():
             with record_function("fsdp::post_backward_reshard"):
-                if self.reshard_after_backward:
-                    self.reshard()
+                self.reshard_after_backward_step()
 
     def _pending_reshard_ok(self) -> bool:
         # an in-place reduction still reads the gathered storage; it reshards when it finishes
@@ -180,8 +161,8 @@ class GradReduction:
                 self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
             self._write_grads(self._accum, accumulate=self._accum_valid)
             self._accum_valid = True
-            if self._backward_done() and self.reshard_after_backward:
-                self.reshard()
+            if self._backward_done():
+                self.reshard_after_backward_step()
             return
         in_place = False
         with record_function("fsdp::copy_grads"):
@@ -239,8 +220,8 @@ class GradReduction:
         )
         if in_place:
             self._hide()  # the storage now holds gradients; resharded when the reduction finishes
-        elif self._backward_done() and self.reshard_after_backward:
-            self.reshard()
+        elif self._backward_done():
+            self.reshard_after_backward_step()
         self.ctx.add_pending(self)
 
     def _can_reduce_in_place(self) -> bool:
@@ -334,9 +315,6 @@ class GradReduction:
                         p.grad = piece.clone()
                     else:
                         p.grad.add_(piece)
-            for p in params:
-                if p.grad is not None:
-                    note_grad(p)  # see [Note: torch's clip_grad_norm_ on sharded parameters] in clip.py
         if out is not None:
             self.ctx.release_buffer(out)
         # Autograd never accumulates into the sharded parameters (the modules compute with the

@@ -53,11 +53,9 @@ class ShardedModule:
             u.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility: every backward of ours waits for its reductions in
-        the root's final callback, so there is nothing to defer (FSDP2 uses it to skip waiting
-        between micro-batches of pipeline schedules)."""
-        for u in self._units():
-            u.is_last_backward = is_last_backward
+        """Accepted for FSDP2 compatibility, with no effect: every backward of ours waits for its
+        reductions in the root's final callback, so there is nothing to defer (FSDP2 uses it to
+        skip waiting between micro-batches of pipeline schedules)."""
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by `factor` instead of the data-parallel size (e.g. 1.0 for

@@ -147,6 +147,30 @@ def _sharded_keys(states: List[dict], params: List[torch.Tensor]) -> List[str]:
     return sorted(keys)
 
 
+def _state_dtensors(unit: "ShardUnit", pairs: List[tuple], states: List[dict]) -> List[dict]:
+    """Per (entry, sharded parameter) of `pairs`, its optimizer state's sharded tensors as the
+    parameter's DTensors: one gather of the unit's flat layout per state key (collective over the
+    unit's shard group)."""
+    out: List[dict] = [{} for _ in pairs]
+    for k in _sharded_keys(states, [sp for _, sp in pairs]):
+        local = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=unit.shard.device)
+        for (e, _), st in zip(pairs, states):
+            if k in st:
+                local[unit.layout.shard_slice(e)] = st[k]
+        full_flat = _gather_flat(unit, local)
+        for (e, _), st, dts in zip(pairs, states, out):
+            if k in st:
+                dts[k] = _to_dtensor(unit, e, full_flat).to(st[k].dtype)
+    return out
+
+
+def _state_piece(unit: "ShardUnit", e: FlatEntry, key: str, value):
+    """A loaded optimizer state value as this rank's piece: a tensor of the parameter's whole size
+    (a DTensor, or a plain whole tensor) is cut to the piece; the step and local pieces stay."""
+    whole = isinstance(value, torch.Tensor) and value.dim() >= 1 and value.numel() == math.prod(e.global_shape)
+    return _local_piece(unit, e, _full_value(value)) if key != "step" and whole else value
+
+
 # [Note: the optimizer's own state_dict holds DTensors]
 # FSDP2's optimizer state is DTensors, so `optimizer.state_dict()` and torch's
 # `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` / `set_optimizer_state_dict`
@@ -182,18 +206,11 @@ def _optimizer_state_to_dtensors(optimizer, state_dict: dict) -> dict:
             units.setdefault(id(owner[0]), owner[0])
     state = dict(state_dict["state"])
     for unit in units.values():
-        entries = [(e, sp) for e, sp in zip(unit.entries, unit.sharded_params) if id(sp) in index]
-        sts = [state.get(index[id(sp)], {}) for _, sp in entries]
-        for k in _sharded_keys(sts, [sp for _, sp in entries]):
-            local = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=unit.shard.device)
-            for (e, _), st in zip(entries, sts):
-                if k in st:
-                    local[unit.layout.shard_slice(e)] = st[k]
-            full_flat = _gather_flat(unit, local)
-            for (e, sp), st in zip(entries, sts):
-                if k in st:  # a new dict: the values of state_dict()'s are the optimizer's own
-                    i = index[id(sp)]
-                    state[i] = {**state[i], k: _to_dtensor(unit, e, full_flat).to(st[k].dtype)}
+        pairs = [(e, sp) for e, sp in zip(unit.entries, unit.sharded_params) if id(sp) in index]
+        dts = _state_dtensors(unit, pairs, [state.get(index[id(sp)], {}) for _, sp in pairs])
+        for (_, sp), d in zip(pairs, dts):
+            if d:  # a new dict: the values of state_dict()'s are the optimizer's own
+                state[index[id(sp)]] = {**state[index[id(sp)]], **d}
     return {**state_dict, "state": state}
 
 
@@ -206,15 +223,7 @@ def _optimizer_state_to_pieces(optimizer, state_dict: dict) -> dict:
             state[i] = st
             continue
         unit, idx = owner
-        e = unit.entries[idx]
-        state[i] = {
-            k: _local_piece(unit, e, _full_value(v))
-            if k != "step"
-            and isinstance(v, torch.Tensor)
-            and (isinstance(v, DTensor) or (v.dim() >= 1 and v.numel() == math.prod(e.global_shape)))
-            else v
-            for k, v in sorted(st.items())
-        }
+        state[i] = {k: _state_piece(unit, unit.entries[idx], k, v) for k, v in sorted(st.items())}
     return {**state_dict, "state": state}
 
 
@@ -231,15 +240,9 @@ def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple
     for unit in _units(model):
         entries = [(e, sp) for e, sp in zip(unit.entries, unit.sharded_params) if e.requires_grad]
         sts = [optimizer.state.get(sp, {}) for _, sp in entries]
-        for k in _sharded_keys(sts, [sp for _, sp in entries]):
-            local = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=unit.shard.device)
-            for (e, _), st in zip(entries, sts):
-                if k in st:
-                    local[unit.layout.shard_slice(e)] = st[k]
-            full_flat = _gather_flat(unit, local)
-            for (e, sp), st in zip(entries, sts):
-                if k in st:
-                    state.setdefault(fqn_of[id(sp)], {})[k] = _to_dtensor(unit, e, full_flat).to(st[k].dtype)
+        for (_, sp), d in zip(entries, _state_dtensors(unit, entries, sts)):
+            if d:
+                state.setdefault(fqn_of[id(sp)], {}).update(d)
         for (_, sp), st in zip(entries, sts):
             handled.add(id(sp))
             for k, v in st.items():
@@ -273,14 +276,7 @@ def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
             fqn = next((f for f in fqns_of.get(id(sp), []) if f in src), None)
             if fqn is None or id(sp) not in ids:
                 continue
-            st = {}
-            for k, v in sorted(src[fqn].items()):
-                sharded = isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == math.prod(e.global_shape)
-                if k != "step" and sharded:
-                    st[k] = _local_piece(unit, e, _full_value(v))
-                else:
-                    st[k] = v
-            new_state[ids[id(sp)]] = st
+            new_state[ids[id(sp)]] = {k: _state_piece(unit, e, k, v) for k, v in sorted(src[fqn].items())}
             handled.add(id(sp))
     for fqn, st in src.items():
         p = by_name.get(fqn)

@@ -48,6 +48,11 @@ def owner_of(param: torch.Tensor) -> Optional[Tuple["ShardUnit", int]]:
     return None if unit is None else (unit, rec[1])
 
 
+def sharded_parameters() -> List[torch.Tensor]:
+    """Every live parameter our engine sharded, in any model of this process."""
+    return list(_SHARDED.keys())
+
+
 def claimed_by(param: torch.Tensor) -> Optional[str]:
     """The unit that already took `param` (an original parameter replaced by its shard), if any."""
     return _CLAIMED.get(param)
@@ -134,7 +139,6 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         # keeps it), and a forward method running (register_fsdp_forward_method)
         self.requires_all_reduce = True
         self._partial: Optional[torch.Tensor] = None
-        self.is_last_backward = True
         self.divide_factor: Optional[float] = None
         self.reshard_after_backward = True
         self.reshard_after_forward_set = False
@@ -420,6 +424,12 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         if self.storage is not None:
             self.storage.resize_(0)
         self.set_state(UnitState.SHARDED)
+
+    def reshard_after_backward_step(self) -> None:
+        """Backward is done with the gathered parameters: free them, unless
+        `set_reshard_after_backward(False)` keeps them for the next forward."""
+        if self.reshard_after_backward:
+            self.reshard()
 
     def used_this_step(self) -> bool:
         return self.ctx is not None and self._used_step == self.ctx.step
