@@ -11,6 +11,8 @@ from typing import Dict, Optional
 
 import torch
 
+from framework.fileio import create_temporary, open_append, open_regular
+
 # Dense bf16 peak TFLOP/s per device, for MFU. Unknown devices (any CPU) report no MFU.
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -46,15 +48,15 @@ def _drop_steps_after(path: str, step: int) -> None:
     """A run resumed at `step` (after a crash, a requeue or a restart) redoes the steps after it:
     their records from the attempt that did not finish (and a last line a crash cut short) are dropped,
     so every step appears once and the file reads like an uninterrupted run's. The file is replaced atomically."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
-    with open(path) as handle:
+    with os.fdopen(open_regular(path, os.O_RDONLY)) as handle:  # a planted link is refused, not read
         lines = handle.readlines()
     keep = [line for line in lines if line.endswith("\n") and _step_of(line) <= step]
     if len(keep) == len(lines):
         return
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
+    with create_temporary(tmp) as handle:
         handle.writelines(keep)
     os.replace(tmp, path)
 
@@ -93,7 +95,7 @@ class MetricsLogger:
         if jsonl:
             path = os.path.join(run_dir, "metrics.jsonl")
             _drop_steps_after(path, start_step)
-            self._jsonl = open(path, "a", buffering=1)
+            self._jsonl = open_append(path, buffering=1)  # never through a planted link
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -108,11 +108,47 @@ def write_rng(ckpt: str, rank: int) -> str:
     return path
 
 
+_SMALL_FILE = 16 << 20  # bytes: train_state.json and an RNG file are a few KB
+
+
 def read_rng(ckpt: str, rank: int) -> dict:
     """This rank's RNG states; a rank the saving job did not have takes rank 0's (resume at a
-    larger world size), so its streams are defined, though not those of any earlier rank."""
+    larger world size), so its streams are defined, though not those of any earlier rank. States
+    that the generators would not take are refused (CheckpointError) before any is set."""
+    from framework.checkpoint.layout import CheckpointError, read_small_json
+
     path = rng_path(ckpt, rank)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         path = rng_path(ckpt, 0)
-    with open(path) as f:
-        return json.load(f)
+    bad = "it does not hold the RNG states a save writes; resume from another checkpoint"
+    state = read_small_json(path, _SMALL_FILE, bad)
+    try:
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))  # a throwaway generator: only checks
+        torch.Generator().set_state(_tensor(state["torch"]))
+        if "cuda" in state and not (isinstance(state["cuda"], list) and all(isinstance(s, str) for s in state["cuda"])):
+            raise TypeError
+    except Exception:  # noqa: BLE001 - any malformed state is the same refusal
+        raise CheckpointError(f"{path}: {bad}") from None
+    return state
+
+
+def read_train_state(ckpt: str) -> dict:
+    """train_state.json, with every field a save writes present and of its type (CheckpointError
+    naming the file otherwise)."""
+    from framework.checkpoint.layout import TRAIN_STATE, CheckpointError, read_small_json
+
+    path = os.path.join(ckpt, TRAIN_STATE)
+    fix = "resume from another checkpoint"
+    saved = read_small_json(path, _SMALL_FILE, fix)
+    shapes = {"step": int, "scheduler": dict, "train_loader": dict, "optimizer_param_groups": list}
+    for key, kind in shapes.items():
+        value = saved.get(key) if isinstance(saved, dict) else None
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: '{key}' is missing or not a {kind.__name__}; {fix}")
+    consumed = saved["train_loader"].get("consumed_samples")
+    if saved["step"] < 0 or not isinstance(consumed, int) or consumed < 0:
+        raise CheckpointError(f"{path}: 'step' or 'train_loader.consumed_samples' is not a count; {fix}")
+    if not all(isinstance(g, dict) for g in saved["optimizer_param_groups"]):
+        raise CheckpointError(f"{path}: 'optimizer_param_groups' is not a list of objects; {fix}")
+    return saved

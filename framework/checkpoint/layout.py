@@ -30,17 +30,22 @@ anything about a file outside. Nothing read is executed: tensors go through
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 from typing import Dict, List, Optional, Sequence
+
+from framework.fileio import create_temporary
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 LATEST = "latest"
 FORMAT_VERSION = 1
+_MANIFEST_LIMIT = 64 << 20  # bytes of a manifest read at most (a real one is a few KB per 100 files)
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -80,7 +85,7 @@ def fsync_file(path: str) -> None:
 
 def write_json_atomic(path: str, obj) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with create_temporary(tmp) as f:  # never through a link planted under the temporary name
         json.dump(obj, f, indent=1, sort_keys=True, default=str)
         f.flush()
         os.fsync(f.fileno())
@@ -101,15 +106,16 @@ def files_of(ckpt: str) -> List[str]:
 def commit(tmp_dir: str, final_dir: str, manifest: dict) -> None:
     """Rank 0, after every rank has written and fsynced its files: manifest, rename, `latest`.
     See [Note: atomic checkpoints]."""
+    parent = os.path.dirname(final_dir)
+    manifest = {**manifest, "commit": 1 + max((commit_number(p) for p in complete_checkpoints(parent)), default=0)}
     write_json_atomic(os.path.join(tmp_dir, MANIFEST), manifest)
     fsync_dir(tmp_dir)
     if os.path.exists(final_dir):  # a previous run saved this very step; the new one replaces it
         shutil.rmtree(final_dir)
     os.rename(tmp_dir, final_dir)
-    parent = os.path.dirname(final_dir)
     fsync_dir(parent)
     pointer = os.path.join(parent, LATEST)
-    with open(pointer + ".tmp", "w") as f:
+    with create_temporary(pointer + ".tmp") as f:
         f.write(os.path.basename(final_dir) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -129,35 +135,82 @@ def complete_checkpoints(root: str) -> List[str]:
     return sorted(found, key=lambda p: step_of(p))
 
 
+def commit_number(ckpt: str) -> int:
+    """The order in which `ckpt` was committed among the checkpoints of its directory (see
+    [Note: commit order]); 0 for a checkpoint written before commits were numbered, or unreadable."""
+    try:
+        fd = os.open(os.path.join(ckpt, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return 0
+            number = json.loads(f.read(_MANIFEST_LIMIT)).get("commit", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return number if isinstance(number, int) and not isinstance(number, bool) and number > 0 else 0
+
+
+def in_commit_order(root: str) -> List[str]:
+    """Committed checkpoints under `root`, oldest commit first (ties, and checkpoints from before
+    commits were numbered, by step)."""
+    return sorted(complete_checkpoints(root), key=lambda p: (commit_number(p), step_of(p)))
+
+
 def latest_checkpoint(root: str) -> Optional[str]:
-    """The checkpoint `latest` names, or the newest committed one if the pointer is missing.
-    `latest` must hold a plain `step_N` name inside `root` (see [Note: files stay inside]);
-    anything else is refused."""
+    """The checkpoint `latest` names, or the last committed one if the pointer is missing.
+    `latest` must be a regular file holding a plain `step_N` name inside `root` (see
+    [Note: files stay inside]); anything else is refused without quoting it."""
     pointer = os.path.join(root, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer, "rb") as f:
-            raw = f.read(256)
-        name = raw.decode("utf-8", errors="replace").strip()
-        if not _STEP_DIR.fullmatch(name):
-            raise CheckpointError(
-                f"{pointer} holds {name[:80]!r}, not the name of a step_N directory "
-                f"beside it; delete it (resume=auto then takes the newest complete "
-                "checkpoint) or name a checkpoint with checkpoint.resume=<path>"
-            )
+    if os.path.lexists(pointer):
+        name = _read_pointer(pointer)
         path = os.path.join(root, name)
         if os.path.isfile(os.path.join(path, MANIFEST)):
             check_inside(root, path, what=pointer)
             return path
-    found = complete_checkpoints(root)
+    found = in_commit_order(root)
     if found:
         check_inside(root, found[-1], what=found[-1])
     return found[-1] if found else None
 
 
+def _read_pointer(pointer: str) -> str:
+    """The `step_N` name `latest` holds. A symlink, a special file or any other content is
+    refused in one line that quotes nothing from it (it may be any file of the machine)."""
+    fix = (
+        "delete it (resume=auto then takes the last committed checkpoint) or name a checkpoint "
+        "with checkpoint.resume=<path>"
+    )
+    try:
+        fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        what = "a symlink" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
+        raise CheckpointError(f"{pointer} is {what}, not the pointer a save writes; {fix}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CheckpointError(f"{pointer} is not a regular file, not the pointer a save writes; {fix}")
+        raw = f.read(64)
+    try:
+        name = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not _STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{pointer} does not hold the name of a step_N directory beside it; {fix}")
+    return name
+
+
+# [Note: commit order]
+# Every manifest carries `commit`: one more than the largest among the checkpoints already in its
+# directory when it was committed. Pruning keeps the newest *commits*, not the highest step numbers:
+# a run resumed from an earlier checkpoint (a rollback past a divergence) saves steps lower than
+# those of the run it abandoned, and must never see its own new saves deleted in favour of the
+# abandoned ones (which `latest` no longer names). The abandoned run's checkpoints are the oldest
+# commits, so they go first; `latest` always names the last commit.
+
+
 def prune(root: str, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` committed checkpoints, and leftover temp directories
-    of saves that never finished (rank 0, right after a commit, when no save is in flight)."""
-    for path in complete_checkpoints(root)[:-keep_last]:
+    """Delete all but the newest `keep_last` commits (see [Note: commit order]), and leftover temp
+    directories of saves that never finished (rank 0, right after a commit, when no save is in
+    flight)."""
+    for path in in_commit_order(root)[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(root):
         if ".tmp-" in name and step_of(name.split(".tmp-")[0]) is not None:
@@ -185,6 +238,33 @@ def _bad_name(name) -> Optional[str]:
     return None
 
 
+def read_small_json(path: str, limit: int, consequence: str):
+    """The JSON in the regular file `path` (no symlink, at most `limit` bytes), or one
+    CheckpointError naming the file and quoting nothing from it."""
+    raw = read_bounded(path, limit, consequence)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CheckpointError(f"{path} is not JSON; {consequence}") from None
+
+
+def read_bounded(path: str, limit: int, consequence: str) -> bytes:
+    """The bytes of the regular file `path` (no symlink, no FIFO or device, at most `limit`
+    bytes), or one CheckpointError naming the file and quoting nothing from it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        what = "a symlink" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
+        raise CheckpointError(f"{path} is {what}; {consequence}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is not a regular file; {consequence}")
+        if info.st_size > limit:
+            raise CheckpointError(f"{path} has {info.st_size} bytes, more than the {limit} expected; {consequence}")
+        return f.read(limit + 1)
+
+
 def read_manifest(ckpt: str) -> dict:
     """The manifest, checked for form: JSON, this format, and a `files` table that names each file
     with its sha256 and size, every name a plain relative path. See [Note: files stay inside]."""
@@ -196,11 +276,7 @@ def read_manifest(ckpt: str) -> dict:
         )
     if os.path.islink(path):
         raise CheckpointError(f"{path} is a symlink; a checkpoint's files must be its own")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not JSON ({exc}); the checkpoint cannot be verified") from None
+    manifest = read_small_json(path, _MANIFEST_LIMIT, "the checkpoint cannot be verified")
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path} is not a JSON object; the checkpoint cannot be verified")
     if manifest.get("format") != FORMAT_VERSION:

@@ -8,7 +8,6 @@ checkpoints]) and what else a checkpoint holds in `contents.py`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -20,15 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from framework.checkpoint import layout
-from framework.checkpoint.contents import (
-    dcp_load,
-    join_optim,
-    read_rng,
-    set_rng_state,
-    split_optim,
-    write_rng,
-)
+from framework.checkpoint import contents, layout
+from framework.checkpoint.contents import dcp_load, join_optim, set_rng_state, split_optim, write_rng
 from framework.checkpoint.hf import export_safetensors, import_safetensors, read_config
 from framework.config.schema import Config
 from framework.distributed.engines import engine_of
@@ -149,13 +141,14 @@ class CheckpointManager:
     # checkpoint stays complete and `latest`. Fix the disk, then resume with checkpoint.resume=auto.
     # Training does not go on without checkpoints: a run that cannot save would lose its progress.
 
-    def _together(self, fn, what: str, fix: str) -> None:
-        """Run `fn` on every rank; if it fails on any, raise the same CheckpointWriteError on all."""
+    def _together(self, fn, what: str, fix: str, where: Optional[str] = None) -> None:
+        """Run `fn` on every rank; if it fails on any, raise the same CheckpointWriteError on all.
+        `where`: the directory written, whose file system is looked at to explain a failed write."""
         error = None
         try:
             fn()
-        except (OSError, dcp.CheckpointException) as exc:
-            error = _cause(exc)
+        except (OSError, dcp.CheckpointException, RuntimeError) as exc:
+            error = _cause(exc, where or self.root)
         errors = [None] * self.rt.world_size
         dist.all_gather_object(errors, error)
         failed = [(r, e) for r, e in enumerate(errors) if e]
@@ -176,6 +169,7 @@ class CheckpointManager:
                 fn,
                 f"checkpoint.dir: could not write {tmp}",
                 f"{keep}; free space or make checkpoint.dir writable, then resume with checkpoint.resume=auto",
+                where=self.root,
             )
         except CheckpointWriteError:
             if self.rt.is_main:
@@ -252,20 +246,20 @@ class CheckpointManager:
         """Restore `state` from the checkpoint checkpoint.resume names (auto: the latest complete
         one); import checkpoint.init_from on a fresh start. Returns the step to continue from."""
         c = self.cfg.checkpoint
-        if c.resume == "auto":
-            path = layout.latest_checkpoint(self.root)
-        elif c.resume in ("none", ""):
-            path = None
-        elif os.path.isdir(c.resume) and layout.step_of(c.resume) is None:
-            path = layout.latest_checkpoint(c.resume)  # a checkpoints directory: its latest
-            if path is None:
-                self._refuse(
-                    f"checkpoint.resume={c.resume}: no complete checkpoint in this directory; "
-                    "name a step_* directory, or use 'auto' or 'none'"
-                )
-        else:
-            path = c.resume
         try:
+            if c.resume == "auto":
+                path = layout.latest_checkpoint(self.root)
+            elif c.resume in ("none", ""):
+                path = None
+            elif os.path.isdir(c.resume) and layout.step_of(c.resume) is None:
+                path = layout.latest_checkpoint(c.resume)  # a checkpoints directory: its latest
+                if path is None:
+                    self._refuse(
+                        f"checkpoint.resume={c.resume}: no complete checkpoint in this directory; "
+                        "name a step_* directory, or use 'auto' or 'none'"
+                    )
+            else:
+                path = c.resume
             if path is None:
                 from framework.models.registry import family_of
 
@@ -299,6 +293,20 @@ class CheckpointManager:
         problems = [p for share in problems for p in share] + layout.unlisted_files(path, expected)
         if problems:
             raise layout.CheckpointError(layout.integrity_message(path, problems, find_good=self.rt.is_main))
+        # The small files each rank reads are checked on every rank, and the ranks agree, before
+        # anything is loaded: a lie in one rank's RNG file is refused by all, in one line.
+        saved, rng, problem = None, None, None
+        try:
+            saved = contents.read_train_state(path)
+            rng = contents.read_rng(path, self.rt.rank)
+            _check_fits(path, saved, state)
+        except layout.CheckpointError as exc:
+            problem = str(exc)
+        problems = [None] * self.rt.world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+        if problem:
+            raise layout.CheckpointError(problem)
         self._check_same_model(path, manifest)
         self._check_same_optimizer(path, manifest)
         model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
@@ -306,8 +314,6 @@ class CheckpointManager:
         lora = self.cfg.peft.lora.enabled  # LoRA checkpoints hold the adapters; the rest stays as it is
         app = {"model": adapter_state(model_sd) if lora else model_sd, "optim": optim_tensors}
         dcp_load(app, path)
-        with open(os.path.join(path, layout.TRAIN_STATE)) as f:
-            saved = json.load(f)
         self._sharded.set_state_dicts(
             state.model,
             state.optimizer,
@@ -316,7 +322,7 @@ class CheckpointManager:
         )
         state.scheduler.load_state_dict(saved["scheduler"])
         state.train_loader.load_state_dict(saved["train_loader"])
-        set_rng_state(read_rng(path, self.rt.rank))
+        set_rng_state(rng)
         self._last_saved = saved["step"]
         if self.rt.is_main:
             w = manifest["world"]
@@ -451,14 +457,25 @@ class CheckpointWriteError(UserInputError):
     """A checkpoint could not be written (see [Note: a failed save])."""
 
 
-def _cause(exc: BaseException) -> str:
-    """One line: the OS error and its file, from an OSError or from DCP's collected failures."""
+def _cause(exc: BaseException, where: str) -> str:
+    """One line: the OS error and its file, from an OSError or from DCP's collected failures. A
+    write that torch's serializer reports only as an internal assertion ("enforce fail ...
+    file write failed") is named as a failed write, with the file system's state when it is full."""
     if isinstance(exc, dcp.CheckpointException):
         failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
         exc = next((f for f in failures if isinstance(f, OSError)), failures[0] if failures else exc)
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
     text = str(exc).strip().splitlines()
+    if isinstance(exc, RuntimeError) and ("write failed" in str(exc) or "enforce fail" in str(exc)):
+        try:
+            fs = os.statvfs(where)
+            free = fs.f_bavail * fs.f_frsize
+        except OSError:
+            free = None
+        if free is not None and free < 1 << 20:
+            return f"No space left on device (writing under {where}: {free} bytes free)"
+        return f"a write under {where} failed"
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
@@ -477,6 +494,38 @@ def _vocab_of(model_sd: dict, cfg: Config, family) -> int:
     """The vocabulary size the model was built with (the data's tokenizer may have decided it)."""
     emb = model_sd.get(family.embedding_name) if family.embedding_name else None
     return int(emb.shape[0]) if emb is not None else family.vocab_size(cfg.model)
+
+
+def _check_fits(path: str, saved: dict, state) -> None:
+    """The saved LR-schedule state and optimizer param groups have the fields, and kinds of value,
+    of this job's (a crafted train_state.json would otherwise set arbitrary attributes)."""
+
+    def kinds_match(mine, theirs) -> bool:
+        number = (int, float)
+        if isinstance(mine, bool) or isinstance(theirs, bool):
+            return type(mine) is type(theirs) or mine is None
+        if isinstance(mine, number):
+            return isinstance(theirs, number)
+        if isinstance(mine, (list, tuple)):
+            return isinstance(theirs, (list, tuple)) and len(mine) == len(theirs)
+        return mine is None or theirs is None or isinstance(theirs, type(mine))
+
+    where = f"{path}/{layout.TRAIN_STATE}"
+    live = state.scheduler.state_dict()
+    mine_keys = {k for k, v in live.items() if not callable(v)}
+    theirs = saved["scheduler"]
+    if set(theirs) - set(live) or any(not kinds_match(live[k], theirs[k]) for k in mine_keys & set(theirs)):
+        raise layout.CheckpointError(
+            f"{where}: 'scheduler' does not hold this job's LR-schedule state; resume from another checkpoint"
+        )
+    groups, live_groups = saved["optimizer_param_groups"], state.optimizer.param_groups
+    if len(groups) != len(live_groups) or any(
+        k not in g or not kinds_match(lg[k], g[k]) for g, lg in zip(groups, live_groups) for k in lg if k != "params"
+    ):
+        raise layout.CheckpointError(
+            f"{where}: 'optimizer_param_groups' does not match this job's optimizer ({len(live_groups)} groups); "
+            "resume from another checkpoint"
+        )
 
 
 def _cpu_snapshot(tree):

@@ -6,7 +6,8 @@ each other's checkpoints, prune each other's saves and interleave `metrics.jsonl
 job (the parent under `python main.py`) therefore takes an exclusive `flock` on
 `<run dir>/.lock` before it writes anything there, and holds it until the process ends. The
 kernel drops the lock when the process dies, however it dies, so a crashed job never leaves it
-stale; the file's text (pid, host, start time) only names the holder in the refusal.
+stale; the file's text (pid, host, start time) only names the holder in the refusal. A symlink
+planted as `.lock` is refused, not written through ([Note: no writing through planted links]).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import socket
 import time
 
 from framework.errors import UserInputError
+from framework.fileio import open_lock
 
 LOCK_FILE = ".lock"
 _held = {}  # run dir -> the open file holding its lock (kept for the life of the process)
@@ -29,7 +31,7 @@ def lock_run_dir(run_dir: str) -> None:
         return
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK_FILE)
-    f = open(path, "a+")  # noqa: SIM115 - held open on purpose: the lock lives as long as the file
+    f = open_lock(path)  # held open on purpose: the lock lives as long as the file (never a planted link)
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -9,6 +9,7 @@ section, and `validate.py` checks what spans sections. Choices are `str` enums b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
@@ -67,8 +68,8 @@ class Stage(str, Enum):
 
 def _positive(section: str, **values: float) -> None:
     for name, value in values.items():
-        if value is None or value <= 0:
-            raise UserInputError(f"{section}.{name}={value}: must be > 0")
+        if value is None or not 0 < value < math.inf:  # nan and inf too (a timeout of inf never fires)
+            raise UserInputError(f"{section}.{name}={value}: must be > 0 and finite")
 
 
 def _choice(section: str, name: str, value: Any, enum: type[Enum]) -> Enum:
@@ -239,8 +240,8 @@ class TrainerConfig:
             collective_timeout_s=self.collective_timeout_s,
         )
         for name in ("eval_interval", "max_time_minutes", "sample_tokens", "peak_tflops"):
-            if getattr(self, name) < 0:
-                raise UserInputError(f"trainer.{name}={getattr(self, name)}: must be >= 0")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise UserInputError(f"trainer.{name}={getattr(self, name)}: must be >= 0 and finite")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UserInputError(f"trainer.device={self.device!r}: choose auto, cpu or cuda")
 

@@ -48,8 +48,8 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str, token
         bounds.append((acc / sum(parts), (acc + p) / sum(parts)))
         acc += p
     for prefix in prefixes:
+        check_index(prefix)
         dataset = IndexedDataset(prefix)  # keep it alive: its arrays view the mapped index file
-        _check_bin_size(prefix, dataset)
         _check_token_ids(prefix, dataset, tokenizer)
         total += int(dataset.sequence_lengths.sum())
         n_docs = len(dataset)
@@ -63,20 +63,71 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str, token
     return total
 
 
-def _check_bin_size(prefix: str, dataset) -> None:
-    """The .bin holds every token the .idx points at (a truncated copy is refused at load, not
-    found by a read far into training)."""
-    lengths, pointers = dataset.index.sequence_lengths, dataset.index.sequence_pointers
-    if not len(lengths):
-        return
-    itemsize = numpy.dtype(dataset.index.dtype).itemsize
-    needed = int(pointers[-1]) + int(lengths[-1]) * itemsize
-    have = os.path.getsize(prefix + ".bin")
-    if have < needed:
+# [Note: checking an index before megatron reads it]
+# megatron-core trusts a `.idx`: a lying count, dtype code or header is an assertion or a numpy
+# error deep inside it, and a negative length or a pointer past the `.bin` trains on garbage (or
+# reads past the end far into training). `check_index` reads the header and the three arrays itself
+# and refuses, in one line naming the file and the field, anything a writer could not have made:
+# the header and version, a dtype code that is not an integer token type, a size that does not
+# match the counts, lengths < 0, pointers that do not follow from the lengths or leave the `.bin`
+# (a truncated copy), document indices that do not run from 0 to the sequence count.
+_HEADER = b"MMIDIDX\x00\x00"
+_TOKEN_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 8: numpy.uint16}
+
+
+def _regular_size(path: str, field: str) -> int:
+    """The size of the regular file `path`; a FIFO, device or directory is refused by name."""
+    import stat
+
+    try:
+        info = os.stat(path)
+    except OSError:
+        raise UserInputError(f"{field}: {path} not found; prepare it with stage=data_preparation") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UserInputError(f"{field}: {path} is not a regular file (a FIFO, device or directory); give the file")
+    return info.st_size
+
+
+def check_index(prefix: str) -> None:
+    """Refuse a `.idx`/`.bin` pair megatron-core would misread (see the Note above)."""
+    import struct
+
+    idx, field = prefix + ".idx", "data.paths"
+    idx_size, bin_size = _regular_size(idx, field), _regular_size(prefix + ".bin", field)
+
+    def bad(what: str) -> UserInputError:
+        return UserInputError(f"{field}: {idx} {what}; it is not an index data preparation writes: prepare it again")
+
+    with open(idx, "rb") as f:
+        head = f.read(34)
+    if len(head) < 34 or head[:9] != _HEADER:  # noqa: PLR2004 - the header's fixed size
+        raise bad("does not start with the Megatron index header")
+    version, code, count, docs = struct.unpack("<QBQQ", head[9:34])
+    if version != 1:
+        raise bad(f"has format version {version}, not 1")
+    if code not in _TOKEN_DTYPES:
+        raise bad(f"has dtype code {code}, not an integer token type (1-5 or 8)")
+    if 34 + 12 * count + 8 * docs != idx_size:  # noqa: PLR2004
+        raise bad(f"has {idx_size} bytes, not what its {count} sequences and {docs} document entries take")
+    itemsize = numpy.dtype(_TOKEN_DTYPES[code]).itemsize
+    mapped = numpy.memmap(idx, mode="r", dtype=numpy.uint8)
+    lengths = numpy.frombuffer(mapped, dtype=numpy.int32, count=count, offset=34).astype(numpy.int64)
+    pointers = numpy.frombuffer(mapped, dtype=numpy.int64, count=count, offset=34 + 4 * count)
+    documents = numpy.frombuffer(mapped, dtype=numpy.int64, count=docs, offset=34 + 12 * count)
+    if count and int(lengths.min()) < 0:
+        raise bad(f"gives sequence {int(numpy.argmin(lengths))} a negative length")
+    expected = numpy.concatenate([[0], numpy.cumsum(lengths[:-1] * itemsize)]) if count else lengths
+    if count and not numpy.array_equal(pointers, expected):
+        raise bad(f"points sequence {int(numpy.argmax(pointers != expected))} elsewhere than after the one before")
+    end = int(pointers[-1]) + int(lengths[-1]) * itemsize if count else 0
+    if end > bin_size:
         raise UserInputError(
-            f"data.paths: {prefix}.bin has {have} bytes but {prefix}.idx describes {needed}: "
+            f"{field}: {prefix}.bin has {bin_size} bytes but {idx} describes {end}: "
             "the .bin is truncated (an interrupted copy?); copy or prepare it again"
         )
+    if docs < 1 or int(documents[0]) != 0 or int(documents[-1]) != count or numpy.any(numpy.diff(documents) < 0):
+        raise bad(f"has document indices that do not run from 0 up to its {count} sequences")
+    del mapped
 
 
 _ID_SAMPLE = 1 << 24  # token ids read from each end of a .bin to check them against the vocabulary
@@ -119,8 +170,8 @@ def build_indexed(
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     for prefix in paths:
-        if not os.path.isfile(prefix + ".idx") or not os.path.isfile(prefix + ".bin"):
-            raise UserInputError(f"data.paths: {prefix}.bin/.idx not found; prepare it with stage=data_preparation")
+        _regular_size(prefix + ".idx", "data.paths")
+        _regular_size(prefix + ".bin", "data.paths")
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:

@@ -109,7 +109,7 @@ def test_latest_pointing_outside_the_checkpoint_dir_is_refused(copy, tmp_path):
     shutil.copytree(copy, elsewhere)
     root = copy.parent
     (root / "latest").write_text("../elsewhere/step_00000010\n")
-    with pytest.raises(CheckpointError, match="not the name of a step_N directory") as exc:
+    with pytest.raises(CheckpointError, match="does not hold the name of a step_N directory") as exc:
         latest_checkpoint(str(root))
     _one_line(str(exc.value))
     # A step directory that is a symlink to a checkpoint elsewhere is refused as well.
