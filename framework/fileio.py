@@ -71,3 +71,76 @@ def create_temporary(path: str, binary: bool = False):
             os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     return os.fdopen(fd, "wb" if binary else "w")
+
+
+# [Note: leftovers of killed jobs]
+# Two things a job makes outside its run directory outlive a SIGKILL: the launcher's per-job
+# report directory (/tmp/framework-ranks-*) and, for the instant between rank 0 creating and
+# unlinking it, the shared-memory segment of the host transport (/dev/shm/fsdp-collectives-*).
+# Both carry their creator's pid namespace and pid in their name (`owner_tag`), and every job
+# start removes those whose creator is gone (`sweep_leftovers`): same pid namespace (a pid means
+# nothing in another), same owner uid, and no process with that pid. A live job's are never touched.
+
+
+def pid_namespace() -> str:
+    try:
+        return "".join(ch for ch in os.readlink("/proc/self/ns/pid") if ch.isdigit()) or "0"
+    except OSError:
+        return "0"
+
+
+def owner_tag() -> str:
+    """`<pid namespace>-<pid>`: names what this process leaves outside its run directory."""
+    return f"{pid_namespace()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead(directory: str, prefix: str) -> list:
+    """Remove entries `<directory>/<prefix><ns>-<pid>-...` whose creator (this pid namespace, this
+    uid) no longer runs; returns the removed paths."""
+    import shutil
+
+    removed, ns = [], pid_namespace()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        parts = name[len(prefix) :].split("-")
+        if len(parts) < 3 or parts[0] != ns or not parts[1].isdigit():  # noqa: PLR2004 - ns, pid, rest
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or _alive(int(parts[1])):
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+RANKS_PREFIX = "framework-ranks-"
+SHM_PREFIX = "fsdp-collectives-"
+
+
+def sweep_leftovers() -> None:
+    """At a job's start: remove what killed jobs of this host left (see [Note: leftovers of killed jobs])."""
+    import tempfile
+
+    sweep_dead(tempfile.gettempdir(), RANKS_PREFIX)
+    sweep_dead("/dev/shm", SHM_PREFIX)

@@ -343,7 +343,10 @@ def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=600),
     )
-    report_dir = tempfile.mkdtemp(prefix="framework-ranks-")
+    from framework.fileio import RANKS_PREFIX, owner_tag, sweep_leftovers
+
+    sweep_leftovers()  # what killed jobs on this host left behind
+    report_dir = tempfile.mkdtemp(prefix=f"{RANKS_PREFIX}{owner_tag()}-")
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_local_rank_entry, args=(r, fn, arg, nprocs, store.port, report_dir), name=f"rank{r}")

@@ -184,10 +184,19 @@ class DataConfig:
     raw_inputs: List[str] = field(default_factory=list)  # data_preparation: text/JSONL files or dirs
     output_prefix: str = ""  # data_preparation: where to write <prefix>.bin/.idx
     workers: int = 2  # data_preparation: tokenizer processes
+    # data_preparation: the largest document (a text file, or one JSONL line) read, in MiB; larger
+    # ones are refused naming the file (tokenizing one takes ~8x its size in memory)
+    max_document_mb: int = 256
 
     def __post_init__(self) -> None:
         self.name = _choice("data", "name", self.name, DataName)
-        _positive("data", seq_len=self.seq_len, vocab_size=self.vocab_size, workers=self.workers)
+        _positive(
+            "data",
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            workers=self.workers,
+            max_document_mb=self.max_document_mb,
+        )
         try:
             parts = [float(x) for x in str(self.split).replace("/", ",").split(",")]
         except ValueError:
@@ -278,7 +287,7 @@ class FineTuneConfig:
     valid_fraction: float = 0.1
     packing: bool = True  # several records per row, attention kept inside each; false: one padded record per row
     # A tokenizer.json, or a directory with a Hugging Face tokenizer (and chat template). Empty: the
-    # tokenizer of checkpoint.init_from's directory, else data.tokenizer, else the stdlib corpus's.
+    # tokenizer of checkpoint.init_from's or model.path's directory, else data.tokenizer, else the stdlib corpus's.
     tokenizer: str = ""
 
     def __post_init__(self) -> None:

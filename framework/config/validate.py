@@ -64,6 +64,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
     for prefix in cfg.data.paths:
         if cfg.data.name == DataName.indexed and not os.path.exists(prefix + ".idx"):
             errors.append(f"data.paths: {prefix}.idx does not exist; prepare it with stage=data_preparation")
+        elif cfg.data.name == DataName.indexed and not os.path.isfile(prefix + ".idx"):
+            errors.append(f"data.paths: {prefix}.idx is not a regular file (a FIFO, device or directory)")
 
     f = cfg.finetune
     if cfg.stage == Stage.fine_tuning and not f.dataset and not f.train_file:
@@ -75,6 +77,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         path = getattr(f, name)
         if cfg.stage == Stage.fine_tuning and path and not os.path.exists(path):
             errors.append(f"finetune.{name}={path}: no such file; give an existing path")
+        elif cfg.stage == Stage.fine_tuning and path and not (os.path.isfile(path) or os.path.isdir(path)):
+            errors.append(f"finetune.{name}={path} is not a regular file or directory (a FIFO, device or socket)")
     if cfg.peft.lora.enabled and p.tp > 1:
         errors.append(
             "peft.lora.enabled=true with parallelism.tp > 1: the adapters are not split for tensor "
@@ -132,4 +136,6 @@ def _validate_data_preparation(cfg: Config) -> List[str]:
     for path in cfg.data.raw_inputs:
         if not os.path.exists(path):
             errors.append(f"data.raw_inputs: {path} does not exist")
+        elif not (os.path.isfile(path) or os.path.isdir(path)):
+            errors.append(f"data.raw_inputs: {path} is not a regular file or directory (a FIFO, device or socket)")
     return errors

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -24,55 +25,104 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 _BATCH = 64  # documents per task handed to a worker
 
 
-def input_files(raw_inputs: Sequence[str]) -> List[str]:
+def input_files(raw_inputs: Sequence[str], quiet: bool = False) -> List[str]:
+    """The regular files `raw_inputs` names, directories walked in sorted order. An entry that is
+    not a regular file or directory is refused; inside a directory, FIFOs, devices, sockets (and
+    links to them) are skipped and listed on stderr: reading one would hang or never end."""
     if not raw_inputs:
         raise UserInputError(
             "data.raw_inputs is empty; list the text/JSONL files or directories to prepare, "
             "e.g. data.raw_inputs=[corpus/]"
         )
-    files = []
+    files, skipped = [], []
     for entry in raw_inputs:
-        if os.path.isdir(entry):
+        kind = _kind(entry)
+        if kind == "dir":
             for root, dirs, names in os.walk(entry):
                 dirs.sort()
-                files += [os.path.join(root, n) for n in sorted(names) if not n.startswith(".")]
-        elif os.path.isfile(entry):
+                for name in sorted(names):
+                    path = os.path.join(root, name)
+                    if name.startswith("."):
+                        continue
+                    (files if _kind(path) == "file" else skipped).append(path)
+        elif kind == "file":
             files.append(entry)
-        else:
+        elif kind == "missing":
             raise UserInputError(f"data.raw_inputs: {entry} does not exist; give existing files or directories")
+        else:
+            raise UserInputError(
+                f"data.raw_inputs: {entry} is not a regular file or directory (a FIFO, device or socket); "
+                "give the files to read"
+            )
+    if skipped and not quiet:
+        shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")  # noqa: PLR2004
+        print(
+            f"warning: data.raw_inputs: skipped {len(skipped)} entries that are not regular files: {shown}",
+            file=sys.stderr,
+            flush=True,
+        )
     if not files:
-        raise UserInputError(f"data.raw_inputs={list(raw_inputs)} contains no files")
+        raise UserInputError(f"data.raw_inputs={list(raw_inputs)} contains no regular files")
     return files
 
 
-def iter_documents(files: Sequence[str]) -> Iterator[str]:
+def _kind(path: str) -> str:
+    """'file', 'dir', 'missing' (or a dangling link) or 'special', symlinks followed."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "missing"
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "special"
+
+
+def iter_documents(files: Sequence[str], max_bytes: int = 256 << 20) -> Iterator[str]:
+    """Each file's documents; a document (a text file, one JSONL line) over `max_bytes` is refused
+    before it is read whole (data.max_document_mb)."""
+
+    def too_long(where: str) -> UserInputError:
+        return UserInputError(
+            f"data.raw_inputs: {where} is longer than data.max_document_mb={max_bytes >> 20}; split it, "
+            "or raise data.max_document_mb (tokenizing a document takes ~8x its size in memory)"
+        )
+
     for path in files:
         if path.endswith(JSONL_SUFFIXES):
             with open(path, "rb") as f:
-                for number, raw in enumerate(f, 1):
-                    try:
-                        line = raw.decode("utf-8")
-                    except UnicodeDecodeError as exc:
-                        raise UserInputError(
-                            f"data.raw_inputs: {path}:{number} is not valid UTF-8 (byte {exc.start} "
-                            f"of the line: {exc.reason}); convert the file to UTF-8"
-                        ) from None
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise UserInputError(
-                            f"data.raw_inputs: {path}:{number} is not JSON ({exc.msg}); JSONL needs one object per line"
-                        ) from None
-                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise UserInputError(
-                            f"data.raw_inputs: {path}:{number} has no string 'text' field; every JSONL line needs one"
-                        )
-                    yield record["text"]
+                number = 0
+                while raw := f.readline(max_bytes + 1):
+                    number += 1
+                    if len(raw) > max_bytes:
+                        raise too_long(f"{path}:{number}")
+                    text = _json_text(path, number, raw)
+                    if text is not None:  # a blank line is no document
+                        yield text
         else:
+            if os.path.getsize(path) > max_bytes:
+                raise too_long(path)
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield f.read()
+
+
+def _json_text(path: str, number: int, raw: bytes) -> Optional[str]:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserInputError(
+            f"data.raw_inputs: {path}:{number} is not valid UTF-8 (byte {exc.start} "
+            f"of the line: {exc.reason}); convert the file to UTF-8"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise UserInputError(
+            f"data.raw_inputs: {path}:{number} is not JSON ({getattr(exc, 'msg', 'nested too deep')}); "
+            "JSONL needs one object per line"
+        ) from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise UserInputError(f"data.raw_inputs: {path}:{number} has no string 'text' field; every JSONL line needs one")
+    return record["text"]
 
 
 # [Note: long documents]
@@ -157,6 +207,7 @@ def prepare(
     vocab_size: int = 2048,
     workers: int = 1,
     progress: bool = True,
+    max_document_mb: int = 256,
 ) -> Tuple[str, str]:
     """Tokenize `raw_inputs` into `output_prefix`.bin/.idx; returns (prefix, tokenizer.json path).
     The outputs appear atomically (written under temporary names, renamed when complete)."""
@@ -169,11 +220,12 @@ def prepare(
     if not output_prefix:
         raise UserInputError("data.output_prefix is empty; set it to where <prefix>.bin/.idx should be written")
     files = input_files(raw_inputs)
+    limit = max_document_mb << 20
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     if tokenizer:
         tok = BPETokenizer(tokenizer)
     else:
-        tok = train_bpe(_all_pieces(iter_documents(files)), vocab_size, output_prefix + ".tokenizer.json")
+        tok = train_bpe(_all_pieces(iter_documents(files, limit)), vocab_size, output_prefix + ".tokenizer.json")
     dtype = DType.optimal_dtype(tok.vocab_size)
     tmp = f"{output_prefix}.tmp-{os.getpid()}"
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
@@ -185,9 +237,9 @@ def prepare(
         # The parent used the Rust thread pool (training); forked children must not.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         pool = mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(tok.path,))
-        encoded = pool.imap(_encode, _batches(iter_documents(files)), chunksize=1)
+        encoded = pool.imap(_encode, _batches(iter_documents(files, limit)), chunksize=1)
     else:
-        encoded = (encode_documents(tok, b) for b in _batches(iter_documents(files)))
+        encoded = (encode_documents(tok, b) for b in _batches(iter_documents(files, limit)))
     try:
         n_docs = n_tokens = 0
         for batch in encoded:
@@ -225,6 +277,7 @@ def prepare_data(cfg) -> int:
             vocab_size=d.vocab_size,
             workers=d.workers,
             progress=cfg.trainer.progress_bar is not False and (cfg.trainer.progress_bar or sys.stderr.isatty()),
+            max_document_mb=d.max_document_mb,
         )
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

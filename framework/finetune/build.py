@@ -22,16 +22,16 @@ from framework.finetune.data import (
 
 
 def resolve_tokenizer(cfg: Config, *, is_main: bool = True, barrier=lambda: None) -> SFTTokenizer:
-    """finetune.tokenizer; else the tokenizer in checkpoint.init_from's directory; else
-    data.tokenizer; else the stdlib corpus's tokenizer (the main job's pre-training data)."""
+    """finetune.tokenizer; else the tokenizer in checkpoint.init_from's directory, or model.path's;
+    else data.tokenizer; else the stdlib corpus's tokenizer (the main job's pre-training data)."""
     if cfg.finetune.tokenizer:
         return load_tokenizer(cfg.finetune.tokenizer)
-    init = cfg.checkpoint.init_from
-    if init and os.path.isdir(init):
-        if os.path.isfile(os.path.join(init, "tokenizer_config.json")):
-            return load_tokenizer(init)
-        if os.path.isfile(os.path.join(init, "tokenizer.json")):
-            return load_tokenizer(os.path.join(init, "tokenizer.json"))
+    for init in (cfg.checkpoint.init_from, cfg.model.path):  # the weights' own tokenizer, if they came with one
+        if init and os.path.isdir(init):
+            if os.path.isfile(os.path.join(init, "tokenizer_config.json")):
+                return load_tokenizer(init)
+            if os.path.isfile(os.path.join(init, "tokenizer.json")):
+                return load_tokenizer(os.path.join(init, "tokenizer.json"))
     if cfg.data.tokenizer:
         return load_tokenizer(cfg.data.tokenizer)
     from framework.data.prepare import default_tokenizer_for

@@ -98,9 +98,9 @@ def test_a_bug_in_a_rank_keeps_its_traceback_bad_paths_stay_one_line(tmp_path):
     out = run_main(indexed + [f"data.paths=[{tmp_path}/half]", f"hydra.run.dir={tmp_path}/bad"], tmp_path)
     assert out.returncode == EXIT_BAD_INPUT, (out.returncode, out.stderr[-3000:])
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
-        f"error: data.paths: {tmp_path}/half.bin not found; prepare it with stage=data_preparation"
-    ], out.stderr[-3000:]
+    assert errors == [f"error: data.paths: {tmp_path}/half.bin not found; prepare it with stage=data_preparation"], (
+        out.stderr[-3000:]
+    )
     assert "Traceback" not in out.stderr
 
 

@@ -52,6 +52,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from framework.fileio import SHM_PREFIX, pid_namespace, sweep_dead
+
 from ..transport import Transport
 
 SHM_DIR = "/dev/shm"
@@ -365,12 +367,14 @@ def open_shared_memory(group, timeout_s: float) -> Optional[SharedMemoryTranspor
     n, r = dist.get_world_size(group), dist.get_rank(group)
     opts = dict(timeout_s=timeout_s, global_ranks=dist.get_process_group_ranks(group))
     token = int.from_bytes(os.urandom(7), "little")
-    mine = torch.tensor([host_key(), int(supported()), token], dtype=torch.int64)
+    mine = torch.tensor([host_key(), int(supported()), token, os.getpid()], dtype=torch.int64)
     seen = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(seen, mine, group=group)
     if not all(int(t[1]) for t in seen) or len({int(t[0]) for t in seen}) != 1:
         return None
-    path = os.path.join(SHM_DIR, f"fsdp-collectives-{int(seen[0][2]):014x}")  # rank 0's token
+    if r == 0:
+        sweep_dead(SHM_DIR, SHM_PREFIX)  # segments of killed jobs (see [Note: leftovers of killed jobs])
+    path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{pid_namespace()}-{int(seen[0][3])}-{int(seen[0][2]):014x}")  # rank 0's
     channel, ok = None, torch.ones(1, dtype=torch.int64)
     try:
         if r == 0:
