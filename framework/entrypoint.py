@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from typing import List
+from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,6 +39,22 @@ def _refuse(problems: List[str], run_dir: str) -> int:
     return EXIT_BAD_INPUT
 
 
+def claim_run_dir(run_dir: str, config_yaml: str) -> Optional[str]:
+    """Take the run directory's lock (see [Note: the run directory lock]) and record the resolved
+    config there; the refusal's text if the directory is taken or a file there is planted."""
+    from framework.fileio import create_temporary
+
+    try:
+        lock_run_dir(run_dir)
+        path = os.path.join(run_dir, "config.yaml")
+        with create_temporary(path + ".tmp") as f:  # never through a link planted as config.yaml
+            f.write(config_yaml)
+        os.replace(path + ".tmp", path)
+    except UserInputError as exc:
+        return str(exc)
+    return None
+
+
 def start(dict_cfg: DictConfig, run_dir: str) -> int:
     """Validate, record the resolved config, then run the stage on every rank."""
     try:
@@ -54,13 +71,18 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
+    config_yaml = OmegaConf.to_yaml(dict_cfg, resolve=True)
+    if under_torchrun() and cfg.stage not in (Stage.plan, Stage.data_preparation):
+        # Every rank is its own process: rank 0 claims the run directory once the ranks can talk,
+        # and a refusal there ends every rank with the same status (trainer.run).
+        from framework.trainer import run
+
+        return run_rank(functools.partial(run, claim=lambda: claim_run_dir(cfg.run_dir, config_yaml)), cfg)
     if os.environ.get("RANK", "0") == "0":
-        try:  # one job per run directory; see [Note: the run directory lock]
-            lock_run_dir(cfg.run_dir)
-        except UserInputError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        problem = claim_run_dir(cfg.run_dir, config_yaml)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
-        OmegaConf.save(dict_cfg, os.path.join(cfg.run_dir, "config.yaml"), resolve=True)
     if cfg.stage == Stage.plan:
         from framework.planner import run_plan
 

@@ -282,9 +282,19 @@ def _train(cfg: Config, rt: Runtime) -> int:
         return EXIT_CRASH
 
 
-def run(cfg: Config) -> int:
-    """One rank's whole job: join the process group, train, leave. Returns the exit status."""
+def run(cfg: Config, claim=None) -> int:
+    """One rank's whole job: join the process group, train, leave. Returns the exit status.
+    `claim` (under torchrun, where rank 0 is not a parent of the others): rank 0 takes the run
+    directory once the ranks can talk, and a refusal there ends every rank with status 2."""
     rt = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    if claim is not None:
+        problem = [claim() if rt.rank == 0 else None]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            if rt.is_main:
+                print(f"error: {problem[0]}", file=sys.stderr, flush=True)
+            shutdown()
+            return EXIT_BAD_INPUT
     code = _train(cfg, rt)
     # [Note: nothing outlives the process group]
     # The trainer (model, optimizer, the engine's buffers and pending work) must be gone before the

@@ -12,6 +12,7 @@ must end the job the same way whichever transport the rank was waiting in.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,13 @@ def test_second_job_on_a_run_directory_refuses_in_one_line(tmp_path):
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and f"is in use by a running job (pid {holder.pid} on " in errors[0], out.stderr
         assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
+        # Under torchrun rank 0 is no parent of rank 1: the refusal still ends every rank with
+        # status 2 (torchrun itself then exits 1, as it does for any failed worker).
+        out = _torchrun(TINY + ["trainer.max_steps=2", f"hydra.run.dir={run}"], tmp_path, _env())
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "is in use by a running job" in errors[0], out.stderr[-3000:]
+        assert len(re.findall(r"exitcode\s*: 2 ", out.stderr)) == 2, out.stderr[-3000:]  # noqa: PLR2004
+        assert "Connection closed" not in out.stderr and "RuntimeError" not in out.stderr, out.stderr[-3000:]
     finally:
         holder.kill()
         holder.wait()
