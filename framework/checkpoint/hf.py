@@ -145,8 +145,10 @@ def weight_files(directory: str, where: str) -> dict[str, str]:
         raise UserInputError(f"{where}: no such directory")
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        index_data = read_json(index)
+        weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise UserInputError(f"{where}: {index} has no weight_map; give the index save_pretrained wrote")
         outside = [
             v for v in weight_map.values() if not isinstance(v, str) or os.path.basename(v) != v or v in ("", ".", "..")
         ]
@@ -164,9 +166,7 @@ def weight_files(directory: str, where: str) -> dict[str, str]:
         return {k: os.path.join(directory, v) for k, v in weight_map.items()}
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single, where) as f:
             return {k: single for k in f.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
     below = sorted(
         d
@@ -188,8 +188,33 @@ def read_config(directory: str) -> dict | None:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
+
+
+def read_json(path: str):
+    """The JSON in `path`; a file that is not UTF-8 JSON is one refusal naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"not JSON ({getattr(exc, 'msg', exc)})"
+        raise UserInputError(f"{path} is {why}; give the file save_pretrained wrote") from None
+
+
+def open_safetensors(path: str, where: str):
+    """`safe_open(path)`; a file whose header does not describe its bytes (dtypes, shapes or
+    offsets that do not fit, a truncated file) is one refusal naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type from Rust
+        raise UserInputError(f"{where}: {path} is not a readable safetensors file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:160]
 
 
 def _local_box(like: torch.Tensor) -> list[tuple[int, int]] | None:
@@ -248,14 +273,19 @@ def import_safetensors(
 ) -> tuple[dict[str, torch.Tensor], int]:
     """A state dict shaped like `model_sd` (sharded) with values read from `directory`; every
     tensor of the files must be used. `where` names the config field in messages."""
-    from safetensors import safe_open
-
     files = weight_files(directory, where)
+    renamed, merged = adapter.converted_names(sorted(files), where) if hasattr(adapter, "converted_names") else ({}, {})
     plan: dict[str, str] = {}  # our name -> hf name
+    merges: dict[str, tuple] = {}  # our name -> (operations, [[hf names] per source pattern])
     for name, like in model_sd.items():
         if not isinstance(like, torch.Tensor):
             continue
         key = adapter.to_hf(name)
+        if key is not None and key not in files and key in merged:
+            merges[name] = merged[key]
+            continue
+        if key is not None and key not in files and key in renamed:
+            key = renamed[key]  # what save_pretrained wrote under its legacy name
         if key is None or key not in files:
             fallback = adapter.from_hf_fallback(name)
             key = fallback if fallback in files else key
@@ -266,7 +296,8 @@ def import_safetensors(
             )
         plan[name] = key
     ignorable = getattr(adapter, "ignorable", lambda key: False)
-    unused = sorted(k for k in set(files) - set(plan.values()) if not ignorable(k))
+    used = set(plan.values()) | {k for _, groups in merges.values() for group in groups for k in group}
+    unused = sorted(k for k in set(files) - used if not ignorable(k))
     if unused:
         raise UserInputError(
             f"{where}: the checkpoint holds {len(unused)} tensor(s) this model does not use "
@@ -278,11 +309,65 @@ def import_safetensors(
     for name, key in plan.items():
         by_file.setdefault(files[key], []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path, where) as f:
             for name in names:
                 key, like = plan[name], model_sd[name]
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(like.shape):
-                    raise UserInputError(f"{where}: {key} has shape {shape}, the model needs {tuple(like.shape)}")
-                out[name] = _read_piece(f, key, like)
+                try:
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(like.shape):
+                        raise UserInputError(f"{where}: {key} has shape {shape}, the model needs {tuple(like.shape)}")
+                    out[name] = _read_piece(f, key, like)
+                except UserInputError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a lying header shows when the bytes are read
+                    raise UserInputError(f"{where}: {path}: tensor {key} cannot be read ({_first_line(exc)})") from None
+    for name, (operations, groups) in merges.items():
+        full = _merge(files, operations, groups, where)
+        like = model_sd[name]
+        if tuple(full.shape) != tuple(like.shape):
+            raise UserInputError(
+                f"{where}: {groups[0][0]} and the tensors merged with it make shape {tuple(full.shape)}, "
+                f"the model needs {tuple(like.shape)} (our {name})"
+            )
+        out[name] = _from_full(full.to(like.dtype), like)
     return out, len(out)
+
+
+def _merge(files: dict[str, str], operations, groups: list[list[str]], where: str) -> torch.Tensor:
+    """What transformers builds on load from per-expert tensors (see [Note: what save_pretrained
+    writes]): each source pattern's tensors stacked (MergeModulelist), then the patterns joined
+    (Concatenate)."""
+
+    def read(key: str) -> torch.Tensor:
+        with open_safetensors(files[key], where) as f:
+            try:
+                return f.get_tensor(key)
+            except Exception as exc:  # noqa: BLE001 - as in import_safetensors
+                raise UserInputError(
+                    f"{where}: {files[key]}: tensor {key} cannot be read ({_first_line(exc)})"
+                ) from None
+
+    parts = [[read(k) for k in group] for group in groups]
+    for op in operations:
+        kind, dim = type(op).__name__, getattr(op, "dim", 0)
+        if kind == "MergeModulelist":
+            parts = [torch.stack(group, dim=dim) if isinstance(group, list) else group for group in parts]
+        elif kind == "Concatenate":
+            parts = [torch.cat(parts, dim=dim)]
+        else:
+            raise UserInputError(
+                f"{where}: transformers builds {groups[0][0]} and others with {kind}, which this framework "
+                "does not read yet; save the model with its state-dict names (model.state_dict() to safetensors)"
+            )
+    if len(parts) != 1 or isinstance(parts[0], list):
+        raise UserInputError(f"{where}: cannot merge {groups[0][0]} and the tensors beside it into one")
+    return parts[0]
+
+
+def _from_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` laid out like `like` (this rank's piece of a DTensor, cut locally)."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

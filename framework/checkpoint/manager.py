@@ -428,6 +428,10 @@ class CheckpointManager:
             adapter.check_hf_config(hf_config, model_cfg, where)
         loaded, count = import_safetensors(directory, model_sd, adapter, where)
         self._sharded.set_state_dicts(state.model, state.optimizer, {**loaded, **adapters}, optim_sd)
+        # Getting the state dicts made optimizer state (a zero-lr step, so a load has a template);
+        # imported weights start training as in a plain loop: no moments, step counter 0 (a
+        # counter of 1 would change AdamW's bias correction from the first step).
+        state.optimizer.state.clear()
         if self.rt.is_main:
             print(f"initialised {count} tensors from {directory}", file=sys.stderr, flush=True)
 

@@ -109,8 +109,14 @@ def read_records(path: str) -> list:
             '{"prompt", "response"} or {"messages": [...]} records'
         )
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserInputError(
+                    f"{path}:{number}: not valid UTF-8 (byte {exc.start} of the line); convert the file to UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

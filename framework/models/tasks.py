@@ -122,7 +122,9 @@ def _causal_lm_sample(run: RunView, prompt: str = "def ") -> Optional[str]:
     ids = tok.encode(prompt)
     gen = torch.Generator().manual_seed(run.seed)
     for _ in range(run.sample_tokens):
-        logits = run.gather(model(torch.tensor([ids[-run.seq_len :]], device=run.device)))[0, -1].float().cpu()
+        out = model(torch.tensor([ids[-run.seq_len :]], device=run.device))
+        out = getattr(out, "logits", out)  # a Hugging Face model returns an output object
+        logits = run.gather(out)[0, -1].float().cpu()
         top = torch.topk(logits / 0.8, k=20)
         choice = torch.multinomial(F.softmax(top.values, -1), 1, generator=gen)
         ids.append(int(top.indices[choice]))

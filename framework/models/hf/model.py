@@ -56,8 +56,11 @@ def _config_dict(cfg: ModelConfig) -> dict:
             f"model.path={cfg.path}: no config.json in this directory; give the directory "
             "written by transformers' save_pretrained"
         )
-    with open(path) as f:
-        data = json.load(f)
+    from framework.checkpoint.hf import read_json
+
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise UserInputError(f"{path} is not a JSON object; give the config.json save_pretrained wrote")
     if data.get("auto_map"):
         raise UserInputError(
             f"model.path={cfg.path}: config.json asks for custom model code (auto_map), "
@@ -130,9 +133,22 @@ def task_of(cfg: ModelConfig) -> str:
     )
 
 
+_PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
 def check_config(cfg: ModelConfig) -> None:
-    """The refusals that need no transformers import: the task, model.path or model.config."""
+    """The refusals that need no transformers import: the task, model.path or model.config, and
+    weights only in pickled files (never unpickled: without this the model would silently start
+    from its random initialisation)."""
     task_of(cfg)
+    if cfg.path and os.path.isdir(cfg.path) and not weights_dir(cfg):
+        pickled = sorted(n for n in os.listdir(cfg.path) if n.endswith(_PICKLED_WEIGHTS))
+        if pickled:
+            raise UserInputError(
+                f"model.path={cfg.path}: its weights are only in {pickled[0]} (a pickle, which this framework "
+                "never loads: it can run code); convert them once to safetensors, e.g. in Python: "
+                "AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+            )
 
 
 def hf_config(cfg: ModelConfig):
@@ -205,6 +221,12 @@ def weights_dir(cfg: ModelConfig) -> str:
     return cfg.path if has else ""
 
 
+def _targets(transform) -> list:
+    targets = transform.target_patterns
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    return targets * len(transform.source_patterns) if len(targets) == 1 else targets
+
+
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """6 x non-embedding parameters: the dense-matmul estimate."""
     emb = model.get_input_embeddings()
@@ -224,6 +246,63 @@ class HFAdapter:
         self.ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
         self.config = model.config
         self.architecture = type(model).__name__
+        try:  # how transformers renames and fuses what save_pretrained wrote (transformers >= 5)
+            from transformers.conversion_mapping import get_model_conversion_mapping
+
+            self.transforms = list(get_model_conversion_mapping(model))
+        except (ImportError, AttributeError, TypeError):
+            self.transforms = []
+
+    # [Note: what save_pretrained writes]
+    # transformers 5 keeps some models' weights in other names and shapes than their files: GPT-NeoX's
+    # `embed_out` is the model's `lm_head`, Mixtral's `block_sparse_moe.experts.3.w1.weight` (one
+    # tensor per expert) are stacked into `mlp.experts.gate_up_proj`; save_pretrained writes the
+    # file names. `converted_names` reads the model's own conversion list (its renamings and its
+    # merges: stack per expert, concatenate gate and up) and says, for each model name the files
+    # lack, which file tensors make it; the import stacks and joins them, and refuses any other
+    # operation in one line. Exports keep the model's names, which transformers loads as they are.
+
+    def converted_names(self, keys, where: str):
+        """({model name: file name} for renamed tensors, {model name: (operations, [[file names] per
+        source pattern, in expert order])} for merged ones), from the file's tensor names."""
+        renamings = [t for t in self.transforms if type(t).__name__ == "WeightRenaming"]
+        converters = [t for t in self.transforms if type(t).__name__ == "WeightConverter"]
+        renamed, merged = {}, {}
+        for key in keys:
+            name = key
+            for t in renamings:
+                for source, target in zip(t.source_patterns, _targets(t)):
+                    try:
+                        name = re.sub(source, target, name)
+                    except re.error:
+                        continue
+            hit = False
+            for t in converters:
+                target = _targets(t)[0]
+                for slot, source in enumerate(t.source_patterns):
+                    match = re.search(re.escape(source).replace(r"\*", r"(\d+)"), name)
+                    if match is None:
+                        continue
+                    fused = name[: match.start()] + target + name[match.end() :]
+                    index = int(match.group(1)) if match.groups() else 0
+                    entry = merged.setdefault(fused, (t.operations, {}))
+                    entry[1].setdefault(slot, {})[index] = key
+                    hit = True
+                    break
+                if hit:
+                    break
+            if not hit and name != key:
+                renamed[name] = key
+        out = {}
+        for fused, (operations, slots) in merged.items():
+            groups = []
+            for slot in sorted(slots):
+                experts = slots[slot]
+                if sorted(experts) != list(range(len(experts))):
+                    raise UserInputError(f"{where}: the tensors merged into {fused} skip an expert index")
+                groups.append([experts[i] for i in range(len(experts))])
+            out[fused] = (operations, groups)
+        return renamed, out
 
     def to_hf(self, name: str):
         return None if name in self.tied else name
