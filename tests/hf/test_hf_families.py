@@ -226,3 +226,85 @@ def test_export_of_a_renamed_or_fused_family_loads_in_transformers(label, tmp_pa
     original = transformers.AutoModelForCausalLM.from_pretrained(source)
     moved = max((a - b).abs().max().item() for a, b in zip(exported.parameters(), original.parameters()))
     assert 0 < moved < 1.0  # trained two steps from the imported weights, not from a random start
+
+
+def _lora_rank(rank, world, run_dir, directory):
+    """Our LoRA on 2 ranks and peft's on one process, from the same directory and the same initial
+    adapters (ours copied into peft's): 5 losses each."""
+    import peft
+    import transformers
+
+    from framework.runtime import Runtime
+    from framework.trainer import Trainer
+
+    cfg = _adamw_config(directory, "causal_lm", run_dir)
+    cfg.peft.lora.enabled, cfg.peft.lora.rank, cfg.peft.lora.alpha = True, 4, 8.0
+    cfg.peft.lora.targets = ["q_proj", "v_proj"]
+    trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+    assert trainer.ckpt.resume(trainer.state) == 0
+    adapters = {}
+    for name, value in trainer.model.state_dict().items():
+        if ".lora_" in name:
+            adapters[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
+    losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    trainer.ckpt.close()
+    del trainer
+
+    from framework.data import build_data
+    from framework.models import family_of
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    base.config.use_cache = False
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+    peft_params = dict(model.named_parameters())
+    copied = 0
+    for name, value in adapters.items():  # ours: <layer>.lora_a / .lora_b; peft's: <layer>.lora_A.default.weight
+        layer, kind = name.rsplit(".", 1)
+        target = f"base_model.model.{layer}.lora_{kind[-1].upper()}.default.weight"
+        with torch.no_grad():
+            peft_params[target].copy_(value)
+        copied += 1
+    family = family_of(cfg.model)
+    task = family.task(cfg.model)
+    data = build_data(
+        cfg.data,
+        vocab_size=family.vocab_size(cfg.model),
+        micro_batch_size=4,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+        seed=cfg.trainer.seed,
+        sample_kind=task.sample_kind,
+        num_labels=0,
+    )
+    o = cfg.optimizer
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=0.0)
+    ref = []
+    for _ in range(STEPS):
+        loss = task.loss(model, data.train.next_batch())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, o.clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ref.append(loss.item())
+    return {"losses": losses, "ref": ref, "copied": copied, "trainable": len(trainable)}
+
+
+def test_our_lora_follows_peft_on_the_same_model(tmp_path):
+    import transformers
+
+    from tests.distributed.harness import run_ranks
+
+    model_type, config, _ = FAMILIES["llama"]
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(model_type, **config)
+    ).save_pretrained(tmp_path / "llama")
+    results = run_ranks(_lora_rank, world_size=2, args=(str(tmp_path), str(tmp_path / "llama")), timeout_s=300)
+    for r in results:
+        assert r["copied"] == r["trainable"] == 8, r  # 2 layers x (q, v) x (A, B)
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref"])) <= TOL, r
+        assert max(r["losses"]) - min(r["losses"]) > 1e-4, r  # the adapters train
