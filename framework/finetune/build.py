@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -85,6 +86,9 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
             f"finetune: no {'training' if not train_rows else 'validation'} record has a "
             f"response token within data.seq_len={seq_len}; raise data.seq_len"
         )
+    _check_ids_fit(cfg, tok, train_rows + valid_rows)
+    if not distributed or dist.get_rank() == 0:
+        print(f"fine-tuning with the tokenizer {tok.path or '(built in)'} ({tok.vocab_size} ids)", file=sys.stderr)
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
     train_rows = [train_rows[i] for i in order]
     kw = {
@@ -99,3 +103,22 @@ def build_finetune_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundl
         vocab_size=tok.vocab_size,
         tokenizer=tok,
     )
+
+
+def _check_ids_fit(cfg: Config, tok: SFTTokenizer, rows: list) -> None:
+    """Every token id of the rows is one the model has (checked before the first step: an id past
+    the embedding is an index error deep in the model, or silently wrong with a larger one)."""
+    from framework.models.registry import family_of
+
+    vocab = int(family_of(cfg.model).vocab_size(cfg.model) or 0)
+    if vocab <= 0:
+        return  # the model takes the tokenizer's size
+    ids = [row[k] for row in rows for k in ("input_ids", "labels") if k in row]
+    largest = max((int(t.max()) for t in ids if t.numel()), default=-1)
+    if largest >= vocab:
+        where = f"model.path={cfg.model.path}" if cfg.model.path else f"model={cfg.model.name}"
+        raise UserInputError(
+            f"finetune: the tokenizer {tok.path or '(built in)'} gives token id {largest}, but {where} has "
+            f"only {vocab} ids; use the model's own tokenizer (finetune.tokenizer=<its directory>) "
+            "or a model whose vocabulary covers this one"
+        )

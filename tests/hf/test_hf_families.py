@@ -308,3 +308,116 @@ def test_our_lora_follows_peft_on_the_same_model(tmp_path):
         assert r["copied"] == r["trainable"] == 8, r  # 2 layers x (q, v) x (A, B)
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref"])) <= TOL, r
         assert max(r["losses"]) - min(r["losses"]) > 1e-4, r  # the adapters train
+
+
+def _directory_with_tokenizer(out, model_vocab: int) -> int:
+    """A save_pretrained directory holding a GPT-2 of `model_vocab` ids and its own byte-level BPE
+    tokenizer (tokenizer.json + tokenizer_config.json); returns the tokenizer's size."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["def add(a, b): return a + b", "the quick brown fox jumps over the lazy dog"] * 50
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|eos|>"], initial_alphabet=alphabet)
+    )
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=model_vocab, n_positions=128, eos_token_id=0, bos_token_id=0
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(out)
+    fast.save_pretrained(out)
+    return len(fast)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_fine_tuning_uses_the_directorys_own_tokenizer_and_checks_its_ids(tmp_path, fits):
+    import json
+
+    from conftest import TINY, run_main
+
+    size = _directory_with_tokenizer(tmp_path / "model", 400)
+    if not fits:  # the same tokenizer beside a model with fewer ids than it gives
+        _directory_with_tokenizer(tmp_path / "model", size - 40)
+    records = tmp_path / "sft.jsonl"
+    records.write_text(
+        "".join(json.dumps({"prompt": f"def add{i}(a, b):", "response": " return a + b"}) + "\n" for i in range(40))
+    )
+    args = [a for a in TINY if not a.startswith(("model=", "data="))]
+    out = run_main(
+        args
+        + ["stage=fine_tuning", "model=hf", f"model.path={tmp_path / 'model'}", f"finetune.train_file={records}"]
+        + ["finetune.packing=false", "data.seq_len=32", "trainer.max_steps=2", "trainer.global_batch_size=4"]
+        + ["trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path}/run"],
+        tmp_path,
+    )
+    if fits:
+        assert out.returncode == 0, out.stderr[-3000:]
+        used = next(line for line in out.stderr.splitlines() if line.startswith("fine-tuning with the tokenizer"))
+        assert f"tokenizer {tmp_path / 'model'}/" in used and f"({size} ids)" in used, used
+    else:
+        assert out.returncode == 2, out.stderr[-3000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"but model.path={tmp_path / 'model'} has only {size - 40} ids" in errors[0], errors
+        assert "Traceback" not in out.stderr
+
+
+def _lie_in_safetensors_header(directory) -> None:
+    """Make the first tensor's byte range in model.safetensors' header run 1 MB past the data."""
+    import json
+    import struct
+
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][1] += 1 << 20
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+@pytest.mark.parametrize(
+    "bad", ["pickled_weights_only", "config_not_json", "lying_safetensors_header", "non_utf8_records"]
+)
+def test_bad_files_in_a_model_directory_are_one_line_refusals(tmp_path, bad):
+    import transformers
+    from conftest import TINY, run_main
+
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=2100, n_positions=128)
+    transformers.GPT2LMHeadModel(config).save_pretrained(model_dir)
+    named = str(model_dir)
+    extra = []
+    if bad == "pickled_weights_only":
+        (model_dir / "model.safetensors").unlink()
+        (model_dir / "pytorch_model.bin").write_bytes(b"not loaded")
+        named = "pytorch_model.bin"
+    elif bad == "config_not_json":
+        (model_dir / "config.json").write_text('{"model_type": "gpt2", ')
+        named = str(model_dir / "config.json")
+    elif bad == "lying_safetensors_header":
+        _lie_in_safetensors_header(model_dir)
+        named = str(model_dir / "model.safetensors")
+    else:
+        records = tmp_path / "sft.jsonl"
+        records.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+        extra = ["stage=fine_tuning", f"finetune.train_file={records}", "finetune.packing=false"]
+        named = f"{records}:2"
+    args = [a for a in TINY if not a.startswith(("model=", "data="))]
+    out = run_main(
+        args
+        + ["model=hf", f"model.path={model_dir}", "data=stdlib", "data.seq_len=32", "trainer.max_steps=2"]
+        + ["trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path}/run", *extra],
+        tmp_path,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and named in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
