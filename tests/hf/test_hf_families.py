@@ -352,10 +352,11 @@ def test_fine_tuning_uses_the_directorys_own_tokenizer_and_checks_its_ids(tmp_pa
         args
         + ["stage=fine_tuning", "model=hf", f"model.path={tmp_path / 'model'}", f"finetune.train_file={records}"]
         + ["finetune.packing=false", "data.seq_len=32", "trainer.max_steps=2", "trainer.global_batch_size=4"]
-        + ["trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path}/run"],
+        + ["trainer.micro_batch_size=1", "trainer.sample_tokens=8", f"hydra.run.dir={tmp_path}/run"],
         tmp_path,
     )
     if fits:
+        assert "--- sample ---" in out.stdout + out.stderr, out.stderr[-3000:]  # the end-of-run text sample
         assert out.returncode == 0, out.stderr[-3000:]
         used = next(line for line in out.stderr.splitlines() if line.startswith("fine-tuning with the tokenizer"))
         assert f"tokenizer {tmp_path / 'model'}/" in used and f"({size} ids)" in used, used
