@@ -99,12 +99,11 @@ def _digits(cfg: DataConfig, req: DataRequest) -> DataBundle:
     )
 
 
-def _stdlib_paths(cfg: DataConfig, distributed: bool, barrier) -> tuple:
-    import torch.distributed as dist
-
+def _stdlib_paths(cfg: DataConfig, shared: bool, barrier) -> tuple:
+    from framework.data.shared_cache import prepares_here
     from framework.data.stdlib import ensure_stdlib
 
-    is_main = not distributed or dist.get_rank() == 0
+    is_main = prepares_here(shared)  # see [Note: a cache per node or one for the job]
     return [ensure_stdlib(cfg.cache_dir, cfg.vocab_size, cfg.workers, is_main=is_main, barrier=barrier)], []
 
 
@@ -113,11 +112,13 @@ def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
     import torch.distributed as dist
 
     from framework.data.indexed import MegatronTokenizerInfo, build_indexed, resolve_tokenizer
+    from framework.data.shared_cache import cache_is_shared
 
     distributed = dist.is_available() and dist.is_initialized()
     barrier = dist.barrier if distributed else (lambda: None)
+    shared = cache_is_shared(cfg.cache_dir)
     if cfg.name == DataName.stdlib:
-        paths, weights = _stdlib_paths(cfg, distributed, barrier)
+        paths, weights = _stdlib_paths(cfg, shared, barrier)
     else:
         paths, weights = list(cfg.paths), list(cfg.weights)
     tokenizer = resolve_tokenizer(cfg.tokenizer, paths)
@@ -133,7 +134,14 @@ def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
             "size is unknown: set data.tokenizer=<tokenizer.json> or model.args.vocab_size"
         )
     train, valid = build_indexed(
-        paths, weights, split=cfg.split, seq_len=cfg.seq_len, seed=req.seed, tokenizer=info, cache_dir=cfg.cache_dir
+        paths,
+        weights,
+        split=cfg.split,
+        seq_len=cfg.seq_len,
+        seed=req.seed,
+        tokenizer=info,
+        cache_dir=cfg.cache_dir,
+        per_node_cache=not shared,
     )
     return DataBundle(*req.loaders(train, valid), vocab_size=vocab_size, tokenizer=tokenizer)
 

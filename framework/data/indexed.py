@@ -162,10 +162,20 @@ def _split_sizes(total: int, split: str) -> List[int]:
 
 
 def build_indexed(
-    paths: Sequence[str], weights: Sequence[float], *, split: str, seq_len: int, seed: int, tokenizer, cache_dir: str
+    paths: Sequence[str],
+    weights: Sequence[float],
+    *,
+    split: str,
+    seq_len: int,
+    seed: int,
+    tokenizer,
+    cache_dir: str,
+    per_node_cache: bool = False,
 ) -> Tuple[MegatronSource, MegatronSource]:
     """(train, valid) sources of a blend of `paths`. Every rank calls it (megatron builds the index
-    caches on rank 0 first, then the others read them)."""
+    caches on rank 0 first, then the others read them). `per_node_cache`: `cache_dir` is each
+    node's own, so each node's local rank 0 builds its index caches first (see
+    [Note: a cache per node or one for the job] in framework/data/shared_cache.py)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -196,6 +206,8 @@ def build_indexed(
     )
     sizes = _split_sizes(samples, split)  # see [Note: indexed dataset sizes]
     no_pickle_in_megatron_indices()  # its index cache may be shared: never unpickle it
+    if per_node_cache:
+        _build_node_cache(lambda: BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build())
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     if train is None or len(train) == 0 or valid is None or len(valid) == 0:
         raise UserInputError(
@@ -203,6 +215,22 @@ def build_indexed(
             f"{list(paths)} empty (too few documents); give it a larger share or more data"
         )
     return MegatronSource(train), MegatronSource(valid)
+
+
+def _build_node_cache(build) -> None:
+    """Each node's local rank 0 runs megatron's builder as if it were the only process (megatron
+    writes its index caches from global rank 0 only), so every node's own cache holds them; the
+    other ranks wait, then every rank finds them (a cache hit) in the normal build that follows."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        real = dist.is_initialized
+        dist.is_initialized = lambda: False  # megatron asks this before every rank-0 decision
+        try:
+            build()
+        finally:
+            dist.is_initialized = real
+    dist.barrier()
 
 
 class MegatronTokenizerInfo:

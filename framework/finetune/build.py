@@ -36,8 +36,10 @@ def resolve_tokenizer(cfg: Config, *, is_main: bool = True, barrier=lambda: None
     if cfg.data.tokenizer:
         return load_tokenizer(cfg.data.tokenizer)
     from framework.data.prepare import default_tokenizer_for
+    from framework.data.shared_cache import cache_is_shared, prepares_here
     from framework.data.stdlib import ensure_stdlib
 
+    is_main = prepares_here(cache_is_shared(cfg.data.cache_dir))  # see [Note: a cache per node or one for the job]
     prefix = ensure_stdlib(cfg.data.cache_dir, cfg.data.vocab_size, cfg.data.workers, is_main=is_main, barrier=barrier)
     return load_tokenizer(default_tokenizer_for(prefix))
 

@@ -283,3 +283,42 @@ def test_a_refusal_on_another_node_is_said_in_that_nodes_log(tmp_path):
     assert all(a.returncode != 0 for a in agents), errs
     mine = [line for line in errs[1].splitlines() if line.startswith("error:")]
     assert mine == ["error: injected refusal on rank 1"], errs[1][-3000:]
+
+
+def test_two_nodes_on_default_data_settings_train_to_the_end(tmp_path):
+    """Two torchrun agents ("nodes", one rank each) in their own working directories, with the
+    default data (the stdlib corpus in the default, relative data.cache_dir): each node's cache is
+    its own, so each node prepares it, and the job trains to the end on both."""
+    from framework.runtime import free_port
+
+    port = free_port()
+    agents = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=defaults",
+            str(REPO / "main.py"),
+            *[a for a in TINY if not a.startswith("data=")],
+            "data.seq_len=64",
+            "trainer.eval_interval=0",
+            "trainer.max_steps=3",
+            f"hydra.run.dir={tmp_path}/run",
+        ]
+        agents.append(
+            subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    errs = [a.communicate(timeout=400)[1] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], [e[-3000:] for e in errs]
+    for node in (0, 1):  # each node prepared its own copy under its own working directory
+        assert list((tmp_path / f"node{node}" / "data_cache").glob("stdlib-*/stdlib.idx")), node
+    assert "is not shared by every node" in errs[0], errs[0][-3000:]
+    assert [row["step"] for row in read_metrics(tmp_path / "run") if "loss" in row] == [1, 2, 3]
