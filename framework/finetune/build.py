@@ -112,7 +112,8 @@ def _check_ids_fit(cfg: Config, tok: SFTTokenizer, rows: list) -> None:
     the embedding is an index error deep in the model, or silently wrong with a larger one)."""
     from framework.models.registry import family_of
 
-    vocab = int(family_of(cfg.model).vocab_size(cfg.model) or 0)
+    family = family_of(cfg.model)
+    vocab = int(family.vocab_size(family.with_vocab_size(cfg.model, tok.vocab_size)) or 0)  # as the trainer builds it
     if vocab <= 0:
         return  # the model takes the tokenizer's size
     ids = [row[k] for row in rows for k in ("input_ids", "labels") if k in row]
