@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from framework.config import register_schema
 from framework.entrypoint import fix_run_dir_under_torchrun, start
-from framework.errors import EXIT_BAD_INPUT
+from framework.errors import EXIT_BAD_INPUT, record_status
 
 register_schema()
 _started = False  # set once the task runs: an exit before that is a refused config
@@ -25,6 +25,7 @@ def main(dict_cfg: DictConfig) -> int:
     global _started
     _started = True
     code = start(dict_cfg, HydraConfig.get().runtime.output_dir)
+    record_status(code)
     if code:
         sys.exit(code)
     return 0
@@ -37,6 +38,8 @@ if __name__ == "__main__":
     except SystemExit as exc:
         # Hydra exits 1 when it refuses a composition (a typo, a wrong type, an unknown group
         # option); report that as bad input, like every other config error.
-        if exc.code == 1 and not _started and os.environ.get("RANK", "0") == "0":
-            raise SystemExit(EXIT_BAD_INPUT) from None
+        if exc.code == 1 and not _started:
+            record_status(EXIT_BAD_INPUT)
+            if os.environ.get("RANK", "0") == "0":
+                raise SystemExit(EXIT_BAD_INPUT) from None
         raise

@@ -23,3 +23,22 @@ class UserInputError(ValueError):
 
     It subclasses `ValueError` so config code that already raises `ValueError` for refusals can be
     moved over one place at a time; only `UserInputError` is caught as bad input."""
+
+
+def record_status(status: int) -> None:
+    """Append this process's exit status to $FRAMEWORK_STATUS_FILE when a launcher asks for it: a
+    Kubernetes pod's entry reads the ranks' statuses, which torchrun's own exit status hides (see
+    [Note: exit codes in a pod] in launcher_scripts/pod_entry.py)."""
+    import os
+
+    path = os.environ.get("FRAMEWORK_STATUS_FILE")
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        try:
+            os.write(fd, f"{os.environ.get('RANK', '0')} {int(status)}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the pod's entry then sees torchrun's status only

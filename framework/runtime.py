@@ -289,6 +289,9 @@ def run_rank(fn: Callable[[Any], int], arg: Any) -> int:
         # group objects with dead peers, which can hang or abort and so change the status.
         sys.stdout.flush()
         sys.stderr.flush()
+        from framework.errors import record_status
+
+        record_status(EXIT_CRASH)
         os._exit(EXIT_CRASH)
     return code
 

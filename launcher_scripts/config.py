@@ -59,6 +59,8 @@ DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 K8S_QUANTITY = re.compile(r"\d+(\.\d+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?")
+LABEL_NAME = re.compile(r"[A-Za-z0-9]([-_.A-Za-z0-9]*[A-Za-z0-9])?")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?)?")
 SLURM_MEM = re.compile(r"\d+[KMGT]?")
 
 
@@ -206,7 +208,9 @@ class K8sCluster(ClusterBase):
     namespace: str = "default"
     image_pull_secrets: List[str] = field(default_factory=list)  # secret names only
     image_pull_policy: str = "IfNotPresent"  # Always | IfNotPresent | Never
-    shm_size: str = "16Gi"  # shared memory (/dev/shm) for data loaders
+    # Shared memory (/dev/shm, a memory-backed emptyDir that counts against the pod's memory
+    # limit); empty: derived, see [Note: pod sizes] in launcher_scripts/k8s.py.
+    shm_size: str = ""
     data_volume: str = ""  # PVC mounted at /data
     # PVC mounted at /checkpoints; the run directory lives there. ReadWriteMany: every pod writes its
     # shards and reads the others' (required with nodes > 1).
@@ -217,6 +221,12 @@ class K8sCluster(ClusterBase):
     priority_class: str = ""
     service_account: str = ""
     annotations: Dict[str, str] = field(default_factory=dict)  # on the PyTorchJob and every pod
+    # Labels on the PyTorchJob and every pod, e.g. {kueue.x-k8s.io/queue-name: team-a} for Kueue
+    labels: Dict[str, str] = field(default_factory=dict)
+    # The pods use the node's network (RDMA set up on the host, some EFA/RoCE setups); dnsPolicy
+    # then defaults to ClusterFirstWithHostNet so the rendezvous service name still resolves.
+    host_network: bool = False
+    dns_policy: str = ""  # ClusterFirst | ClusterFirstWithHostNet | Default | None; empty: derived
     ttl_seconds_after_finished: int = -1  # delete the finished job after this long (-1: keep)
     backoff_limit: int = 3  # pod restarts before the job fails
     # Gang scheduling: every pod of the job starts together or none does (runPolicy.schedulingPolicy),
@@ -250,7 +260,18 @@ class K8sCluster(ClusterBase):
                 raise _bad(f"cluster.{key}: {name!r} is not a Kubernetes name (lowercase letters, digits, '-' and '.')")
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             raise _bad(f"cluster.image_pull_policy={self.image_pull_policy!r}: choose Always, IfNotPresent or Never")
-        for key in ("shm_size",) + (("mem",) if self.mem else ()):
+        if self.dns_policy and self.dns_policy not in ("ClusterFirst", "ClusterFirstWithHostNet", "Default", "None"):
+            raise _bad(
+                f"cluster.dns_policy={self.dns_policy!r}: choose ClusterFirst, ClusterFirstWithHostNet, Default or None"
+            )
+        for key, value in sorted(self.labels.items()):
+            name = key.rsplit("/", 1)[-1]
+            if not LABEL_NAME.fullmatch(name) or len(name) > 63 or not LABEL_VALUE.fullmatch(str(value)):  # noqa: PLR2004
+                raise _bad(
+                    f"cluster.labels.{key}={value!r}: a Kubernetes label is a name (letters, digits, '-', '_', "
+                    "'.', at most 63, optionally prefix/) and a value of at most 63 such characters"
+                )
+        for key in (("shm_size",) if self.shm_size else ()) + (("mem",) if self.mem else ()):
             if not K8S_QUANTITY.fullmatch(getattr(self, key)):
                 raise _bad(f"cluster.{key}={getattr(self, key)!r}: a Kubernetes quantity such as 64Gi")
         for key, ref in sorted(self.secret_env.items()):

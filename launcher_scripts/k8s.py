@@ -5,8 +5,10 @@ at the Master's service, which the training operator names in MASTER_ADDR / MAST
 is the container port called `pytorchjob-port`). Kubernetes expands `$(VAR)` in a container's
 command, args and env values, and `$$` is its escape: every `$` of a user's value is written `$$`
 so it reaches main.py unchanged. The run directory lives on the checkpoint volume (ReadWriteMany:
-every pod writes its shards and reads the others'), so a restarted pod (restartPolicy OnFailure)
-resumes from the latest checkpoint. On deletion or eviction the pods get SIGTERM and
+every pod writes its shards and reads the others'), so a restarted pod resumes from the latest
+checkpoint. restartPolicy ExitCode: refused input (2) and a diverged run (3) fail the job at once,
+a pre-emption (75) or a crash restarts it (see [Note: exit codes in a pod] in pod_entry.py).
+On deletion or eviction the pods get SIGTERM and
 terminationGracePeriodSeconds (cluster.signal_seconds) to save; torchrun's --shutdown-timeout
 matches it.
 """
@@ -55,13 +57,39 @@ def _env(job: Job) -> List[Dict[str, Any]]:
     return env
 
 
+# [Note: pod sizes]
+# Requests equal limits (Guaranteed QoS). A memory-backed /dev/shm (emptyDir, medium Memory) is
+# charged to the pod's memory limit, so the limit is the processes' memory *plus* the shm size;
+# counting shm inside a process budget would leave the ranks less than planned. Defaults, per rank
+# (one rank per GPU on a GPU pod):
+#   GPU pod:  10 CPUs, 96Gi for the processes, 32Gi of /dev/shm (NCCL's intra-node buffers and
+#             loader workers). 8 GPUs: cpu 80, shm 256Gi, memory 8 x 96Gi + 256Gi = 1024Gi, which
+#             fits the 2 TiB, 112-224 CPU nodes 8-GPU servers come as, with room for the system.
+#   CPU pod:  2 CPUs (a loader thread beside each rank), 8Gi, and 2Gi of shm per rank (at least 4Gi).
+# cluster.cpus_per_task, cluster.mem and cluster.shm_size override each (mem is then the whole limit).
+GPU_CPUS, GPU_MEM_GI, GPU_SHM_GI = 10, 96, 32
+CPU_CPUS, CPU_MEM_GI, CPU_SHM_GI = 2, 8, 2
+
+
+def pod_sizes(cfg: Config, c: K8sCluster) -> Dict[str, Any]:
+    """{cpu, memory, shm} of one pod (see [Note: pod sizes])."""
+    ranks, gpus = cfg.cluster.nproc_per_node, cfg.cluster.gpus_per_node
+    per_cpu, per_mem, per_shm = (GPU_CPUS, GPU_MEM_GI, GPU_SHM_GI) if gpus else (CPU_CPUS, CPU_MEM_GI, CPU_SHM_GI)
+    shm_gi = per_shm * ranks if gpus else max(4, per_shm * ranks)
+    return {
+        "cpu": c.cpus_per_task or per_cpu * ranks,
+        "memory": c.mem or f"{per_mem * ranks + (0 if c.shm_size else shm_gi)}Gi",
+        "shm": c.shm_size or f"{shm_gi}Gi",
+    }
+
+
 def _resources(cfg: Config, c: K8sCluster) -> Dict[str, Any]:
     """Requests equal to limits (Guaranteed QoS, never BestEffort): GPUs, CPUs, memory, RDMA devices."""
     amounts: Dict[str, Any] = {}
     if cfg.cluster.gpus_per_node:
         amounts["nvidia.com/gpu"] = cfg.cluster.gpus_per_node
-    amounts["cpu"] = c.cpus_per_task or 2 * cfg.cluster.nproc_per_node  # a loader thread beside each rank
-    amounts["memory"] = c.mem or f"{8 * cfg.cluster.nproc_per_node}Gi"
+    sizes = pod_sizes(cfg, c)
+    amounts["cpu"], amounts["memory"] = sizes["cpu"], sizes["memory"]
     amounts.update(c.ib_resources)
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
@@ -69,10 +97,13 @@ def _resources(cfg: Config, c: K8sCluster) -> Dict[str, Any]:
 def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
     c, k = _cluster(job), job.container
     port = c.rdzv_port or DEFAULT_PORT
-    command = torchrun_args(cfg, job, "$(MASTER_ADDR):$(MASTER_PORT)", job.name)
+    # The pod's status says what the operator's ExitCode policy needs (see [Note: exit codes in a pod]).
+    command = [job.python, "-m", "launcher_scripts.pod_entry"]
+    command += torchrun_args(cfg, job, "$(MASTER_ADDR):$(MASTER_PORT)", job.name)
     command += [escape(a) for a in main_args(job, stages_of(job, cfg)[0])]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes: List[Dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}}]
+    shm = pod_sizes(cfg, c)["shm"]
+    volumes: List[Dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
     for name, claim, path in (
         ("data", c.data_volume, DATA_MOUNT),
         ("checkpoints", c.checkpoint_volume, CHECKPOINT_MOUNT),
@@ -118,7 +149,12 @@ def _pod_template(cfg: Config, job: Job, role: str) -> Dict[str, Any]:
         spec["serviceAccountName"] = c.service_account
     if c.scheduler_name:
         spec["schedulerName"] = c.scheduler_name
+    if c.host_network:
+        spec["hostNetwork"] = True
+    if c.dns_policy or c.host_network:
+        spec["dnsPolicy"] = c.dns_policy or "ClusterFirstWithHostNet"
     labels = {
+        **c.labels,
         "app.kubernetes.io/name": c.job_name,
         "app.kubernetes.io/instance": job.name,
         "app.kubernetes.io/component": role.lower(),
@@ -133,12 +169,12 @@ def render_pytorchjob(cfg: Config, job: Job) -> Dict[str, Any]:
     """The PyTorchJob manifest as a dict (pure: same inputs, same dict)."""
     c = _cluster(job)
     replicas: Dict[str, Any] = {
-        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": _pod_template(cfg, job, "Master")},
+        "Master": {"replicas": 1, "restartPolicy": "ExitCode", "template": _pod_template(cfg, job, "Master")},
     }
     if cfg.cluster.nodes > 1:
         replicas["Worker"] = {
             "replicas": cfg.cluster.nodes - 1,
-            "restartPolicy": "OnFailure",
+            "restartPolicy": "ExitCode",
             "template": _pod_template(cfg, job, "Worker"),
         }
     run_policy: Dict[str, Any] = {"cleanPodPolicy": "None", "backoffLimit": c.backoff_limit}
@@ -154,7 +190,11 @@ def render_pytorchjob(cfg: Config, job: Job) -> Dict[str, Any]:
     metadata: Dict[str, Any] = {
         "name": job.name,
         "namespace": c.namespace,
-        "labels": {"app.kubernetes.io/name": c.job_name, "app.kubernetes.io/managed-by": "launcher_scripts"},
+        "labels": {
+            **c.labels,
+            "app.kubernetes.io/name": c.job_name,
+            "app.kubernetes.io/managed-by": "launcher_scripts",
+        },
     }
     if c.annotations:
         metadata["annotations"] = dict(c.annotations)
@@ -170,6 +210,9 @@ def render_pytorchjob(cfg: Config, job: Job) -> Dict[str, Any]:
     }
 
 
+_POD_POLICY = {"Always": "Always", "OnFailure": "OnFailure", "Never": "Never"}
+
+
 def pod_documents(manifest: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Each replica's pod template as a `v1 Pod` document, for schema validation."""
     docs = []
@@ -180,7 +223,8 @@ def pod_documents(manifest: Dict[str, Any]) -> List[Dict[str, Any]]:
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {"name": f"{manifest['metadata']['name']}-{role.lower()}-0", **template["metadata"]},
-                "spec": {**template["spec"], "restartPolicy": spec["restartPolicy"]},
+                # With ExitCode the operator restarts pods itself; their own policy is Never.
+                "spec": {**template["spec"], "restartPolicy": _POD_POLICY.get(spec["restartPolicy"], "Never")},
             }
         )
     return docs

@@ -159,7 +159,8 @@ def test_pods_request_cpu_and_memory_and_keep_volume_ownership():
     assert resources["requests"] == resources["limits"]  # Guaranteed QoS
     assert resources["requests"]["cpu"] == 64 and resources["requests"]["memory"] == "900Gi"
     assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
-    # Without cluster.cpus_per_task / cluster.mem: still requests (two CPUs and 8 GiB per rank).
+    # Without cluster.cpus_per_task / cluster.mem: still requests (two CPUs and 8 GiB per rank, plus
+    # the memory-backed /dev/shm, which counts against the limit: 4 GiB at least).
     p = plan_of(
         [
             "cluster=k8s",
@@ -174,7 +175,80 @@ def test_pods_request_cpu_and_memory_and_keep_volume_ownership():
     requests = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["resources"][
         "requests"
     ]
-    assert requests == {"cpu": 4, "memory": "16Gi"}
+    assert requests == {"cpu": 4, "memory": "20Gi"}
+    volumes = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]
+    assert volumes[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
+
+
+def test_an_8_gpu_pod_is_sized_for_an_8_gpu_node_with_shm_counted_in_its_memory():
+    pod = yaml.safe_load(render_case("k8s_8gpu")["pytorchjob.yaml"])["spec"]["pytorchReplicaSpecs"]["Worker"]
+    spec = pod["template"]["spec"]
+    limits = spec["containers"][0]["resources"]["limits"]
+    shm = spec["volumes"][0]["emptyDir"]["sizeLimit"]
+    # 10 CPUs, 96Gi of process memory and 32Gi of /dev/shm per GPU; the limit holds both.
+    assert limits == {"nvidia.com/gpu": 8, "cpu": 80, "memory": "1024Gi"} and shm == "256Gi"
+    assert int(limits["memory"][:-2]) == 8 * 96 + int(shm[:-2])
+
+
+def test_queue_labels_annotations_and_host_network_reach_the_job_and_its_pods():
+    manifest = yaml.safe_load(render_case("k8s_8gpu")["pytorchjob.yaml"])
+    assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # what Kueue reads
+    assert manifest["metadata"]["annotations"] == {"volcano.sh/queue-name": "training"}
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        template = replica["template"]
+        assert template["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert template["spec"]["hostNetwork"] is True
+        assert template["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"  # the Master's service still resolves
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("cluster.labels={team: 'a b'}", "cluster.labels.team"),
+        ("cluster.dns_policy=Sometimes", "cluster.dns_policy"),
+    ],
+)
+def test_bad_kubernetes_labels_and_dns_policy_are_refused(override, field):
+    assert field in _refusal(["cluster=k8s", "container.image=x:1", override])
+
+
+def test_pods_restart_on_a_crash_or_preemption_but_not_on_refused_input():
+    from launcher_scripts.pod_entry import pod_status
+
+    manifest = _manifest()
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["restartPolicy"] == "ExitCode"
+        assert replica["template"]["spec"]["containers"][0]["command"][:3] == [
+            "python",
+            "-m",
+            "launcher_scripts.pod_entry",
+        ]
+    # Kubeflow's ExitCode policy: 1-127 permanent, 128-255 retryable. torchrun exits 1 for any failed rank.
+    assert pod_status(0, []) == 0
+    assert pod_status(1, [2, 1]) == 2  # a refusal on one rank: the job fails at once
+    assert pod_status(1, [3]) == 3  # diverged
+    assert pod_status(1, [75, 75]) == 128 + 75  # pre-empted after saving: restarted, resumes
+    assert pod_status(1, [1]) == 129 and pod_status(1, []) == 129  # a crash: restarted
+    assert pod_status(-9, []) == 128 + 9  # torchrun killed
+
+
+def test_the_pod_entry_reports_a_rank_refusal_that_torchrun_hides(tmp_path):
+    import sys
+
+    from conftest import REPO
+
+    cmd = [sys.executable, "-m", "launcher_scripts.pod_entry", sys.executable, "-m", "torch.distributed.run"]
+    cmd += ["--nproc_per_node=2", str(REPO / "main.py"), *TINY, "trainer.collective_timeout_s=inf"]
+    out = subprocess.run(
+        cmd + [f"hydra.run.dir={tmp_path}/run"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]  # torchrun said 1; the ranks said 2
+    assert "pod exit status 2 (torchrun 1, ranks [2])" in out.stderr, out.stderr[-3000:]
 
 
 # --- 8. no overlapping or double runs -------------------------------------------------------------

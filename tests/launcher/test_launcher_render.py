@@ -115,7 +115,7 @@ def test_pytorchjob_shape():
     assert "--rdzv-backend=c10d" in container["command"]
     assert "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in container["command"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "256Gi"}} in spec["volumes"]  # 8 ranks x 32Gi
     claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
     assert claims == {"datasets", "checkpoints"}
     assert spec["imagePullSecrets"] == [{"name": "regcred"}]
