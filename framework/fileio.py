@@ -61,6 +61,19 @@ def open_lock(path: str):
     return os.fdopen(open_regular(path, os.O_RDWR | os.O_CREAT), "r+")
 
 
+def read_json(path: str):
+    """The JSON in `path` (a config.json, an index a library wrote); a file that is not UTF-8 JSON
+    is one refusal naming it."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"not JSON ({getattr(exc, 'msg', exc)})"
+        raise UserInputError(f"{path} is {why}; give the file save_pretrained wrote") from None
+
+
 def create_temporary(path: str, binary: bool = False):
     """`path` created afresh for writing (a temporary about to be renamed over its final name):
     whatever held the name is removed first, and the new file is opened with O_EXCL | O_NOFOLLOW."""

@@ -25,6 +25,7 @@ import struct
 import torch
 
 from framework.errors import UserInputError
+from framework.fileio import read_json
 
 _DTYPES = {
     torch.float32: "F32",
@@ -189,16 +190,6 @@ def read_config(directory: str) -> dict | None:
     if not os.path.isfile(path):
         return None
     return read_json(path)
-
-
-def read_json(path: str):
-    """The JSON in `path`; a file that is not UTF-8 JSON is one refusal naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        why = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"not JSON ({getattr(exc, 'msg', exc)})"
-        raise UserInputError(f"{path} is {why}; give the file save_pretrained wrote") from None
 
 
 def open_safetensors(path: str, where: str):

@@ -144,7 +144,7 @@ CASES: Dict[str, List[str]] = {
         "trainer.micro_batch_size=4",
         "data.seq_len=128",
         "cluster.labels={kueue.x-k8s.io/queue-name: team-a}",
-        "cluster.annotations={volcano.sh/queue-name: training}",
+        "cluster.annotations={scheduling.k8s.io/group-name: llm}",
         "cluster.host_network=true",
     ],
     "local": ["cluster=local", *TINY, "trainer.max_steps=4", INJECTION],

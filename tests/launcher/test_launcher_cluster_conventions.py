@@ -193,7 +193,7 @@ def test_an_8_gpu_pod_is_sized_for_an_8_gpu_node_with_shm_counted_in_its_memory(
 def test_queue_labels_annotations_and_host_network_reach_the_job_and_its_pods():
     manifest = yaml.safe_load(render_case("k8s_8gpu")["pytorchjob.yaml"])
     assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # what Kueue reads
-    assert manifest["metadata"]["annotations"] == {"volcano.sh/queue-name": "training"}
+    assert manifest["metadata"]["annotations"] == {"scheduling.k8s.io/group-name": "llm"}
     for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
         template = replica["template"]
         assert template["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"

@@ -173,7 +173,9 @@ def test_second_job_on_a_run_directory_refuses_in_one_line(tmp_path):
         out = _torchrun(TINY + ["trainer.max_steps=2", f"hydra.run.dir={run}"], tmp_path, _env())
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "is in use by a running job" in errors[0], out.stderr[-3000:]
-        assert len(re.findall(r"exitcode\s*: 2 ", out.stderr)) == 2, out.stderr[-3000:]  # noqa: PLR2004
+        # every rank that ended by itself ended with 2 (torchrun may stop the other first)
+        assert re.findall(r"exitcode\s*: 2 ", out.stderr), out.stderr[-3000:]
+        assert not re.findall(r"exitcode\s*: 1 ", out.stderr), out.stderr[-3000:]
         assert "Connection closed" not in out.stderr and "RuntimeError" not in out.stderr, out.stderr[-3000:]
     finally:
         holder.kill()

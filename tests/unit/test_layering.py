@@ -12,7 +12,7 @@ from conftest import REPO
 # nothing below the trainer imports it. A new package must be placed here.
 LAYERS = [
     {"errors"},
-    {"config"},
+    {"config", "fileio"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime"},
     {"finetune", "checkpoint", "stop", "planner"},
     {"trainer"},

@@ -56,7 +56,7 @@ def _config_dict(cfg: ModelConfig) -> dict:
             f"model.path={cfg.path}: no config.json in this directory; give the directory "
             "written by transformers' save_pretrained"
         )
-    from framework.checkpoint.hf import read_json
+    from framework.fileio import read_json
 
     data = read_json(path)
     if not isinstance(data, dict):
