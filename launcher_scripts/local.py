@@ -26,7 +26,6 @@ from launcher_scripts.job import (
     shell_command,
     shell_line,
     stages_of,
-    torchrun_args,
     torchrun_options,
 )
 
@@ -89,10 +88,23 @@ def _agent_groups(cfg: Config, job: Job, stage: Stage) -> List[List[List[str]]]:
         ]
         return [[prefix, torchrun, *args]]
     port = job.cluster.rdzv_port or derived_port(job.name)
-    torchrun = torchrun_args(cfg, job, f"127.0.0.1:{port}", job.name)
     agents = []
     for node in range(shape.nodes):
         devices = [["env", f"CUDA_VISIBLE_DEVICES={gpu_slice(cfg, node)}"]] if shape.gpus_per_node else []
+        # Static rendezvous with the agent's own node rank: global rank 0 is always in agent 0, whose
+        # output is this script's (c10d would number the agents in the order they join).
+        torchrun = [
+            job.python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={shape.nodes}",
+            f"--nproc-per-node={shape.nproc_per_node}",
+            "--rdzv-backend=static",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            f"--node-rank={node}",
+            *torchrun_options(cfg, job),
+        ]
         agents.append([*devices, prefix, torchrun, *args])
     return agents
 

@@ -37,7 +37,8 @@ def _tail(job_dir: Path) -> str:
 
 @pytest.mark.timeout(180)
 def test_local_two_node_rendezvous(tmp_path):
-    """cluster=local cluster.nodes=2: two torchrun agents, 1 rank each, one c10d rendezvous."""
+    """cluster=local cluster.nodes=2: two torchrun agents, 1 rank each, one rendezvous; global rank 0
+    is in agent 0, so the saves and the validation loss are on the terminal, not in node 1's log."""
     out = run_launcher(
         [
             "cluster=local",
@@ -56,7 +57,10 @@ def test_local_two_node_rendezvous(tmp_path):
     assert job_dir.parent == tmp_path / "jobs"
     _check_trained(job_dir)
     # Agent 1 ran as its own torchrun and joined the same rendezvous (2 ranks, one world).
-    assert (job_dir / "logs" / "training-node1.log").exists()
+    node1 = (job_dir / "logs" / "training-node1.log").read_text()
+    terminal = out.stdout + out.stderr
+    assert "saved checkpoint" in terminal and "val_loss" in terminal, terminal[-3000:]
+    assert "saved checkpoint" not in node1 and "val_loss" not in node1, node1[-3000:]
     config = (job_dir / "run" / "config.yaml").read_text()
     assert "nodes: 2" in config
     # Running the job again resumes from its last checkpoint: the run is complete, nothing repeats.

@@ -17,7 +17,7 @@ fi
 mkdir -p /shared/jobs/train-golden/run /shared/jobs/train-golden/logs
 pids=()
 # agent 1 of 2
-/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --rdzv-conf=join_timeout=900 --max-restarts=3 --shutdown-timeout=100 \
+/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=static --master-addr=127.0.0.1 --master-port=29400 --node-rank=1 --max-restarts=3 --shutdown-timeout=100 \
     /opt/repo/main.py \
     cluster=local \
     cluster.nodes=2 \
@@ -33,7 +33,7 @@ pids=()
     > /shared/jobs/train-golden/logs/training-node1.log 2>&1 &
 pids+=("$!")
 # agent 0 of 2
-/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=train-golden --rdzv-conf=join_timeout=900 --max-restarts=3 --shutdown-timeout=100 \
+/opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=static --master-addr=127.0.0.1 --master-port=29400 --node-rank=0 --max-restarts=3 --shutdown-timeout=100 \
     /opt/repo/main.py \
     cluster=local \
     cluster.nodes=2 \

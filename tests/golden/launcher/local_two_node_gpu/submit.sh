@@ -18,7 +18,7 @@ mkdir -p /shared/jobs/train-golden/run /shared/jobs/train-golden/logs
 pids=()
 # agent 1 of 2
 env CUDA_VISIBLE_DEVICES=2,3 \
-    /opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:27446 --rdzv-id=train-golden --rdzv-conf=join_timeout=900 --max-restarts=3 --shutdown-timeout=100 \
+    /opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 --rdzv-backend=static --master-addr=127.0.0.1 --master-port=27446 --node-rank=1 --max-restarts=3 --shutdown-timeout=100 \
     /opt/repo/main.py \
     cluster=local \
     cluster.nodes=2 \
@@ -34,7 +34,7 @@ env CUDA_VISIBLE_DEVICES=2,3 \
 pids+=("$!")
 # agent 0 of 2
 env CUDA_VISIBLE_DEVICES=0,1 \
-    /opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:27446 --rdzv-id=train-golden --rdzv-conf=join_timeout=900 --max-restarts=3 --shutdown-timeout=100 \
+    /opt/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 --rdzv-backend=static --master-addr=127.0.0.1 --master-port=27446 --node-rank=0 --max-restarts=3 --shutdown-timeout=100 \
     /opt/repo/main.py \
     cluster=local \
     cluster.nodes=2 \
