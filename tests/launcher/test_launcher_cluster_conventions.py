@@ -191,7 +191,15 @@ def test_an_8_gpu_pod_is_sized_for_an_8_gpu_node_with_shm_counted_in_its_memory(
 
 
 def test_queue_labels_annotations_and_host_network_reach_the_job_and_its_pods():
+    import jsonschema
+    import kubernetes_validate
+
+    from launcher_scripts import k8s
+
     manifest = yaml.safe_load(render_case("k8s_8gpu")["pytorchjob.yaml"])
+    jsonschema.validate(manifest, PYTORCHJOB)  # ExitCode is one of the operator's policies
+    for doc in k8s.pod_documents(manifest):  # as the pods the operator makes (their policy Never)
+        kubernetes_validate.validate(doc, "1.37.0", strict=True)
     assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # what Kueue reads
     assert manifest["metadata"]["annotations"] == {"scheduling.k8s.io/group-name": "llm"}
     for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
