@@ -28,7 +28,9 @@ def fix_run_dir_under_torchrun(argv: List[str]) -> List[str]:
 
 
 def _refuse(problems: List[str], run_dir: str) -> int:
-    if os.environ.get("RANK", "0") == "0":
+    # Every rank composed the same config and refuses it; the first rank of each node says why,
+    # so every node's log has the reason (not only the node of global rank 0).
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
     # Hydra created the run directory before calling us; leave no trace of a refused job.

@@ -363,6 +363,15 @@ def compose_launcher(backend: str, overrides: Sequence[str]) -> DictConfig:
 
 
 def to_launcher_config(composed: DictConfig) -> LauncherConfig:
+    """The launcher's settings as objects; a key the schema lacks (`+cluster.partiton=batch`) is
+    refused naming the nearest real one (framework/config/compose.check_known_keys)."""
+    from framework.config.compose import check_known_keys
+
+    check_known_keys(composed, LauncherConfig)
+    cluster = composed.get("cluster")
+    backend = cluster.get("type") if cluster is not None else None
+    if backend is not None:
+        check_known_keys(cluster, BACKENDS[Backend(getattr(backend, "value", backend))], "cluster.")
     return OmegaConf.to_object(composed)  # type: ignore[return-value]
 
 

@@ -311,8 +311,10 @@ def test_rendezvous_port_is_derived_from_the_job():
     assert '--rdzv-endpoint="${head_node}:${rdzv_port}"' in sbatch and ":29500" not in sbatch
     # Two local jobs (two names) get two ports; an explicit port is kept.
     assert derived_port("train-20260101-000000") != derived_port("train-20260101-000001")
-    assert "--rdzv-endpoint=127.0.0.1:29400" in render_case("local_two_node")["submit.sh"]
-    assert f"127.0.0.1:{derived_port('train-golden')}" in render_case("local_two_node_gpu")["submit.sh"]
+    two_node = render_case("local_two_node")["submit.sh"]
+    assert "--master-addr=127.0.0.1 --master-port=29400 --node-rank=1" in two_node
+    assert "--master-addr=127.0.0.1 --master-port=29400 --node-rank=0" in two_node
+    assert f"--master-port={derived_port('train-golden')}" in render_case("local_two_node_gpu")["submit.sh"]
 
 
 # --- 11. containers: no leaked home or environment; the caller's uid ---------------------------

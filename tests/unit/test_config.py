@@ -88,6 +88,13 @@ def test_cross_field_problems_name_the_field(overrides, world, needle):
         ("optimizer.lr=0", "optimizer.lr=0.0: must be > 0"),
         ("trainer.micro_batch_size=-1", "trainer.micro_batch_size=-1: must be > 0"),
         ("parallelism.param_dtype=float8", "parallelism.param_dtype='float8'"),
+        ("trainer.collective_timeout_s=inf", "trainer.collective_timeout_s=inf: must be > 0 and finite"),
+        # Hydra lets '+' add a key a structured config lacks; the job would silently ignore it.
+        (
+            "+optimizer.lrr=1",
+            "optimizer.lrr: no such setting (a '+' adds keys the job would ignore); did you mean optimizer.lr?",
+        ),
+        ("+trainer.max_step=3", "did you mean trainer.max_steps?"),
     ],
 )
 def test_section_checks_raise_user_input_error(override, needle):
