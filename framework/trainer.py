@@ -23,6 +23,7 @@ from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
 from framework.models import family_of
 from framework.models.tasks import RunView, to_device
 from framework.optim import build_optimizer, build_scheduler
+from framework.profiling import StepProfiler
 from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
 from framework.train_state import TrainState
@@ -193,12 +194,16 @@ class Trainer:
         if self.state.step:
             logger.write(f"resumed at step {self.state.step}")
         self.stop.started = time.monotonic()  # the time limit counts training, not start-up
+        profiler = StepProfiler(
+            t.profile, cfg.run_dir, rt.rank, rt.device, t.profile_wait, t.profile_warmup, t.profile_active
+        )
         try:
             while self.state.step < t.max_steps:
                 self.engine.reset_counters(self.model)
                 tic = time.perf_counter()
                 metrics = self.train_step()
                 step_time = time.perf_counter() - tic
+                profiler.step()
                 self.state.step += 1
                 step = self.state.step
                 metrics.update(
@@ -230,6 +235,7 @@ class Trainer:
                 if text and rt.is_main:
                     logger.write(text)
         finally:
+            profiler.close()
             logger.close()
             if self.ckpt is not None:
                 self.ckpt.close()

@@ -237,6 +237,12 @@ class TrainerConfig:
     # A collective that waits longer than this for a rank fails, and the job ends naming the rank(s)
     # that did not arrive (a stopped process, a lost node); torch's own default is 30 minutes.
     collective_timeout_s: float = 300.0
+    # torch.profiler traces per rank in <run dir>/profile (see [Note: step profiles]): skip
+    # profile_wait steps, warm up profile_warmup, record profile_active
+    profile: bool = False
+    profile_wait: int = 1
+    profile_warmup: int = 1
+    profile_active: int = 2
 
     def __post_init__(self) -> None:
         _positive(
@@ -247,8 +253,16 @@ class TrainerConfig:
             log_interval=self.log_interval,
             eval_iters=self.eval_iters,
             collective_timeout_s=self.collective_timeout_s,
+            profile_active=self.profile_active,
         )
-        for name in ("eval_interval", "max_time_minutes", "sample_tokens", "peak_tflops"):
+        for name in (
+            "eval_interval",
+            "max_time_minutes",
+            "sample_tokens",
+            "peak_tflops",
+            "profile_wait",
+            "profile_warmup",
+        ):
             if not 0 <= getattr(self, name) < math.inf:
                 raise UserInputError(f"trainer.{name}={getattr(self, name)}: must be >= 0 and finite")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -13,7 +13,7 @@ from conftest import REPO
 LAYERS = [
     {"errors"},
     {"config", "fileio"},
-    {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime"},
+    {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling"},
     {"finetune", "checkpoint", "stop", "planner"},
     {"trainer"},
     {"entrypoint"},
