@@ -551,3 +551,33 @@ def test_status_and_cancel_from_the_job_directory(tmp_path):
     assert calls["squeue"][0][0] == "--jobs=101,102" and calls["scancel"] == [["101", "102"]]
     out = run_launcher(["status", str(tmp_path)], cwd=tmp_path, env=env)
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "launcher.yaml" in out.stderr
+
+
+def test_the_pod_entry_passes_sigterm_on_and_asks_for_a_restart_after_the_save(tmp_path):
+    """Pod deletion or eviction: SIGTERM reaches torchrun and the ranks, which save and exit 75;
+    the pod exits 128 + 75, which the ExitCode policy restarts (and the run resumes)."""
+    import signal
+    import sys
+    import time
+
+    from conftest import REPO
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launcher_scripts.pod_entry", sys.executable, "-m", "torch.distributed.run"]
+    cmd += ["--nproc_per_node=2", str(REPO / "main.py"), *TINY, "trainer.max_steps=100000", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + 75, err[-3000:]
+    assert "pod exit status 203" in err and "saved checkpoint" in err, err[-3000:]
