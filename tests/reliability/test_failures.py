@@ -324,3 +324,27 @@ def test_two_nodes_on_default_data_settings_train_to_the_end(tmp_path):
         assert list((tmp_path / f"node{node}" / "data_cache").glob("stdlib-*/stdlib.idx")), node
     assert "is not shared by every node" in errs[0], errs[0][-3000:]
     assert [row["step"] for row in read_metrics(tmp_path / "run") if "loss" in row] == [1, 2, 3]
+
+
+def test_a_refused_config_is_said_in_every_nodes_log(tmp_path):
+    """Two torchrun agents with a config every rank refuses: each node's log has the `error:` line
+    (the first rank of each node says it), not only global rank 0's."""
+    from framework.runtime import free_port
+
+    port = free_port()
+    agents = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
+        cmd += [f"--node_rank={node}", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        cmd += [str(REPO / "main.py"), *SHORT, "+optimizer.lrr=1", f"hydra.run.dir={tmp_path}/run"]
+        agents.append(
+            subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    errs = [a.communicate(timeout=120)[1] for a in agents]
+    for node, err in enumerate(errs):
+        mine = [line for line in err.splitlines() if line.startswith("error:")]
+        assert mine == [
+            "error: optimizer.lrr: no such setting (a '+' adds keys the job would ignore); did you mean optimizer.lr?"
+        ], (node, err[-3000:])
