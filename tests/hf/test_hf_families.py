@@ -415,6 +415,7 @@ def test_bad_files_in_a_model_directory_are_one_line_refusals(tmp_path, bad):
     out = run_main(
         args
         + ["model=hf", f"model.path={model_dir}", "data=stdlib", "data.seq_len=32", "trainer.max_steps=2"]
+        + ["cluster.nproc_per_node=1"]  # one rank: every rank reads these files alike
         + ["trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path}/run", *extra],
         tmp_path,
     )
