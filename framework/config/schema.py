@@ -64,6 +64,7 @@ class Stage(str, Enum):
     data_preparation = "data_preparation"
     plan = "plan"  # print memory, traffic and step time of the job as configured (framework/planner)
     fine_tuning = "fine_tuning"  # supervised fine-tuning on JSONL records (the `finetune` section)
+    generate = "generate"  # text from a checkpoint or an export (the `generate` section, framework/generate.py)
 
 
 def _positive(section: str, **values: float) -> None:
@@ -372,6 +373,28 @@ class ClusterConfig:
 
 
 @dataclass
+class GenerateConfig:
+    """`stage=generate`: sample text from checkpoint.resume (a step directory, any world size) or
+    checkpoint.init_from (an export), one prompt after another, streamed to the terminal."""
+
+    prompts: List[str] = field(default_factory=list)
+    prompt_file: str = ""  # one prompt per line, after `prompts`
+    max_new_tokens: int = 64
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 50  # 0: all
+    top_p: float = 1.0  # nucleus sampling; 1: off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("generate", max_new_tokens=self.max_new_tokens)
+        if not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise UserInputError(
+                f"generate: temperature={self.temperature} (>= 0), top_k={self.top_k} (>= 0) or "
+                f"top_p={self.top_p} (in (0, 1]) is out of range"
+            )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -383,6 +406,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     finetune: FineTuneConfig = field(default_factory=FineTuneConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     stage: Stage = Stage.training
     run_dir: str = ""  # filled in by main.py from hydra.run.dir; never set by hand
 

@@ -16,6 +16,7 @@ LAYERS = [
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling"},
     {"finetune", "checkpoint", "stop", "planner"},
     {"trainer"},
+    {"generate"},
     {"entrypoint"},
 ]
 

@@ -1,0 +1,125 @@
+"""`stage=generate`: text from a trained model, streamed to the terminal.
+
+    python main.py stage=generate checkpoint.resume=runs/exp1/checkpoints/step_00000100 \\
+        'generate.prompts=["def add(a, b):"]' generate.max_new_tokens=40 cluster.nproc_per_node=1
+
+The model, its sharding and the tokenizer are built as for training from the same config; the
+weights come from `checkpoint.resume` (a DCP step directory, resharded to this world size, so a
+checkpoint of 2 ranks loads on 1) or `checkpoint.init_from` / `model.path` (an export). Every rank
+runs the same forwards (the sharded model needs them all) with the same seeded generator, so all
+agree on each token; rank 0 prints. Sampling: temperature (0: greedy), then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+from framework.config.schema import Config
+from framework.errors import EXIT_BAD_INPUT, UserInputError
+
+
+def prompts_of(cfg: Config) -> List[str]:
+    g = cfg.generate
+    prompts = list(g.prompts)
+    if g.prompt_file:
+        try:
+            with open(g.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserInputError(f"generate.prompt_file={g.prompt_file}: cannot be read ({exc})") from None
+    if not prompts:
+        raise UserInputError(
+            "stage=generate needs generate.prompts=[...] or generate.prompt_file=<one prompt per line>"
+        )
+    return prompts
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """One token id from the last position's logits (float32, on the CPU)."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if top_k:
+        values, indices = torch.topk(logits, min(top_k, logits.numel()))
+    else:
+        values, indices = torch.sort(logits, descending=True)
+    probs = F.softmax(values, -1)
+    if top_p < 1:
+        keep = torch.cumsum(probs, -1) - probs < top_p  # the smallest head whose mass reaches top_p
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return int(indices[torch.multinomial(probs, 1, generator=gen)])
+
+
+@torch.no_grad()
+def generate(trainer, prompts: List[str], is_main: bool) -> List[str]:
+    from framework.distributed.tensor_parallel import full
+
+    cfg, g = trainer.cfg, trainer.cfg.generate
+    tok, model, device = trainer.data.tokenizer, trainer.model, trainer.rt.device
+    model.eval()
+    gen = torch.Generator().manual_seed(g.seed)
+    texts = []
+    for prompt in prompts:
+        ids = list(tok.encode(prompt))
+        if not ids:
+            raise UserInputError(f"generate: the prompt {prompt[:40]!r} has no tokens")
+        shown = tok.decode(ids)
+        if is_main:
+            print(shown, end="", flush=True)
+        for _ in range(g.max_new_tokens):
+            out = model(torch.tensor([ids[-cfg.data.seq_len :]], device=device))
+            logits = full(getattr(out, "logits", out))[0, -1].float().cpu()
+            ids.append(next_token(logits, g.temperature, g.top_k, g.top_p, gen))
+            text = tok.decode(ids)
+            if is_main:
+                print(text[len(shown) :], end="", flush=True)  # stream: what the new token added
+            shown = text
+        if is_main:
+            print(flush=True)
+        texts.append(shown)
+    return texts
+
+
+def run_generate(cfg: Config) -> int:
+    """Every rank: build the model as for training, load the weights, generate. Exit status."""
+    from framework.runtime import init_distributed, report_crash, shutdown
+    from framework.trainer import Trainer
+
+    rt = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    code = 0
+    try:
+        prompts = prompts_of(cfg)
+        c = cfg.checkpoint
+        trainer = Trainer(cfg, rt)
+        if trainer.ckpt is None or (
+            c.resume in ("none", "") and not c.init_from and not trainer.family.weights_dir(cfg.model)
+        ):
+            raise UserInputError(
+                "stage=generate needs weights: checkpoint.resume=<a step_N directory or auto> or "
+                "checkpoint.init_from=<an export directory> (or model.path with weights)"
+            )
+        if trainer.data.tokenizer is None:
+            raise UserInputError(
+                "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "
+                "or the model directory's"
+            )
+        step = trainer.ckpt.resume(trainer.state)
+        if rt.is_main:
+            print(f"generating from {'step ' + str(step) if step else 'the imported weights'}", file=sys.stderr)
+        generate(trainer, prompts, rt.is_main)
+        trainer.ckpt.close()
+        del trainer
+    except UserInputError as exc:
+        if rt.local_rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001 - a bug: its traceback, named by rank (as in training)
+        report_crash(exc)
+        code = 1
+    shutdown()
+    return code
