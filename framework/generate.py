@@ -16,10 +16,9 @@ import sys
 from typing import List
 
 import torch
-import torch.nn.functional as F
 
 from framework.config.schema import Config
-from framework.errors import EXIT_BAD_INPUT, UserInputError
+from framework.errors import UserInputError
 
 
 def prompts_of(cfg: Config) -> List[str]:
@@ -38,26 +37,10 @@ def prompts_of(cfg: Config) -> List[str]:
     return prompts
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
-    """One token id from the last position's logits (float32, on the CPU)."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits / temperature
-    if top_k:
-        values, indices = torch.topk(logits, min(top_k, logits.numel()))
-    else:
-        values, indices = torch.sort(logits, descending=True)
-    probs = F.softmax(values, -1)
-    if top_p < 1:
-        keep = torch.cumsum(probs, -1) - probs < top_p  # the smallest head whose mass reaches top_p
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    return int(indices[torch.multinomial(probs, 1, generator=gen)])
-
-
 @torch.no_grad()
 def generate(trainer, prompts: List[str], is_main: bool) -> List[str]:
     from framework.distributed.tensor_parallel import full
+    from framework.models.tasks import next_token
 
     cfg, g = trainer.cfg, trainer.cfg.generate
     tok, model, device = trainer.data.tokenizer, trainer.model, trainer.rt.device
@@ -85,41 +68,32 @@ def generate(trainer, prompts: List[str], is_main: bool) -> List[str]:
     return texts
 
 
-def run_generate(cfg: Config) -> int:
-    """Every rank: build the model as for training, load the weights, generate. Exit status."""
-    from framework.runtime import init_distributed, report_crash, shutdown
-    from framework.trainer import Trainer
+def _generate_stage(trainer) -> int:
+    """The stage on a built trainer (every rank): load the weights, generate. Refusals raise."""
+    cfg, c = trainer.cfg, trainer.cfg.checkpoint
+    prompts = prompts_of(cfg)
+    imported = c.init_from or trainer.family.weights_dir(cfg.model)
+    if trainer.ckpt is None or (c.resume in ("none", "") and not imported):
+        raise UserInputError(
+            "stage=generate needs weights: checkpoint.resume=<a step_N directory or auto> or "
+            "checkpoint.init_from=<an export directory> (or model.path with weights)"
+        )
+    if trainer.data.tokenizer is None:
+        raise UserInputError(
+            "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "
+            "or the model directory's"
+        )
+    step = trainer.ckpt.resume(trainer.state)
+    if trainer.rt.is_main:
+        print(f"generating from {'step ' + str(step) if step else 'the imported weights'}", file=sys.stderr)
+    generate(trainer, prompts, trainer.rt.is_main)
+    trainer.ckpt.close()
+    return 0
 
-    rt = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
-    code = 0
-    try:
-        prompts = prompts_of(cfg)
-        c = cfg.checkpoint
-        trainer = Trainer(cfg, rt)
-        if trainer.ckpt is None or (
-            c.resume in ("none", "") and not c.init_from and not trainer.family.weights_dir(cfg.model)
-        ):
-            raise UserInputError(
-                "stage=generate needs weights: checkpoint.resume=<a step_N directory or auto> or "
-                "checkpoint.init_from=<an export directory> (or model.path with weights)"
-            )
-        if trainer.data.tokenizer is None:
-            raise UserInputError(
-                "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "
-                "or the model directory's"
-            )
-        step = trainer.ckpt.resume(trainer.state)
-        if rt.is_main:
-            print(f"generating from {'step ' + str(step) if step else 'the imported weights'}", file=sys.stderr)
-        generate(trainer, prompts, rt.is_main)
-        trainer.ckpt.close()
-        del trainer
-    except UserInputError as exc:
-        if rt.local_rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        code = EXIT_BAD_INPUT
-    except Exception as exc:  # noqa: BLE001 - a bug: its traceback, named by rank (as in training)
-        report_crash(exc)
-        code = 1
-    shutdown()
-    return code
+
+def run_generate(cfg: Config) -> int:
+    """Every rank: the training job's build and failure handling (framework/trainer.run), with
+    generation in place of training. Exit status."""
+    from framework.trainer import run
+
+    return run(cfg, body=_generate_stage)

@@ -265,9 +265,11 @@ def _world_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def _train(cfg: Config, rt: Runtime) -> int:
+def _train(cfg: Config, rt: Runtime, body=None) -> int:
+    """`Trainer(cfg, rt).fit()`, or `body(trainer)` (another stage on the same build: generate),
+    with every failure turned into its exit status."""
     try:
-        return Trainer(cfg, rt).fit()
+        return Trainer(cfg, rt).fit() if body is None else body(Trainer(cfg, rt))
     except TrainingDiverged as exc:
         if rt.local_rank == 0:
             print(f"error: {exc}", flush=True)
@@ -288,10 +290,10 @@ def _train(cfg: Config, rt: Runtime) -> int:
         return EXIT_CRASH
 
 
-def run(cfg: Config, claim=None) -> int:
-    """One rank's whole job: join the process group, train, leave. Returns the exit status.
-    `claim` (under torchrun, where rank 0 is not a parent of the others): rank 0 takes the run
-    directory once the ranks can talk, and a refusal there ends every rank with status 2."""
+def run(cfg: Config, claim=None, body=None) -> int:
+    """One rank's whole job: join the process group, train (or `body(trainer)`), leave. Returns
+    the exit status. `claim` (under torchrun, where rank 0 is not a parent of the others): rank 0
+    takes the run directory once the ranks can talk, and a refusal there ends every rank with 2."""
     rt = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     if claim is not None:
         problem = [claim() if rt.rank == 0 else None]
@@ -301,7 +303,7 @@ def run(cfg: Config, claim=None) -> int:
                 print(f"error: {problem[0]}", file=sys.stderr, flush=True)
             shutdown()
             return EXIT_BAD_INPUT
-    code = _train(cfg, rt)
+    code = _train(cfg, rt, body)
     # [Note: nothing outlives the process group]
     # The trainer (model, optimizer, the engine's buffers and pending work) must be gone before the
     # process group is destroyed: an exception's traceback keeps its frames alive, and objects freed

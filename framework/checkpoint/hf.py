@@ -234,14 +234,11 @@ def _read_piece(handle, key: str, like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of tensor `key`, laid out like `like` (see [Note: sliced import])."""
     if not hasattr(like, "device_mesh"):
         return handle.get_tensor(key).to(like.dtype)
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     box = _local_box(like) if like.dim() else None
     if box is None:
-        # src_data_rank=None: every rank already has the full tensor; cut locally, communicate nothing.
-        return distribute_tensor(
-            handle.get_tensor(key).to(like.dtype), like.device_mesh, like.placements, src_data_rank=None
-        )
+        return _from_full(handle.get_tensor(key).to(like.dtype), like)
     if any(hi <= lo for lo, hi in box):
         local = torch.empty([hi - lo for lo, hi in box], dtype=like.dtype)
     else:
@@ -356,7 +353,8 @@ def _merge(files: dict[str, str], operations, groups: list[list[str]], where: st
 
 
 def _from_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`full` laid out like `like` (this rank's piece of a DTensor, cut locally)."""
+    """`full` laid out like `like` (this rank's piece of a DTensor). src_data_rank=None: every rank
+    already has the full tensor; cut locally, communicate nothing."""
     if not hasattr(like, "device_mesh"):
         return full
     from torch.distributed.tensor import distribute_tensor

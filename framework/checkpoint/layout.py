@@ -139,12 +139,8 @@ def commit_number(ckpt: str) -> int:
     """The order in which `ckpt` was committed among the checkpoints of its directory (see
     [Note: commit order]); 0 for a checkpoint written before commits were numbered, or unreadable."""
     try:
-        fd = os.open(os.path.join(ckpt, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return 0
-            number = json.loads(f.read(_MANIFEST_LIMIT)).get("commit", 0)
-    except (OSError, ValueError, AttributeError):
+        number = read_small_json(os.path.join(ckpt, MANIFEST), _MANIFEST_LIMIT, "").get("commit", 0)
+    except (CheckpointError, AttributeError):
         return 0
     return number if isinstance(number, int) and not isinstance(number, bool) and number > 0 else 0
 
@@ -179,15 +175,7 @@ def _read_pointer(pointer: str) -> str:
         "delete it (resume=auto then takes the last committed checkpoint) or name a checkpoint "
         "with checkpoint.resume=<path>"
     )
-    try:
-        fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        what = "a symlink" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
-        raise CheckpointError(f"{pointer} is {what}, not the pointer a save writes; {fix}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CheckpointError(f"{pointer} is not a regular file, not the pointer a save writes; {fix}")
-        raw = f.read(64)
+    raw = read_bounded(pointer, 64, f"it is not the pointer a save writes; {fix}")
     try:
         name = raw.decode("ascii").strip()
     except UnicodeDecodeError:

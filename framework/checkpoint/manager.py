@@ -141,14 +141,13 @@ class CheckpointManager:
     # checkpoint stays complete and `latest`. Fix the disk, then resume with checkpoint.resume=auto.
     # Training does not go on without checkpoints: a run that cannot save would lose its progress.
 
-    def _together(self, fn, what: str, fix: str, where: Optional[str] = None) -> None:
-        """Run `fn` on every rank; if it fails on any, raise the same CheckpointWriteError on all.
-        `where`: the directory written, whose file system is looked at to explain a failed write."""
+    def _together(self, fn, what: str, fix: str) -> None:
+        """Run `fn` on every rank; if it fails on any, raise the same CheckpointWriteError on all."""
         error = None
         try:
             fn()
         except (OSError, dcp.CheckpointException, RuntimeError) as exc:
-            error = _cause(exc, where or self.root)
+            error = _cause(exc, self.root)
         errors = [None] * self.rt.world_size
         dist.all_gather_object(errors, error)
         failed = [(r, e) for r, e in enumerate(errors) if e]
@@ -169,7 +168,6 @@ class CheckpointManager:
                 fn,
                 f"checkpoint.dir: could not write {tmp}",
                 f"{keep}; free space or make checkpoint.dir writable, then resume with checkpoint.resume=auto",
-                where=self.root,
             )
         except CheckpointWriteError:
             if self.rt.is_main:

@@ -179,9 +179,6 @@ def build_indexed(
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    for prefix in paths:
-        _regular_size(prefix + ".idx", "data.paths")
-        _regular_size(prefix + ".bin", "data.paths")
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:

@@ -25,7 +25,7 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 _BATCH = 64  # documents per task handed to a worker
 
 
-def input_files(raw_inputs: Sequence[str], quiet: bool = False) -> List[str]:
+def input_files(raw_inputs: Sequence[str]) -> List[str]:
     """The regular files `raw_inputs` names, directories walked in sorted order. An entry that is
     not a regular file or directory is refused; inside a directory, FIFOs, devices, sockets (and
     links to them) are skipped and listed on stderr: reading one would hang or never end."""
@@ -54,7 +54,7 @@ def input_files(raw_inputs: Sequence[str], quiet: bool = False) -> List[str]:
                 f"data.raw_inputs: {entry} is not a regular file or directory (a FIFO, device or socket); "
                 "give the files to read"
             )
-    if skipped and not quiet:
+    if skipped:
         shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")  # noqa: PLR2004
         print(
             f"warning: data.raw_inputs: skipped {len(skipped)} entries that are not regular files: {shown}",

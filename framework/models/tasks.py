@@ -111,6 +111,24 @@ class RunView:
     gather: Callable[[torch.Tensor], torch.Tensor]  # a tensor-parallel shard -> the full tensor
 
 
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """One token id from the last position's logits (float32, on the CPU): temperature (0:
+    greedy), then the top_k most likely (0: all), then the smallest head holding top_p of the mass."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if top_k:
+        values, indices = torch.topk(logits, min(top_k, logits.numel()))
+    else:
+        values, indices = torch.sort(logits, descending=True)
+    probs = F.softmax(values, -1)
+    if top_p < 1:
+        keep = torch.cumsum(probs, -1) - probs < top_p
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return int(indices[torch.multinomial(probs, 1, generator=gen)])
+
+
 @torch.no_grad()
 def _causal_lm_sample(run: RunView, prompt: str = "def ") -> Optional[str]:
     """Text generated from `prompt` by top-k sampling. Every rank runs the same forwards (the
@@ -125,9 +143,7 @@ def _causal_lm_sample(run: RunView, prompt: str = "def ") -> Optional[str]:
         out = model(torch.tensor([ids[-run.seq_len :]], device=run.device))
         out = getattr(out, "logits", out)  # a Hugging Face model returns an output object
         logits = run.gather(out)[0, -1].float().cpu()
-        top = torch.topk(logits / 0.8, k=20)
-        choice = torch.multinomial(F.softmax(top.values, -1), 1, generator=gen)
-        ids.append(int(top.indices[choice]))
+        ids.append(next_token(logits, temperature=0.8, top_k=20, top_p=1.0, gen=gen))
     model.train()
     return "--- sample ---\n" + tok.decode(ids) + "\n--------------"
 

@@ -134,6 +134,7 @@ def task_of(cfg: ModelConfig) -> str:
 
 
 _PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_WEIGHT_NAMES = ("pytorch_model", "model", "consolidated", "adapter_model")
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -142,7 +143,10 @@ def check_config(cfg: ModelConfig) -> None:
     from its random initialisation)."""
     task_of(cfg)
     if cfg.path and os.path.isdir(cfg.path) and not weights_dir(cfg):
-        pickled = sorted(n for n in os.listdir(cfg.path) if n.endswith(_PICKLED_WEIGHTS))
+        # weight files by their usual names (a Trainer's training_args.bin or optimizer.pt is not weights)
+        pickled = sorted(
+            n for n in os.listdir(cfg.path) if n.endswith(_PICKLED_WEIGHTS) and n.startswith(_WEIGHT_NAMES)
+        )
         if pickled:
             raise UserInputError(
                 f"model.path={cfg.path}: its weights are only in {pickled[0]} (a pickle, which this framework "
