@@ -92,7 +92,7 @@ def _generate_stage(trainer) -> int:
 
 
 def run_generate(cfg: Config) -> int:
-    """Every rank: the training job's build and failure handling (framework/trainer.run), with
+    """Every rank: the training job's build and failure handling (`run` in framework/trainer.py), with
     generation in place of training. Exit status."""
     from framework.trainer import run
 
