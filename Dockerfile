@@ -23,11 +23,11 @@ WORKDIR /workspace
 RUN useradd --create-home --uid 1000 --shell /bin/bash trainer \
     && chown trainer:trainer /workspace
 
-# Dependencies first, so a code change does not reinstall them: the runtime lock only (the test and
-# bench locks stay out of the image). torch is not in the lock file: the base image's build (with
-# its CUDA libraries) is the one used.
-COPY requirements.lock ./
-RUN pip install --no-cache-dir -r requirements.lock
+# Dependencies first, so a code change does not reinstall them: the runtime lock and the users'
+# tools (trackers, datasets, lm-eval); the test and bench locks stay out of the image. torch is in
+# neither lock file: the base image's build (with its CUDA libraries) is the one used.
+COPY requirements.lock requirements-tools.lock ./
+RUN pip install --no-cache-dir -r requirements.lock -r requirements-tools.lock
 
 COPY --chown=trainer:trainer . .
 # --no-deps: everything is installed above; never let pip replace the base image's torch.

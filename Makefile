@@ -10,10 +10,10 @@ STAMP  := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch is pinned first and on its own: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): requirements.lock requirements-test.lock pyproject.toml
+$(STAMP): requirements.lock requirements-tools.lock requirements-test.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -r requirements.lock -r requirements-test.lock
+	$(BIN)/pip install --quiet -r requirements.lock -r requirements-tools.lock -r requirements-test.lock
 	touch $(STAMP)
 
 run: venv

@@ -74,7 +74,7 @@ def read_json(path: str):
         raise UserInputError(f"{path} is {why}; give the file save_pretrained wrote") from None
 
 
-def create_temporary(path: str):
+def create_temporary(path: str, mode: str = "w"):
     """`path` created afresh for writing (a temporary about to be renamed over its final name):
     whatever held the name is removed first, and the new file is opened with O_EXCL | O_NOFOLLOW."""
     if os.path.lexists(path):
@@ -83,7 +83,7 @@ def create_temporary(path: str):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    return os.fdopen(fd, "w")
+    return os.fdopen(fd, mode)
 
 
 # [Note: leftovers of killed jobs]

@@ -1,4 +1,5 @@
-"""Rank 0's reporting: a progress bar, metrics.jsonl and TensorBoard events in the run directory."""
+"""Rank 0's reporting: a progress bar, metrics.jsonl in the run directory, the trackers
+(framework/trackers.py) and loss.png."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import os
 import resource
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -61,6 +62,20 @@ def _drop_steps_after(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _losses_in(path: str) -> List[Dict[str, object]]:
+    """step, loss and val_loss of each complete record in metrics.jsonl (after a resume's cut)."""
+    out = []
+    with os.fdopen(open_regular(path, os.O_RDONLY | os.O_CREAT)) as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append({k: record[k] for k in ("step", "loss", "val_loss") if k in record})
+    return out
+
+
 def _step_of(line: str) -> float:
     """The record's step; a line cut short by a crash (not JSON) counts as after every step."""
     try:
@@ -80,12 +95,18 @@ class MetricsLogger:
         total_steps: int,
         start_step: int,
         jsonl: bool,
-        tensorboard: bool,
         progress_bar: Optional[bool],
         log_interval: int = 1,
+        trackers=None,
+        loss_plot: bool = False,
+        tokens_per_step: int = 0,
     ):
         self.enabled = enabled
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._bar = None
+        self._trackers = trackers  # framework.trackers.Trackers (rank 0), or None
+        self._plot = loss_plot and enabled
+        self._run_dir, self._tokens_per_step = run_dir, tokens_per_step
+        self.history: List[Dict[str, object]] = []  # step, loss and val_loss of every record, for loss.png
         # no terminal (a batch job's log file): lines instead of a bar that rewrites one line
         self._lines = progress_bar is None and not sys.stderr.isatty()
         self._step, self._total, self._every = start_step, total_steps, max(1, log_interval)
@@ -95,11 +116,8 @@ class MetricsLogger:
         if jsonl:
             path = os.path.join(run_dir, "metrics.jsonl")
             _drop_steps_after(path, start_step)
+            self.history = _losses_in(path)  # a resumed run's picture starts at step 1
             self._jsonl = open_append(path, buffering=1)  # never through a planted link
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if progress_bar or (progress_bar is None and not self._lines):
             from tqdm import tqdm
 
@@ -121,10 +139,22 @@ class MetricsLogger:
         }
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self._tb.add_scalar(key, value, step)
+        if self._plot:
+            self.history.append({k: record[k] for k in ("step", "loss", "val_loss") if k in record})
+        if self._trackers is not None:
+            self._trackers.log(step, {k: v for k, v in record.items() if k != "step"})
+
+    def plot(self) -> None:
+        """Write `<run>/loss.png` from every record so far (at checkpoints and at the end)."""
+        if not self._plot:
+            return
+        from framework.loss_plot import write_loss_plot
+
+        try:
+            write_loss_plot(self.history, self._tokens_per_step, os.path.join(self._run_dir, "loss.png"))
+        except Exception as exc:  # noqa: BLE001 - a picture never ends a training run
+            self._plot = False
+            self.write(f"warning: loss.png not written ({type(exc).__name__}: {exc}); metrics.jsonl has every step")
 
     def progress(self, values: Dict[str, float]) -> None:
         self._step += 1
@@ -147,7 +177,7 @@ class MetricsLogger:
             print(message, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        for handle in (self._bar, self._tb, self._jsonl):
+        for handle in (self._bar, self._trackers, self._jsonl):
             if handle is not None:
                 handle.close()
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._trackers = self._bar = None

@@ -172,17 +172,19 @@ class Trainer:
         cfg, t, rt = self.cfg, self.cfg.trainer, self.rt
         if self.ckpt is not None:
             self.state.step = self.ckpt.resume(self.state)
+        tokens_per_step = t.global_batch_size * cfg.data.seq_len
         logger = MetricsLogger(
             cfg.run_dir,
             enabled=rt.is_main,
             total_steps=t.max_steps,
             start_step=self.state.step,
             jsonl=cfg.logging.jsonl,
-            tensorboard=cfg.logging.tensorboard,
             progress_bar=t.progress_bar,
             log_interval=t.log_interval,
+            trackers=self.open_trackers(),
+            loss_plot=cfg.logging.loss_plot,
+            tokens_per_step=tokens_per_step,
         )
-        tokens_per_step = t.global_batch_size * cfg.data.seq_len
         d = self.dims
         logger.write(
             f"model={cfg.model.name} ({self.num_params / 1e6:.1f}M parameters) on {rt.world_size} "
@@ -225,6 +227,7 @@ class Trainer:
                     return self.stop_early(step)
                 if self.ckpt is not None and self.ckpt.should_save(step):
                     self.ckpt.save(self.state)
+                    logger.plot()
             if self.ckpt is not None:
                 self.ckpt.finish(self.state)
             if self.task.end_of_run is not None and self.data.tokenizer is not None:
@@ -236,11 +239,35 @@ class Trainer:
                     logger.write(text)
         finally:
             profiler.close()
+            logger.plot()  # the end of the run, or as far as it got
             logger.close()
             if self.ckpt is not None:
                 self.ckpt.close()
             self.stop.close()
         return 0
+
+    def open_trackers(self):
+        """Rank 0's trackers (framework/trackers.py); the ranks agree on whether they started, so a
+        tracker that cannot start ends every rank with one line and status 2 before the first step."""
+        cfg = self.cfg
+        if not (cfg.logging.tensorboard or cfg.logging.wandb.enabled or cfg.logging.mlflow.enabled):
+            return None
+        trackers, problem = None, None
+        if self.rt.is_main:
+            from omegaconf import OmegaConf
+
+            from framework.trackers import open_trackers
+
+            config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+            try:
+                trackers = open_trackers(cfg.logging, cfg.run_dir, config, resumed=self.state.step > 0)
+            except UserInputError as exc:
+                problem = str(exc)
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise UserInputError(verdict[0])
+        return trackers
 
     def stop_early(self, step: int) -> int:
         """Every rank, after the ranks agreed to stop: save if checkpoints are on, then the requeue status."""

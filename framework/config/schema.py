@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from framework.config.degrees import check_degrees
 from framework.errors import UserInputError
@@ -341,9 +341,63 @@ class PeftConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (`logger=[...,wandb]`): the `wandb` package, rank 0 only. The API key comes
+    from WANDB_API_KEY in the environment, never from here (cluster.secret_env in a job)."""
+
+    enabled: bool = False
+    mode: str = "offline"  # offline (files under <run>/wandb, `wandb sync` later) | online | disabled
+    project: str = "framework"
+    entity: str = ""  # team or user; "": the account's default
+    name: str = ""  # the run's display name; "": the run directory's name
+    group: str = ""
+    tags: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("offline", "online", "disabled"):
+            raise UserInputError(f"logging.wandb.mode={self.mode!r}: choose offline, online or disabled")
+        if not self.project.strip():
+            raise UserInputError("logging.wandb.project is empty: name the W&B project")
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (`logger=[...,mlflow]`): the `mlflow` package, rank 0 only. Credentials come from
+    MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN in the environment, never from the URI."""
+
+    enabled: bool = False
+    tracking_uri: str = ""  # http://host:5000, sqlite:///path.db, ...; "": sqlite <run>/mlflow.db
+    experiment: str = "framework"
+    run_name: str = ""  # "": the run directory's name
+    tags: Dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
+        try:
+            password = urlsplit(self.tracking_uri).password
+        except ValueError:
+            raise UserInputError(f"logging.mlflow.tracking_uri={self.tracking_uri!r}: not a URI") from None
+        if password is not None:
+            # The config is written to <run>/config.yaml, the trackers and job logs: no secrets in it.
+            raise UserInputError(
+                "logging.mlflow.tracking_uri holds a password: give the URI without it and set "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the environment "
+                "(cluster.secret_env in a job)"
+            )
+        if not self.experiment.strip():
+            raise UserInputError("logging.mlflow.experiment is empty: name the MLflow experiment")
+
+
+@dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    """Where metrics go besides metrics.jsonl: `logger=[tensorboard,wandb,mlflow]` (conf/logger/)."""
+
+    tensorboard: bool = False  # set by logger=tensorboard, the default
     jsonl: bool = True  # metrics.jsonl in the run directory
+    loss_plot: bool = True  # <run>/loss.png at each checkpoint and at the end
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

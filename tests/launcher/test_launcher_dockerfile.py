@@ -27,8 +27,9 @@ def test_dockerfile_pins_the_base_and_runs_as_a_user():
     assert base.startswith("pytorch/pytorch:") and re.search(r":\d+\.\d+\.\d+-cuda", base), base
     users = re.findall(r"^USER\s+(\S+)", text, flags=re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    # torch comes from the base image: the lock file must not pull another build.
+    # torch comes from the base image: the lock files must not pull another build.
     lock = (REPO / "requirements.lock").read_text().lower().split()
+    lock += (REPO / "requirements-tools.lock").read_text().lower().split()
     assert not any(line.startswith("torch==") for line in lock)
     assert "--no-deps ." in text
 
@@ -65,10 +66,10 @@ def test_the_image_installs_the_runtime_requirements_only():
     text = (REPO / "Dockerfile").read_text()
     copied = [w for line in re.findall(r"^COPY\s+(.+)$", text, flags=re.M) for w in line.split()[:-1]]
     assert "requirements.lock" in copied
-    assert not [w for w in copied if w.startswith("requirements-")], copied
-    installs = re.findall(r"pip install[^\n]*-r\s+(\S+)", text)
-    assert installs == ["requirements.lock"], installs
-    runtime = _pins("requirements.lock")
+    assert [w for w in copied if w.startswith("requirements-")] == ["requirements-tools.lock"], copied
+    installs = [name for line in re.findall(r"pip install[^\n]*", text) for name in re.findall(r"-r\s+(\S+)", line)]
+    assert installs == ["requirements.lock", "requirements-tools.lock"], installs
+    runtime = _pins("requirements.lock") | _pins("requirements-tools.lock")
     leaked = runtime & {t.replace("_", "-") for t in TEST_TOOLS}
     assert not leaked, f"test tools in the image's requirements: {sorted(leaked)}"
     # They are where the test environment gets them.
