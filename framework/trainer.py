@@ -65,6 +65,7 @@ class Trainer:
                 seed=t.seed,
                 sample_kind=self.task.sample_kind,
                 num_labels=family.num_labels(cfg.model),
+                model_path=cfg.model.path,
             )
         model_cfg = family.with_vocab_size(cfg.model, self.data.vocab_size)
         # Small models are materialised identically on every rank (same seed, then sharded), so a

@@ -57,6 +57,7 @@ class DataName(str, Enum):
     stdlib = "stdlib"  # the embedded default corpus: this Python's own standard library sources
     indexed = "indexed"  # Megatron .bin/.idx datasets prepared by `stage=data_preparation`
     digits = "digits"  # scikit-learn's bundled 8x8 handwritten digits (images and labels; no download)
+    hf = "hf"  # Hugging Face `datasets` from local files or a save_to_disk directory (framework/data/hf_data.py)
 
 
 class Stage(str, Enum):
@@ -168,10 +169,28 @@ class OptimizerConfig:
 
 
 @dataclass
+class HFDataConfig:
+    """data=hf: how records of a Hugging Face dataset become text (data.paths name the files)."""
+
+    text_field: str = "text"  # a string column; else a chat column or prompt/response columns are used
+    messages_field: str = "messages"  # a list of {role, content}: the tokenizer's chat template, else plain lines
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    streaming: bool = False  # read as it trains (data larger than memory or disk cache), in file order
+    shuffle: bool = True  # not streaming: documents in a seeded order, a new one each epoch
+    valid_documents: int = 64  # the first N documents of each path are the validation set
+
+    def __post_init__(self) -> None:
+        _positive("data.hf", valid_documents=self.valid_documents)
+
+
+@dataclass
 class DataConfig:
     name: DataName = DataName.synthetic
     seq_len: int = 64  # tokens per sample fed to the model
-    paths: List[str] = field(default_factory=list)  # indexed datasets: prefixes (without .bin/.idx)
+    # indexed datasets: prefixes (without .bin/.idx); data=hf: parquet/JSONL/arrow/text files,
+    # directories of them, or save_to_disk directories
+    paths: List[str] = field(default_factory=list)
     weights: List[float] = field(default_factory=list)  # blend weights, one per path (empty: by size)
     # train,valid,test proportions; quote it on the command line: data.split="'90,10,0'"
     split: str = "98,1,1"
@@ -188,6 +207,7 @@ class DataConfig:
     # data_preparation: the largest document (a text file, or one JSONL line) read, in MiB; larger
     # ones are refused naming the file (tokenizing one takes ~8x its size in memory)
     max_document_mb: int = 256
+    hf: HFDataConfig = field(default_factory=HFDataConfig)
 
     def __post_init__(self) -> None:
         self.name = _choice("data", "name", self.name, DataName)

@@ -9,6 +9,7 @@ here (or in the source's own module, imported below) and one choice in the confi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -40,6 +41,7 @@ class DataRequest:
     seed: int
     sample_kind: str = "tokens"  # what the model's task consumes (framework/data/synthetic.py)
     num_labels: int = 2
+    model_path: str = ""  # a Hugging Face model directory (model=hf): its tokenizer, for data=hf
 
     def loaders(self, train, valid) -> tuple:
         kw = dict(micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size)
@@ -146,6 +148,39 @@ def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
     return DataBundle(*req.loaders(train, valid), vocab_size=vocab_size, tokenizer=tokenizer)
 
 
+def _has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def _hf(cfg: DataConfig, req: DataRequest) -> DataBundle:
+    """data=hf: Hugging Face datasets from local files (framework/data/hf_data.py), with
+    data.tokenizer, else model.path's tokenizer, else the embedded corpus's BPE."""
+    import sys
+
+    import torch.distributed as dist
+
+    from framework.data.hf_data import build_hf
+    from framework.data.tokenizer import load_tokenizer
+
+    model_dir = req.model_path if req.model_path and os.path.isdir(req.model_path) else ""
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg.tokenizer, "data.tokenizer")
+    elif model_dir and _has_tokenizer(model_dir):
+        tok = load_tokenizer(model_dir, "model.path")
+    else:
+        from framework.data.prepare import default_tokenizer_for
+        from framework.data.shared_cache import cache_is_shared
+
+        distributed = dist.is_available() and dist.is_initialized()
+        barrier = dist.barrier if distributed else (lambda: None)
+        (prefix,), _ = _stdlib_paths(cfg, cache_is_shared(cfg.cache_dir), barrier)
+        tok = load_tokenizer(default_tokenizer_for(prefix), "data.tokenizer")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"data=hf: tokenizer {tok.path or req.model_path} ({tok.vocab_size} ids)", file=sys.stderr, flush=True)
+    train, valid = build_hf(cfg, req, tok)
+    return DataBundle(*req.loaders(train, valid), vocab_size=tok.vocab_size, tokenizer=tok)
+
+
 for _source in (
     DataSource("synthetic", _synthetic, sample_kinds=None),
     DataSource(
@@ -156,5 +191,6 @@ for _source in (
     ),
     DataSource("stdlib", _indexed),
     DataSource("indexed", _indexed),
+    DataSource("hf", _hf),
 ):
     register_source(_source)

@@ -61,9 +61,20 @@ class GlobalBatchLoader:
         return [(start + i) % len(self.source) for i in range(self.micro)]
 
     def state_dict(self) -> dict:
+        """The global samples consumed; a streamed source adds where its stream stands then
+        (framework/data/hf_data.py), the same on every rank."""
         assert self._micro_step == 0, "loader state is saved between steps only"
-        return {"consumed_samples": self.consumed}
+        state = {"consumed_samples": self.consumed}
+        if hasattr(self.source, "position_at"):
+            state["stream"] = self.source.position_at(self.consumed)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed = int(state["consumed_samples"])
         self._micro_step = 0
+        if hasattr(self.source, "seek"):
+            if "stream" not in state:
+                raise UserInputError(
+                    "the checkpoint was not saved from data=hf: resume with the data it was trained on"
+                )
+            self.source.seek(state["stream"], self.consumed)

@@ -68,3 +68,66 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> BPETokeni
     tok.save(tmp)
     os.replace(tmp, out_path)
     return BPETokenizer(out_path)
+
+
+class SFTTokenizer:
+    """What fine-tuning needs from a tokenizer: encode, the end-of-document id, and a chat
+    template when the tokenizer has one. Wraps our `BPETokenizer` or a Hugging Face tokenizer."""
+
+    def __init__(self, tokenizer, eod: int, hf=None):
+        self.tokenizer, self.eod, self.hf = tokenizer, eod, hf
+
+    @property
+    def path(self):
+        """The tokenizer.json behind it (an export copies it), or None."""
+        if self.hf is not None:
+            found = os.path.join(getattr(self.hf, "name_or_path", ""), "tokenizer.json")
+            return found if os.path.isfile(found) else None
+        return getattr(self.tokenizer, "path", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf) if self.hf is not None else self.tokenizer.vocab_size
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.hf is not None and getattr(self.hf, "chat_template", None) is not None
+
+    def encode(self, text: str) -> list:
+        if self.hf is not None:
+            return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text))
+
+    def encode_batch(self, texts: list) -> list:
+        if self.hf is not None:
+            return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+        return self.tokenizer.encode_batch(list(texts))
+
+    def decode(self, ids) -> str:
+        if self.hf is not None:
+            return self.hf.decode(list(ids))
+        return self.tokenizer.decode(list(ids))
+
+    def chat_ids(self, messages: list, add_generation_prompt: bool = False) -> list:
+        out = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):  # a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+
+def load_tokenizer(path: str, setting: str = "finetune.tokenizer") -> SFTTokenizer:
+    """A tokenizer.json file (ours), or a directory holding a Hugging Face tokenizer (its chat
+    template included when it has one)."""
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise UserInputError(
+                f"{setting}={path}: the directory holds no tokenizer.json or "
+                "tokenizer_config.json; give a tokenizer file or directory"
+            )
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        eod = hf.eos_token_id if hf.eos_token_id is not None else len(hf) - 1
+        return SFTTokenizer(None, eod, hf=hf)
+    tok = BPETokenizer(path)
+    return SFTTokenizer(tok, tok.eod)
