@@ -140,6 +140,8 @@ def test_data_preparation_is_checked_for_its_own_inputs_only(tmp_path):
 # line's job, up to the model preset and the data set the main job picks. Model presets (and
 # experiments) are exempt: a preset is a published shape, written out whole.
 _PRESET_GROUPS = ("model", "experiment")
+# groups whose options land in another section (`# @package logging`): logger=[tensorboard,wandb]
+_PACKAGED = {"logger": "logging"}
 
 
 def _option_keys(group: str, option: str) -> set:
@@ -174,6 +176,9 @@ def test_the_default_composition_equals_the_dataclass_defaults():
         if section.name in _PRESET_GROUPS:
             continue
         chosen = _option_keys(section.name, options[section.name]) if section.name in options else set()
+        for group, target in _PACKAGED.items():
+            if target == section.name:
+                chosen |= {key for option in options[group] for key in _option_keys(group, option)}
         for f in dataclasses.fields(ours):
             if f.name not in chosen:
                 assert getattr(ours, f.name) == getattr(theirs, f.name), f"{section.name}.{f.name}"
@@ -192,12 +197,17 @@ def test_group_options_set_only_what_they_change():
         folder = os.path.join(CONF_DIR, group)
         if group in _PRESET_GROUPS or not os.path.isdir(folder):
             continue
-        section = getattr(defaults, group)
+        section = getattr(defaults, _PACKAGED.get(group, group))
         for option in sorted(os.listdir(folder)):
             node = OmegaConf.load(os.path.join(folder, option)) or {}
             for key, value in OmegaConf.to_container(node).items() if node else []:
                 if key != "name":
-                    assert value != getattr(section, key), f"conf/{group}/{option}: {key}: {value} is the default"
+                    default = getattr(section, key)
+                    if dataclasses.is_dataclass(default):  # a nested section: each key it sets
+                        for inner, inner_value in value.items():
+                            assert inner_value != getattr(default, inner), f"conf/{group}/{option}: {key}.{inner}"
+                        continue
+                    assert value != default, f"conf/{group}/{option}: {key}: {value} is the default"
                 checked += 1
     assert checked >= 10  # the options were read
 

@@ -13,8 +13,8 @@ from conftest import REPO
 LAYERS = [
     {"errors"},
     {"config", "fileio"},
-    {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling"}
-    | {"trackers", "loss_plot"},
+    {"loss_plot"},
+    {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
     {"finetune", "checkpoint", "stop", "planner"},
     {"trainer"},
     {"generate"},

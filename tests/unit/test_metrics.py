@@ -12,8 +12,9 @@ def _logger(run_dir, start_step):
         total_steps=10,
         start_step=start_step,
         jsonl=True,
-        tensorboard=False,
         progress_bar=False,
+        loss_plot=True,
+        tokens_per_step=128,
     )
 
 
@@ -28,6 +29,17 @@ def test_resume_drops_the_unfinished_attempts_later_steps(tmp_path):
     second = _logger(tmp_path, 3)
     for step in range(4, 7):
         second.log(step, {"loss": 100.0 + step})
+    # loss.png's curve is the whole run's: the kept records, then the new ones
+    assert [(h["step"], h["loss"]) for h in second.history] == [
+        (1, 9.0),
+        (2, 8.0),
+        (3, 7.0),
+        (4, 104.0),
+        (5, 105.0),
+        (6, 106.0),
+    ]
+    second.plot()
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG" and not list(tmp_path.glob("loss.png.tmp*"))
     second.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
