@@ -74,7 +74,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
     config_yaml = OmegaConf.to_yaml(dict_cfg, resolve=True)
-    if under_torchrun() and cfg.stage not in (Stage.plan, Stage.data_preparation, Stage.generate):
+    if under_torchrun() and cfg.stage not in (Stage.plan, Stage.data_preparation, Stage.generate, Stage.evaluate):
         # Every rank is its own process: rank 0 claims the run directory once the ranks can talk,
         # and a refusal there ends every rank with the same status (trainer.run).
         from framework.trainer import run
@@ -100,6 +100,10 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         from framework.generate import run_generate
 
         run = run_generate  # noqa: F811 - the same per-rank entry shape as training's
+    if cfg.stage == Stage.evaluate:
+        from framework.evaluate import run_evaluate
+
+        run = run_evaluate  # noqa: F811
     if under_torchrun() or cfg.cluster.nproc_per_node == 1:
         return run_rank(run, cfg)  # a crash prints its rank and traceback (and torchrun's error file)
     return spawn_local(run, cfg, cfg.cluster.nproc_per_node)

@@ -219,6 +219,12 @@ class Trainer:
                     logger.write(
                         f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
                     )
+                if t.eval_tasks and (
+                    step == t.max_steps or (t.eval_tasks_interval and step % t.eval_tasks_interval == 0)
+                ):
+                    from framework.downstream import flat_scores, run_tasks
+
+                    metrics.update(flat_scores(run_tasks(self, list(t.eval_tasks), step)))
                 if step % t.log_interval == 0 or step == t.max_steps:
                     logger.log(step, metrics)
                 logger.progress(

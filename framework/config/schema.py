@@ -66,6 +66,7 @@ class Stage(str, Enum):
     plan = "plan"  # print memory, traffic and step time of the job as configured (framework/planner)
     fine_tuning = "fine_tuning"  # supervised fine-tuning on JSONL records (the `finetune` section)
     generate = "generate"  # text from a checkpoint or an export (the `generate` section, framework/generate.py)
+    evaluate = "evaluate"  # lm-eval tasks on a checkpoint or an export (the `evaluate` section, framework/evaluate.py)
 
 
 def _positive(section: str, **values: float) -> None:
@@ -264,6 +265,10 @@ class TrainerConfig:
     profile_wait: int = 1
     profile_warmup: int = 1
     profile_active: int = 2
+    # lm-eval tasks (evaluate.include_path for local ones) run every eval_tasks_interval steps and
+    # at the end; scores go to <run>/eval/ and the trackers
+    eval_tasks: List[str] = field(default_factory=list)
+    eval_tasks_interval: int = 0  # 0: only at the end (when eval_tasks is set)
 
     def __post_init__(self) -> None:
         _positive(
@@ -278,6 +283,7 @@ class TrainerConfig:
         )
         for name in (
             "eval_interval",
+            "eval_tasks_interval",
             "max_time_minutes",
             "sample_tokens",
             "peak_tflops",
@@ -469,6 +475,25 @@ class GenerateConfig:
 
 
 @dataclass
+class EvaluateConfig:
+    """lm-eval-harness tasks: `stage=evaluate`, and trainer.eval_tasks during training."""
+
+    tasks: List[str] = field(default_factory=list)  # lm-eval task names (stage=evaluate)
+    include_path: str = ""  # a directory of task YAMLs: tasks over local data
+    num_fewshot: Optional[int] = None  # None: each task's own
+    limit: Optional[float] = None  # documents per task (a fraction when < 1); None: all
+    batch_size: int = 8  # requests per forward
+    max_gen_tokens: int = 64  # generation tasks: the most new tokens, unless the task says
+
+    def __post_init__(self) -> None:
+        _positive("evaluate", batch_size=self.batch_size, max_gen_tokens=self.max_gen_tokens)
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise UserInputError(f"evaluate.num_fewshot={self.num_fewshot}: must be >= 0")
+        if self.limit is not None and not 0 < self.limit < math.inf:
+            raise UserInputError(f"evaluate.limit={self.limit}: must be > 0 (a count, or a fraction below 1)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -481,6 +506,7 @@ class Config:
     finetune: FineTuneConfig = field(default_factory=FineTuneConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     stage: Stage = Stage.training
     run_dir: str = ""  # filled in by main.py from hydra.run.dir; never set by hand
 

@@ -15,9 +15,9 @@ LAYERS = [
     {"config", "fileio"},
     {"loss_plot"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
-    {"finetune", "checkpoint", "stop", "planner"},
+    {"finetune", "checkpoint", "stop", "planner", "downstream"},
     {"trainer"},
-    {"generate"},
+    {"generate", "evaluate"},
     {"entrypoint"},
 ]
 

@@ -1,0 +1,210 @@
+"""Downstream evaluation with lm-eval-harness: the model as an lm-eval `LM`, and running tasks on
+it. Used by `stage=evaluate` (framework/evaluate.py) and by training's trainer.eval_tasks.
+
+    python main.py stage=evaluate checkpoint.init_from=runs/exp1/checkpoints/export \\
+        'evaluate.tasks=[my_task]' evaluate.include_path=tasks/ evaluate.num_fewshot=2
+
+The model, its sharding and tokenizer are built as for training; the weights come from
+`checkpoint.resume` (a step directory of any world size) or `checkpoint.init_from` / `model.path`
+(an export). `ShardedLM` answers lm-eval's requests with our model: every rank runs lm-eval on the
+same requests in the same order, so each forward of the sharded model is issued by all ranks (as
+the engine needs), and all ranks get the same numbers; rank 0 prints the table, writes
+`<run>/eval/results_step_N.json` and logs `eval/<task>/<metric>` to the trackers.
+
+Tasks are lm-eval's task names; `evaluate.include_path` adds a directory of task YAMLs, which is how
+a task over local data (a JSONL file: `dataset_path: json`, `dataset_kwargs.data_files`) runs on a
+machine without a dataset hub. Tasks that need a download fail inside lm-eval and are refused in one
+line naming the task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from framework.errors import UserInputError
+
+
+def _lm_eval():
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import lm_eval
+        from lm_eval.api.model import LM
+    except ImportError as exc:
+        raise UserInputError(
+            f"evaluation needs the lm-eval package ({exc}): pip install -r requirements-tools.lock "
+            "(make venv installs it)"
+        ) from None
+    return lm_eval, LM
+
+
+def make_sharded_lm(trainer, batch_size: int, max_gen_tokens: int):
+    """An lm-eval `LM` over the trainer's (sharded) model and tokenizer."""
+    from framework.distributed.tensor_parallel import full
+
+    _, LM = _lm_eval()
+    tok, model, device, seq_len = trainer.data.tokenizer, trainer.model, trainer.rt.device, trainer.cfg.data.seq_len
+
+    class ShardedLM(LM):
+        def __init__(self):
+            super().__init__()
+
+        @torch.no_grad()
+        def _log_probs(self, rows: List[List[int]]) -> torch.Tensor:
+            """log-softmax of the model's logits for right-padded rows: (batch, length, vocab)."""
+            length = max(len(r) for r in rows)
+            batch = torch.full((len(rows), length), tok.eod, dtype=torch.long)
+            for i, r in enumerate(rows):
+                batch[i, : len(r)] = torch.tensor(r)
+            out = model(batch.to(device))
+            return F.log_softmax(full(getattr(out, "logits", out)).float(), dim=-1).cpu()
+
+        def _score(self, pairs: List[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:
+            results: List[Tuple[float, bool]] = []
+            for start in range(0, len(pairs), batch_size):
+                chunk = pairs[start : start + batch_size]
+                rows, spans = [], []
+                for context, target in chunk:
+                    ids = (context + target)[-(seq_len + 1) :]
+                    rows.append(ids[:-1])
+                    spans.append((len(ids) - 1 - len(target), len(target)))
+                logp = self._log_probs(rows)
+                for i, (first, n) in enumerate(spans):
+                    target = torch.tensor(chunk[i][1])
+                    picked = logp[i, first : first + n]
+                    score = picked.gather(-1, target[:, None]).sum().item()
+                    results.append((score, bool((picked.argmax(-1) == target).all())))
+            return results
+
+        def loglikelihood(self, requests):
+            pairs = []
+            for request in requests:
+                context, continuation = request.args
+                context_ids = list(tok.encode(context)) if context else [tok.eod]
+                pairs.append((context_ids, list(tok.encode(continuation))))
+            return self._score(pairs)
+
+        def loglikelihood_rolling(self, requests):
+            out = []
+            for request in requests:
+                ids = [tok.eod] + list(tok.encode(request.args[0]))  # every token after the first predicted
+                total = 0.0
+                for a in range(1, len(ids), seq_len):  # windows of seq_len targets, each with the context before it
+                    b = min(a + seq_len, len(ids))
+                    total += self._score([(ids[max(0, b - 1 - seq_len) : a], ids[a:b])])[0][0]
+                out.append(total)
+            return out
+
+        @torch.no_grad()
+        def generate_until(self, requests):
+            out = []
+            for request in requests:
+                context, kwargs = request.args
+                until = [u for u in (kwargs.get("until") or []) if u]
+                limit = int(kwargs.get("max_gen_toks", max_gen_tokens))
+                ids = list(tok.encode(context)) or [tok.eod]
+                new: List[int] = []
+                text = ""
+                for _ in range(limit):
+                    logp = self._log_probs([(ids + new)[-seq_len:]])
+                    token = int(logp[0, -1].argmax())
+                    if token == tok.eod:
+                        break
+                    new.append(token)
+                    text = tok.decode(new)
+                    if any(u in text for u in until):
+                        break
+                for u in until:
+                    text = text.split(u)[0]
+                out.append(text)
+            return out
+
+    return ShardedLM()
+
+
+def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, Dict[str, float]]:
+    """lm-eval's `tasks` on the trainer's model (every rank); rank 0 prints, writes and logs."""
+    e = trainer.cfg.evaluate
+    lm_eval, _ = _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    if trainer.data.tokenizer is None:
+        raise UserInputError(
+            "evaluation needs a tokenizer: the data's (data=stdlib, data=hf, data.tokenizer=...) "
+            "or the model directory's"
+        )
+    if e.include_path and not os.path.isdir(e.include_path):
+        raise UserInputError(f"evaluate.include_path={e.include_path}: no such directory of task YAMLs")
+    import logging
+
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    manager = TaskManager(include_path=e.include_path or None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UserInputError(
+            f"evaluate.tasks: no lm-eval task {', '.join(unknown)}; local tasks: a YAML in "
+            "evaluate.include_path (`lm-eval ls tasks` lists lm-eval's own)"
+        )
+    lm = make_sharded_lm(trainer, e.batch_size, e.max_gen_tokens)
+    was_training = trainer.model.training
+    trainer.model.eval()
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            num_fewshot=e.num_fewshot,
+            limit=e.limit,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=0,
+            random_seed=trainer.cfg.trainer.seed,
+            verbosity="ERROR",
+        )
+    except (FileNotFoundError, ConnectionError, ValueError) as exc:
+        raise UserInputError(
+            f"evaluate.tasks={list(tasks)}: lm-eval could not run them ({type(exc).__name__}: {exc}); "
+            "a task whose data is not on this machine cannot run here"
+        ) from None
+    finally:
+        trainer.model.train(was_training)
+    if results is None:  # lm-eval aggregates on each node's first rank only; the forwards were everyone's
+        return {}
+    scores = {  # "acc,none" -> "acc"; standard errors (not computed: bootstrap_iters=0) left out
+        task: {k.split(",")[0]: float(v) for k, v in metrics.items() if _is_score(k, v)}
+        for task, metrics in results["results"].items()
+    }
+    if trainer.rt.is_main:
+        from lm_eval.utils import make_table
+
+        print(make_table(results), file=sys.stderr, flush=True)
+        out_dir = os.path.join(trainer.cfg.run_dir, "eval")
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"results_step_{step:08d}.json")
+        from framework.fileio import create_temporary
+
+        with create_temporary(path + ".tmp") as handle:
+            json.dump(
+                {"step": step, "tasks": list(tasks), "results": scores, "config": results.get("config", {})},
+                handle,
+                indent=1,
+                default=str,
+            )
+        os.replace(path + ".tmp", path)
+        if trackers is not None:
+            trackers.log(step, flat_scores(scores))
+    return scores
+
+
+def _is_score(key: str, value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and "stderr" not in key
+
+
+def flat_scores(scores: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    return {f"eval/{task}/{metric}": value for task, metrics in scores.items() for metric, value in metrics.items()}

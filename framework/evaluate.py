@@ -1,0 +1,40 @@
+"""`stage=evaluate`: lm-eval-harness tasks on a checkpoint or an export (framework/downstream.py).
+
+    python main.py stage=evaluate checkpoint.init_from=runs/exp1/checkpoints/export \\
+        'evaluate.tasks=[my_task]' evaluate.include_path=tasks/ evaluate.num_fewshot=2
+"""
+
+from __future__ import annotations
+
+from framework.downstream import run_tasks
+from framework.errors import UserInputError
+
+
+def _evaluate_stage(trainer) -> int:
+    """The stage on a built trainer (every rank): load the weights, run the tasks. Refusals raise."""
+    cfg, c = trainer.cfg, trainer.cfg.checkpoint
+    if not cfg.evaluate.tasks:
+        raise UserInputError("stage=evaluate needs evaluate.tasks=[<lm-eval task>, ...] (and evaluate.include_path)")
+    imported = c.init_from or trainer.family.weights_dir(cfg.model)
+    if trainer.ckpt is None or (c.resume in ("none", "") and not imported):
+        raise UserInputError(
+            "stage=evaluate needs weights: checkpoint.resume=<a step_N directory or auto> or "
+            "checkpoint.init_from=<an export directory> (or model.path with weights)"
+        )
+    step = trainer.ckpt.resume(trainer.state)
+    trackers = trainer.open_trackers()  # every rank: they agree on whether the trackers started
+    try:
+        run_tasks(trainer, list(cfg.evaluate.tasks), step, trackers)
+    finally:
+        if trackers is not None:
+            trackers.close()
+        trainer.ckpt.close()
+    return 0
+
+
+def run_evaluate(cfg) -> int:
+    """Every rank: the training job's build and failure handling, with evaluation in place of
+    training. Exit status."""
+    from framework.trainer import run
+
+    return run(cfg, body=_evaluate_stage)
