@@ -324,7 +324,12 @@ def _local_rank_entry(
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     global _report_path
     _report_path = os.path.join(report_dir, f"rank_{local_rank}.txt")
-    sys.exit(run_rank(fn, arg))
+    code = run_rank(fn, arg)
+    # The rank's work is written and closed (the trainer's `finally`, the process group's
+    # shutdown): end without the interpreter's teardown, which unloads torch for a second or more.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:

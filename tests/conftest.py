@@ -22,6 +22,7 @@ TINY = [
     "data=synthetic",
     "trainer.progress_bar=false",
     "logging.tensorboard=false",
+    "logging.loss_plot=false",
     "trainer.sample_tokens=0",
 ]
 

@@ -20,7 +20,7 @@ pytest.importorskip("mlflow")
 BIN = Path(sys.executable).parent
 SENTINEL = "wandb-key-sentinel-5f1e2d"  # a fake W&B key: must appear in no file and no log
 ARGS = [
-    *[a for a in TINY if not a.startswith("logging.tensorboard")],
+    *[a for a in TINY if not a.startswith(("logging.tensorboard", "logging.loss_plot"))],
     "logger=[tensorboard,wandb,mlflow]",
     "logging.wandb.project=trackers-test",
     "logging.wandb.name=requeued",
