@@ -26,7 +26,9 @@ def sizes(cfg):
 
 
 @pytest.mark.parametrize(
-    "name, billions", [("llama_7b", 6.74), ("llama_13b", 13.02), ("llama_70b", 68.98), ("llama_1b", 1.24)]
+    "name, billions",
+    [("llama_7b", 6.74), ("llama_13b", 13.02), ("llama_70b", 68.98), ("llama_1b", 1.24)]
+    + [("llama3_1_8b", 8.03), ("llama3_1_70b", 70.55), ("mistral_7b", 7.25)],
 )
 def test_published_sizes(name, billions):
     model = build_model(model_cfg(name), "meta")

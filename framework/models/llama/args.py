@@ -12,7 +12,19 @@ from typing import Any, List
 from framework.errors import UserInputError
 
 # The conf/model presets (tests/unit/test_model.py checks that every preset file is registered).
-NAMES = ("debug", "small", "llama_125m", "llama_350m", "llama_1b", "llama_7b", "llama_13b", "llama_70b")
+NAMES = (
+    "debug",
+    "small",
+    "llama_125m",
+    "llama_350m",
+    "llama_1b",
+    "llama_7b",
+    "llama_13b",
+    "llama_70b",
+    "llama3_1_8b",
+    "llama3_1_70b",
+    "mistral_7b",
+)
 
 
 @dataclass
