@@ -64,6 +64,7 @@ def apply_tensor_parallel(
             "set parallelism.tp=1"
         )
     tied = _tied_names(model)
+    setattr(model, _TP_ATTR, tp_mesh.size())  # also tells the plan the degree, to check widths
     plan = plan_fn(model, cfg.sequence_parallel)
     parallelize_module(model, tp_mesh, plan)
     for names in tied:

@@ -16,6 +16,13 @@ from framework.models.hf.model import (
 from framework.models.registry import ModelFamily, register_family
 from framework.models.tasks import get_task
 
+
+def _plan(model, sequence_parallel: bool):
+    from framework.models.hf.parallelize import hf_tp_plan
+
+    return hf_tp_plan(model, sequence_parallel)
+
+
 FAMILY = register_family(
     ModelFamily(
         names=("hf",),
@@ -30,5 +37,6 @@ FAMILY = register_family(
         vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
         weights_dir=weights_dir,
         args_type=HFArgs,
+        tp_plan=lambda model, sequence_parallel: _plan(model, sequence_parallel),
     )
 )

@@ -19,22 +19,27 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
 
     model = build_hf(cfg, "meta")  # no memory, no weights read
     seen: set = set()
+    full_name = {id(p): n for n, p in model.named_parameters()}
 
     def tensors(module) -> tuple:
         out = []
-        for name, p in module.named_parameters():  # a tied tensor once, where it is met first
+        for p in module.parameters():  # a tied tensor once, where it is met first; model-level names
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append(Tensor(name, p.numel(), False))
+                out.append(Tensor(full_name[id(p)], p.numel(), False))
         return tuple(out)
 
-    block_units = [Unit(f"block.{i}", tensors(b)) for i, b in enumerate(blocks(model))]
-    root = Unit("root", tensors(model))  # what no block took: embeddings, final norms, heads
-    laid_out = [root] + block_units
+    per_unit = [(f"block.{i}", tensors(b)) for i, b in enumerate(blocks(model))]
+    root_tensors = tensors(model)  # what no block took: embeddings, final norms, heads
+    plan = _plan_or_none(model)
 
     def layout(shape: ModelShape, tp: int) -> list:
-        assert tp == 1, "model=hf has no tensor-parallel plan"
-        return laid_out
+        if tp == 1:
+            return [Unit("root", root_tensors)] + [Unit(name, ts) for name, ts in per_unit]
+        if plan is None:
+            raise AssertionError("model=hf without a tensor-parallel plan is planned at tp=1 only")
+        split = [Unit(name, tuple(_split(t, plan, tp, model) for t in ts)) for name, ts in per_unit]
+        return [Unit("root", tuple(_split(t, plan, tp, model) for t in root_tensors))] + split
 
     config = hf_config(cfg)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -45,11 +50,42 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
     return ModelShape(
         vocab_size=int(getattr(text, "vocab_size", vocab_size) or vocab_size),
         dim=dim,
-        n_layers=len(block_units),
+        n_layers=len(per_unit),
         n_heads=heads,
         n_kv_heads=int(getattr(text, "num_key_value_heads", heads) or heads),
         ffn_dim=int(ffn or 4 * dim),
         layout=layout,
         embedding_numel=emb.weight.numel() if emb is not None else 0,
-        tensor_parallel=False,
+        tensor_parallel=plan is not None,
     )
+
+
+def _plan_or_none(model):
+    """{module name: style name} of the model's tensor-parallel plan, or None when it has none."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from framework.errors import UserInputError
+    from framework.models.hf.parallelize import hf_tp_plan
+
+    try:
+        plan = hf_tp_plan(model, False)
+    except UserInputError:
+        return None
+    return {name: "colwise" if isinstance(style, ColwiseParallel) else "rowwise" for name, style in plan.items()}
+
+
+def _split(t: Tensor, plan: dict, tp: int, model) -> Tensor:
+    """`t` (a full parameter name) as tp rank 0 holds it: colwise splits dim 0 of weight and bias,
+    rowwise dim 1 of the weight (an embedding table: its rows)."""
+    module_name, _, leaf = t.name.rpartition(".")
+    style = plan.get(module_name)
+    if style is None:
+        return t
+    p = model.get_parameter(t.name)
+    if p.dim() == 1:
+        return Tensor(t.name, -(-p.numel() // tp), True) if style == "colwise" else t
+    rows, cols = p.shape[0], p.numel() // p.shape[0]
+    is_embedding = isinstance(model.get_submodule(module_name), __import__("torch").nn.Embedding)
+    if style == "colwise" or is_embedding:
+        return Tensor(t.name, -(-rows // tp) * cols, True)
+    return Tensor(t.name, rows * -(-cols // tp), True)

@@ -1,0 +1,90 @@
+"""Tensor parallelism for Hugging Face models: transformers' own plan, applied with DTensor.
+
+transformers ships a plan with many configs (`config.base_model_tp_plan`: {"layers.*.self_attn.q_proj":
+"colwise", ...}, names inside the base model). We apply it as our Llama's plan is applied
+(framework/distributed/tensor_parallel.py), then compose it with our sharding on the 2-D mesh:
+
+    layers.*.<proj>: "colwise"   ColwiseParallel (output features split: each rank owns heads/tp
+                                 of the attention, a slice of the MLP's inner width)
+    layers.*.<proj>: "rowwise"   RowwiseParallel (input features split, partial sums all-reduced)
+    embed_tokens                 vocabulary-parallel (RowwiseParallel on the table)
+    lm_head                      ColwiseParallel with the logits left sharded on the vocabulary,
+                                 for the parallel cross-entropy ([Note: the logits stay sharded
+                                 on the vocabulary])
+
+The attention reshapes the projections with `view(..., -1, head_dim)`, so a rank's local heads
+need no change in the model's code. Styles other than colwise/rowwise (packed or gathered
+outputs, replicated norms whose gradients must be summed over the tp ranks, expert parallelism)
+are refused by name with the family, as is a model type that ships no plan; so is sequence
+parallelism for these models.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from framework.errors import UserInputError
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def _base(model: nn.Module):
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    return (f"{prefix}.", base) if isinstance(base, nn.Module) else ("", model)
+
+
+def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """{module name: style} from the model config's `base_model_tp_plan`; the tp degree (to check
+    the widths) is the one apply_tensor_parallel marks the model with."""
+    tp = getattr(model, "_framework_tp_degree", 0)
+    config = model.config
+    kind = getattr(config, "model_type", type(model).__name__)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise UserInputError(
+            f"parallelism.tp > 1 with model=hf model_type={kind}: transformers ships no tensor-parallel plan "
+            "for it (config.base_model_tp_plan); set parallelism.tp=1"
+        )
+    unsupported = sorted({style for style in plan.values() if style not in STYLES})
+    if unsupported:
+        raise UserInputError(
+            f"parallelism.tp > 1 with model=hf model_type={kind}: its plan uses {', '.join(unsupported)}, "
+            "which this engine does not apply (only colwise and rowwise); set parallelism.tp=1"
+        )
+    if sequence_parallel:
+        raise UserInputError(
+            "parallelism.sequence_parallel=true with model=hf: not supported for Hugging Face models; "
+            "set parallelism.sequence_parallel=false"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if tp:
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_size"):
+            value = getattr(text, name, None)
+            if isinstance(value, int) and value % tp:
+                raise UserInputError(
+                    f"parallelism.tp={tp} does not divide {name}={value} of model_type={kind}; "
+                    "choose a tp that divides it"
+                )
+    prefix, base = _base(model)
+    out: dict[str, ParallelStyle] = {}
+    names = [name for name, _ in base.named_modules()]
+    for pattern, style in plan.items():
+        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        matched = [n for n in names if regex.match(n)]
+        if not matched:
+            raise UserInputError(f"model=hf model_type={kind}: its tp plan names {pattern}, which the model lacks")
+        for name in matched:
+            out[prefix + name] = STYLES[style]()
+    embeddings = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    by_module = {id(m): n for n, m in model.named_modules()}
+    if embeddings is not None:
+        out[by_module[id(embeddings)]] = RowwiseParallel(input_layouts=Replicate())
+    if head is not None:
+        out[by_module[id(head)]] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return out
