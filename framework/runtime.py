@@ -327,6 +327,11 @@ def _local_rank_entry(
     code = run_rank(fn, arg)
     # The rank's work is written and closed (the trainer's `finally`, the process group's
     # shutdown): end without the interpreter's teardown, which unloads torch for a second or more.
+    # multiprocessing's own exit handler still runs (it releases the semaphores a data library
+    # made, which its resource tracker would otherwise report as leaked).
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

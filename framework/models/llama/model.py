@@ -119,7 +119,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.n_experts:
+            from framework.models.llama.moe import MoE
+
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)
@@ -166,6 +171,12 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask=mask)
         return self.output(self.norm(h))
 
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """The mixture-of-experts blocks' load-balancing loss of the last forward (None: dense)."""
+        losses = [m.aux_loss for m in self.modules() if m is not self and getattr(m, "aux_loss", None) is not None]
+        return torch.stack(losses).sum() if losses else None
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter and the rotary table in place (also after `to_empty`).
@@ -186,9 +197,12 @@ class Transformer(nn.Module):
                 scaling=self.cfg.rope_scaling,
             )
         )
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif hasattr(module, "router"):  # a mixture-of-experts block (its shared expert below)
+                module.reset_parameters(std, out_std, generator=gen)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.output and self.cfg.tie_embeddings:
                     continue
@@ -203,8 +217,13 @@ class Transformer(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x (non-embedding params) + attention's 12 x layers x dim x seq."""
+        """Training FLOPs per token: 6 x (non-embedding params a token uses: top_k of each block's
+        experts) + attention's 12 x layers x dim x seq."""
         n = self.num_params(exclude_embeddings=True)
+        c = self.cfg
+        if c.n_experts:
+            per_expert = 3 * c.dim * (c.moe_ffn_dim or c.ffn_dim)
+            n -= c.n_layers * (c.n_experts - c.top_k) * per_expert
         return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.dim * seq_len
 
 

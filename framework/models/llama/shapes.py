@@ -15,15 +15,25 @@ def _split(n: int, tp: int) -> int:
     return -(-n // tp)
 
 
-def block_tensors(m: ModelShape, tp: int = 1) -> tuple[Tensor, ...]:
+def block_tensors(m: ModelShape, tp: int = 1, moe: tuple = ()) -> tuple[Tensor, ...]:
+    """`moe`: (n_experts, expert ffn, shared ffn) of a mixture-of-experts block (tp is then 1)."""
     d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.kv_dim, m.ffn_dim
-    return (
+    attention = (
         Tensor("attention_norm.weight", d, False),
         Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1),
         Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1),
         Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1),
         Tensor("attention.wo.weight", d * _split(q, tp), tp > 1),
         Tensor("ffn_norm.weight", d, False),
+    )
+    if moe:
+        experts, ef, shared = moe
+        out = [Tensor("feed_forward.router.weight", experts * d, False)]
+        out += [Tensor(f"feed_forward.{w}", experts * ef * d, False) for w in ("w1", "w3", "w2")]
+        if shared:
+            out += [Tensor(f"feed_forward.shared.{w}.weight", shared * d, False) for w in ("w1", "w3", "w2")]
+        return attention + tuple(out)
+    return attention + (
         Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1),
         Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1),
         Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1),
@@ -48,7 +58,31 @@ def llama_shape(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tie_embeddin
 
 
 def plan_shape(cfg, vocab_size: int) -> ModelShape:
-    """`vocab_size`: the data's, used where model.args.vocab_size=-1 leaves it to the tokenizer."""
+    """`vocab_size`: the data's, used where model.args.vocab_size=-1 leaves it to the tokenizer.
+    A mixture-of-experts model: its expert tensors are counted whole; the FLOP and activation
+    widths are a token's (top_k experts and the shared one)."""
     a = llama_args(cfg)
     vocab = a.vocab_size if a.vocab_size > 0 else vocab_size
-    return llama_shape(vocab, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.tie_embeddings)
+    if not a.n_experts:
+        return llama_shape(vocab, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.tie_embeddings)
+    ef = a.moe_ffn_dim or a.ffn_dim
+    moe = (a.n_experts, ef, ef * a.n_shared_experts)
+
+    def moe_layout(m: ModelShape, tp: int = 1) -> list[Unit]:
+        assert tp == 1, "mixture-of-experts models are planned at tp=1"
+        block = block_tensors(m, 1, moe)
+        return [Unit("root", root_tensors(m, 1))] + [Unit(f"layers.{i}", block) for i in range(m.n_layers)]
+
+    active_ffn = ef * (a.top_k + a.n_shared_experts)
+    return ModelShape(
+        vocab,
+        a.dim,
+        a.n_layers,
+        a.n_heads,
+        a.n_kv_heads,
+        active_ffn,
+        moe_layout,
+        a.tie_embeddings,
+        tensor_parallel=False,
+        inactive_params=a.n_layers * (a.n_experts - a.top_k) * 3 * ef * a.dim,
+    )
