@@ -19,8 +19,12 @@ $(STAMP): requirements.lock requirements-tools.lock requirements-test.lock pypro
 run: venv
 	$(BIN)/python main.py $(ARGS)
 
+# Two workers (pytest-xdist), each taking whole files: a file's module-scoped fixtures (a trained
+# checkpoint, a Slurm cluster) are built once, and the many short multi-process jobs overlap.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
