@@ -347,7 +347,6 @@ def test_batch_logs_get_a_line_per_log_interval_not_a_progress_bar(tmp_path, cap
         total_steps=2,
         start_step=0,
         jsonl=False,
-        tensorboard=False,
         progress_bar=True,
     )
     for _ in range(2):

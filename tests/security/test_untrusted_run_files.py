@@ -223,7 +223,6 @@ def test_planted_temporaries_and_metrics_links_are_not_written_through(tmp_path)
             total_steps=1,
             start_step=0,
             jsonl=True,
-            tensorboard=False,
             progress_bar=False,
         )
     assert "secret-line" not in str(exc.value)
