@@ -12,16 +12,10 @@ from framework.errors import UserInputError
 
 def _evaluate_stage(trainer) -> int:
     """The stage on a built trainer (every rank): load the weights, run the tasks. Refusals raise."""
-    cfg, c = trainer.cfg, trainer.cfg.checkpoint
+    cfg = trainer.cfg
     if not cfg.evaluate.tasks:
         raise UserInputError("stage=evaluate needs evaluate.tasks=[<lm-eval task>, ...] (and evaluate.include_path)")
-    imported = c.init_from or trainer.family.weights_dir(cfg.model)
-    if trainer.ckpt is None or (c.resume in ("none", "") and not imported):
-        raise UserInputError(
-            "stage=evaluate needs weights: checkpoint.resume=<a step_N directory or auto> or "
-            "checkpoint.init_from=<an export directory> (or model.path with weights)"
-        )
-    step = trainer.ckpt.resume(trainer.state)
+    step = trainer.load_weights("evaluate")
     trackers = trainer.open_trackers()  # every rank: they agree on whether the trackers started
     try:
         run_tasks(trainer, list(cfg.evaluate.tasks), step, trackers)

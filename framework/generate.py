@@ -70,20 +70,14 @@ def generate(trainer, prompts: List[str], is_main: bool) -> List[str]:
 
 def _generate_stage(trainer) -> int:
     """The stage on a built trainer (every rank): load the weights, generate. Refusals raise."""
-    cfg, c = trainer.cfg, trainer.cfg.checkpoint
+    cfg = trainer.cfg
     prompts = prompts_of(cfg)
-    imported = c.init_from or trainer.family.weights_dir(cfg.model)
-    if trainer.ckpt is None or (c.resume in ("none", "") and not imported):
-        raise UserInputError(
-            "stage=generate needs weights: checkpoint.resume=<a step_N directory or auto> or "
-            "checkpoint.init_from=<an export directory> (or model.path with weights)"
-        )
     if trainer.data.tokenizer is None:
         raise UserInputError(
             "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "
             "or the model directory's"
         )
-    step = trainer.ckpt.resume(trainer.state)
+    step = trainer.load_weights("generate")
     if trainer.rt.is_main:
         print(f"generating from {'step ' + str(step) if step else 'the imported weights'}", file=sys.stderr)
     generate(trainer, prompts, trainer.rt.is_main)

@@ -253,6 +253,18 @@ class Trainer:
             self.stop.close()
         return 0
 
+    def load_weights(self, stage: str) -> int:
+        """Every rank, for a stage that uses a trained model (generate, evaluate): load
+        checkpoint.resume or the imported weights; the checkpoint's step (0 for an import)."""
+        cfg, c = self.cfg, self.cfg.checkpoint
+        imported = c.init_from or self.family.weights_dir(cfg.model)
+        if self.ckpt is None or (c.resume in ("none", "") and not imported):
+            raise UserInputError(
+                f"stage={stage} needs weights: checkpoint.resume=<a step_N directory or auto> or "
+                "checkpoint.init_from=<an export directory> (or model.path with weights)"
+            )
+        return self.ckpt.resume(self.state)
+
     def open_trackers(self):
         """Rank 0's trackers (framework/trackers.py); the ranks agree on whether they started, so a
         tracker that cannot start ends every rank with one line and status 2 before the first step."""

@@ -174,7 +174,9 @@ class Transformer(nn.Module):
     @property
     def aux_loss(self) -> torch.Tensor | None:
         """The mixture-of-experts blocks' load-balancing loss of the last forward (None: dense)."""
-        losses = [m.aux_loss for m in self.modules() if m is not self and getattr(m, "aux_loss", None) is not None]
+        if not self.cfg.n_experts:  # dense: nothing to walk (this is read every step)
+            return None
+        losses = [layer.feed_forward.aux_loss for layer in self.layers if layer.feed_forward.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
     @torch.no_grad()
