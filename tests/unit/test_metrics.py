@@ -50,3 +50,42 @@ def test_a_fresh_start_keeps_nothing_to_drop(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     _logger(tmp_path, 1).close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning_and_the_others_go_on(tmp_path, capsys):
+    from framework.trackers import Trackers
+
+    class Broken:
+        name = "mlflow"
+
+        def log(self, step, values):
+            raise ConnectionError("server went away\nsecond line")
+
+        def close(self):
+            raise AssertionError("a dropped tracker is not closed again")
+
+    class Kept:
+        name = "wandb"
+
+        def __init__(self):
+            self.seen, self.closed = [], False
+
+        def log(self, step, values):
+            self.seen.append((step, values["loss"]))
+
+        def close(self):
+            self.closed = True
+
+    kept = Kept()
+    trackers = Trackers([Broken(), kept])
+    logger = MetricsLogger(
+        str(tmp_path), enabled=True, total_steps=3, start_step=0, jsonl=True, progress_bar=False, trackers=trackers
+    )
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": float(step)})
+    logger.close()
+    err = capsys.readouterr().err
+    assert err.count("warning: mlflow stopped working (ConnectionError: server went away)") == 1
+    assert kept.seen == [(1, 1.0), (2, 2.0), (3, 3.0)] and kept.closed
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
