@@ -26,6 +26,15 @@ after 5 s when the others wait in a world collective and after 30 minutes when t
 sub-group's. So `init_distributed` makes the job's timeout the default of every group made after
 it, and the engine's transports take their group's timeout (`fsdp/host`: the shared-memory channel
 fails its waiters after it too).
+
+[Note: local ranks are forked on CPU builds]
+`python main.py` has imported torch and the framework by the time it starts its ranks. A spawned
+rank imports them again (about 5 s of every job's start on two cores); a forked one has them. So
+on a torch build without CUDA or ROCm the ranks are forked, before the parent starts the store's
+threads (its port reaches them through a pipe), and each resets the parent's signal forwarder. A
+CUDA build spawns them: the parent may have asked the driver about devices (config validation),
+and CUDA does not survive a fork. `FRAMEWORK_RANK_START=spawn|fork` chooses by hand (the tests run
+the spawn path on CPU with it).
 """
 
 from __future__ import annotations
@@ -304,10 +313,37 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _start_method() -> str:
+    """How spawn_local starts its ranks: see [Note: local ranks are forked on CPU builds]."""
+    chosen = os.environ.get("FRAMEWORK_RANK_START", "")
+    if chosen in ("fork", "spawn"):
+        return chosen
+    accelerated = torch.backends.cuda.is_built() or torch.version.hip is not None
+    return "spawn" if accelerated else "fork"
+
+
+def _read_port(fd: int) -> int:
+    """The store's port, written by the parent once every rank is forked (8 bytes per rank)."""
+    raw = b""
+    while len(raw) < 8:
+        chunk = os.read(fd, 8 - len(raw))
+        if not chunk:
+            raise RuntimeError("the launching process ended before it gave the ranks the store's port")
+        raw += chunk
+    os.close(fd)
+    return int(raw)
+
+
 def _local_rank_entry(
-    local_rank: int, fn: Callable[[Any], int], arg: Any, nprocs: int, port: int, report_dir: str
+    local_rank: int, fn: Callable[[Any], int], arg: Any, nprocs: int, port: int | tuple, report_dir: str
 ) -> None:
     _die_with_parent()
+    if isinstance(port, tuple):  # forked: the parent's signal forwarder came along; the port comes by pipe
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        read_fd, write_fd = port
+        os.close(write_fd)
+        port = _read_port(read_fd)
     os.environ.update(
         {
             "RANK": str(local_rank),
@@ -348,21 +384,33 @@ def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
     import multiprocessing
     import tempfile
 
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world_size=nprocs,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=600),
-    )
     from framework.fileio import RANKS_PREFIX, owner_tag, sweep_leftovers
+
+    def host_store():
+        return dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size=nprocs,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=600),
+        )
 
     sweep_leftovers()  # what killed jobs on this host left behind
     report_dir = tempfile.mkdtemp(prefix=f"{RANKS_PREFIX}{owner_tag()}-")
-    ctx = multiprocessing.get_context("spawn")
+    method = _start_method()
+    ctx = multiprocessing.get_context(method)
+    store, port_pipe = None, None
+    if method == "fork":
+        port_pipe = os.pipe()  # the store's threads start after the fork: its port goes through here
+    else:
+        store = host_store()
     procs = [
-        ctx.Process(target=_local_rank_entry, args=(r, fn, arg, nprocs, store.port, report_dir), name=f"rank{r}")
+        ctx.Process(
+            target=_local_rank_entry,
+            args=(r, fn, arg, nprocs, port_pipe or store.port, report_dir),
+            name=f"rank{r}",
+        )
         for r in range(nprocs)
     ]
 
@@ -378,6 +426,11 @@ def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
     try:
         for p in procs:
             p.start()
+        if port_pipe is not None:
+            store = host_store()
+            os.close(port_pipe[0])
+            os.write(port_pipe[1], f"{store.port:08d}".encode() * nprocs)  # atomic: under PIPE_BUF
+            os.close(port_pipe[1])
         failed_at = None
         while any(p.exitcode is None for p in procs):
             for p in procs:

@@ -70,6 +70,26 @@ def pinned_tool(name: str) -> str:
     return str(exe)
 
 
+def rank_pids(parent: int) -> List[int]:
+    """The rank processes `python main.py` (pid `parent`) started: its children, except
+    multiprocessing's resource tracker (forked ranks carry the parent's command line, spawned ones
+    multiprocessing's)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and "resource_tracker" not in cmdline:
+            pids.append(int(pid))
+    return sorted(pids)
+
+
 def read_metrics(run_dir: Path) -> List[dict]:
     with open(run_dir / "metrics.jsonl") as handle:
         return [json.loads(line) for line in handle if line.strip()]

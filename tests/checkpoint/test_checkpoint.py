@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, read_metrics, run_main, start_main
+from conftest import TINY, rank_pids, read_metrics, run_main, start_main
 
 from framework.errors import EXIT_REQUEUE
 
@@ -362,25 +362,6 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(source, tmp_
     assert (ckpts / "latest").read_text().strip() == "step_00000013"
 
 
-def _rank_pids(parent: int) -> list:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-            cmdline = open(f"/proc/{pid}/cmdline").read()
-        except OSError:
-            continue
-        if (
-            int(stat.rsplit(")", 1)[1].split()[1]) == parent
-            and "spawn_main" in cmdline
-            and "resource_tracker" not in cmdline
-        ):
-            pids.append(int(pid))
-    return sorted(pids)
-
-
 def test_sigterm_saves_exits_requeueable_and_the_next_start_resumes(tmp_path):
     run = tmp_path / "run"
     args = COMMON + [
@@ -397,7 +378,7 @@ def test_sigterm_saves_exits_requeueable_and_the_next_start_resumes(tmp_path):
             if (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 3:
                 break
             time.sleep(0.2)
-        ranks = _rank_pids(proc.pid)
+        ranks = rank_pids(proc.pid)
         assert len(ranks) == 2, ranks
         # SIGTERM on one rank and Slurm's SIGUSR1 on the other (each alone would do: the ranks agree
         # to stop together); either signal's default action would kill its rank instead.

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, read_metrics, run_main
+from conftest import REPO, TINY, rank_pids, read_metrics, run_main
 
 from framework.distributed.fsdp.host import HOST_TRANSPORTS, shm
 
@@ -53,9 +53,15 @@ def _torchrun(args, cwd, env, timeout=300, *extra):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.parametrize("start", ["fork", "spawn"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_exception_in_one_rank_under_main_py_prints_its_traceback(tmp_path, transport):
-    out = run_main(SHORT + _on(transport) + [f"hydra.run.dir={tmp_path}/run"], tmp_path, env=_env("runtime:1:3"))
+def test_exception_in_one_rank_under_main_py_prints_its_traceback(tmp_path, transport, start):
+    """On every transport, with the ranks forked (CPU builds) or spawned (CUDA builds): see
+    [Note: local ranks are forked on CPU builds]."""
+    if start == "spawn" and transport != "gloo":
+        pytest.skip("the spawn path is the GPU builds' start: one transport is enough")
+    env = {**_env("runtime:1:3"), "FRAMEWORK_RANK_START": start}
+    out = run_main(SHORT + _on(transport) + [f"hydra.run.dir={tmp_path}/run"], tmp_path, env=env)
     assert out.returncode == 1, out.stderr[-3000:]
     # Rank 1's own traceback (the injected error), under its rank number; rank 0's error (its peer
     # vanished mid-collective) is printed too, before it. Each once.
@@ -81,16 +87,6 @@ def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys)
     assert "error: rank 1 was killed by signal SIGKILL" in err, err
     assert err.count("connection closed by peer") == 1 and "error: ranks 0, 2 (of 4) failed:" in err, err
     assert "stopped rank(s) 3: still running 5 s after rank 1 ended" in err, err
-
-
-def _rank_pids(parent: int) -> list:
-    """The rank processes `python main.py` (pid `parent`) started."""
-    out = subprocess.run(["ps", "-ww", "-o", "pid=,ppid=,args=", "-A"], capture_output=True, text=True).stdout
-    return sorted(
-        int(line.split()[0])
-        for line in out.splitlines()
-        if int(line.split()[1]) == parent and "spawn_main" in line and "resource_tracker" not in line
-    )
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -122,7 +118,7 @@ def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path, transpor
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
             time.sleep(0.2)
-        ranks = _rank_pids(proc.pid)
+        ranks = rank_pids(proc.pid)
         assert len(ranks) == 2, subprocess.run(
             ["ps", "-o", "pid,ppid,args", "--ppid", str(proc.pid)], capture_output=True, text=True
         ).stdout

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
-from conftest import TINY, read_metrics, run_main, start_main
+from conftest import TINY, rank_pids, read_metrics, run_main, start_main
 
 from framework.errors import EXIT_REQUEUE
 
@@ -37,13 +36,8 @@ def test_sigterm_to_one_rank_stops_every_rank_without_checkpoints(tmp_path):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
             time.sleep(0.2)
-        ps = subprocess.run(["ps", "-ww", "-o", "pid=,ppid=,args=", "-A"], capture_output=True, text=True).stdout
-        ranks = sorted(
-            int(line.split()[0])
-            for line in ps.splitlines()
-            if int(line.split()[1]) == proc.pid and "spawn_main" in line
-        )
-        assert len(ranks) == 2, ps
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGTERM)  # one rank only: the other learns it in the step's all-reduce
         _, err = proc.communicate(timeout=120)
     finally:
