@@ -40,6 +40,7 @@ class Trainer:
         # Signals and the time limit, with or without checkpoints (see framework/stop.py).
         self.stop = StopPolicy(max_time_minutes=t.max_time_minutes, rank=rt.rank, device=rt.device)
         self.dims = parallel_dims_of(cfg, rt.world_size)
+        cfg.trainer.fit_micro_batch(self.dims.dp)  # null: chosen for this world (validation did it too)
         self.mesh = build_mesh(self.dims, rt.device.type)
         # This rank's position among the data-parallel ranks (replicate-major, as the mesh is laid out).
         self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank(
@@ -190,7 +191,8 @@ class Trainer:
         logger.write(
             f"model={cfg.model.name} ({self.num_params / 1e6:.1f}M parameters) on {rt.world_size} "
             f"rank(s) of {rt.device.type}: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
-            f"tp={d.tp}, engine={cfg.parallelism.engine.value}, strategy={cfg.parallelism.strategy.value}, "
+            f"tp={d.tp}{f' ep={d.ep}' if d.ep > 1 else ''}, engine={cfg.parallelism.engine.value}, "
+            f"strategy={cfg.parallelism.strategy.value}, "
             f"{tokens_per_step} tokens/step ({t.micro_batch_size} micro x {d.dp} dp x "
             f"{self.data.train.accum_steps} accumulation x {cfg.data.seq_len} seq); run dir {cfg.run_dir}"
         )

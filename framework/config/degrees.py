@@ -1,5 +1,10 @@
 """`ParallelDims`: the degrees of parallelism (dp_replicate, dp_shard, tp) and their arithmetic.
 
+Expert parallelism (`ep`) is no dimension of its own: it splits the dp_shard ranks into groups of
+`ep` neighbours that each hold every expert once (ep ranks, n_experts/ep each), and the experts
+are sharded over the remaining `dp_shard / ep` ranks (`efsdp`), as torchtitan and Megatron lay it
+out. Everything else stays sharded over all dp_shard ranks.
+
 Pure arithmetic, importable without torch, so the config validation and the launcher can check a
 job before any process starts. The device mesh built from these degrees lives with the process
 groups (`framework.distributed.parallel_dims.build_mesh`), above the config.
@@ -25,6 +30,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
         check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
@@ -40,6 +46,25 @@ class ParallelDims:
             setattr(self, unknown[0], self.world_size // known)
         if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
             raise UserInputError(self._mismatch("degrees do not multiply to the world size"))
+        if self.ep > 1:
+            self._check_ep()
+
+    def _check_ep(self) -> None:
+        if self.dp_shard % self.ep:
+            raise UserInputError(
+                f"parallelism.ep={self.ep} does not divide parallelism.dp_shard={self.dp_shard}: the experts are "
+                "split over ep of the sharded data-parallel ranks; choose an ep that divides dp_shard"
+            )
+        if self.tp > 1:
+            raise UserInputError(
+                f"parallelism.ep={self.ep} with parallelism.tp={self.tp}: experts are not split by both yet; "
+                "choose one of them"
+            )
+        if self.dp_replicate > 1:
+            raise UserInputError(
+                f"parallelism.ep={self.ep} with parallelism.dp_replicate={self.dp_replicate}: expert parallelism "
+                "runs within fully sharded data parallelism only for now; use strategy=full (dp_replicate=1)"
+            )
 
     def _mismatch(self, what: str) -> str:
         def show(v: int) -> str:
@@ -57,12 +82,17 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def efsdp(self) -> int:
+        """Ranks each expert is sharded over: the dp_shard ranks holding the same experts."""
+        return self.dp_shard // self.ep
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
 
 def resolve_parallel_dims(
-    strategy: str, *, dp_replicate: int, dp_shard: int, tp: int, world_size: int, nproc_per_node: int
+    strategy: str, *, dp_replicate: int, dp_shard: int, tp: int, world_size: int, nproc_per_node: int, ep: int = 1
 ) -> ParallelDims:
     """Fill in the degrees a strategy implies, then check them against the world size.
 
@@ -87,7 +117,7 @@ def resolve_parallel_dims(
             dp_replicate = 1
     if tp == -1 and (dp_replicate == -1 or dp_shard == -1):
         raise UserInputError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size)
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, ep=ep)
     if strategy == "hybrid" and dims.dp_replicate < 2:
         raise UserInputError(
             f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "

@@ -117,6 +117,7 @@ class ParallelismConfig:
     dp_replicate: int = 1  # replica groups (hybrid sharding); -1: infer from the world size
     dp_shard: int = -1  # ranks a parameter is sharded over; -1: infer from the world size
     tp: int = 1  # tensor-parallel degree (splits every block)
+    ep: int = 1  # expert-parallel degree: each MoE block's experts split over ep of the dp_shard ranks
     sequence_parallel: bool = False  # shard norms/residuals on the sequence dim when tp > 1
     param_dtype: str = "float32"  # dtype of the gathered compute copy (float32 | bfloat16 | float16)
     reduce_dtype: str = "float32"  # dtype gradients are reduced in
@@ -136,6 +137,8 @@ class ParallelismConfig:
             "parallelism", "activation_checkpointing", self.activation_checkpointing, ActivationCheckpointing
         )
         check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
+        if self.ep < 1:
+            raise UserInputError(f"parallelism.ep={self.ep}: must be a positive degree (1: no expert parallelism)")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise UserInputError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
@@ -244,7 +247,9 @@ class TrainerConfig:
     # accumulation step); 400 steps take about two minutes on 2 CPU cores.
     max_steps: int = 400
     global_batch_size: int = 16  # samples per optimizer step, over all data-parallel ranks
-    micro_batch_size: int = 8  # samples per rank per forward; the rest is gradient accumulation
+    # samples per rank per forward; the rest is gradient accumulation. null: the largest of 8 and
+    # its divisors that divides global_batch_size / data-parallel size (set when the job starts)
+    micro_batch_size: Optional[int] = None
     eval_interval: int = 100  # steps between validation losses (0: never)
     eval_iters: int = 4  # validation batches per evaluation
     log_interval: int = 1  # steps between metrics records
@@ -275,7 +280,6 @@ class TrainerConfig:
             "trainer",
             max_steps=self.max_steps,
             global_batch_size=self.global_batch_size,
-            micro_batch_size=self.micro_batch_size,
             log_interval=self.log_interval,
             eval_iters=self.eval_iters,
             collective_timeout_s=self.collective_timeout_s,
@@ -294,6 +298,15 @@ class TrainerConfig:
                 raise UserInputError(f"trainer.{name}={getattr(self, name)}: must be >= 0 and finite")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UserInputError(f"trainer.device={self.device!r}: choose auto, cpu or cuda")
+        if self.micro_batch_size is not None:
+            _positive("trainer", micro_batch_size=self.micro_batch_size)
+
+    def fit_micro_batch(self, dp: int) -> None:
+        """Choose micro_batch_size when it is null: the largest of 8, 4, 2, 1 dividing the
+        samples each data-parallel rank gets per step (unchanged if those do not divide)."""
+        if self.micro_batch_size is None:
+            per_rank = self.global_batch_size // dp if self.global_batch_size % dp == 0 else 1
+            self.micro_batch_size = next(m for m in (8, 4, 2, 1) if per_rank % m == 0)
 
 
 @dataclass

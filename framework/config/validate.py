@@ -49,6 +49,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
 
     if dims is not None:
+        t.fit_micro_batch(dims.dp)
         per_step = t.micro_batch_size * dims.dp
         if t.global_batch_size % per_step:
             errors.append(
@@ -119,6 +120,7 @@ def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
         dp_replicate=p.dp_replicate,
         dp_shard=p.dp_shard,
         tp=p.tp,
+        ep=p.ep,
         world_size=world_size,
         nproc_per_node=cfg.cluster.nproc_per_node,
     )

@@ -88,10 +88,16 @@ class NativeEngine(ShardingEngine):
     def step_counters(self, model):
         comm = model.comm_stats()
         moved = sum(comm[k] for k in ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes"))
+        from framework.distributed.expert_parallel import AllToAllCounter
+
+        moved += AllToAllCounter.bytes_sent  # tokens to and from their experts (parallelism.ep)
         return {"exposed_comm_s": comm["exposed_comm_s"], "comm_bytes": moved}
 
     def reset_counters(self, model):
+        from framework.distributed.expert_parallel import AllToAllCounter
+
         model.reset_comm_stats()
+        AllToAllCounter.reset()
 
 
 class TorchEngine(ShardingEngine):

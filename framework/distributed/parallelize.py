@@ -40,6 +40,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         from framework.distributed.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], cfg, family.tp_plan)
+    expert_mesh = None
+    if dims.ep > 1:  # see [Note: the layout of expert parallelism]
+        from framework.distributed.expert_parallel import apply_expert_parallel
+
+        _, expert_mesh = apply_expert_parallel(model, dims.ep, dims.efsdp, mesh.device_type)
     blocks = family.blocks(model)
     if cfg.activation_checkpointing != ActivationCheckpointing.none:
         apply_activation_checkpointing(family.activation_checkpoint_targets(model), cfg.activation_checkpointing)
@@ -58,6 +63,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     reshard = cfg.strategy != Strategy.grad_op
     for block in blocks:
+        if expert_mesh is not None:
+            from framework.distributed.expert_parallel import expert_groups
+
+            for experts in expert_groups(block):  # their own unit, over the ranks holding them
+                fully_shard(experts, reshard_after_forward=reshard, **{**kwargs, "mesh": expert_mesh})
+                experts.set_gradient_divide_factor(dims.dp)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root keeps its parameters (embeddings, final norm, head) unsharded after forward:
     # backward needs them first, so resharding them would only gather them again at once.

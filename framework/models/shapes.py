@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from framework.errors import UserInputError
 
@@ -24,6 +24,7 @@ class Tensor:
     name: str
     numel: int  # elements on one tensor-parallel rank (the whole tensor when tp = 1)
     tp_split: bool  # split by the tensor-parallel plan (else replicated over tp ranks)
+    experts: int = 0  # stacked experts on dim 0 (split by expert parallelism), 0: not an expert tensor
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Unit:
 
     name: str
     tensors: tuple[Tensor, ...]
+    shard: str = "dp_shard"  # the ranks it is sharded over: dp_shard, or efsdp for split experts
 
     @property
     def numel(self) -> int:
@@ -56,6 +58,8 @@ class ModelShape:
     tensor_parallel: bool = True  # the family has a tensor-parallel plan (else tp stays 1)
     # Parameters a token does not use: the experts it is not routed to (mixture of experts)
     inactive_params: int = 0
+    n_experts: int = 0  # per mixture-of-experts block (0: dense)
+    top_k: int = 0  # experts each token is routed to
 
     @property
     def head_dim(self) -> int:
@@ -66,9 +70,20 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
 
-def units(m: ModelShape, tp: int = 1) -> list[Unit]:
-    """Forward order: the root's first use (embeddings) comes before the blocks."""
-    return m.layout(m, tp)
+def units(m: ModelShape, tp: int = 1, ep: int = 1) -> list[Unit]:
+    """Forward order: the root's first use (embeddings) comes before the blocks. With expert
+    parallelism each block's expert tensors are a unit of their own after it, 1/ep of each, sharded
+    over the efsdp ranks (framework/distributed/expert_parallel.py)."""
+    out = m.layout(m, tp)
+    if ep == 1:
+        return out
+    split = []
+    for u in out:
+        experts = tuple(replace(t, numel=t.numel // ep) for t in u.tensors if t.experts)
+        split.append(Unit(u.name, tuple(t for t in u.tensors if not t.experts)))
+        if experts:  # named as the module holding them: layers.3.feed_forward.experts
+            split.append(Unit(f"{u.name}.{experts[0].name.rpartition('.')[0]}", experts, shard="efsdp"))
+    return split
 
 
 def param_count(m: ModelShape) -> int:

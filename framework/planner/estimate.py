@@ -67,6 +67,7 @@ class Job:
     sequence_parallel: bool = False
     gloo: bool = False  # CPU jobs: gloo's reduce-scatter needs receive scratch (collectives.py)
     host_shm: bool = False  # CPU jobs, our engine: a group on one host gathers and reduces through shared memory
+    ep: int = 1  # expert parallelism: experts split over ep of the dp_shard ranks
     memory_gib: float = 0.0  # per rank; 0: the device's
     peak_tflops: float = 0.0  # 0: the device's
 
@@ -107,10 +108,10 @@ class UnitLayout:
 
 def layouts(job: Job, rank: int = 0) -> list[UnitLayout]:
     """Each unit's flat layout as `framework.distributed.fsdp.flat.build_layout` makes it."""
-    N = job.dp_shard
     align = job.block_size if job.quantized else 1
     out = []
-    for u in units(job.model, job.tp):
+    for u in units(job.model, job.tp, job.ep):
+        N = job.dp_shard // job.ep if u.shard == "efsdp" else job.dp_shard
         T = u.numel
         S = max(1, -(-T // N))
         S = -(-S // align) * align
@@ -372,6 +373,23 @@ class Traffic:
         return out
 
 
+def expert_all_to_all(job: Job) -> tuple[int, int]:
+    """(bytes sent, exchanges) per rank per step of expert parallelism's token all-to-alls
+    (framework/distributed/expert_parallel.py), with the routing spread evenly over the experts:
+    a micro-batch's micro x seq x top_k rows leave for other ranks with probability (ep-1)/ep,
+    in forward to the experts and back (2 exchanges, plus the row counts), in backward their
+    gradients the same way (2); recomputed blocks repeat the forward ones."""
+    m, ep = job.model, job.ep
+    rows = job.micro_batch * job.seq_len * m.top_k * (ep - 1) // ep
+    row_bytes = m.dim * BYTES[job.param_dtype]
+    counts = (ep - 1) * (m.n_experts // ep) * 8
+    L = m.n_layers
+    recompute = {"none": 0, "full": L, "selective": (L + 1) // 2}[job.activation_checkpointing]
+    forward = 2 * rows * row_bytes + counts
+    per_micro = (L + recompute) * forward + L * 2 * rows * row_bytes
+    return per_micro * job.accum, (3 * (L + recompute) + 2 * L) * job.accum
+
+
 def _link(job: Job, span: int) -> str:
     """A group of `span` consecutive ranks (stride 1) is intra-node if it fits one node."""
     return "intra" if span <= job.nproc_per_node else "inter"
@@ -390,13 +408,14 @@ def traffic(job: Job) -> Traffic:
         if lay.N > 1:
             calls = 1 if (i == 0 or job.strategy == "grad_op") else 2
             gathers += calls
+            n = lay.N
             if job.quantized:
                 nb = packed_nbytes(lay.S, job.block_size)
-                ag_bytes += calls * (N - 1) * nb
-                a2a_bytes += (N - 1) * (nb * N) // N
+                ag_bytes += calls * (n - 1) * nb
+                a2a_bytes += (n - 1) * (nb * n) // n
             else:
-                ag_bytes += calls * (N - 1) * lay.S * pb
-                rs_bytes += (N - 1) * lay.S * rb
+                ag_bytes += calls * (n - 1) * lay.S * pb
+                rs_bytes += (n - 1) * lay.S * rb
             reduces += 1
         if R > 1:
             esize = 4 if job.quantized else rb  # the int8 path reduces into an fp32 buffer
@@ -408,6 +427,9 @@ def traffic(job: Job) -> Traffic:
     else:
         tr.add("reduce_scatter", "dp_shard", shard_link, rs_bytes, reduces)
     tr.add("all_reduce", "dp_replicate", repl_link, ar_bytes, len(lays) if R > 1 else 0)
+    if job.ep > 1 and job.model.n_experts:
+        bytes_, calls = expert_all_to_all(job)
+        tr.add("all_to_all", "ep", _link(job, job.ep * t), bytes_, calls)
     if t > 1:
         # Megatron layout: per block two all-reduces of (batch, seq, dim) in forward (attention and
         # MLP outputs) and two in backward (their inputs' gradients); the embedding's forward and

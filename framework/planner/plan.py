@@ -36,6 +36,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     c, p, t, m = cfg.cluster, cfg.parallelism, cfg.trainer, cfg.model
     world = world_size or c.nodes * c.nproc_per_node
     dims = parallel_dims_of(cfg, world)
+    t.fit_micro_batch(dims.dp)
     key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
     if key not in DEVICES:
         raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")
@@ -51,6 +52,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,
         tp=dims.tp,
+        ep=dims.ep,
         nodes=c.nodes,
         nproc_per_node=c.nproc_per_node,
         device=DEVICES[key],
@@ -316,7 +318,8 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
             f"Plan: model={model_name or '?'} ({n / 1e9:.3f}B parameters, {per_rank / 1e6:.1f}M per rank), "
             f"{job.world} ranks = {job.nodes} node(s) x {job.nproc_per_node}, {job.device.name}"
         ),
-        f"  mesh dp_replicate={job.dp_replicate} x dp_shard={job.dp_shard} x tp={job.tp}; "
+        f"  mesh dp_replicate={job.dp_replicate} x dp_shard={job.dp_shard} x tp={job.tp}"
+        f"{f' (experts: ep={job.ep} x efsdp={job.dp_shard // job.ep})' if job.ep > 1 else ''}; "
         f"strategy={job.strategy}, param {job.param_dtype}, reduce {job.reduce_dtype}, "
         f"optimizer {job.optimizer}, checkpointing {job.activation_checkpointing}"
         + (", offload" if job.offload else "")

@@ -26,7 +26,7 @@ def _moe(**overrides) -> MoE:
 
 def _expert(moe: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
     f = torch.nn.functional
-    return f.linear(f.silu(f.linear(x, moe.w1[e])) * f.linear(x, moe.w3[e]), moe.w2[e])
+    return f.linear(f.silu(f.linear(x, moe.experts.w1[e])) * f.linear(x, moe.experts.w3[e]), moe.experts.w2[e])
 
 
 @pytest.mark.parametrize("shared", [0, 1])
@@ -52,7 +52,7 @@ def test_an_unchosen_expert_gets_exactly_zero_gradient():
     x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(3)).abs()  # expert 3: logit < -100
     moe(x).square().sum().backward()
     assert 3 not in moe.last_choices
-    for w in (moe.w1, moe.w3, moe.w2):
+    for w in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
         assert torch.count_nonzero(w.grad[3]) == 0 and torch.count_nonzero(w.grad[:3]) > 0
 
 

@@ -10,6 +10,7 @@ from framework.config import compose_config, to_config, validate
 from framework.config.compose import CONF_DIR
 from framework.config.schema import Config, Engine, Strategy
 from framework.errors import UserInputError
+from framework.models.args import job_model_problems
 
 
 def cfg_of(*overrides):
@@ -106,7 +107,11 @@ def test_section_checks_raise_user_input_error(override, needle):
 def test_degrees_are_inferred_per_strategy():
     from framework.config import parallel_dims_of
 
-    assert vars(parallel_dims_of(cfg_of("parallelism.tp=2"), 8)) == dict(dp_replicate=1, dp_shard=4, tp=2, world_size=8)
+    assert vars(parallel_dims_of(cfg_of("parallelism.tp=2"), 8)) == dict(
+        dp_replicate=1, dp_shard=4, tp=2, world_size=8, ep=1
+    )
+    experts = parallel_dims_of(cfg_of("parallelism.ep=2"), 8)
+    assert (experts.dp_shard, experts.ep, experts.efsdp) == (8, 2, 4)
     hybrid = parallel_dims_of(cfg_of("parallelism=hybrid", "cluster.nproc_per_node=4"), 8)
     assert (hybrid.dp_replicate, hybrid.dp_shard) == (2, 4)
     none = parallel_dims_of(cfg_of("parallelism.strategy=no_shard"), 4)
@@ -230,3 +235,50 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
 
     problems = job_model_problems(cfg_of(override))
     assert len(problems) == 1 and needle in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("parallelism.ep=3", "parallelism.ep=3 does not divide parallelism.dp_shard=4"),
+        ("parallelism.ep=0", "parallelism.ep=0: must be a positive degree"),
+        ("parallelism.tp=2 parallelism.ep=2", "parallelism.ep=2 with parallelism.tp=2"),
+        ("parallelism=hybrid parallelism.ep=2", "parallelism.ep=2 with parallelism.dp_replicate=2"),
+        ("parallelism.ep=2", "parallelism.ep=2: model.name=small has no experts"),
+        (
+            "model=moe_debug parallelism.ep=4 model.args.n_experts=6",
+            "parallelism.ep=4 does not divide model.args.n_experts=6",
+        ),
+        ("model=hf model.path=/x parallelism.ep=2", "parallelism.ep=2 with model=hf"),
+    ],
+)
+def test_expert_parallel_degrees_are_checked_in_one_line(override, line):
+    """4 ranks (2 per node for hybrid): each wrong degree is one line naming the field."""
+    from framework.errors import UserInputError
+
+    try:
+        cfg = cfg_of(*override.split(), "cluster.nproc_per_node=2", "cluster.nodes=2")
+    except UserInputError as exc:
+        problems = [str(exc)]
+    else:
+        problems = validate(cfg, world_size=4) + job_model_problems(cfg)
+    assert [p for p in problems if line in p], problems
+
+
+@pytest.mark.parametrize("world, micro", [(1, 8), (2, 8), (4, 4), (8, 2), (16, 1)])
+def test_a_null_micro_batch_fits_the_data_parallel_size(world, micro):
+    """trainer.micro_batch_size=null (the default) takes the largest of 8, 4, 2, 1 dividing the
+    16 samples each step has per rank: the default job runs on 1 to 16 ranks as it is."""
+    cfg = cfg_of()
+    assert cfg.trainer.micro_batch_size is None
+    assert validate(cfg, world_size=world) == []
+    assert cfg.trainer.micro_batch_size == micro
+    explicit = cfg_of("trainer.micro_batch_size=8")
+    assert validate(explicit, world_size=world) == (
+        []
+        if world <= 2
+        else [
+            f"trainer.global_batch_size=16 is not divisible by trainer.micro_batch_size (8) x data-parallel size "
+            f"({world}) = {8 * world}; make it a multiple of {8 * world}"
+        ]
+    )

@@ -14,10 +14,15 @@ class HFArgs:
     max_seq_len: int = 1024
 
 
-def problems(cfg, tp: int, seq_len: int, data_vocab: int) -> List[str]:
+def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1) -> List[str]:
     from framework.models.args import parse_args
 
     a = parse_args(HFArgs, cfg)
+    if ep > 1:
+        return [
+            f"parallelism.ep={ep} with model=hf: Hugging Face mixture-of-experts blocks are sharded whole "
+            "(one unit per block), not split by expert yet; set parallelism.ep=1"
+        ]
     if seq_len > a.max_seq_len:
         return [
             f"data.seq_len={seq_len} is longer than model.args.max_seq_len={a.max_seq_len} of model=hf; "

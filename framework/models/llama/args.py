@@ -95,11 +95,21 @@ def with_vocab_size(cfg, vocab_size: int):
     return dataclasses.replace(cfg, args={**dict(cfg.args or {}), "vocab_size": vocab_size})
 
 
-def problems(cfg, tp: int, seq_len: int, data_vocab: int) -> List[str]:
-    """The refusals of these arguments for a job with this tensor-parallel degree and sequence
-    length (see framework/models/args.py); advice that does not stop the job is logged."""
+def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1) -> List[str]:
+    """The refusals of these arguments for a job with this tensor-parallel degree, expert-parallel
+    degree and sequence length (see framework/models/args.py); advice that does not stop the job
+    is logged."""
     a = llama_args(cfg)
     out = []
+    if ep > 1 and not a.n_experts:
+        out.append(
+            f"parallelism.ep={ep}: model.name={cfg.name} has no experts (model.args.n_experts=0); set parallelism.ep=1"
+        )
+    elif ep > 1 and a.n_experts % ep:
+        out.append(
+            f"parallelism.ep={ep} does not divide model.args.n_experts={a.n_experts}: every expert-parallel rank "
+            "holds the same number of experts; choose an ep that divides n_experts"
+        )
     if tp > 1 and a.n_experts:
         out.append(
             f"parallelism.tp={tp} with model.args.n_experts={a.n_experts}: experts are not split by tensor "

@@ -34,9 +34,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.capacity_factor = e, cfg.top_k, cfg.capacity_factor
         self.aux_loss_coef = cfg.aux_loss_coef
         self.router = nn.Linear(d, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, f, d))  # gate
-        self.w3 = nn.Parameter(torch.empty(e, f, d))  # up
-        self.w2 = nn.Parameter(torch.empty(e, d, f))  # down
+        self.experts = Experts(e, f, d)
         self.shared = None
         if cfg.n_shared_experts:
             from framework.models.llama.model import FeedForward
@@ -65,12 +63,16 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor:
             capacity = math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.n_experts)
+        routed = []  # per expert: (the token rows it takes, which of their top_k slots chose it)
         for e in range(self.n_experts):
             rows, slot = (experts == e).nonzero(as_tuple=True)  # token order
             if capacity is not None:
                 rows, slot = rows[:capacity], slot[:capacity]
-            h = tokens[rows]
-            y = F.linear(F.silu(F.linear(h, self.w1[e])) * F.linear(h, self.w3[e]), self.w2[e])
+            routed.append((rows, slot))
+        inputs = [tokens[rows] for rows, _ in routed]
+        dispatch = self.experts.dispatch
+        outputs = self.experts(inputs) if dispatch is None else dispatch(inputs, self.experts)
+        for (rows, slot), y in zip(routed, outputs):
             out = out.index_add(0, rows, y * weights[rows, slot, None])
         if self.shared is not None:
             out = out + self.shared(tokens)
@@ -79,5 +81,33 @@ class MoE(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float, generator=None) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std, generator=generator)
-        for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
+        x = self.experts
+        for w, s in ((x.w1, std), (x.w3, std), (x.w2, out_std)):
             nn.init.normal_(w, mean=0.0, std=s, generator=generator)
+
+
+class Experts(nn.Module):
+    """n SwiGLUs stored as three stacked tensors (experts, out, in), applied to one batch of rows
+    per expert. Under expert parallelism (`parallelism.ep`, framework/distributed/expert_parallel.py)
+    each tensor is split on the expert dim across the ep ranks, and `dispatch` (set there) sends
+    each expert's rows to the rank holding it and brings the results back; this module then
+    computes only the experts it holds, on rows from every rank of its group."""
+
+    def __init__(self, n: int, f: int, d: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, f, d))  # gate
+        self.w3 = nn.Parameter(torch.empty(n, f, d))  # up
+        self.w2 = nn.Parameter(torch.empty(n, d, f))  # down
+        self.dispatch = None  # (rows per expert, this module) -> outputs per expert, when split
+
+    def forward(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One output per held expert, for `rows[i]`: the rows of the i-th expert this rank holds.
+        Every expert runs its matmuls, on zero rows if none came, so every rank issues the same
+        operations and an unchosen expert's gradient is exactly zero."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        return [F.linear(F.silu(F.linear(h, w1[i])) * F.linear(h, w3[i]), w2[i]) for i, h in enumerate(rows)]
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The experts this rank holds: all of them, or its split under expert parallelism (a DTensor)."""
+    return w.to_local() if hasattr(w, "to_local") else w

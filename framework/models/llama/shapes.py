@@ -29,7 +29,7 @@ def block_tensors(m: ModelShape, tp: int = 1, moe: tuple = ()) -> tuple[Tensor, 
     if moe:
         experts, ef, shared = moe
         out = [Tensor("feed_forward.router.weight", experts * d, False)]
-        out += [Tensor(f"feed_forward.{w}", experts * ef * d, False) for w in ("w1", "w3", "w2")]
+        out += [Tensor(f"feed_forward.experts.{w}", experts * ef * d, False, experts) for w in ("w1", "w3", "w2")]
         if shared:
             out += [Tensor(f"feed_forward.shared.{w}.weight", shared * d, False) for w in ("w1", "w3", "w2")]
         return attention + tuple(out)
@@ -85,4 +85,6 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         a.tie_embeddings,
         tensor_parallel=False,
         inactive_params=a.n_layers * (a.n_experts - a.top_k) * 3 * ef * a.dim,
+        n_experts=a.n_experts,
+        top_k=a.top_k,
     )
