@@ -37,15 +37,76 @@ def main_env(env=None) -> dict:
 
 
 def run_main(args: List[str], cwd: Path, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
-    """`python main.py args...` in `cwd`, capturing output; never hangs the suite."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args],
-        cwd=cwd,
-        env=main_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python main.py args...` in `cwd`, capturing output; never hangs the suite. Through the
+    tests' main.py server when the environment allows (see [Note: the tests' main.py server] in
+    tests/main_server.py), else a subprocess; the result is the same CompletedProcess."""
+    full_env = main_env(env)
+    cmd = [sys.executable, str(REPO / "main.py"), *args]
+    if full_env.get("PYTHONPATH") == str(REPO) and os.environ.get("TEST_MAIN_SERVER", "1") == "1":
+        return _MainServer.run(cmd, args, cwd, full_env, timeout)
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+class _MainServer:
+    """The client side of tests/main_server.py: one server per test process, started on first use."""
+
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def _server(cls) -> subprocess.Popen:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "main_server.py")],
+                cwd=REPO,
+                env=main_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert "ready" in json.loads(cls.proc.stdout.readline())
+        return cls.proc
+
+    @classmethod
+    def _reply(cls, proc: subprocess.Popen, timeout: float) -> dict | None:
+        import select
+
+        ready, _, _ = select.select([proc.stdout], [], [], max(timeout, 0.0))
+        if not ready:
+            return None
+        line = proc.stdout.readline()
+        assert line, "the tests' main.py server ended"
+        return json.loads(line)
+
+    @classmethod
+    def run(cls, cmd, args, cwd, env, timeout: float) -> subprocess.CompletedProcess:
+        import signal
+        import tempfile
+        import time
+
+        proc = cls._server()
+        with tempfile.TemporaryDirectory(prefix="main-run-") as tmp:
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+            request = {"argv": list(args), "cwd": str(cwd), "env": env, "out": out, "err": err}
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            pid = cls._reply(proc, 60)["pid"]
+            deadline = time.monotonic() + timeout
+            reply = cls._reply(proc, deadline - time.monotonic())
+            timed_out = reply is None
+            if timed_out:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                reply = cls._reply(proc, 60)
+
+            def read(path):
+                with open(path, errors="replace") as f:
+                    return f.read()
+
+            if timed_out:
+                raise subprocess.TimeoutExpired(cmd, timeout, output=read(out), stderr=read(err))
+            return subprocess.CompletedProcess(cmd, reply["rc"], read(out), read(err))
 
 
 def start_main(args: List[str], cwd: Path, env=None, launcher: List[str] = ()) -> subprocess.Popen:

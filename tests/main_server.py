@@ -1,0 +1,79 @@
+"""Runs `python main.py ARGS` for the tests without paying the interpreter's start each time.
+
+[Note: the tests' main.py server]
+Most end-to-end tests run `python main.py ...` as a user would, a few hundred times in the suite;
+each start spent ~4 s importing torch, Hydra and the framework before the job's own work, most of
+a tiny job's wall time. This server imports them once, then forks one child per request: the
+child takes the request's working directory, environment and argv, sends its stdout/stderr to
+files, and runs main.py as `__main__` (`runpy.run_path`): the same code path as the command line,
+from a process whose only history is those imports (no thread started, no torch op run). The
+server reports the child's pid, then its exit status as `subprocess` would give it (-N for a
+signal). `tests/conftest.py:run_main` uses it when the environment asks for nothing the
+interpreter reads at start (its PYTHONPATH is the repository's); otherwise, and for the tests
+that signal a running job (`start_main`), a real subprocess.
+
+Protocol: one JSON object per line on stdin {"argv", "cwd", "env", "out", "err"}; replies on stdout
+{"pid": N}, then {"rc": N}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "main.py")
+
+
+def _child(request: dict) -> None:
+    os.setsid()  # its own process group: a timeout kills the job and its ranks together
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, target in ((null, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.argv = [MAIN, *request["argv"]]
+    code = 0
+    try:
+        runpy.run_path(MAIN, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter would: traceback, status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve() -> None:
+    import hydra  # noqa: F401 - imported once here, for every job
+    import torch  # noqa: F401
+
+    import framework.entrypoint  # noqa: F401
+    import framework.trainer  # noqa: F401
+
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        print(json.dumps({"rc": rc}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(MAIN))
+    serve()
