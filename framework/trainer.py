@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import sys
@@ -51,6 +52,11 @@ class Trainer:
         # The model family (framework/models/registry.py) and its task: how a batch becomes a loss.
         self.family = family = family_of(cfg.model)
         self.task = family.task(cfg.model)
+        if self.dims.cp > 1 and self.task.summed_loss is None:
+            raise UserInputError(
+                f"parallelism.cp={self.dims.cp} with model.task={self.task.name}: only causal language "
+                "modelling splits its sequences; set parallelism.cp=1"
+            )
         if cfg.stage == Stage.fine_tuning:  # JSONL records, response-only labels (framework/finetune/)
             from framework.finetune.build import build_finetune_data
 
@@ -123,8 +129,8 @@ class Trainer:
         for micro in range(accum):
             model.set_requires_gradient_sync(micro == accum - 1)
             batch = to_device(self.data.train.next_batch(), self.rt.device)
-            with loss_context(model):  # tensor parallel: the loss on vocabulary-sharded logits
-                loss = self.task.loss(model, batch) / accum
+            with loss_context(model), self._sequences_split():  # tensor / context parallel
+                loss = self._loss(batch) / accum
                 loss.backward()
             total += full(loss.detach())
         grad_norm = self.engine.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
@@ -141,6 +147,24 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_value, "grad_norm": float(grad_norm), "lr": lr}
 
+    def _loss(self, batch) -> torch.Tensor:
+        """The task's loss; under context parallelism this rank's share of it, from its chunk of
+        every row (see [Note: context parallelism by all-to-all])."""
+        cp = self.dims.cp
+        if cp == 1:
+            return self.task.loss(self.model, batch)
+        from framework.distributed.context_parallel import split_batch
+
+        part, labelled = split_batch(batch, self.mesh.get_local_rank("cp"), cp)
+        return self.task.summed_loss(self.model, part) * cp / labelled.clamp(min=1)
+
+    def _sequences_split(self):
+        if self.dims.cp == 1:
+            return contextlib.nullcontext()
+        from framework.distributed.context_parallel import active
+
+        return active(self.model)
+
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
         """`val_loss`: the mean loss over the same validation samples every time (`eval_iters`
@@ -153,8 +177,8 @@ class Trainer:
         batches = [valid.next_batch() for _ in range(self.cfg.trainer.eval_iters * valid.accum_steps)]
         total = torch.zeros((), device=self.rt.device)
         for batch in batches:
-            with loss_context(self.model):  # tensor parallel: the loss on vocabulary-sharded logits
-                total += full(self.task.loss(self.model, to_device(batch, self.rt.device)))
+            with loss_context(self.model), self._sequences_split():  # tensor / context parallel
+                total += full(self._loss(to_device(batch, self.rt.device)))
         out = {"val_loss": _world_mean(total) / len(batches)}
         if self.task.metrics is not None:
             if hasattr(valid, "whole_split"):
@@ -191,7 +215,8 @@ class Trainer:
         logger.write(
             f"model={cfg.model.name} ({self.num_params / 1e6:.1f}M parameters) on {rt.world_size} "
             f"rank(s) of {rt.device.type}: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
-            f"tp={d.tp}{f' ep={d.ep}' if d.ep > 1 else ''}, engine={cfg.parallelism.engine.value}, "
+            f"tp={d.tp}{f' ep={d.ep}' if d.ep > 1 else ''}{f' cp={d.cp}' if d.cp > 1 else ''}, "
+            f"engine={cfg.parallelism.engine.value}, "
             f"strategy={cfg.parallelism.strategy.value}, "
             f"{tokens_per_step} tokens/step ({t.micro_batch_size} micro x {d.dp} dp x "
             f"{self.data.train.accum_steps} accumulation x {cfg.data.seq_len} seq); run dir {cfg.run_dir}"

@@ -1,5 +1,9 @@
 """`ParallelDims`: the degrees of parallelism (dp_replicate, dp_shard, tp) and their arithmetic.
 
+Context parallelism (`cp`) is a dimension of its own, between dp_shard and tp: the cp ranks of a
+data-parallel rank read the same samples and each takes 1/cp of every sequence; the parameters
+are sharded over dp_shard x cp ranks (the cp ranks are data-parallel ranks for the weights).
+
 Expert parallelism (`ep`) is no dimension of its own: it splits the dp_shard ranks into groups of
 `ep` neighbours that each hold every expert once (ep ranks, n_experts/ep each), and the experts
 are sharded over the remaining `dp_shard / ep` ranks (`efsdp`), as torchtitan and Megatron lay it
@@ -31,6 +35,7 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
@@ -39,15 +44,22 @@ class ParallelDims:
             raise UserInputError(
                 f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), got {', '.join(unknown)}"
             )
-        known = self.dp_replicate * self.dp_shard * self.tp * (-1 if unknown else 1)
+        known = self.dp_replicate * self.dp_shard * self.tp * self.cp * (-1 if unknown else 1)
         if unknown:
             if self.world_size % known:
                 raise UserInputError(self._mismatch(f"cannot infer parallelism.{unknown[0]}"))
             setattr(self, unknown[0], self.world_size // known)
-        if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+        if self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
             raise UserInputError(self._mismatch("degrees do not multiply to the world size"))
         if self.ep > 1:
             self._check_ep()
+        if self.cp > 1 and self.dp_replicate > 1:
+            raise UserInputError(
+                f"parallelism.cp={self.cp} with parallelism.dp_replicate={self.dp_replicate}: context parallelism "
+                "runs within fully sharded data parallelism only for now; use strategy=full (dp_replicate=1)"
+            )
+        if self.cp > 1 and self.ep > 1:
+            raise UserInputError(f"parallelism.cp={self.cp} with parallelism.ep={self.ep}: choose one of them for now")
 
     def _check_ep(self) -> None:
         if self.dp_shard % self.ep:
@@ -70,10 +82,11 @@ class ParallelDims:
         def show(v: int) -> str:
             return "?" if v == -1 else str(v)
 
+        cp = f" x cp ({self.cp})" if self.cp > 1 else ""
         return (
             f"parallelism: {what}: dp_replicate ({show(self.dp_replicate)}) x dp_shard "
-            f"({show(self.dp_shard)}) x tp ({show(self.tp)}) must equal the world size "
-            f"({self.world_size}); fix parallelism.dp_replicate/dp_shard/tp or the number of ranks"
+            f"({show(self.dp_shard)}){cp} x tp ({show(self.tp)}) must equal the world size "
+            f"({self.world_size}); fix parallelism.dp_replicate/dp_shard/cp/tp or the number of ranks"
         )
 
     @property
@@ -92,7 +105,15 @@ class ParallelDims:
 
 
 def resolve_parallel_dims(
-    strategy: str, *, dp_replicate: int, dp_shard: int, tp: int, world_size: int, nproc_per_node: int, ep: int = 1
+    strategy: str,
+    *,
+    dp_replicate: int,
+    dp_shard: int,
+    tp: int,
+    world_size: int,
+    nproc_per_node: int,
+    ep: int = 1,
+    cp: int = 1,
 ) -> ParallelDims:
     """Fill in the degrees a strategy implies, then check them against the world size.
 
@@ -117,7 +138,7 @@ def resolve_parallel_dims(
             dp_replicate = 1
     if tp == -1 and (dp_replicate == -1 or dp_shard == -1):
         raise UserInputError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, ep=ep)
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, ep=ep, cp=cp)
     if strategy == "hybrid" and dims.dp_replicate < 2:
         raise UserInputError(
             f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "

@@ -118,6 +118,7 @@ class ParallelismConfig:
     dp_shard: int = -1  # ranks a parameter is sharded over; -1: infer from the world size
     tp: int = 1  # tensor-parallel degree (splits every block)
     ep: int = 1  # expert-parallel degree: each MoE block's experts split over ep of the dp_shard ranks
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (all-to-all attention)
     sequence_parallel: bool = False  # shard norms/residuals on the sequence dim when tp > 1
     param_dtype: str = "float32"  # dtype of the gathered compute copy (float32 | bfloat16 | float16)
     reduce_dtype: str = "float32"  # dtype gradients are reduced in
@@ -139,6 +140,8 @@ class ParallelismConfig:
         check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
         if self.ep < 1:
             raise UserInputError(f"parallelism.ep={self.ep}: must be a positive degree (1: no expert parallelism)")
+        if self.cp < 1:
+            raise UserInputError(f"parallelism.cp={self.cp}: must be a positive degree (1: no context parallelism)")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise UserInputError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")

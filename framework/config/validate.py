@@ -121,6 +121,7 @@ def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
         dp_shard=p.dp_shard,
         tp=p.tp,
         ep=p.ep,
+        cp=p.cp,
         world_size=world_size,
         nproc_per_node=cfg.cluster.nproc_per_node,
     )

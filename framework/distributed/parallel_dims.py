@@ -1,7 +1,8 @@
 """The named device mesh built from the degrees of parallelism (`framework.config.degrees`).
 
-Mesh dims, outermost first: dp_replicate, dp_shard, tp. Tensor parallel is innermost so its
-ranks are neighbours (same node) and its many small collectives stay on the fast links.
+Mesh dims, outermost first: dp_replicate, dp_shard, cp, tp. Tensor parallel is innermost so its
+ranks are neighbours (same node) and its many small collectives stay on the fast links; context
+parallel next (its all-to-alls run in every block too).
 `build_mesh` needs an initialised process group.
 """
 
@@ -11,9 +12,12 @@ from framework.config.degrees import ParallelDims, resolve_parallel_dims  # noqa
 
 
 def build_mesh(dims: ParallelDims, device_type: str):
-    """The 3-D named mesh (dp_replicate, dp_shard, tp); submeshes are sliced by name."""
+    """The named mesh (dp_replicate, dp_shard, tp), with cp before tp when context parallel is on;
+    submeshes are sliced by name."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(
-        device_type, (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
-    )
+    if dims.cp > 1:
+        shape, names = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp), ("dp_replicate", "dp_shard", "cp", "tp")
+    else:
+        shape, names = (dims.dp_replicate, dims.dp_shard, dims.tp), ("dp_replicate", "dp_shard", "tp")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -18,7 +18,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def dp_mesh_of(mesh, dims: ParallelDims):
-    """1-D shard mesh for full/grad_op, 2-D (replicate, shard) for hybrid and no_shard."""
+    """1-D shard mesh for full/grad_op (dp_shard x cp flattened under context parallelism: the
+    weights are sharded over every rank but the tensor-parallel ones), 2-D (replicate, shard) for
+    hybrid and no_shard."""
+    if dims.cp > 1:
+        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     if dims.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
@@ -45,6 +49,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         from framework.distributed.expert_parallel import apply_expert_parallel
 
         _, expert_mesh = apply_expert_parallel(model, dims.ep, dims.efsdp, mesh.device_type)
+    if dims.cp > 1:  # see [Note: context parallelism by all-to-all]
+        from framework.distributed.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh["cp"])
     blocks = family.blocks(model)
     if cfg.activation_checkpointing != ActivationCheckpointing.none:
         apply_activation_checkpointing(family.activation_checkpoint_targets(model), cfg.activation_checkpointing)

@@ -6,7 +6,7 @@ every model has (name, path, task, init). `parse_args` fills the dataclass from 
 refusing an unknown or mistyped field in one line.
 
 A family may also keep a torch-free `args.py` in its folder, with `NAMES` (the `model.name` values
-it builds) and `problems(cfg, tp, seq_len, data_vocab, ep) -> list[str]`: the checks of its
+it builds) and `problems(cfg, tp, seq_len, data_vocab, ep, cp) -> list[str]`: the checks of its
 arguments against the rest of the job (heads divisible by the tensor-parallel degree, a sequence
 longer than the model takes). `model_problems` asks it; `main.py` and the launcher run it with
 the config's own checks, before any rank starts and without importing torch.
@@ -62,19 +62,20 @@ def _args_module(name: str):
     return None
 
 
-def model_problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1) -> List[str]:
+def model_problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1) -> List[str]:
     """Every refusal of `cfg.model`'s arguments for this job (one line each), from its family's
     torch-free `args.py`; empty for a family without one (it checks when it builds).
     `data_vocab`: the vocabulary size the data's tokenizer will have, 0 when only the start decides."""
     module = _args_module(cfg.name)
     if module is None:
-        return (
-            [f"parallelism.ep={ep}: model.name={cfg.name} has no experts to split; set parallelism.ep=1"]
-            if ep > 1
-            else []
-        )
+        out = []
+        if ep > 1:
+            out.append(f"parallelism.ep={ep}: model.name={cfg.name} has no experts to split; set parallelism.ep=1")
+        if cp > 1:
+            out.append(f"parallelism.cp={cp}: model.name={cfg.name} cannot split its sequences; set parallelism.cp=1")
+        return out
     try:
-        return list(module.problems(cfg, tp, seq_len, data_vocab, ep))
+        return list(module.problems(cfg, tp, seq_len, data_vocab, ep, cp))
     except UserInputError as exc:
         return [str(exc)]
 
@@ -85,4 +86,5 @@ def job_model_problems(cfg) -> List[str]:
     `framework.config.validate`."""
     data = cfg.data
     data_vocab = data.vocab_size if data.name == "stdlib" and not data.tokenizer else 0
-    return model_problems(cfg.model, cfg.parallelism.tp, data.seq_len, data_vocab, ep=cfg.parallelism.ep)
+    p = cfg.parallelism
+    return model_problems(cfg.model, p.tp, data.seq_len, data_vocab, ep=p.ep, cp=p.cp)

@@ -58,6 +58,7 @@ class ModelShape:
     tensor_parallel: bool = True  # the family has a tensor-parallel plan (else tp stays 1)
     # Parameters a token does not use: the experts it is not routed to (mixture of experts)
     inactive_params: int = 0
+    context_parallel: bool = False  # its attention can split sequences (parallelism.cp)
     n_experts: int = 0  # per mixture-of-experts block (0: dense)
     top_k: int = 0  # experts each token is routed to
 

@@ -50,6 +50,18 @@ def _causal_lm(model, batch) -> torch.Tensor:
     return _with_aux(model, cross_entropy(logits_of(model(inputs)), labels))
 
 
+def causal_lm_summed(model, batch) -> torch.Tensor:
+    """The cross-entropy summed (not averaged) over the labelled positions of `batch`, which may be
+    a chunk of each row (context parallelism: positions and document ids of the whole rows)."""
+    if isinstance(batch, dict):
+        packed = {k: batch[k] for k in ("positions", "document_ids") if k in batch}
+        logits, labels = logits_of(model(batch["input_ids"], **packed)), batch["labels"]
+    else:
+        inputs, labels = batch
+        logits = logits_of(model(inputs))
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def _with_aux(model, loss: torch.Tensor) -> torch.Tensor:
     """The loss plus a mixture-of-experts model's load-balancing loss of the same forward."""
     aux = getattr(model, "aux_loss", None)
@@ -193,6 +205,9 @@ class Task:
     metrics: Callable[[Any, Any], dict] | None = None
     # Shown when training ends, if the data has a tokenizer: (RunView) -> text for the log, or None.
     end_of_run: Callable[[RunView], Optional[str]] | None = None
+    # (model, batch or a chunk of its rows) -> loss summed over the labelled positions: what context
+    # parallelism needs (None: the task does not split sequences)
+    summed_loss: Callable[[Any, Any], torch.Tensor] | None = None
 
 
 _TASKS: dict[str, Task] = {}
@@ -212,7 +227,7 @@ def get_task(name: str) -> Task:
 
 
 for _task in (
-    Task("causal_lm", _causal_lm, end_of_run=_causal_lm_sample),
+    Task("causal_lm", _causal_lm, end_of_run=_causal_lm_sample, summed_loss=causal_lm_summed),
     Task("seq2seq", _seq2seq, "seq2seq", _seq2seq_exact_match, _seq2seq_examples),
     Task("sequence_classification", _sequence_classification, "sequence_label"),
     Task("image_classification", _image_classification, "image_label", _image_accuracy),

@@ -68,12 +68,13 @@ class Job:
     gloo: bool = False  # CPU jobs: gloo's reduce-scatter needs receive scratch (collectives.py)
     host_shm: bool = False  # CPU jobs, our engine: a group on one host gathers and reduces through shared memory
     ep: int = 1  # expert parallelism: experts split over ep of the dp_shard ranks
+    cp: int = 1  # context parallelism: each sequence split over cp ranks, weights over dp_shard x cp
     memory_gib: float = 0.0  # per rank; 0: the device's
     peak_tflops: float = 0.0  # 0: the device's
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -111,7 +112,7 @@ def layouts(job: Job, rank: int = 0) -> list[UnitLayout]:
     align = job.block_size if job.quantized else 1
     out = []
     for u in units(job.model, job.tp, job.ep):
-        N = job.dp_shard // job.ep if u.shard == "efsdp" else job.dp_shard
+        N = job.dp_shard // job.ep if u.shard == "efsdp" else job.dp_shard * job.cp
         T = u.numel
         S = max(1, -(-T // N))
         S = -(-S // align) * align
@@ -272,7 +273,7 @@ def activation_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
 def block_activation_bytes(job: Job, mode: str | None = None) -> tuple[int, int]:
     """(saved bytes of all blocks, transient extra of recomputing one block) for a micro-batch."""
     mode = mode or job.activation_checkpointing
-    tokens = job.micro_batch * job.seq_len
+    tokens = job.micro_batch * job.seq_len // job.cp  # a cp rank holds 1/cp of each sequence
     per_block = activation_bytes_per_token(job.model, job.param_dtype, job.tp) * tokens
     block_input = job.model.dim * BYTES[job.param_dtype] * tokens
     L = job.model.n_layers
@@ -287,7 +288,7 @@ def block_activation_bytes(job: Job, mode: str | None = None) -> tuple[int, int]
 def logits_bytes(job: Job) -> int:
     """The head at the start of backward: the fp32 log-softmax the loss saved, the loss's gradient
     and the logits' fp32 gradient (plus its 16-bit cast); the final norm's three saved tensors."""
-    tokens = job.micro_batch * job.seq_len
+    tokens = job.micro_batch * job.seq_len // job.cp
     vocab = -(-job.model.vocab_size // job.tp)
     e = BYTES[job.param_dtype]
     return tokens * vocab * (12 + (e if e != 4 else 0)) + tokens * job.model.dim * 3 * e
@@ -390,6 +391,22 @@ def expert_all_to_all(job: Job) -> tuple[int, int]:
     return per_micro * job.accum, (3 * (L + recompute) + 2 * L) * job.accum
 
 
+def context_all_to_all(job: Job) -> tuple[int, int]:
+    """(bytes sent, exchanges) per rank per step of context parallelism's attention all-to-alls
+    (framework/distributed/context_parallel.py): per block q, k, v to whole sequences and the
+    output back, each (cp-1)/cp of a chunk's (micro x seq/cp) x width; backward the same;
+    recomputed blocks repeat the forward ones. KV heads cp does not divide travel repeated."""
+    m, cp = job.model, job.cp
+    heads = m.n_heads // job.tp
+    kv = m.n_kv_heads // job.tp if (m.n_kv_heads // job.tp) % cp == 0 else heads
+    width = (2 * heads + 2 * kv) * m.head_dim  # q and the output, k and v
+    chunk = job.micro_batch * job.seq_len // cp
+    per_block = chunk * width * BYTES[job.param_dtype] * (cp - 1) // cp
+    L = m.n_layers
+    recompute = {"none": 0, "full": L, "selective": (L + 1) // 2}[job.activation_checkpointing]
+    return (2 * L + recompute) * per_block * job.accum, (8 * L + 4 * recompute) * job.accum
+
+
 def _link(job: Job, span: int) -> str:
     """A group of `span` consecutive ranks (stride 1) is intra-node if it fits one node."""
     return "intra" if span <= job.nproc_per_node else "inter"
@@ -430,6 +447,9 @@ def traffic(job: Job) -> Traffic:
     if job.ep > 1 and job.model.n_experts:
         bytes_, calls = expert_all_to_all(job)
         tr.add("all_to_all", "ep", _link(job, job.ep * t), bytes_, calls)
+    if job.cp > 1:
+        bytes_, calls = context_all_to_all(job)
+        tr.add("all_to_all", "cp", _link(job, job.cp * t), bytes_, calls)
     if t > 1:
         # Megatron layout: per block two all-reduces of (batch, seq, dim) in forward (attention and
         # MLP outputs) and two in backward (their inputs' gradients); the embedding's forward and
@@ -463,7 +483,7 @@ def timing(job: Job, tr: Traffic | None = None) -> Timing:
     fpt = flops_per_token(job.model, job.seq_len)
     recompute = {"none": 0.0, "full": 1.0, "selective": 0.5}[job.activation_checkpointing]
     # Forward is a third of 6N: recomputation adds one more forward of the checkpointed blocks.
-    flops_rank = fpt * tokens_rank * (1 + recompute / 3) / job.tp
+    flops_rank = fpt * tokens_rank * (1 + recompute / 3) / (job.tp * job.cp)
     compute = flops_rank / (peak * 1e12 * dev.efficiency)
     bw = {"intra": dev.intra_node_gbps, "inter": dev.inter_node_gbps}
     comm = {"dp": 0.0, "tp": 0.0}
@@ -477,7 +497,8 @@ def timing(job: Job, tr: Traffic | None = None) -> Timing:
         ):
             rate = dev.shm_gbps
         seconds = r["bytes"] / (rate * 1e9 * dev.link_efficiency)
-        comm["tp" if r["dim"] == "tp" else "dp"] += seconds
+        # tp, cp and ep exchanges sit inside each block's compute: on the critical path
+        comm["tp" if r["dim"] in ("tp", "cp", "ep") else "dp"] += seconds
     lays = layouts(job)
     n_units = max(1, len(lays))
     # Sharded-dp traffic overlaps compute unit by unit (prefetch, async reduce); the first gather

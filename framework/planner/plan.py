@@ -53,6 +53,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
         dp_shard=dims.dp_shard,
         tp=dims.tp,
         ep=dims.ep,
+        cp=dims.cp,
         nodes=c.nodes,
         nproc_per_node=c.nproc_per_node,
         device=DEVICES[key],
@@ -133,7 +134,7 @@ def _with_world(job: Job, nodes: int, per_node: int) -> Job:
         )
     if job.strategy == "no_shard":
         return replace(job, nodes=nodes, nproc_per_node=per_node, dp_replicate=world // job.tp)
-    return replace(job, nodes=nodes, nproc_per_node=per_node, dp_shard=world // (job.tp * job.dp_replicate))
+    return replace(job, nodes=nodes, nproc_per_node=per_node, dp_shard=world // (job.tp * job.cp * job.dp_replicate))
 
 
 def _tp_ok(job: Job, tp: int) -> bool:
@@ -202,6 +203,15 @@ def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
             tps.append(([f"parallelism.tp={tp}"], f"tensor parallel over {tp} ranks of a node", new))
     if tps:
         fams.append(("tp", tps))
+    cps = []
+    for cp in (2, 4, 8):
+        heads = job.model.n_heads // job.tp
+        if cp > job.cp and job.seq_len % cp == 0 and heads % cp == 0 and job.dp_shard * job.cp % cp == 0:
+            if job.dp_replicate == 1 and job.ep == 1 and job.model.context_parallel:
+                new = replace(job, cp=cp, dp_shard=job.dp_shard * job.cp // cp)
+                cps.append(([f"parallelism.cp={cp}"], f"split each sequence over {cp} ranks (context parallel)", new))
+    if cps:
+        fams.append(("cp", cps))
     if job.param_dtype == "float32":
         fams.append(
             (
@@ -266,7 +276,12 @@ def advise(job: Job, limit: int = 4) -> list[Change]:
                     found.append(Change(base_ov + overrides, f"{why}, with checkpointing and bf16 compute", est))
                 break
     found.sort(key=lambda c: c.estimate.timing.step_s)
-    return found[:limit]
+    kept = found[:limit]
+    # A sequence too long for one rank's activations: say so even when other changes are faster.
+    split = [c for c in found if any(o.startswith("parallelism.cp=") for o in c.overrides)]
+    if split and split[0] not in kept:
+        kept[-1] = split[0]
+    return kept
 
 
 def make_plan(cfg: Config, world_size: int | None = None) -> PlanResult:
@@ -318,7 +333,8 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
             f"Plan: model={model_name or '?'} ({n / 1e9:.3f}B parameters, {per_rank / 1e6:.1f}M per rank), "
             f"{job.world} ranks = {job.nodes} node(s) x {job.nproc_per_node}, {job.device.name}"
         ),
-        f"  mesh dp_replicate={job.dp_replicate} x dp_shard={job.dp_shard} x tp={job.tp}"
+        f"  mesh dp_replicate={job.dp_replicate} x dp_shard={job.dp_shard}"
+        f"{f' x cp={job.cp}' if job.cp > 1 else ''} x tp={job.tp}"
         f"{f' (experts: ep={job.ep} x efsdp={job.dp_shard // job.ep})' if job.ep > 1 else ''}; "
         f"strategy={job.strategy}, param {job.param_dtype}, reduce {job.reduce_dtype}, "
         f"optimizer {job.optimizer}, checkpointing {job.activation_checkpointing}"

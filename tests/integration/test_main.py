@@ -34,7 +34,7 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
             "model.args.n_heads=3 is not divisible by parallelism.tp=2",
         ),
         (["trainer.global_batch_size=5"], "trainer.global_batch_size=5 is not divisible"),
-        (["data.seq_len=512"], "data.seq_len=512 is longer than model.args.max_seq_len=128"),
+        (["data.seq_len=2048"], "data.seq_len=2048 is longer than model.args.max_seq_len=1024"),
         (["model=gpt9"], "Could not find 'model/gpt9'"),
         (["parallelism.engine=jax"], "parallelism.engine"),
         (["parallelism.strategy=zero9"], "parallelism.strategy"),

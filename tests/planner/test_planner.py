@@ -487,3 +487,31 @@ def test_the_plan_counts_a_mixture_of_experts_model_as_built():
     assert param_count(job.model) == model.num_params()
     planned = [u.numel for u in units(job.model)[1:]]
     assert planned == [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+
+
+def test_context_parallel_divides_activations_and_is_advised_for_a_long_sequence():
+    """stage=plan with parallelism.cp: a rank holds 1/cp of each sequence, so its activations and
+    logits are 1/cp; a 32k-token sequence of Llama 3.1 8B on 8 H100s does not fit even with
+    checkpointing, and the changes that fit include splitting it (parallelism.cp), which then fits."""
+    from dataclasses import replace
+
+    from framework.config import compose_config, to_config
+    from framework.planner import make_plan
+
+    overrides = ["stage=plan", "model=llama3_1_8b", "cluster.nodes=1", "cluster.nproc_per_node=8"]
+    overrides += ["cluster.gpus_per_node=8", "cluster.gpu_type=h100", "data=synthetic", "data.seq_len=32768"]
+    overrides += ["trainer.micro_batch_size=1", "trainer.global_batch_size=8", "parallelism.param_dtype=bfloat16"]
+    overrides += ["parallelism.activation_checkpointing=full"]
+    cfg = to_config(compose_config(overrides))
+    job = job_from_config(cfg)
+    two = replace(job, cp=2, dp_shard=job.dp_shard // 2)
+    assert memory(two).activations == memory(job).activations // 2
+    assert memory(two).logits * 2 == memory(job).logits
+    assert traffic(two).total(dim="cp") > 0 and traffic(job).total(dim="cp") == 0
+    plan = make_plan(cfg)
+    assert not plan.estimate.fits
+    split = [c for c in plan.changes if any(o.startswith("parallelism.cp=") for o in c.overrides)]
+    assert split and split[0].estimate.fits, [c.overrides for c in plan.changes]
+    cp = int(split[0].overrides[0].split("=")[1])
+    fitted = make_plan(to_config(compose_config([*overrides, f"parallelism.cp={cp}"])))
+    assert fitted.estimate.fits and fitted.estimate.job.cp == cp

@@ -70,7 +70,7 @@ def test_unknown_engine_is_refused():
             2,
             "trainer.global_batch_size=6 is not divisible",
         ),
-        (["model=debug", "data.seq_len=4096"], 2, "data.seq_len=4096 is longer than model.args.max_seq_len=128"),
+        (["model=debug", "data.seq_len=4096"], 2, "data.seq_len=4096 is longer than model.args.max_seq_len=1024"),
         (["checkpoint.resume=/no/such/ckpt"], 2, "checkpoint.resume=/no/such/ckpt: no such checkpoint"),
         (["parallelism.strategy=hybrid", "parallelism.dp_replicate=1"], 2, "hybrid needs dp_replicate > 1"),
     ],

@@ -14,10 +14,15 @@ class HFArgs:
     max_seq_len: int = 1024
 
 
-def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1) -> List[str]:
+def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1) -> List[str]:
     from framework.models.args import parse_args
 
     a = parse_args(HFArgs, cfg)
+    if cp > 1:
+        return [
+            f"parallelism.cp={cp} with model=hf: a Hugging Face model's attention does not split its "
+            "sequences yet (our Llama family's does); set parallelism.cp=1"
+        ]
     if ep > 1:
         return [
             f"parallelism.ep={ep} with model=hf: Hugging Face mixture-of-experts blocks are sharded whole "

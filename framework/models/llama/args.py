@@ -95,12 +95,25 @@ def with_vocab_size(cfg, vocab_size: int):
     return dataclasses.replace(cfg, args={**dict(cfg.args or {}), "vocab_size": vocab_size})
 
 
-def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1) -> List[str]:
+def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1) -> List[str]:
     """The refusals of these arguments for a job with this tensor-parallel degree, expert-parallel
     degree and sequence length (see framework/models/args.py); advice that does not stop the job
     is logged."""
     a = llama_args(cfg)
     out = []
+    if cp > 1:
+        heads = a.n_heads // tp if a.n_heads % tp == 0 else a.n_heads
+        if seq_len % cp:
+            out.append(f"data.seq_len={seq_len} is not divisible by parallelism.cp={cp}; choose a cp that divides it")
+        if heads % cp:
+            out.append(
+                f"parallelism.cp={cp} does not divide the {heads} attention heads per tensor-parallel rank "
+                f"(model.args.n_heads={a.n_heads} / tp={tp}): each cp rank attends with 1/cp of them"
+            )
+        if a.n_experts:
+            out.append(
+                f"parallelism.cp={cp} with model.args.n_experts={a.n_experts}: not together yet; set parallelism.cp=1"
+            )
     if ep > 1 and not a.n_experts:
         out.append(
             f"parallelism.ep={ep}: model.name={cfg.name} has no experts (model.args.n_experts=0); set parallelism.ep=1"

@@ -85,21 +85,34 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Set by context parallelism (framework/distributed/context_parallel.py): this rank holds
+        # 1/cp of the sequence, and q/k/v travel to whole sequences of 1/cp of the heads and back.
+        self.sequence_exchange = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
+        exchange = (
+            self.sequence_exchange if self.sequence_exchange is not None and self.sequence_exchange.active else None
+        )
+        n_rep = self.n_rep
+        if exchange is not None:
+            if n_rep > 1 and k.shape[2] % exchange.size:  # KV heads cp does not divide: one per query head
+                k, v, n_rep = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2), 1
+            q, k, v = exchange.to_heads(q), exchange.to_heads(k), exchange.to_heads(v)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)  # whole sequences (positions from 0)
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
         # mask: None (causal) or (batch, 1, seq, seq) booleans, True where a query may attend.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
-        )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        ).transpose(1, 2)
+        if exchange is not None:
+            out = exchange.to_sequence(out)
+        return self.wo(out.reshape(bsz, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -163,7 +176,7 @@ class Transformer(nn.Module):
         rope = self.rope if positions is None else self.rope[positions]
         mask = None
         if document_ids is not None:
-            seq = tokens.shape[1]
+            seq = document_ids.shape[1]  # the whole row's (context parallelism passes a chunk of tokens)
             causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
             mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
             mask = mask[:, None]

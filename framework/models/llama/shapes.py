@@ -54,7 +54,7 @@ def layout(m: ModelShape, tp: int = 1) -> list[Unit]:
 
 
 def llama_shape(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tie_embeddings=False) -> ModelShape:
-    return ModelShape(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, layout, tie_embeddings)
+    return ModelShape(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, layout, tie_embeddings, context_parallel=True)
 
 
 def plan_shape(cfg, vocab_size: int) -> ModelShape:
