@@ -19,14 +19,15 @@ $(STAMP): requirements.lock requirements-tools.lock requirements-test.lock pypro
 run: venv
 	$(BIN)/python main.py $(ARGS)
 
-# One process by default (CI's 2 cores). `make test TEST_WORKERS=4` on a bigger machine spreads
-# whole files over pytest-xdist workers (a file's module fixtures, a trained checkpoint or a Slurm
-# cluster, are built once). On 2 cores, 2 workers ran the suite in 30 min instead of ~40 but the
-# two-node Slurm job once waited past its timeout beside the other worker's jobs, so not by default.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers (CI's 2 cores) over whole files (a file's module fixtures, a trained
+# checkpoint, are built once), then, alone, the tests whose bounds are wall-clock times (a hung
+# rank found within its timeout, a Slurm job, signals at a step; `serial` in tests/conftest.py):
+# beside another worker's jobs they could overrun. `make test TEST_WORKERS=0`: one process.
+TEST_WORKERS ?= 2
 
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests $(ARGS)
+	$(BIN)/python -m pytest -q -m serial tests $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

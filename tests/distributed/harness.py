@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from framework.runtime import free_port
-
 
 class RankFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
@@ -45,7 +43,8 @@ def _child(
         os.environ["MASTER_PORT"] = str(port)
         if "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)  # the parent hosts it
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -78,7 +77,10 @@ def run_ranks(
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results."""
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    # The store on a port the kernel picks and keeps: no other test process can take it meanwhile
+    # (a port found free and released could be, with pytest-xdist workers beside this one).
+    host = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = host.port
     backend = os.environ.get("TEST_DIST_BACKEND", "gloo")
     procs = [
         ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads_per_rank, backend), daemon=True)
