@@ -161,16 +161,13 @@ def repo() -> Path:
     return REPO
 
 
-# Files whose tests depend on wall-clock timing (a hung rank found within a collective timeout, a
-# Slurm job within its limit, a signal at a step) or hold a server: `make test` runs them after
-# the others, alone, so another pytest-xdist worker's jobs cannot slow them past their bounds.
+# Tests bounded by wall-clock times (a Slurm job within its limit, a time limit, a signal at a step;
+# single tests elsewhere carry `@pytest.mark.serial`: a hung rank found within a collective
+# timeout): `make test` runs them after the others, alone, so another pytest-xdist worker's jobs
+# cannot slow them past their bounds.
 SERIAL_FILES = {
-    "reliability/test_failures.py",
     "reliability/test_stop.py",
     "launcher/test_launcher_real.py",
-    "integration/test_trackers.py",
-    "checkpoint/test_checkpoint_faults.py",
-    "checkpoint/test_checkpoint.py",
 }
 
 

@@ -193,14 +193,14 @@ print(json.dumps({"rows": k, "growth_mib": (resource.getrusage(resource.RUSAGE_S
 
 
 def test_streaming_reads_a_file_larger_than_its_memory_bound(tmp_path):
-    """A 40 MiB JSONL file read end to end through the streamed reader grows the process's peak RSS
+    """A 28 MiB JSONL file read end to end through the streamed reader grows the process's peak RSS
     by less than 20 MiB (measured: ~10 MiB; datasets reads the file in blocks)."""
     rnd = random.Random(0)
     vocab = ["".join(rnd.choice("abcdefghijklmnop") for _ in range(rnd.randint(3, 9))) for _ in range(600)]
     train_bpe([" ".join(vocab)] * 4, 1024, str(tmp_path / "tok.json"))
     path = tmp_path / "big.jsonl"
     with open(path, "w") as f:
-        while f.tell() < 40 << 20:
+        while f.tell() < 28 << 20:
             f.write(json.dumps({"text": " ".join(rnd.sample(vocab, 300))}) + "\n")
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBE, str(path), str(tmp_path / "tok.json"), str(tmp_path / "cache")],

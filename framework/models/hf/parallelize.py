@@ -7,15 +7,19 @@ transformers ships a plan with many configs (`config.base_model_tp_plan`: {"laye
     layers.*.<proj>: "colwise"   ColwiseParallel (output features split: each rank owns heads/tp
                                  of the attention, a slice of the MLP's inner width)
     layers.*.<proj>: "rowwise"   RowwiseParallel (input features split, partial sums all-reduced)
+    layers.*.<norm>: "replicated_with_grad_allreduce"
+                                 a norm over each head's features (Qwen3's q_norm / k_norm) on the
+                                 local heads of a colwise projection: its weight replicated on the tp
+                                 ranks, its input marked as split on the heads dim, so the weight's
+                                 gradient (a sum over every head) is reduced over the tp ranks
     embed_tokens                 vocabulary-parallel (RowwiseParallel on the table)
     lm_head                      ColwiseParallel with the logits left sharded on the vocabulary,
                                  for the parallel cross-entropy ([Note: the logits stay sharded
                                  on the vocabulary])
 
 The attention reshapes the projections with `view(..., -1, head_dim)`, so a rank's local heads
-need no change in the model's code. Styles other than colwise/rowwise (packed or gathered
-outputs, replicated norms whose gradients must be summed over the tp ranks, expert parallelism)
-are refused by name with the family, as is a model type that ships no plan; so is sequence
+need no change in the model's code. Other styles (packed or gathered outputs, experts) are
+refused by name with the family, as is a model type that ships no plan; so is sequence
 parallelism for these models.
 """
 
@@ -25,11 +29,17 @@ import re
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from framework.errors import UserInputError
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+def _per_head_norm() -> ParallelStyle:
+    # (batch, seq, heads, head_dim) in, split on the heads (dim 2) by the colwise projection before
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "replicated_with_grad_allreduce": _per_head_norm}
 
 
 def _base(model: nn.Module):
@@ -54,7 +64,7 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     if unsupported:
         raise UserInputError(
             f"parallelism.tp > 1 with model=hf model_type={kind}: its plan uses {', '.join(unsupported)}, "
-            "which this engine does not apply (only colwise and rowwise); set parallelism.tp=1"
+            f"which this engine does not apply (only {', '.join(STYLES)}); set parallelism.tp=1"
         )
     if sequence_parallel:
         raise UserInputError(
