@@ -171,8 +171,33 @@ SERIAL_FILES = {
 }
 
 
+# The longest files (wall time under two workers), started first: pytest-xdist hands out whole
+# files in collection order, so a long one collected last would run alone at the end.
+LONG_FILES = [
+    "integration/test_trackers.py",
+    "reliability/test_failures.py",
+    "tp/test_tp_training.py",
+    "tp/test_hf_tp.py",
+    "integration/test_main.py",
+    "planner/test_planner.py",
+    "integration/test_generate.py",
+    "models/test_expert_parallel.py",
+    "data/test_hf_data.py",
+    "hf/test_hf_families.py",
+    "integration/test_evaluate.py",
+    "finetune/test_recipes.py",
+    "distributed/test_engine_parity.py",
+    "checkpoint/test_checkpoint.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+
+    def rel(item) -> str:
+        return Path(str(item.fspath)).resolve().relative_to(REPO / "tests").as_posix()
+
     for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(REPO / "tests").as_posix()
-        if rel in SERIAL_FILES:
+        if rel(item) in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
+    items.sort(key=lambda item: rank.get(rel(item), len(LONG_FILES)))  # stable: the rest keep their order
