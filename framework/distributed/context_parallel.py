@@ -105,21 +105,22 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     exchange = SequenceExchange(cp_mesh.get_group(), cp_mesh.size())
     for module in modules:
         module.sequence_exchange = exchange
+    model._framework_sequence_exchange = exchange  # what `active` switches, without walking the model
 
 
 @contextlib.contextmanager
 def active(model: nn.Module):
-    """The attention modules exchange across the cp ranks inside this block only."""
-    exchanges = {id(m.sequence_exchange): m.sequence_exchange for m in attention_modules(model)}
-    for ex in exchanges.values():
-        if ex is not None:
-            ex.active = True
+    """The attention modules exchange across the cp ranks inside this block only (a model
+    `apply_context_parallel` did not split: nothing changes)."""
+    exchange = getattr(model, "_framework_sequence_exchange", None)
+    if exchange is None:
+        yield
+        return
+    exchange.active = True
     try:
         yield
     finally:
-        for ex in exchanges.values():
-            if ex is not None:
-                ex.active = False
+        exchange.active = False
 
 
 def split_batch(batch: Any, rank: int, size: int) -> Tuple[Any, torch.Tensor]:

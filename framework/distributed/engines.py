@@ -90,7 +90,7 @@ class NativeEngine(ShardingEngine):
         moved = sum(comm[k] for k in ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes"))
         from framework.distributed.expert_parallel import AllToAllCounter
 
-        moved += AllToAllCounter.bytes_sent  # tokens to and from their experts (parallelism.ep)
+        moved += AllToAllCounter.bytes_sent  # the model's own all-to-alls (parallelism.ep, parallelism.cp)
         return {"exposed_comm_s": comm["exposed_comm_s"], "comm_bytes": moved}
 
     def reset_counters(self, model):

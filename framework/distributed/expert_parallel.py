@@ -36,6 +36,7 @@ ep (and any dp) that divides them, as across tp.
 
 from __future__ import annotations
 
+import math
 from typing import List, Sequence
 
 import torch
@@ -54,8 +55,9 @@ def expert_groups(model: nn.Module) -> List[nn.Module]:
 
 
 class AllToAllCounter:
-    """Bytes this rank sent to the other ranks by expert all-to-all (the counts, the rows forward
-    and back, their gradients), and the exchanges issued: the trainer's `comm_bytes` adds them."""
+    """Bytes this rank sent to the other ranks by the model's own all-to-alls (expert parallelism's
+    counts, rows and their gradients; context parallelism's q/k/v and outputs), and the exchanges
+    issued: the trainer's `comm_bytes` adds them."""
 
     bytes_sent = 0
     calls = 0
@@ -85,7 +87,7 @@ def _exchange(x: torch.Tensor, out_splits: List[int], in_splits: List[int], grou
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     me = dist.get_rank(group)
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # x may have no rows: a rank no token was sent to
     AllToAllCounter.bytes_sent += (sum(in_splits) - in_splits[me]) * row
     AllToAllCounter.calls += 1
     return out

@@ -14,7 +14,7 @@ from tests.distributed.harness import run_ranks
 DIM = 16
 
 
-def _moe(capacity_factor: float = 0.0):
+def _moe(capacity_factor: float = 0.0, idle_rank1: bool = False):
     from framework.models.llama.args import LlamaArgs
     from framework.models.llama.moe import MoE
 
@@ -23,6 +23,8 @@ def _moe(capacity_factor: float = 0.0):
     moe.reset_parameters(0.2, 0.2, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         moe.router.weight[3] = -100.0  # expert 3 (held by rank 1) is never chosen: inputs are >= 0
+        if idle_rank1:  # nor expert 2: rank 1 receives no row at all (top 2 of the other two)
+            moe.router.weight[2] = -100.0
     return moe
 
 
@@ -34,11 +36,11 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return (out * torch.linspace(-1, 1, DIM)).square().sum()
 
 
-def _ep_worker(rank: int, world: int, capacity_factor: float):
+def _ep_worker(rank: int, world: int, capacity_factor: float, idle_rank1: bool = False):
     from framework.distributed.expert_parallel import AllToAllCounter, apply_expert_parallel
 
     # One process's answer for both ranks' tokens: expert gradients sum both ranks' losses.
-    reference = _moe(capacity_factor)
+    reference = _moe(capacity_factor, idle_rank1)
     ref_choices = []
     for r in range(world):
         ref_out = reference(_tokens(r))
@@ -49,7 +51,7 @@ def _ep_worker(rank: int, world: int, capacity_factor: float):
         if r < rank:  # the router's gradient comes from this rank's tokens only
             reference.router.weight.grad = None
 
-    moe = _moe(capacity_factor)
+    moe = _moe(capacity_factor, idle_rank1)
     apply_expert_parallel(moe, ep=world, efsdp=1, device_type="cpu")
     sent = AllToAllCounter.bytes_sent
     out = moe(_tokens(rank))
@@ -64,7 +66,8 @@ def _ep_worker(rank: int, world: int, capacity_factor: float):
             for n in ("w1", "w2", "w3")
         ),
         "unchosen_zero": [
-            int(torch.count_nonzero(getattr(moe.experts, n).grad.to_local()[1])) for n in ("w1", "w2", "w3")
+            int(torch.count_nonzero(getattr(moe.experts, n).grad.to_local()[slice(0, 2) if idle_rank1 else 1]))
+            for n in ("w1", "w2", "w3")
         ]
         if rank == 1
         else None,
@@ -72,17 +75,20 @@ def _ep_worker(rank: int, world: int, capacity_factor: float):
     }
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-def test_tokens_reach_their_experts_and_gradients_come_home(capacity_factor):
+@pytest.mark.parametrize(
+    "capacity_factor, idle_rank1", [(0.0, False), (0.5, False), (0.0, True)], ids=["dropless", "capacity", "idle_rank"]
+)
+def test_tokens_reach_their_experts_and_gradients_come_home(capacity_factor, idle_rank1):
     """2 ranks, ep=2, dropless and capacity-limited: each rank's outputs, router choices and router
     gradient equal one process's for its tokens (1e-6: the same float32 ops, rows in another
     order), each held expert's gradient sums both ranks' tokens' contributions, and the expert no
-    token chose (rank 1's second) still takes part in every exchange and gets exactly zero."""
-    results = run_ranks(_ep_worker, 2, args=(capacity_factor,), timeout_s=120)
+    token chose (rank 1's second; with idle_rank both of rank 1's, so rank 1 receives no row at
+    all) still takes part in every exchange and gets exactly zero."""
+    results = run_ranks(_ep_worker, 2, args=(capacity_factor, idle_rank1), timeout_s=120)
     for rank, res in enumerate(results):
         assert res["choices"], rank
         assert res["out"] < 1e-6 and res["router"] < 1e-5 and res["experts"] < 1e-5, (rank, res)
-        assert res["sent"] > 0, rank  # forward and backward rows crossed to the other rank
+        assert res["sent"] > 0, rank  # rows crossed to the other rank (an idle rank 1 still sends its own)
     assert results[1]["unchosen_zero"] == [0, 0, 0]
 
 
