@@ -99,9 +99,9 @@ def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp
     """The issue's job, `model=moe_debug cluster.nproc_per_node=4 parallelism.ep=2` on the embedded
     corpus (dp_shard=4: experts over 2 ep ranks x 2 efsdp ranks): its first 5 losses equal one
     process's with the same micro-batches (1e-5; the load-balancing loss is per micro-batch), and
-    so do ep=2 on 2 ranks' (efsdp=1); the loss falls; its step-5 checkpoint resumed with ep=1 on
-    2 ranks gives steps 6..10 equal to the ep=2 run's own (1e-5): the experts are whole tensors in
-    the checkpoint."""
+    so do ep=2 on 2 ranks' (efsdp=1), with our engine and with torch's fully_shard; the loss
+    falls; its step-5 checkpoint resumed with ep=1 on 2 ranks gives steps 6..10 equal to the ep=2
+    run's own (1e-5): the experts are whole tensors in the checkpoint."""
     straight = tmp_path / "ep2"
     out = run_main(
         [*MOE, "cluster.nproc_per_node=4", "parallelism.ep=2", "trainer.max_steps=10", "checkpoint.interval=5"]
@@ -143,6 +143,14 @@ def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["loss"] for r in read_metrics(two)] == pytest.approx(ep2[:5], abs=1e-5)
+    torch_engine = tmp_path / "torch"  # torch's fully_shard over the same expert DTensors
+    out = run_main(
+        [*MOE, "cluster.nproc_per_node=2", "parallelism.ep=2", "trainer.micro_batch_size=4", "trainer.max_steps=5"]
+        + ["parallelism.engine=torch", f"hydra.run.dir={torch_engine}"],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["loss"] for r in read_metrics(torch_engine)] == pytest.approx(ep2[:5], abs=1e-5)
 
     resumed = tmp_path / "ep1"
     (resumed / "checkpoints").mkdir(parents=True)

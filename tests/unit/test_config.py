@@ -250,9 +250,17 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
             "parallelism.ep=4 does not divide model.args.n_experts=6",
         ),
         ("model=hf model.path=/x parallelism.ep=2", "parallelism.ep=2 with model=hf"),
+        ("parallelism.cp=2 data.seq_len=129", "data.seq_len=129 is not divisible by parallelism.cp=2"),
+        ("parallelism.cp=4 model.args.n_heads=6", "parallelism.cp=4 does not divide the 6 attention heads"),
+        (
+            "parallelism.strategy=hybrid parallelism.dp_replicate=2 parallelism.dp_shard=1 parallelism.cp=2",
+            "parallelism.cp=2 with parallelism.dp_replicate=2",
+        ),
+        ("model=moe_debug parallelism.cp=2", "parallelism.cp=2 with model.args.n_experts=4: not together yet"),
+        ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
     ],
 )
-def test_expert_parallel_degrees_are_checked_in_one_line(override, line):
+def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, line):
     """4 ranks (2 per node for hybrid): each wrong degree is one line naming the field."""
     from framework.errors import UserInputError
 
