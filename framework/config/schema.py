@@ -126,6 +126,10 @@ class ParallelismConfig:
     cpu_offload: bool = False  # keep shards, grads and optimizer state on the CPU
     compile: bool = False  # torch.compile each transformer block
     quantized_comm: bool = False  # int8 block-quantized all-gather / reduce-scatter (native engine)
+    # float8 training (torchao float8 linears; emulated in fp32 off CUDA): docs/engine.md "Float8"
+    float8: bool = False
+    float8_recipe: str = "tensorwise"  # tensorwise | rowwise (the scales' granularity)
+    float8_all_gather: Optional[bool] = None  # gather float8 weights as float8; null: with tensorwise
     # CPU jobs with the native engine: how a group of ranks on one host moves its all-gathers and
     # reduce-scatters (groups that span hosts use gloo either way)
     host_transport: HostTransport = HostTransport.shm
@@ -145,6 +149,25 @@ class ParallelismConfig:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise UserInputError(f"parallelism.{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
+        if self.float8_recipe not in ("tensorwise", "rowwise"):
+            raise UserInputError(f"parallelism.float8_recipe={self.float8_recipe!r}: choose tensorwise or rowwise")
+        if self.float8_all_gather and self.float8_recipe != "tensorwise":
+            raise UserInputError(
+                "parallelism.float8_all_gather=true needs parallelism.float8_recipe=tensorwise (a row-wise "
+                "weight is scaled per row by the linear); set parallelism.float8_all_gather=false"
+            )
+        if self.float8_all_gather and not self.float8:
+            raise UserInputError("parallelism.float8_all_gather=true needs parallelism.float8=true")
+        if self.float8 and self.quantized_comm:
+            raise UserInputError(
+                "parallelism.float8=true with parallelism.quantized_comm=true: the gather is float8 or "
+                "int8, not both; set parallelism.quantized_comm=false"
+            )
+        if self.float8 and self.tp > 1:
+            raise UserInputError(
+                f"parallelism.float8=true with parallelism.tp={self.tp}: float8 linears are not split for "
+                "tensor parallelism here; set parallelism.tp=1"
+            )
         if self.quantized_comm and self.engine == Engine.torch:
             raise UserInputError(
                 "parallelism.quantized_comm is a feature of the native engine; "

@@ -80,6 +80,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
             errors.append(f"finetune.{name}={path}: no such file; give an existing path")
         elif cfg.stage == Stage.fine_tuning and path and not (os.path.isfile(path) or os.path.isdir(path)):
             errors.append(f"finetune.{name}={path} is not a regular file or directory (a FIFO, device or socket)")
+    if cfg.peft.lora.enabled and p.float8:
+        errors.append(
+            "peft.lora.enabled=true with parallelism.float8=true: the adapters wrap the linears float8 "
+            "would convert; set parallelism.float8=false"
+        )
     if cfg.peft.lora.enabled and p.tp > 1:
         errors.append(
             "peft.lora.enabled=true with parallelism.tp > 1: the adapters are not split for tensor "

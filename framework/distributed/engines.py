@@ -35,6 +35,14 @@ class ShardingEngine:
     def configure(self, cfg) -> None:
         """Engine-wide settings of the `parallelism` section, applied before the first `fully_shard`."""
 
+    # The float8 all-gather ([Note: float8 training] in float8.py): made by torchao's weight tensor
+    # subclass (an engine that calls its FSDP2 hooks), or by the engine from `float8_gather_kwargs`.
+    float8_gather_by_torchao: bool = False
+
+    def float8_gather_kwargs(self, is_float8: Callable[[nn.Module], bool]) -> Dict[str, Any]:
+        """Extra `fully_shard` arguments that gather the weights of `is_float8` modules as float8."""
+        return {}
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every shard on every rank; clips in place when max_norm > 0."""
         raise NotImplementedError
@@ -70,6 +78,11 @@ class NativeEngine(ShardingEngine):
 
         set_host_transport(getattr(cfg.host_transport, "value", cfg.host_transport))
 
+    def float8_gather_kwargs(self, is_float8):
+        from framework.distributed.fsdp import QuantizedCommPolicy
+
+        return {"comm_policy": QuantizedCommPolicy(dtype="float8", float8_filter=is_float8)}
+
     def clip_grad_norm(self, model, max_norm):
         from framework.distributed.fsdp import clip_grad_norm_
 
@@ -91,7 +104,8 @@ class NativeEngine(ShardingEngine):
         from framework.distributed.expert_parallel import AllToAllCounter
 
         moved += AllToAllCounter.bytes_sent  # the model's own all-to-alls (parallelism.ep, parallelism.cp)
-        return {"exposed_comm_s": comm["exposed_comm_s"], "comm_bytes": moved}
+        # gather_bytes: the parameter all-gathers alone (float8 gathers move 1 byte per element)
+        return {"exposed_comm_s": comm["exposed_comm_s"], "comm_bytes": moved, "gather_bytes": comm["allgather_bytes"]}
 
     def reset_counters(self, model):
         from framework.distributed.expert_parallel import AllToAllCounter
@@ -104,6 +118,7 @@ class TorchEngine(ShardingEngine):
     """torch's `fully_shard` (FSDP2), for side-by-side comparison; it keeps no counters."""
 
     name = "torch"
+    float8_gather_by_torchao = True  # torchao's float8 weights implement FSDP2's all-gather hooks
 
     def api(self):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard

@@ -53,6 +53,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         from framework.distributed.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh["cp"])
+    engine = engine_of(cfg.engine)
+    if cfg.float8:  # see [Note: float8 training]
+        from framework.distributed.float8 import apply_float8
+
+        apply_float8(model, cfg, mesh.device_type, torchao_gathers=engine.float8_gather_by_torchao)
     blocks = family.blocks(model)
     if cfg.activation_checkpointing != ActivationCheckpointing.none:
         apply_activation_checkpointing(family.activation_checkpoint_targets(model), cfg.activation_checkpointing)
@@ -60,13 +65,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         for block in blocks:
             block.compile()
 
-    engine = engine_of(cfg.engine)
     engine.configure(cfg)
     fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine.api()
     precision = {"param_dtype": _DTYPES[cfg.param_dtype], "reduce_dtype": _DTYPES[cfg.reduce_dtype]}
     if cfg.quantized_comm:  # our engine only; the config refuses it with engine=torch
         precision["quantized_comm"] = True
     kwargs = {"mesh": dp_mesh_of(mesh, dims), "mp_policy": MixedPrecisionPolicy(**precision)}
+    if cfg.float8:
+        from framework.distributed.float8 import all_gather_in_float8, is_float8_linear
+
+        if all_gather_in_float8(cfg):
+            kwargs.update(engine.float8_gather_kwargs(is_float8_linear))
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     reshard = cfg.strategy != Strategy.grad_op

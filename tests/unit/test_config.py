@@ -273,6 +273,30 @@ def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, l
     assert [p for p in problems if line in p], problems
 
 
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("parallelism.float8_recipe=rowwize", "parallelism.float8_recipe='rowwize': choose tensorwise or rowwise"),
+        (
+            "parallelism.float8=true parallelism.float8_recipe=rowwise parallelism.float8_all_gather=true",
+            "parallelism.float8_all_gather=true needs parallelism.float8_recipe=tensorwise",
+        ),
+        ("parallelism.float8_all_gather=true", "parallelism.float8_all_gather=true needs parallelism.float8=true"),
+        ("parallelism.float8=true parallelism.quantized_comm=true", "the gather is float8 or int8, not both"),
+        ("parallelism.float8=true parallelism.tp=2", "float8 linears are not split for tensor parallelism"),
+        ("parallelism.float8=true peft.lora.enabled=true", "the adapters wrap the linears float8 would convert"),
+    ],
+)
+def test_float8_settings_are_checked_in_one_line(override, line):
+    try:
+        cfg = cfg_of(*override.split())
+    except UserInputError as exc:
+        problems = [str(exc)]
+    else:
+        problems = validate(cfg, world_size=2)
+    assert [p for p in problems if line in p], problems
+
+
 @pytest.mark.parametrize("world, micro", [(1, 8), (2, 8), (4, 4), (8, 2), (16, 1)])
 def test_a_null_micro_batch_fits_the_data_parallel_size(world, micro):
     """trainer.micro_batch_size=null (the default) takes the largest of 8, 4, 2, 1 dividing the

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -52,24 +53,56 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 @dataclass(frozen=True)
 class QuantizedCommPolicy:
-    """ZeRO++-style int8 communication (off unless passed to `fully_shard(..., comm_policy=...)`).
+    """Low-precision communication (off unless passed to `fully_shard(..., comm_policy=...)`), in
+    one of two formats that share the packed gather (zeropp.py):
 
-    params: all-gather int8 values plus one fp32 absmax scale per `block_size` values (qwZ); the
+    dtype="int8" (ZeRO++):
+      params: all-gather int8 values plus one fp32 absmax scale per `block_size` values (qwZ); the
         fp32 master shard stays exact, only the gathered compute copy is approximate.
-    grads: replace the reduce-scatter by an all-to-all of int8-quantized chunks and sum the
+      grads: replace the reduce-scatter by an all-to-all of int8-quantized chunks and sum the
         dequantized chunks locally in fp32 (qgZ); int8 cannot be summed on the wire.
-    Bytes per element on the wire: 1 + 4/block_size (1.016 for 256), vs 2 for bf16 and 4 for fp32.
+      Bytes per element on the wire: 1 + 4/block_size (1.016 for 256), vs 2 for bf16 and 4 for fp32.
+    dtype="float8" (float8 training, see [Note: float8 all-gather] in zeropp.py):
+      params: the weights `float8_filter(module)` accepts (the float8 linears) are gathered as
+        float8 e4m3 with one scale per parameter (its absmax over every shard, agreed by one small
+        all-reduce per unit and forward), 1 byte per element; the unit's other parameters travel in
+        the param dtype. The float8 linear then casts exactly the gathered values (same scale).
+      grads: never quantized (reductions stay in the reduce dtype); `grads` must stay unset/False.
     """
 
     params: bool = True
-    grads: bool = True
-    block_size: int = 256
+    grads: Optional[bool] = None  # None: True for int8, False for float8
+    block_size: int = 256  # int8 only
+    dtype: str = "int8"  # "int8" | "float8"
+    # float8: which modules' `weight` is gathered as float8 (None: every nn.Linear)
+    float8_filter: Optional[Callable[[nn.Module], bool]] = None
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("int8", "float8"):
+            raise ValueError(f"QuantizedCommPolicy.dtype={self.dtype!r}: choose 'int8' or 'float8'")
         if self.block_size <= 0 or self.block_size % 4:
             raise ValueError(
                 f"QuantizedCommPolicy.block_size={self.block_size}: use a positive multiple of 4 (e.g. 256)"
             )
+        if self.grads is None:
+            object.__setattr__(self, "grads", self.dtype == "int8")
+        elif self.grads and self.dtype == "float8":
+            raise ValueError(
+                "QuantizedCommPolicy(dtype='float8') quantizes the parameter gathers only (gradients are "
+                "reduced in the reduce dtype); drop grads=True"
+            )
+
+    @property
+    def align(self) -> int:
+        """Elements each rank's shard is rounded up to (the int8 block; float8 needs none)."""
+        return self.block_size if self.dtype == "int8" else 1
+
+    def float8_weight(self, module: nn.Module, attr: str) -> bool:
+        if self.dtype != "float8" or attr != "weight":
+            return False
+        if self.float8_filter is not None:
+            return bool(self.float8_filter(module))
+        return isinstance(module, nn.Linear)
 
 
 class UnitState(enum.Enum):

@@ -157,15 +157,18 @@ def reduce_scatter(
     return Pending(work, output, stats, finish)
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup, stats: CommStats, label: str) -> Pending:
-    """Async in-place sum all-reduce (the replicate dimension of hybrid sharding, NO_SHARD)."""
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, stats: CommStats, label: str, op=dist.ReduceOp.SUM
+) -> Pending:
+    """Async in-place all-reduce: the sum over the replicate dimension of hybrid sharding and
+    NO_SHARD; the max of the float8 gather's per-parameter absmax."""
     n = dist.get_world_size(group)
     if n == 1:
         return Pending(None, tensor, stats)
     stats.allreduce_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
     stats.num_collectives += 1
     with record_function(f"fsdp::all_reduce({label})"):
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return Pending(work, tensor, stats)
 
 

@@ -169,7 +169,7 @@ def fully_shard(
                 f"fully_shard: reshard_after_forward={k}: an int must divide the shard-group size {n_shard} "
                 f"(hpZ: keep a secondary shard over groups of that many ranks after forward)"
             )
-    align = comm_policy.block_size if comm_policy is not None else 1
+    align = comm_policy.align if comm_policy is not None else 1
     layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align)
     shard_dtype = originals[0].dtype if originals else torch.float32
     unit = ShardUnit(

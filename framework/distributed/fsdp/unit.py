@@ -23,7 +23,7 @@ from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
 from .flat import FlatEntry, FlatLayout, contiguous_stride
 from .reduce import GradReduction, _Reduction
 from .transport import Transport
-from .zeropp import ZeroPlusPlus, packed_nbytes, quantize_into
+from .zeropp import ZeroPlusPlus, float8_plan, packed_nbytes
 
 if TYPE_CHECKING:
     from .context import ShardContext
@@ -193,7 +193,21 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         self._secondary: Optional[torch.Tensor] = None
         self._secondary_valid = False
         self._transports: Optional[Tuple[Transport, Transport, Optional[Transport]]] = None
+        # float8 gather ([Note: float8 all-gather] in zeropp.py): which pieces go as float8, and the
+        # per-weight scales of the last forward gather; None when the unit has no float8 weight
+        self._f8 = None
+        self._f8_scale: Optional[torch.Tensor] = None
+        self._plan_float8()
         self._build_full_storage()
+
+    def _plan_float8(self) -> None:
+        self._f8, self._f8_scale = None, None
+        comm = self.comm
+        if comm is not None and comm.dtype == "float8":
+            is_f8 = [e.tp is None and comm.float8_weight(e.users[0][0], e.users[0][1]) for e in self.entries]
+            if any(is_f8):
+                esize = torch.empty(0, dtype=self.param_dtype).element_size()
+                self._f8 = float8_plan(self.layout, is_f8, esize)
 
     # ---------------------------------------------------------------- construction
     def _zero_copy(self) -> bool:
@@ -237,7 +251,8 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         if tag == "rs":
             return self.transports()[1].scratch_numel(L.shard_numel)
         if tag == "qrecv":
-            return self.N * packed_nbytes(L.shard_numel, self.comm.block_size) if self.comm is not None else 0
+            quantized = self.comm is not None and self.comm.grads
+            return self.N * packed_nbytes(L.shard_numel, self.comm.block_size) if quantized else 0
         raise KeyError(tag)
 
     def transports(self) -> Tuple[Transport, Transport, Optional[Transport]]:
@@ -313,6 +328,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         self._send = self._secondary = self._accum = None
         self._accum_valid = self._secondary_valid = False
         self._transports = None  # chosen again for the new device on first use
+        self._plan_float8()  # the param dtype's size places the packed pieces
         self._build_full_storage()  # new unsharded params: the caller re-registers their hooks
 
     def assert_state(self, *allowed: UnitState, what: str) -> None:
@@ -349,6 +365,8 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
             self.set_state(UnitState.UNSHARDING)
             return
         qp = self.comm is not None and self.comm.params and self.N > 1
+        if qp and self.comm.dtype == "float8":
+            qp = self._f8 is not None  # a unit without float8 weights gathers in the param dtype
         self._gather_quantized = qp
         if qp:
             # [Note: int8 buffers live inside the unit's own storage] the packed chunks are received
@@ -357,9 +375,9 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
             # straight into its slot, and wait_unshard dequantizes front to back, each chunk ending
             # before the next packed one starts. No int8 buffer outlives the gather.
             packed = self._packed_tail()
-            nb = packed_nbytes(L.shard_numel, self.comm.block_size)
+            nb = self._packed_chunk_nbytes()
             own = packed[L.rank * nb : (L.rank + 1) * nb]
-            quantize_into(self.shard, own, self.comm.block_size)
+            self._quantize_own(own)
             self._gather = C.all_gather(packed, own, self.transports()[0], self.stats, self.name)
         else:
             src = self.shard

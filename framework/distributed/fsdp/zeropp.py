@@ -1,22 +1,24 @@
-"""ZeRO++ on the engine: int8 communication (qwZ, qgZ) with its block-quantization kernels, and
-hpZ secondary shards.
+"""Low-precision communication on the engine: ZeRO++ int8 (qwZ, qgZ) with its block-quantization
+kernels, the float8 gather of float8 training, and hpZ secondary shards.
 
-`ZeroPlusPlus` is the part of `ShardUnit` (unit.py) for these: the int8 gather's packing and
-unpacking inside the unit's own storage, the quantized gradient all-to-all, and the secondary
-shard kept after forward. See `QuantizedCommPolicy` in api.py and `reshard_after_forward=<int>`
-in fully_shard.py.
+`ZeroPlusPlus` is the part of `ShardUnit` (unit.py) for these: the quantized gather's packing and
+unpacking inside the unit's own storage (int8 blocks or float8 per parameter, one design), the
+quantized gradient all-to-all, and the secondary shard kept after forward. See
+`QuantizedCommPolicy` in api.py and `reshard_after_forward=<int>` in fully_shard.py.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from dataclasses import dataclass
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import collectives as C
-from .api import UnitState
+from .api import TrainingPhase, UnitState
+from .flat import FlatLayout
 
 # ---- int8 block quantization (ZeRO++ qwZ/qgZ) -------------------------------------------------
 # A packed block-quantized buffer of n values (n a multiple of the block) is a uint8 tensor of
@@ -66,20 +68,116 @@ def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int, accumul
         dst.add_(vals) if accumulate else dst.copy_(vals)
 
 
+# ---- float8 gather (float8 training) -----------------------------------------------------------
+# [Note: float8 all-gather]
+# Under float8 training the linears cast their weight to float8 e4m3 with one scale per tensor
+# (448 / absmax) before every matmul. Gathering that weight in the param dtype moves 2-4 bytes per
+# element only for the linear to throw most of them away, so the unit's shard is cast before the
+# gather instead: one byte per element of every float8 weight, the unit's other parameters (norms,
+# biases) in the param dtype. Each rank holds only a piece of a weight, so the per-tensor absmax
+# is agreed first: each rank's absmax per float8 weight, one MAX all-reduce of that small vector
+# per unit and forward (backward's re-gather reuses the forward's scales: the weights have not
+# changed in between). Receivers multiply back; the linear's own cast then finds the same absmax
+# (to float rounding far below half a float8 step) and reproduces exactly the gathered float8
+# values, so the gather adds no error of its own: float8 training with this gather equals float8
+# training with a full-precision gather (tested). The fp32 master shard and the gradient
+# reductions are untouched.
+# Packed chunk of rank r (its slice of the flat buffer, padding not sent): the float8 bytes of its
+# float8 pieces, then, aligned to the param dtype, its other pieces; every chunk padded to the
+# largest (P bytes), since all-gather moves equal chunks. P <= S x element size, so the chunks fit
+# in the tail of the unit's storage exactly as int8 ones do ([Note: int8 buffers live inside the
+# unit's own storage] in unit.py) and are unpacked front to back the same way.
+FLOAT8 = torch.float8_e4m3fn
+FLOAT8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+@dataclass(frozen=True)
+class Float8Plan:
+    weights: List[int]  # entry indices gathered as float8, in scale order
+    # per rank: (flat lo, flat hi, scale index or -1 for the param dtype, byte position in the chunk)
+    pieces: List[List[Tuple[int, int, int, int]]]
+    nbytes: int  # P: bytes of every rank's packed chunk
+
+
+def float8_plan(layout: FlatLayout, is_float8: List[bool], esize: int) -> Float8Plan:
+    weights = [i for i, f in enumerate(is_float8) if f]
+    slot = {i: k for k, i in enumerate(weights)}
+    S, pieces, P = layout.shard_numel, [], esize
+    for r in range(layout.world):
+        lo, hi = r * S, (r + 1) * S
+        mine = []
+        for i, e in enumerate(layout.entries):
+            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+            if a < b:
+                mine.append((a, b, slot.get(i, -1)))
+        n8 = sum(b - a for a, b, k in mine if k >= 0)
+        pos8, posh, out = 0, -(-n8 // esize) * esize, []
+        for a, b, k in mine:
+            if k >= 0:
+                out.append((a, b, k, pos8))
+                pos8 += b - a
+            else:
+                out.append((a, b, -1, posh))
+                posh += (b - a) * esize
+        pieces.append(out)
+        P = max(P, posh)
+    return Float8Plan(weights, pieces, -(-P // esize) * esize)
+
+
+def float8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor float8 multiplier of torchao's dynamic tensor-wise scaling: 448 / absmax."""
+    return (FLOAT8_MAX / amax.double().clamp(min=1e-12)).float()
+
+
 class ZeroPlusPlus:
-    """int8 gathers and reductions, and hpZ secondary shards (mixed into `ShardUnit`)."""
+    """Quantized gathers and reductions, and hpZ secondary shards (mixed into `ShardUnit`)."""
+
+    def _packed_chunk_nbytes(self) -> int:
+        if self._f8 is not None:
+            return self._f8.nbytes
+        return packed_nbytes(self.layout.shard_numel, self.comm.block_size)
 
     def _packed_tail(self) -> torch.Tensor:
         """The last N x packed-shard bytes of the (resized) unsharded storage, as uint8."""
-        nb = packed_nbytes(self.layout.shard_numel, self.comm.block_size) * self.N
+        nb = self._packed_chunk_nbytes() * self.N
         total = self.storage.nbytes()
         t = torch.empty(0, dtype=torch.uint8, device=self.compute_device)
         return t.set_(self.storage, total - nb, (nb,), (1,))
 
+    def _quantize_own(self, own: torch.Tensor) -> None:
+        """Pack this rank's shard into its slot `own` of the gather (int8 blocks or float8)."""
+        if self._f8 is None:
+            quantize_into(self.shard, own, self.comm.block_size)
+            return
+        self._float8_scales()
+        base, dt, esize = self.layout.shard_start, self.param_dtype, self.full_flat.element_size()
+        with record_function("fsdp::float8_cast"):
+            for a, b, k, pos in self._f8.pieces[self.layout.rank]:
+                x = self.shard[a - base : b - base]
+                if k >= 0:
+                    q = x.float() * self._f8_scale[k]  # never in place: x is the fp32 master
+                    q = q.clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8)
+                    own[pos : pos + b - a].copy_(q.view(torch.uint8))
+                else:
+                    own[pos : pos + (b - a) * esize].view(dt).copy_(x)
+
+    def _float8_scales(self) -> None:
+        """One scale per float8 weight from its absmax over every shard; see [Note: float8 all-gather]."""
+        phase = self.ctx.phase if self.ctx is not None else TrainingPhase.IDLE
+        if self._f8_scale is not None and phase in (TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD):
+            return  # backward's re-gather: the weights are the forward's
+        amax = torch.zeros(len(self._f8.weights), dtype=torch.float32, device=self.compute_device)
+        base = self.layout.shard_start
+        for a, b, k, _ in self._f8.pieces[self.layout.rank]:
+            if k >= 0:
+                amax[k] = self.shard[a - base : b - base].abs().max()  # one piece per weight and rank
+        C.wait(C.all_reduce(amax, self.shard_group, self.stats, f"{self.name}.amax", op=dist.ReduceOp.MAX))
+        self._f8_scale = float8_scale(amax)
+
     def _dequantize_gathered(self) -> None:
-        """See [Note: int8 buffers live inside the unit's own storage]."""
-        S, b = self.layout.shard_numel, self.comm.block_size
-        nb = packed_nbytes(S, b)
+        """See [Note: int8 buffers live inside the unit's own storage] and [Note: float8 all-gather]."""
+        S = self.layout.shard_numel
+        nb = self._packed_chunk_nbytes()
         packed = self._packed_tail()
         start = packed.storage_offset()  # byte offset of chunk 0 in the storage
         esize = self.full_flat.element_size()
@@ -87,8 +185,16 @@ class ZeroPlusPlus:
             for r in range(self.N):
                 src = packed[r * nb : (r + 1) * nb]
                 if esize * (r + 1) * S > start + r * nb:  # would overwrite its own packed chunk:
-                    src = src.clone()  # a transient copy of the int8 chunk (1/4 of an fp32 shard)
-                dequantize_into(src, self.full_flat[r * S : (r + 1) * S], b)
+                    src = src.clone()  # a transient copy of the packed chunk (1/4 of an fp32 shard)
+                if self._f8 is None:
+                    dequantize_into(src, self.full_flat[r * S : (r + 1) * S], self.comm.block_size)
+                    continue
+                for a, b, k, pos in self._f8.pieces[r]:
+                    if k >= 0:
+                        vals = src[pos : pos + b - a].view(FLOAT8).float().div_(self._f8_scale[k])
+                    else:
+                        vals = src[pos : pos + (b - a) * esize].view(self.param_dtype)
+                    self.full_flat[a:b].copy_(vals)
 
     def _issue_quantized_reduce(self, buf: torch.Tensor) -> Tuple[C.Pending, torch.Tensor, bool]:
         """qgZ: quantize all N chunks, all-to-all them; finish_reduce sums the dequantized chunks.

@@ -1,0 +1,97 @@
+"""Float8 training (`parallelism.float8`): the model's linears become torchao's float8 linears, and
+the engine gathers their weights as float8.
+
+[Note: float8 training]
+torchao's `Float8Linear` casts a linear's input, weight and output gradient to float8 (e4m3 for
+the forward's operands; tensor-wise: one dynamic scale per tensor from its absmax, or row-wise:
+one per row) and multiplies in float8 on GPUs with float8 tensor cores (H100/H200 and later). On
+any other device (this CPU) the same casts run and the product is taken in fp32 (`emulate`), so
+the numbers are those of float8 training and only the speed is not. Converted: every nn.Linear
+whose dimensions are multiples of 16 (what the float8 matmul needs), except the output head (a
+linear producing as many values as an embedding has rows: the logits, where float8 costs the
+most accuracy), as torchtitan does. Parameter names do not change, so checkpoints cross float8
+and full-precision runs both ways.
+
+The gather of the converted weights moves one byte per element (native engine:
+`QuantizedCommPolicy(dtype="float8")`, [Note: float8 all-gather] in fsdp/zeropp.py; torch engine:
+torchao's float8 all-gather for FSDP2), tensor-wise recipe only: a row-wise weight is cast per row
+by the linear, so it is gathered in the param dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+from torch import nn
+
+from framework.errors import UserInputError
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+def _torchao_float8():
+    """torchao.float8, imported quietly (it reports the GPU kernels it cannot load on a CPU build)."""
+    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as f8
+    except ImportError as e:
+        raise UserInputError(
+            f"parallelism.float8=true needs the torchao package ({e}); run `make venv` "
+            "(requirements.lock pins it) or `pip install torchao==0.18.0`"
+        ) from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return f8
+
+
+def all_gather_in_float8(cfg) -> bool:
+    """Whether the weights are gathered as float8 (`parallelism.float8_all_gather`, null: with the
+    tensor-wise recipe)."""
+    if not cfg.float8:
+        return False
+    if cfg.float8_all_gather is None:
+        return cfg.float8_recipe == "tensorwise"
+    return bool(cfg.float8_all_gather)
+
+
+def convertible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """The float8 module filter: linears with dims in multiples of 16, not the output head."""
+    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        if module.in_features % 16 or module.out_features % 16:
+            return False
+        return module.out_features not in vocab
+
+    return keep
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"
+
+
+def apply_float8(model: nn.Module, cfg, device_type: str, torchao_gathers: bool) -> int:
+    """Convert the model's linears in place (before sharding); returns how many were converted."""
+    f8 = _torchao_float8()
+    config = f8.Float8LinearConfig.from_recipe_name(cfg.float8_recipe)
+    changes = {"emulate": device_type != "cuda"}  # see [Note: float8 training]
+    if torchao_gathers and all_gather_in_float8(cfg):  # the engine gathers torchao's float8 weights
+        changes["enable_fsdp_float8_all_gather"] = True
+    config = dataclasses.replace(config, **changes)
+    before = sum(1 for m in model.modules() if is_float8_linear(m))
+    f8.convert_to_float8_training(model, config=config, module_filter_fn=convertible(model))
+    converted = sum(1 for m in model.modules() if is_float8_linear(m)) - before
+    if converted == 0:
+        raise UserInputError(
+            "parallelism.float8=true: the model has no linear layer float8 can take (dimensions in "
+            "multiples of 16, not the output head); set parallelism.float8=false"
+        )
+    return converted
