@@ -21,7 +21,6 @@ by the linear, so it is gathered in the param dtype.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable
 
 from torch import nn
@@ -32,11 +31,7 @@ RECIPES = ("tensorwise", "rowwise")
 
 
 def _torchao_float8():
-    """torchao.float8, imported quietly (it reports the GPU kernels it cannot load on a CPU build)."""
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.ERROR)
+    """torchao.float8 (its import-time notices are silenced in framework/__init__.py)."""
     try:
         import torchao.float8 as f8
     except ImportError as e:
@@ -44,9 +39,6 @@ def _torchao_float8():
             f"parallelism.float8=true needs the torchao package ({e}); run `make venv` "
             "(requirements.lock pins it) or `pip install torchao==0.18.0`"
         ) from None
-    finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
     return f8
 
 
