@@ -4,6 +4,7 @@ read back through each tool's own reader, across a SIGTERM requeue."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -46,6 +47,9 @@ def mlflow_server(tmp_path_factory):
         + ["--workers", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,
+        # the tracking API is what a run talks to; the server's job runner and its workers (for
+        # GenAI evaluation jobs) would only take the test's cores while they start
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     uri = f"http://127.0.0.1:{port}"
     try:

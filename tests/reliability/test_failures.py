@@ -89,7 +89,6 @@ def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys)
     assert "stopped rank(s) 3: still running 5 s after rank 1 ended" in err, err
 
 
-@pytest.mark.serial  # bounded by the collective timeout: alone (tests/conftest.py)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path, transport):
     """SIGSTOP one rank: the other's next collective times out after trainer.collective_timeout_s
@@ -206,7 +205,6 @@ RESTART = TINY + [
 RESTART_TOLERANCE = 1e-6  # fp32 on CPU, gloo: a resume is bitwise in practice; 1e-6 as the issue asks
 
 
-@pytest.mark.serial  # a kill and a raise at chosen steps, restarts within torchrun's timeouts: alone
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_path, transport):
     """Under torchrun --max-restarts=2 --rdzv-backend=c10d: rank 1 is SIGKILLed at step 5 (first
