@@ -183,6 +183,7 @@ LONG_FILES = [
     "planner/test_planner.py",
     "integration/test_generate.py",
     "models/test_expert_parallel.py",
+    "distributed/test_float8.py",
     "data/test_hf_data.py",
     "hf/test_hf_families.py",
     "integration/test_evaluate.py",
