@@ -42,9 +42,16 @@ def run_main(args: List[str], cwd: Path, timeout: float = 300, env=None) -> subp
     tests/main_server.py), else a subprocess; the result is the same CompletedProcess."""
     full_env = main_env(env)
     cmd = [sys.executable, str(REPO / "main.py"), *args]
-    if full_env.get("PYTHONPATH") == str(REPO) and os.environ.get("TEST_MAIN_SERVER", "1") == "1":
+    if _server_can_start(full_env.get("PYTHONPATH", "")) and os.environ.get("TEST_MAIN_SERVER", "1") == "1":
         return _MainServer.run(cmd, args, cwd, full_env, timeout)
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _server_can_start(pythonpath: str) -> bool:
+    """The repository last on PYTHONPATH, before it only folders of a `sitecustomize.py` (fault
+    injection), which the server's child imports itself."""
+    *hooks, last = pythonpath.split(os.pathsep)
+    return last == str(REPO) and all(Path(h, "sitecustomize.py").is_file() for h in hooks)
 
 
 class _MainServer:

@@ -9,8 +9,9 @@ files, and runs main.py as `__main__` (`runpy.run_path`): the same code path as 
 from a process whose only history is those imports (no thread started, no torch op run). The
 server reports the child's pid, then its exit status as `subprocess` would give it (-N for a
 signal). `tests/conftest.py:run_main` uses it when the environment asks for nothing the
-interpreter reads at start (its PYTHONPATH is the repository's); otherwise, and for the tests
-that signal a running job (`start_main`), a real subprocess.
+interpreter reads at start (its PYTHONPATH is the repository's, possibly after folders holding a
+`sitecustomize.py`, which the child imports as `site` would); otherwise, and for the tests that
+signal a running job (`start_main`), a real subprocess.
 
 Protocol: one JSON object per line on stdin {"argv", "cwd", "env", "out", "err"}; replies on stdout
 {"pid": N}, then {"rc": N}.
@@ -26,6 +27,10 @@ import sys
 MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "main.py")
 
 
+def _has_sitecustomize(folder: str) -> bool:
+    return bool(folder) and os.path.isfile(os.path.join(folder, "sitecustomize.py"))
+
+
 def _child(request: dict) -> None:
     os.setsid()  # its own process group: a timeout kills the job and its ranks together
     os.chdir(request["cwd"])
@@ -37,6 +42,14 @@ def _child(request: dict) -> None:
     for fd, target in ((null, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
+    # What the interpreter's `site` does at start for a PYTHONPATH folder holding sitecustomize.py
+    # (the tests' fault injection, which patches attributes of modules already imported here):
+    # import it, now that the environment is the request's.
+    hooks = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if _has_sitecustomize(p)]
+    if hooks:
+        sys.path[:0] = hooks
+        sys.modules.pop("sitecustomize", None)
+        import sitecustomize  # noqa: F401
     sys.argv = [MAIN, *request["argv"]]
     code = 0
     try:

@@ -156,6 +156,11 @@ class ParallelismConfig:
                 "parallelism.float8_all_gather=true needs parallelism.float8_recipe=tensorwise (a row-wise "
                 "weight is scaled per row by the linear); set parallelism.float8_all_gather=false"
             )
+        if self.float8_all_gather and self.cpu_offload:
+            raise UserInputError(
+                "parallelism.float8_all_gather=true with parallelism.cpu_offload=true: offloaded shards "
+                "are gathered in the param dtype; set parallelism.float8_all_gather=false"
+            )
         if self.float8_all_gather and not self.float8:
             raise UserInputError("parallelism.float8_all_gather=true needs parallelism.float8=true")
         if self.float8 and self.quantized_comm:

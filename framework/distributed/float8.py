@@ -44,11 +44,11 @@ def _torchao_float8():
 
 def all_gather_in_float8(cfg) -> bool:
     """Whether the weights are gathered as float8 (`parallelism.float8_all_gather`, null: with the
-    tensor-wise recipe)."""
+    tensor-wise recipe, unless the shards are offloaded to the CPU)."""
     if not cfg.float8:
         return False
     if cfg.float8_all_gather is None:
-        return cfg.float8_recipe == "tensorwise"
+        return cfg.float8_recipe == "tensorwise" and not cfg.cpu_offload
     return bool(cfg.float8_all_gather)
 
 

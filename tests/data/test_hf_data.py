@@ -193,14 +193,14 @@ print(json.dumps({"rows": k, "growth_mib": (resource.getrusage(resource.RUSAGE_S
 
 
 def test_streaming_reads_a_file_larger_than_its_memory_bound(tmp_path):
-    """A 28 MiB JSONL file read end to end through the streamed reader grows the process's peak RSS
-    by less than 20 MiB (measured: ~10 MiB; datasets reads the file in blocks)."""
+    """A 12 MiB JSONL file read end to end through the streamed reader grows the process's peak RSS
+    by less than 10 MiB (measured: 3.75 MiB here, 2.75 on an 18 MiB file; datasets reads the file in blocks)."""
     rnd = random.Random(0)
     vocab = ["".join(rnd.choice("abcdefghijklmnop") for _ in range(rnd.randint(3, 9))) for _ in range(600)]
     train_bpe([" ".join(vocab)] * 4, 1024, str(tmp_path / "tok.json"))
     path = tmp_path / "big.jsonl"
     with open(path, "w") as f:
-        while f.tell() < 28 << 20:
+        while f.tell() < 12 << 20:
             f.write(json.dumps({"text": " ".join(rnd.sample(vocab, 300))}) + "\n")
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBE, str(path), str(tmp_path / "tok.json"), str(tmp_path / "cache")],
@@ -213,4 +213,4 @@ def test_streaming_reads_a_file_larger_than_its_memory_bound(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["rows"] > 10_000
-    assert result["growth_mib"] < 20, result
+    assert result["growth_mib"] < 10, result

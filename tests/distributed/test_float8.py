@@ -74,7 +74,11 @@ def test_float8_job_tracks_bf16_and_gathers_one_byte_per_weight(tmp_path):
     runs = {}
     for name, extra in {
         "float8": ["trainer.max_steps=50"],
-        "float8_hp_gather": ["parallelism.float8_all_gather=false", "trainer.max_steps=10"],
+        "float8_hp_gather": [
+            "parallelism.float8_all_gather=false",
+            "trainer.max_steps=10",
+            "checkpoint.save_final=true",
+        ],
         "bf16": ["parallelism.float8=false", "parallelism.param_dtype=bfloat16", "trainer.max_steps=50"],
     }.items():
         run = tmp_path / name
@@ -93,6 +97,15 @@ def test_float8_job_tracks_bf16_and_gathers_one_byte_per_weight(tmp_path):
     n_float8 = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 176)
     saved = 2 * (n_float8 // 2) * 3  # per step: 2 gathers x half the weights from the other rank x (4 - 1) bytes
     assert hp[-1]["gather_bytes"] - f8[9]["gather_bytes"] == pytest.approx(saved, rel=0.01)
+
+    # the parameter names are the plain model's: a float8 checkpoint resumes without float8
+    ckpt = tmp_path / "float8_hp_gather" / "checkpoints" / "step_00000010"
+    run = tmp_path / "plain"
+    args = [*base, "parallelism.float8=false", "trainer.max_steps=11", f"checkpoint.resume={ckpt}"]
+    out = run_main([*args, f"hydra.run.dir={run}"], tmp_path)
+    assert out.returncode == 0 and "resumed from" in out.stderr, out.stderr[-3000:]
+    (step11,) = read_metrics(run)
+    assert step11["step"] == 11 and abs(step11["loss"] - hp[-1]["loss"]) < 0.1
 
 
 HF_LLAMA = (

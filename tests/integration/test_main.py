@@ -293,17 +293,6 @@ def test_activation_checkpointing_recomputes_exactly(tmp_path):
     assert runs["full"] == runs["none"] and runs["selective"] == runs["none"]
 
 
-def test_torchrun_ranks_share_one_run_directory(tmp_path):
-    """Under torchrun every rank composes its own config; they must still agree on one run dir."""
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = start_main([*TINY, "trainer.max_steps=3", "checkpoint.save_final=false"], cwd=tmp_path, launcher=torchrun)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    runs = list((tmp_path / "outputs" / "torchrun").iterdir())
-    assert len(runs) == 1, runs
-    assert [r["step"] for r in read_metrics(runs[0])] == [1, 2, 3]
-
-
 def test_quantized_comm_from_the_config(tmp_path):
     """parallelism.quantized_comm=true reaches the engine: fewer bytes, nearly the same losses."""
     runs = {}

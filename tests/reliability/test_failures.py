@@ -218,16 +218,23 @@ def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = _losses(tmp_path / "reference")
     for attempt in range(int(os.environ.get("FRAMEWORK_TEST_RESTART_RUNS", "1"))):
-        run = tmp_path / f"run{attempt}"
+        run, where, agent = tmp_path / f"run{attempt}", [f"hydra.run.dir={tmp_path}/run{attempt}"], []
+        if transport == "gloo":  # no hydra.run.dir: the ranks of every attempt take the one the rendezvous id names
+            run, where, agent = (
+                tmp_path / "outputs" / "torchrun" / f"restart{attempt}",
+                [],
+                [f"--rdzv-id=restart{attempt}"],
+            )
         started = time.monotonic()
         out = _torchrun(
-            RESTART + _on(transport) + [f"hydra.run.dir={run}"],
+            RESTART + _on(transport) + where,
             tmp_path,
             _env("kill:1:5,oserror:0:4:1"),
             300,
             "--max-restarts=2",
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=127.0.0.1:0",
+            *agent,
         )
         err = out.stderr
         assert out.returncode == 0, (attempt, err[-4000:])
@@ -239,6 +246,9 @@ def test_rank_killed_or_raising_under_torchrun_restarts_and_resumes_exactly(tmp_
         )
         got = _losses(run)
         assert sorted(got) == list(range(1, 11)), (attempt, sorted(got))
+        if transport == "gloo":  # the ranks of all three attempts shared that one directory
+            names = sorted(p.name for p in (tmp_path / "outputs" / "torchrun").iterdir())
+            assert names == sorted(f"restart{i}" for i in range(attempt + 1)), names
         worst = max(abs(got[step] - expected[step]) for step in range(4, 11))
         assert worst <= RESTART_TOLERANCE, (attempt, worst)
         print(
