@@ -170,10 +170,8 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
     task = task_of(cfg)
     auto = getattr(transformers, TASK_CLASSES[task])
     config = hf_config(cfg)
-    from framework.models.meta import on_device
-
     try:
-        with on_device(device):  # [Note: random fills on the meta device]
+        with torch.device(device):
             model = auto.from_config(config, dtype=torch.float32)
         # Training keeps no key/value cache: a cache filled in forward would differ when activation
         # checkpointing recomputes the block (the export says use_cache=true again for generation).

@@ -244,8 +244,6 @@ class Transformer(nn.Module):
 
 def build_llama(cfg, device: str | torch.device = "cpu") -> Transformer:
     """The Llama a ModelConfig describes (its `model.args`), on `device` (meta: no memory)."""
-    from framework.models.meta import on_device
-
     args = llama_args(cfg)
-    with on_device(device):  # [Note: random fills on the meta device]
+    with torch.device(device):
         return Transformer(args)
