@@ -55,7 +55,15 @@ def _child(
 
 
 # Imported once by the fork server, so each rank starts with them instead of importing torch anew.
-_PRELOAD = ["torch", "torch.distributed", "framework.distributed", "framework.models", "framework.trainer"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",  # ~1.7 s: the engine's hooks import it (torch.compiler.disable), so does a meta fill
+    "framework.distributed",
+    "framework.distributed.fsdp",
+    "framework.models",
+    "framework.trainer",
+]
 
 
 def _context():
