@@ -23,7 +23,8 @@ run: venv
 # checkpoint, are built once), then, alone, the tests whose bounds are wall-clock times (a hung
 # rank found within its timeout, a Slurm job, signals at a step; `serial` in tests/conftest.py):
 # beside another worker's jobs they could overrun. `make test TEST_WORKERS=0`: one process.
-# Measured on 2 cores: 816 s + 222 s (one process: 1247 s); 3 workers made the first phase 1011 s.
+# Measured on 2 cores: 838-882 s + 97-121 s (16 min in all; identical runs differ by ~45 s); one
+# process: 1247 s (an older suite); 3 workers made the first phase 1011 s.
 TEST_WORKERS ?= 2
 
 test: venv
