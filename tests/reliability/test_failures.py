@@ -39,7 +39,11 @@ TRANSPORTS = [
 
 
 def _on(transport: str) -> list:
-    return ["parallelism.engine=native", f"parallelism.host_transport={transport}"]
+    """`gloo+float8`: float8 training, whose gather adds a MAX all-reduce of the scales per unit."""
+    name, _, feature = transport.partition("+")
+    return ["parallelism.engine=native", f"parallelism.host_transport={name}"] + (
+        ["parallelism.float8=true"] if feature == "float8" else []
+    )
 
 
 def _env(fault: str = "") -> dict:
@@ -71,6 +75,22 @@ def test_exception_in_one_rank_under_main_py_prints_its_traceback(tmp_path, tran
     assert out.stderr.index("rank 0 (of 2) failed") < out.stderr.index("rank 1 (of 2) failed")
 
 
+@pytest.mark.parametrize(
+    "fault, line",
+    [
+        ("kill:1:3", "error: rank 1 was killed by signal SIGKILL"),
+        ("oserror:1:3", "OSError: [Errno 28] No space left on device (injected)"),
+    ],
+    ids=["dead_rank", "full_disk"],
+)
+def test_float8_job_ends_cleanly_on_a_dead_rank_and_a_full_disk(tmp_path, fault, line):
+    """Float8 training's extra collective (the scales' all-reduce before each gather) fails like
+    the others: a killed rank or an I/O error in one rank ends the job, named, with the crash status."""
+    out = run_main(SHORT + _on("gloo+float8") + [f"hydra.run.dir={tmp_path}/run"], tmp_path, env=_env(fault))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert line in out.stderr and "rank 1" in out.stderr, out.stderr[-3000:]
+
+
 def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys):
     from framework.runtime import _print_failures
 
@@ -89,7 +109,7 @@ def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys)
     assert "stopped rank(s) 3: still running 5 s after rank 1 ended" in err, err
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "gloo+float8"])
 def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path, transport):
     """SIGSTOP one rank: the other's next collective times out after trainer.collective_timeout_s
     (5 s here, 300 by default) on whichever transport it waits in, the job ends naming the stopped
