@@ -22,7 +22,7 @@ from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInputError
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib, throughput
 from framework.models import family_of
-from framework.models.tasks import RunView, to_device
+from framework.models.tasks import IGNORE_INDEX, RunView, to_device
 from framework.optim import build_optimizer, build_scheduler
 from framework.profiling import StepProfiler
 from framework.runtime import Runtime, init_distributed, report_crash, shutdown
@@ -155,7 +155,7 @@ class Trainer:
             return self.task.loss(self.model, batch)
         from framework.distributed.context_parallel import split_batch
 
-        part, labelled = split_batch(batch, self.mesh.get_local_rank("cp"), cp)
+        part, labelled = split_batch(batch, self.mesh.get_local_rank("cp"), cp, IGNORE_INDEX)
         return self.task.summed_loss(self.model, part) * cp / labelled.clamp(min=1)
 
     def _sequences_split(self):

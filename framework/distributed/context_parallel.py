@@ -41,7 +41,6 @@ from framework.distributed.expert_parallel import AllToAllCounter
 
 __all__ = ["apply_context_parallel", "SequenceExchange", "active", "split_batch"]
 
-_LABEL_IGNORED = -100
 _WHOLE = ("positions", "document_ids")  # per token of the whole row: kept whole on every cp rank
 
 
@@ -123,9 +122,10 @@ def active(model: nn.Module):
         exchange.active = False
 
 
-def split_batch(batch: Any, rank: int, size: int) -> Tuple[Any, torch.Tensor]:
-    """(this rank's chunk of a causal-LM batch, the labelled tokens of the whole batch): the
-    inputs and labels cut on the sequence dim, positions and document ids kept whole."""
+def split_batch(batch: Any, rank: int, size: int, ignore_index: int) -> Tuple[Any, torch.Tensor]:
+    """(this rank's chunk of a causal-LM batch, the labelled tokens of the whole batch, those not
+    `ignore_index`): the inputs and labels cut on the sequence dim, positions and document ids
+    kept whole."""
 
     def chunk(t: torch.Tensor) -> torch.Tensor:
         step = t.shape[1] // size
@@ -137,4 +137,4 @@ def split_batch(batch: Any, rank: int, size: int) -> Tuple[Any, torch.Tensor]:
     else:
         inputs, labels = batch
         part = (chunk(inputs), chunk(labels))
-    return part, (labels != _LABEL_IGNORED).sum()
+    return part, (labels != ignore_index).sum()

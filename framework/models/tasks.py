@@ -25,9 +25,12 @@ def logits_of(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every labelled position; logits (..., classes), labels (...)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over every labelled position (their mean, or with "sum" their sum); logits
+    (..., classes), labels (...)."""
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -40,26 +43,25 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _causal_lm(model, batch) -> torch.Tensor:
+def _causal_lm_forward(model, batch) -> tuple:
+    """(logits, labels) of a causal-LM batch: (inputs, labels), or a dict whose packed fine-tuning
+    rows carry each token's position in its document and the document's id
+    (framework/finetune/data.py); the model keeps attention inside each document."""
     if isinstance(batch, dict):
-        # Packed fine-tuning rows carry each token's position in its document and the document's
-        # id (framework/finetune/data.py); the model keeps attention inside each document.
         packed = {k: batch[k] for k in ("positions", "document_ids") if k in batch}
-        return _with_aux(model, cross_entropy(logits_of(model(batch["input_ids"], **packed)), batch["labels"]))
+        return logits_of(model(batch["input_ids"], **packed)), batch["labels"]
     inputs, labels = batch
-    return _with_aux(model, cross_entropy(logits_of(model(inputs)), labels))
+    return logits_of(model(inputs)), labels
+
+
+def _causal_lm(model, batch) -> torch.Tensor:
+    return _with_aux(model, cross_entropy(*_causal_lm_forward(model, batch)))
 
 
 def causal_lm_summed(model, batch) -> torch.Tensor:
     """The cross-entropy summed (not averaged) over the labelled positions of `batch`, which may be
     a chunk of each row (context parallelism: positions and document ids of the whole rows)."""
-    if isinstance(batch, dict):
-        packed = {k: batch[k] for k in ("positions", "document_ids") if k in batch}
-        logits, labels = logits_of(model(batch["input_ids"], **packed)), batch["labels"]
-    else:
-        inputs, labels = batch
-        logits = logits_of(model(inputs))
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return cross_entropy(*_causal_lm_forward(model, batch), reduction="sum")
 
 
 def _with_aux(model, loss: torch.Tensor) -> torch.Tensor:

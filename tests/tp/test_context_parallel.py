@@ -55,7 +55,7 @@ def _cp_worker(rank: int, world: int, documents: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
     from framework.distributed.context_parallel import active, apply_context_parallel, split_batch
-    from framework.models.tasks import causal_lm_summed, cross_entropy
+    from framework.models.tasks import IGNORE_INDEX, causal_lm_summed, cross_entropy
 
     batch = _batch(documents)
     reference = _model()
@@ -67,7 +67,7 @@ def _cp_worker(rank: int, world: int, documents: bool):
     model = _model()
     inputs = _attention_inputs(model)
     apply_context_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"])
-    part, labelled = split_batch(batch, rank, world)
+    part, labelled = split_batch(batch, rank, world, IGNORE_INDEX)
     with active(model):
         loss = causal_lm_summed(model, part) * world / labelled
         loss.backward()
