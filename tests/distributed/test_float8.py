@@ -8,10 +8,13 @@ equals a run with the full-precision gather bit for bit while moving one byte pe
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TINY, read_metrics, run_main
+from conftest import REPO, TINY, main_env, read_metrics, run_main
 
 from tests.distributed.harness import run_ranks
 
@@ -114,6 +117,17 @@ HF_LLAMA = (
 )
 
 
+def test_torchao_and_transformers_import_without_notices():
+    """A fresh interpreter, as a rank on a GPU-less node starts: importing the framework, then
+    transformers (which imports torchao) and torchao's float8, prints none of torchao's import-time
+    notices (GPU kernels a CPU build cannot load, a torch pytree enum notice). Checked here, not in
+    the jobs: the tests' main.py server has these modules imported already."""
+    code = "import framework, transformers.modeling_utils, torchao.float8"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=main_env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr[-3000:]
+
+
 def test_hf_model_in_float8_both_recipes(tmp_path):
     """model=hf converts alike; row-wise weights are scaled per row by the linear, so they are
     gathered in the param dtype (more bytes), tensor-wise ones as float8."""
@@ -124,7 +138,6 @@ def test_hf_model_in_float8_both_recipes(tmp_path):
         args += [f"parallelism.float8_recipe={recipe}", "trainer.max_steps=4", "trainer.eval_interval=0"]
         out = run_main([*args, "checkpoint.save_final=false", f"hydra.run.dir={run}"], tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr  # torchao's notices
         runs[recipe] = read_metrics(run)
     tw, rw = runs["tensorwise"], runs["rowwise"]
     assert rw[-1]["gather_bytes"] > 2 * tw[-1]["gather_bytes"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_main
 
 from framework.config.schema import (
     ClusterConfig,
@@ -250,14 +251,7 @@ def test_planner_matches_engine(engine_results, name):
 
 def test_plan_stage_prints_and_advises(tmp_path):
     """The documented commands: a breakdown that fits, and a misfit with a change that fits."""
-    run = lambda *a: subprocess.run(
-        [sys.executable, "main.py", "stage=plan", *a, f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    run = lambda *a: run_main(["stage=plan", *a, f"hydra.run.dir={tmp_path}"], tmp_path, timeout=120)
     ok = run("model=llama_70b", "cluster.nodes=16", "cluster.nproc_per_node=8", "cluster.gpus_per_node=8")
     assert ok.returncode == 0, ok.stderr
     assert "Memory per rank" in ok.stdout and "Verdict:" in ok.stdout and (tmp_path / "plan.json").exists()
@@ -324,21 +318,10 @@ def test_plan_counts_a_hugging_face_model_as_built(family):
 def test_plan_of_a_hugging_face_gpt2_from_main(tmp_path):
     """The command a user runs: the printed and saved parameter count is GPT-2's (it was 0)."""
     inline = "{model_type: gpt2, n_layer: 2, n_embd: 32, n_head: 2, vocab_size: 128}"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "main.py",
-            "stage=plan",
-            "model=hf",
-            f"model.config={inline}",
-            "data=synthetic",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    out = run_main(
+        ["stage=plan", "model=hf", f"model.config={inline}", "data=synthetic", f"hydra.run.dir={tmp_path}"],
+        tmp_path,
         timeout=120,
-        check=False,
     )
     assert out.returncode == 0, out.stderr
     # 128 x 32 tokens + 1024 x 32 positions + 2 blocks of 12 x 32^2 + 13 x 32 + final norm 2 x 32
@@ -347,14 +330,7 @@ def test_plan_of_a_hugging_face_gpt2_from_main(tmp_path):
 
 
 def test_plan_refuses_a_family_without_shapes(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "main.py", "stage=plan", "experiment=digits_cnn", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    out = run_main(["stage=plan", "experiment=digits_cnn", f"hydra.run.dir={tmp_path}"], tmp_path, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "model.name=digits_cnn: stage=plan has no shapes for this family" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
@@ -459,16 +435,13 @@ def test_published_presets_count_their_published_parameters(preset, tmp_path):
     """stage=plan on 8 nodes x 8 GPUs (tp=8 inside a node, sharding across nodes): the plan's
     parameter count is the published one (0.5% allowed by the issue; these are exact), and the
     preset's tensor-parallel degree divides its heads, KV heads and widths."""
-    out = subprocess.run(
-        [sys.executable, "main.py", "stage=plan", f"model={preset}", "cluster.nodes=8", "cluster.nproc_per_node=8"]
+    out = run_main(
+        ["stage=plan", f"model={preset}", "cluster.nodes=8", "cluster.nproc_per_node=8"]
         + ["cluster.gpus_per_node=8", f"parallelism.tp={1 if 'mixtral' in preset else 8}", "data=synthetic"]
         + ["data.seq_len=4096"]
         + ["trainer.micro_batch_size=1", "trainer.global_batch_size=64", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+        tmp_path,
         timeout=120,
-        check=False,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())

@@ -171,14 +171,8 @@ def test_a_negative_document_length_ends_the_job_with_status_2(prepared, tmp_pat
 
 
 def _prepare(tmp_path: Path, *args: str, timeout: float = 120):
-    return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "stage=data_preparation", *args],
-        cwd=tmp_path,
-        env=main_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,  # a FIFO read would hang here; /dev/zero would fill the disk
-    )
+    # the timeout: a FIFO read would hang here; /dev/zero would fill the disk
+    return run_main(["stage=data_preparation", *args], tmp_path, timeout=timeout)
 
 
 def test_data_preparation_reads_regular_files_only_and_names_what_it_skipped(tmp_path):
