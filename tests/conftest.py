@@ -85,11 +85,38 @@ class _MainServer:
         return json.loads(line)
 
     @classmethod
+    def start(cls, cmd, args, cwd, env) -> "_ServerJob":
+        import tempfile
+
+        proc = cls._server()
+        tmp = tempfile.TemporaryDirectory(prefix="main-run-")
+        out, err = os.path.join(tmp.name, "out"), os.path.join(tmp.name, "err")
+        request = {"argv": list(args), "cwd": str(cwd), "env": env, "out": out, "err": err}
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        cls.running = _ServerJob(cmd, proc, cls._reply(proc, 60)["pid"], tmp)
+        return cls.running
+
+    running: "_ServerJob | None" = None
+
+    @classmethod
+    def _finish_running(cls) -> None:
+        """A job started in the background and left running (its test failed): end it, so that
+        the server's next reply is the next request's."""
+        import signal
+
+        job, cls.running = cls.running, None
+        if job is not None and job.poll() is None:
+            job.send_signal(signal.SIGKILL)
+            job.wait(60)
+
+    @classmethod
     def run(cls, cmd, args, cwd, env, timeout: float) -> subprocess.CompletedProcess:
         import signal
         import tempfile
         import time
 
+        cls._finish_running()
         proc = cls._server()
         with tempfile.TemporaryDirectory(prefix="main-run-") as tmp:
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
@@ -116,17 +143,73 @@ class _MainServer:
             return subprocess.CompletedProcess(cmd, reply["rc"], read(out), read(err))
 
 
-def start_main(args: List[str], cwd: Path, env=None, launcher: List[str] = ()) -> subprocess.Popen:
+class _ServerJob:
+    """A main.py job the tests' server forked, running in the background, with the part of
+    `subprocess.Popen` the tests use: pid, poll, wait, communicate, send_signal, terminate, kill."""
+
+    def __init__(self, cmd, server: subprocess.Popen, pid: int, tmp) -> None:
+        self.args, self.pid, self.returncode = cmd, pid, None
+        self._server, self._tmp, self._output = server, tmp, ("", "")
+
+    def poll(self):
+        if self.returncode is None:
+            reply = _MainServer._reply(self._server, 0)
+            if reply is not None:
+                self._ended(reply["rc"])
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            reply = _MainServer._reply(self._server, 10**9 if timeout is None else timeout)
+            if reply is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._ended(reply["rc"])
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return self._output
+
+    def send_signal(self, sig) -> None:
+        if self.returncode is None:  # not yet reaped by the server: the pid is still this job's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def _ended(self, rc: int) -> None:
+        def read(name):
+            with open(os.path.join(self._tmp.name, name), errors="replace") as f:
+                return f.read()
+
+        self.returncode, self._output = rc, (read("out"), read("err"))
+        self._tmp.cleanup()
+        if _MainServer.running is self:
+            _MainServer.running = None
+
+
+def start_main(args: List[str], cwd: Path, env=None, launcher: List[str] = ()):
     """`python [launcher...] main.py args...` started in the background (the caller signals it,
-    reads its pipes and waits); `launcher` is e.g. torchrun's module and flags."""
-    return subprocess.Popen(
-        [sys.executable, *launcher, str(REPO / "main.py"), *args],
-        cwd=cwd,
-        env=main_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    and waits for or communicates with it); `launcher` is e.g. torchrun's module and flags. Without
+    a launcher, through the tests' main.py server when `run_main` would use it (a `_ServerJob`, whose
+    pid is main.py's), else a `subprocess.Popen` with text pipes."""
+    full_env = main_env(env)
+    cmd = [sys.executable, *launcher, str(REPO / "main.py"), *args]
+    if (
+        not launcher
+        and _server_can_start(full_env.get("PYTHONPATH", ""))
+        and os.environ.get("TEST_MAIN_SERVER", "1") == "1"
+    ):
+        _MainServer._finish_running()
+        return _MainServer.start(cmd, args, cwd, full_env)
+    return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def pinned_tool(name: str) -> str:
@@ -166,6 +249,14 @@ def read_metrics(run_dir: Path) -> List[dict]:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def stdlib_cache(tmp_path_factory) -> str:
+    """`data.cache_dir=...` shared by this test process's jobs on the stdlib corpus that do not test
+    its preparation: the first prepares it (~7 s), the rest reuse it. One per pytest-xdist worker,
+    whose tests run one at a time (megatron-core writes its index files in place)."""
+    return f"data.cache_dir={tmp_path_factory.getbasetemp() / 'stdlib_cache'}"
 
 
 # Tests bounded by wall-clock times (a Slurm job within its limit, a time limit, a signal at a step;

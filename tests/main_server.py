@@ -3,15 +3,17 @@
 [Note: the tests' main.py server]
 Most end-to-end tests run `python main.py ...` as a user would, a few hundred times in the suite;
 each start spent ~4 s importing torch, Hydra and the framework before the job's own work, most of
-a tiny job's wall time. This server imports them once, then forks one child per request: the
+a tiny job's wall time. This server imports them once (and what many jobs' ranks would import
+again: megatron.core for the indexed data, transformers for model=hf; the ranks are forked from the
+job), then forks one child per request: the
 child takes the request's working directory, environment and argv, sends its stdout/stderr to
 files, and runs main.py as `__main__` (`runpy.run_path`): the same code path as the command line,
 from a process whose only history is those imports (no thread started, no torch op run). The
 server reports the child's pid, then its exit status as `subprocess` would give it (-N for a
 signal). `tests/conftest.py:run_main` uses it when the environment asks for nothing the
 interpreter reads at start (its PYTHONPATH is the repository's, possibly after folders holding a
-`sitecustomize.py`, which the child imports as `site` would); otherwise, and for the tests that
-signal a running job (`start_main`), a real subprocess.
+`sitecustomize.py`, which the child imports as `site` would), and so does `start_main` for a job
+the test signals while it runs (without a launcher such as torchrun); otherwise a real subprocess.
 
 Protocol: one JSON object per line on stdin {"argv", "cwd", "env", "out", "err"}; replies on stdout
 {"pid": N}, then {"rc": N}.
@@ -85,6 +87,7 @@ def serve() -> None:
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401 - ~1.7 s, imported by every job (the engine's hooks, meta fills)
 
+    import framework.data.indexed  # noqa: F401 - megatron.core, ~2.8 s: every job on the stdlib or indexed data
     import framework.distributed.fsdp  # noqa: F401
     import framework.entrypoint  # noqa: F401
     import framework.trainer  # noqa: F401

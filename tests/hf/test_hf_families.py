@@ -386,7 +386,7 @@ def _lie_in_safetensors_header(directory) -> None:
 @pytest.mark.parametrize(
     "bad", ["pickled_weights_only", "config_not_json", "lying_safetensors_header", "non_utf8_records"]
 )
-def test_bad_files_in_a_model_directory_are_one_line_refusals(tmp_path, bad):
+def test_bad_files_in_a_model_directory_are_one_line_refusals(tmp_path, bad, stdlib_cache):
     import transformers
     from conftest import TINY, run_main
 
@@ -414,8 +414,8 @@ def test_bad_files_in_a_model_directory_are_one_line_refusals(tmp_path, bad):
     args = [a for a in TINY if not a.startswith(("model=", "data="))]
     out = run_main(
         args
-        + ["model=hf", f"model.path={model_dir}", "data=stdlib", "data.seq_len=32", "trainer.max_steps=2"]
-        + ["cluster.nproc_per_node=1"]  # one rank: every rank reads these files alike
+        + ["model=hf", f"model.path={model_dir}", "data=stdlib", stdlib_cache, "data.seq_len=32"]
+        + ["trainer.max_steps=2", "cluster.nproc_per_node=1"]  # one rank: every rank reads these files alike
         + ["trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path}/run", *extra],
         tmp_path,
     )

@@ -9,8 +9,8 @@ from conftest import TINY, run_main
 QUIET = [a for a in TINY if not a.startswith("data=")]
 
 
-def test_generate_from_a_two_rank_checkpoint_on_one_and_two_ranks(tmp_path):
-    cache = f"data.cache_dir={tmp_path}/cache"  # the stdlib corpus and its tokenizer
+def test_generate_from_a_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, stdlib_cache):
+    cache = stdlib_cache  # the stdlib corpus and its tokenizer
     out = run_main(
         QUIET + [cache, "trainer.max_steps=3", "trainer.eval_interval=0", f"hydra.run.dir={tmp_path}/t"], tmp_path
     )

@@ -95,7 +95,7 @@ def test_tokens_reach_their_experts_and_gradients_come_home(capacity_factor, idl
 MOE = [a for a in TINY if not a.startswith("data=")] + ["model=moe_debug", "trainer.eval_interval=0"]
 
 
-def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp_path):
+def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp_path, stdlib_cache):
     """The issue's job, `model=moe_debug cluster.nproc_per_node=4 parallelism.ep=2` on the embedded
     corpus (dp_shard=4: experts over 2 ep ranks x 2 efsdp ranks): its first 5 losses equal one
     process's with the same micro-batches (1e-5; the load-balancing loss is per micro-batch), and
@@ -104,7 +104,14 @@ def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp
     run's own (1e-5): the experts are whole tensors in the checkpoint."""
     straight = tmp_path / "ep2"
     out = run_main(
-        [*MOE, "cluster.nproc_per_node=4", "parallelism.ep=2", "trainer.max_steps=10", "checkpoint.interval=5"]
+        [
+            *MOE,
+            stdlib_cache,
+            "cluster.nproc_per_node=4",
+            "parallelism.ep=2",
+            "trainer.max_steps=10",
+            "checkpoint.interval=5",
+        ]
         + [f"hydra.run.dir={straight}"],
         tmp_path,
     )
@@ -129,7 +136,7 @@ def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp
 
     one = tmp_path / "one"
     out = run_main(
-        [*MOE, "cluster.nproc_per_node=1", "trainer.micro_batch_size=4", "trainer.max_steps=5"]
+        [*MOE, stdlib_cache, "cluster.nproc_per_node=1", "trainer.micro_batch_size=4", "trainer.max_steps=5"]
         + [f"hydra.run.dir={one}"],
         tmp_path,
     )
@@ -137,7 +144,14 @@ def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp
     assert [r["loss"] for r in read_metrics(one)] == pytest.approx(ep2[:5], abs=1e-5)
     two = tmp_path / "two"  # ep=2 over all ranks (efsdp=1): each expert on one rank, unsharded
     out = run_main(
-        [*MOE, "cluster.nproc_per_node=2", "parallelism.ep=2", "trainer.micro_batch_size=4", "trainer.max_steps=5"]
+        [
+            *MOE,
+            stdlib_cache,
+            "cluster.nproc_per_node=2",
+            "parallelism.ep=2",
+            "trainer.micro_batch_size=4",
+            "trainer.max_steps=5",
+        ]
         + [f"hydra.run.dir={two}"],
         tmp_path,
     )
@@ -145,7 +159,14 @@ def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp
     assert [r["loss"] for r in read_metrics(two)] == pytest.approx(ep2[:5], abs=1e-5)
     torch_engine = tmp_path / "torch"  # torch's fully_shard over the same expert DTensors
     out = run_main(
-        [*MOE, "cluster.nproc_per_node=2", "parallelism.ep=2", "trainer.micro_batch_size=4", "trainer.max_steps=5"]
+        [
+            *MOE,
+            stdlib_cache,
+            "cluster.nproc_per_node=2",
+            "parallelism.ep=2",
+            "trainer.micro_batch_size=4",
+            "trainer.max_steps=5",
+        ]
         + ["parallelism.engine=torch", f"hydra.run.dir={torch_engine}"],
         tmp_path,
     )
@@ -156,7 +177,7 @@ def test_moe_debug_with_ep2_on_4_ranks_equals_one_process_and_resumes_at_ep1(tmp
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "step_00000005", resumed / "checkpoints" / "step_00000005")
     out = run_main(
-        [*MOE, "cluster.nproc_per_node=2", "trainer.micro_batch_size=4", "trainer.max_steps=10"]
+        [*MOE, stdlib_cache, "cluster.nproc_per_node=2", "trainer.micro_batch_size=4", "trainer.max_steps=10"]
         + [f"checkpoint.resume={resumed / 'checkpoints' / 'step_00000005'}", f"hydra.run.dir={resumed}"],
         tmp_path,
     )

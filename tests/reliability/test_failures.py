@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, rank_pids, read_metrics, run_main
+from conftest import REPO, TINY, rank_pids, read_metrics, run_main, start_main
 
 from framework.distributed.fsdp.host import HOST_TRANSPORTS, shm
 
@@ -115,10 +115,8 @@ def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path, transpor
     (5 s here, 300 by default) on whichever transport it waits in, the job ends naming the stopped
     rank, and no process remains (the stopped one is killed with SIGKILL, which reaches it)."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = start_main(
         [
-            sys.executable,
-            str(REPO / "main.py"),
             *TINY,
             "trainer.max_steps=100000",
             "trainer.eval_interval=0",
@@ -127,11 +125,8 @@ def test_hung_rank_ends_the_job_naming_it_and_nothing_is_left(tmp_path, transpor
             *_on(transport),
             f"hydra.run.dir={run}",
         ],
-        cwd=tmp_path,
+        tmp_path,
         env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     ranks = []
     try:

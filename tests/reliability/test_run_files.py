@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, TINY, main_env, run_main
+from conftest import TINY, run_main, start_main
 
 from framework.runtime import Runtime, free_port
 
@@ -269,14 +269,7 @@ def test_a_sigkilled_job_leaves_nothing_the_next_start_does_not_sweep(tmp_path):
 
     from framework.fileio import RANKS_PREFIX, sweep_leftovers
 
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "main.py"), *TINY, "trainer.max_steps=200", f"hydra.run.dir={tmp_path}/run"],
-        cwd=tmp_path,
-        env=main_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_main([*TINY, "trainer.max_steps=200", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     pattern = os.path.join(tempfile.gettempdir(), f"{RANKS_PREFIX}*-{proc.pid}-*")
     deadline = time.monotonic() + 120
     while not (tmp_path / "run" / "metrics.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
