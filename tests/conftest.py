@@ -17,6 +17,8 @@ sys.path.insert(0, str(REPO))
 from framework.runtime import free_port  # noqa: E402,F401  (a free loopback port, for the tests' helpers)
 
 # Small, fast settings shared by the end-to-end tests: the tiny model on synthetic data.
+# A tiny job: what most tests need of a run. No final checkpoint (~0.3 s of a 1.3 s job): a test
+# that reads the one at the end adds `checkpoint.save_final=true` (the last override wins).
 TINY = [
     "model=debug",
     "data=synthetic",
@@ -24,6 +26,7 @@ TINY = [
     "logging.tensorboard=false",
     "logging.loss_plot=false",
     "trainer.sample_tokens=0",
+    "checkpoint.save_final=false",
 ]
 
 
@@ -259,35 +262,35 @@ def stdlib_cache(tmp_path_factory) -> str:
     return f"data.cache_dir={tmp_path_factory.getbasetemp() / 'stdlib_cache'}"
 
 
-# Tests bounded by wall-clock times (a Slurm job within its limit, a time limit, a signal at a step;
-# single tests elsewhere may carry `@pytest.mark.serial`): `make test` runs them after the others,
-# alone, so another pytest-xdist worker's jobs cannot slow them past their bounds. (A hung rank
-# found within a 5 s collective timeout and torchrun's restarts keep well inside their bounds
-# beside another worker: they run with the rest.)
+# Tests bounded by wall-clock times (a Slurm job within its limit and its pre-emption, two nodes'
+# rendezvous; single tests elsewhere may carry `@pytest.mark.serial`): `make test` runs them after
+# the others, alone, so another pytest-xdist worker's jobs cannot slow them past their bounds. (A
+# hung rank found within a 5 s collective timeout, torchrun's restarts, the time limit and a SIGTERM
+# to one rank keep well inside their bounds beside another worker: they run with the rest.)
 SERIAL_FILES = {
-    "reliability/test_stop.py",
     "launcher/test_launcher_real.py",
 }
 
 
 # The longest files (wall time under two workers), started first: pytest-xdist hands out whole
 # files in collection order, so a long one collected last would run alone at the end.
-LONG_FILES = [
-    "integration/test_trackers.py",
+LONG_FILES = [  # measured sums of the files' test times, longest first
     "reliability/test_failures.py",
-    "tp/test_tp_training.py",
-    "tp/test_hf_tp.py",
     "integration/test_main.py",
     "planner/test_planner.py",
-    "integration/test_generate.py",
-    "models/test_expert_parallel.py",
+    "hf/test_hf_families.py",
+    "tp/test_tp_training.py",
+    "launcher/test_launcher_cluster_conventions.py",
     "distributed/test_float8.py",
     "data/test_hf_data.py",
-    "hf/test_hf_families.py",
-    "integration/test_evaluate.py",
-    "finetune/test_recipes.py",
-    "distributed/test_engine_parity.py",
+    "tp/test_hf_tp.py",
+    "integration/test_trackers.py",
     "checkpoint/test_checkpoint.py",
+    "integration/test_evaluate.py",
+    "docs/test_docs.py",
+    "distributed/test_engine_parity.py",
+    "hf/test_hf_main.py",
+    "models/test_expert_parallel.py",
 ]
 
 
