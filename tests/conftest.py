@@ -287,7 +287,6 @@ LONG_FILES = [  # measured sums of the files' test times, longest first
     "integration/test_trackers.py",
     "checkpoint/test_checkpoint.py",
     "integration/test_evaluate.py",
-    "docs/test_docs.py",
     "distributed/test_engine_parity.py",
     "hf/test_hf_main.py",
     "models/test_expert_parallel.py",

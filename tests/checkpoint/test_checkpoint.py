@@ -30,6 +30,7 @@ from conftest import TINY, rank_pids, read_metrics, run_main, start_main
 from framework.errors import EXIT_REQUEUE
 
 COMMON = TINY + [
+    "checkpoint.save_final=true",
     "trainer.eval_interval=0",
     "trainer.micro_batch_size=2",
     "trainer.global_batch_size=8",

@@ -12,7 +12,10 @@ QUIET = [a for a in TINY if not a.startswith("data=")]
 def test_generate_from_a_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, stdlib_cache):
     cache = stdlib_cache  # the stdlib corpus and its tokenizer
     out = run_main(
-        QUIET + [cache, "trainer.max_steps=3", "trainer.eval_interval=0", f"hydra.run.dir={tmp_path}/t"], tmp_path
+        QUIET
+        + [cache, "trainer.max_steps=3", "trainer.eval_interval=0", "checkpoint.save_final=true"]
+        + [f"hydra.run.dir={tmp_path}/t"],
+        tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     step = tmp_path / "t" / "checkpoints" / "step_00000003"

@@ -230,7 +230,14 @@ def test_sigterm_to_main_reaches_the_local_ranks(tmp_path):
 
     run = tmp_path / "run"
     proc = start_main(
-        [*TINY, "trainer.max_steps=100000", "checkpoint.interval=0", f"hydra.run.dir={run}"], cwd=tmp_path
+        [
+            *TINY,
+            "trainer.max_steps=100000",
+            "checkpoint.interval=0",
+            "checkpoint.save_final=true",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
     )
     try:
         deadline = time.monotonic() + 120

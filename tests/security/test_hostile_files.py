@@ -51,7 +51,8 @@ def checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hostile")
     out = run_main(
         TINY
-        + ["cluster.nproc_per_node=1", "trainer.max_steps=2", "trainer.eval_interval=0", f"hydra.run.dir={root}/run"],
+        + ["cluster.nproc_per_node=1", "trainer.max_steps=2", "trainer.eval_interval=0", "checkpoint.save_final=true"]
+        + [f"hydra.run.dir={root}/run"],
         root,
     )
     assert out.returncode == 0, out.stderr[-3000:]
