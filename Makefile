@@ -20,11 +20,12 @@ run: venv
 	$(BIN)/python main.py $(ARGS)
 
 # Two pytest-xdist workers (CI's 2 cores) over whole files (a file's module fixtures, a trained
-# checkpoint, are built once), then, alone, the tests whose bounds are wall-clock times (a hung
-# rank found within its timeout, a Slurm job, signals at a step; `serial` in tests/conftest.py):
-# beside another worker's jobs they could overrun. `make test TEST_WORKERS=0`: one process.
-# Measured on 2 cores: 838-882 s + 97-121 s (16 min in all; identical runs differ by ~45 s); one
-# process: 1247 s (an older suite); 3 workers made the first phase 1011 s.
+# checkpoint, are built once), then, alone, the tests whose bounds are wall-clock times (Slurm jobs
+# and a pre-emption, two nodes' rendezvous; `serial` in tests/conftest.py): beside another worker's
+# jobs they could overrun. `make test TEST_WORKERS=0`: one process.
+# Measured on 2 cores: 673 s + 95 s (12.8 min; the same code ran 954 s + 139 s before this round's
+# cuts on the same day: identical runs differ by ~45 s, days by more); one process: 1247 s (an
+# older suite); 3 workers made the first phase slower (1011 s, an older suite).
 TEST_WORKERS ?= 2
 
 test: venv
