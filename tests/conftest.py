@@ -16,9 +16,9 @@ sys.path.insert(0, str(REPO))
 
 from framework.runtime import free_port  # noqa: E402,F401  (a free loopback port, for the tests' helpers)
 
-# Small, fast settings shared by the end-to-end tests: the tiny model on synthetic data.
-# A tiny job: what most tests need of a run. No final checkpoint (~0.3 s of a 1.3 s job): a test
-# that reads the one at the end adds `checkpoint.save_final=true` (the last override wins).
+# Small, fast settings shared by the end-to-end tests: the tiny model on synthetic data, and no
+# final checkpoint (~0.3 s of a 1.3 s job): a test that reads the one at the end adds
+# `checkpoint.save_final=true` (the last override wins).
 TINY = [
     "model=debug",
     "data=synthetic",
@@ -45,16 +45,17 @@ def run_main(args: List[str], cwd: Path, timeout: float = 300, env=None) -> subp
     tests/main_server.py), else a subprocess; the result is the same CompletedProcess."""
     full_env = main_env(env)
     cmd = [sys.executable, str(REPO / "main.py"), *args]
-    if _server_can_start(full_env.get("PYTHONPATH", "")) and os.environ.get("TEST_MAIN_SERVER", "1") == "1":
+    if _server_can_run(full_env):
         return _MainServer.run(cmd, args, cwd, full_env, timeout)
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def _server_can_start(pythonpath: str) -> bool:
-    """The repository last on PYTHONPATH, before it only folders of a `sitecustomize.py` (fault
-    injection), which the server's child imports itself."""
-    *hooks, last = pythonpath.split(os.pathsep)
-    return last == str(REPO) and all(Path(h, "sitecustomize.py").is_file() for h in hooks)
+def _server_can_run(env: dict) -> bool:
+    """Unless TEST_MAIN_SERVER=0: the repository last on the job's PYTHONPATH, before it only
+    folders of a `sitecustomize.py` (fault injection), which the server's child imports itself."""
+    *hooks, last = env.get("PYTHONPATH", "").split(os.pathsep)
+    in_use = os.environ.get("TEST_MAIN_SERVER", "1") == "1"
+    return in_use and last == str(REPO) and all(Path(h, "sitecustomize.py").is_file() for h in hooks)
 
 
 class _MainServer:
@@ -91,6 +92,7 @@ class _MainServer:
     def start(cls, cmd, args, cwd, env) -> "_ServerJob":
         import tempfile
 
+        cls._finish_running()
         proc = cls._server()
         tmp = tempfile.TemporaryDirectory(prefix="main-run-")
         out, err = os.path.join(tmp.name, "out"), os.path.join(tmp.name, "err")
@@ -116,34 +118,18 @@ class _MainServer:
     @classmethod
     def run(cls, cmd, args, cwd, env, timeout: float) -> subprocess.CompletedProcess:
         import signal
-        import tempfile
-        import time
 
-        cls._finish_running()
-        proc = cls._server()
-        with tempfile.TemporaryDirectory(prefix="main-run-") as tmp:
-            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-            request = {"argv": list(args), "cwd": str(cwd), "env": env, "out": out, "err": err}
-            proc.stdin.write(json.dumps(request) + "\n")
-            proc.stdin.flush()
-            pid = cls._reply(proc, 60)["pid"]
-            deadline = time.monotonic() + timeout
-            reply = cls._reply(proc, deadline - time.monotonic())
-            timed_out = reply is None
-            if timed_out:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                reply = cls._reply(proc, 60)
-
-            def read(path):
-                with open(path, errors="replace") as f:
-                    return f.read()
-
-            if timed_out:
-                raise subprocess.TimeoutExpired(cmd, timeout, output=read(out), stderr=read(err))
-            return subprocess.CompletedProcess(cmd, reply["rc"], read(out), read(err))
+        job = cls.start(cmd, args, cwd, env)
+        try:
+            out, err = job.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(job.pid, signal.SIGKILL)  # the job and its ranks (its own process group)
+            except ProcessLookupError:
+                pass
+            out, err = job.communicate(60)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        return subprocess.CompletedProcess(cmd, job.returncode, out, err)
 
 
 class _ServerJob:
@@ -205,12 +191,7 @@ def start_main(args: List[str], cwd: Path, env=None, launcher: List[str] = ()):
     pid is main.py's), else a `subprocess.Popen` with text pipes."""
     full_env = main_env(env)
     cmd = [sys.executable, *launcher, str(REPO / "main.py"), *args]
-    if (
-        not launcher
-        and _server_can_start(full_env.get("PYTHONPATH", ""))
-        and os.environ.get("TEST_MAIN_SERVER", "1") == "1"
-    ):
-        _MainServer._finish_running()
+    if not launcher and _server_can_run(full_env):
         return _MainServer.start(cmd, args, cwd, full_env)
     return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

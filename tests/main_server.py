@@ -73,13 +73,10 @@ def _child(request: dict) -> None:
 def _preload_transformers() -> None:
     """transformers and the modules a model=hf job reaches (~2.5 s of every such job's ranks on
     two cores: its model classes and their torchao/accelerate checks load on first use)."""
-    try:
-        import transformers  # noqa: F401
-        import transformers.activations  # noqa: F401
-        import transformers.modeling_utils  # noqa: F401
-        from transformers.models.llama import modeling_llama  # noqa: F401
-    except ImportError:
-        pass
+    import transformers  # noqa: F401 - pinned in requirements.lock
+    import transformers.activations  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
 
 
 def serve() -> None:
