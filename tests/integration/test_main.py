@@ -1,5 +1,6 @@
 """`python main.py` as a user runs it: Hydra conventions, refusals, training end to end."""
 
+import json
 import math
 import os
 import re
@@ -281,8 +282,39 @@ def test_meta_init_after_sharding_trains(tmp_path, engine):
     assert losses[-1] < losses[0] - 0.3
 
 
+_COUNT_BLOCK_FORWARDS = """
+import json
+import os
+
+import torch
+from framework.models.llama.model import TransformerBlock
+
+_forward = TransformerBlock.forward
+_calls = {}
+
+
+def forward(self, *args, **kwargs):
+    # Calls with autograd on: the training forward and its recomputation in backward (not evaluation).
+    if torch.is_grad_enabled():
+        key = _calls.setdefault(id(self), [len(_calls), 0])
+        key[1] += 1
+        with open(os.path.join(os.environ["COUNT_DIR"], "rank" + os.environ.get("RANK", "0")), "w") as f:
+            json.dump(sorted(_calls.values()), f)
+    return _forward(self, *args, **kwargs)
+
+
+TransformerBlock.forward = forward
+"""
+
+
 def test_activation_checkpointing_recomputes_exactly(tmp_path):
-    """Recomputing blocks in backward gives the same numbers as keeping their activations."""
+    """Recomputing blocks in backward gives the same numbers as keeping their activations, and the
+    blocks are recomputed: each block's forward runs twice per micro-batch under `full`, the even
+    blocks' twice and the odd blocks' once under `selective`, once without (a `sitecustomize` every
+    rank imports counts the calls)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_COUNT_BLOCK_FORWARDS)
     base = TINY + [
         "cluster.nproc_per_node=2",
         "trainer.max_steps=4",
@@ -290,14 +322,25 @@ def test_activation_checkpointing_recomputes_exactly(tmp_path):
         "trainer.micro_batch_size=2",
         "checkpoint.save_final=false",
     ]
-    runs = {}
+    micro_batches = 4 * (8 // 2) // 2  # per rank: 4 steps x (8 rows / 2 ranks) / 2 rows per micro-batch
+    runs, calls = {}, {}
     for mode in ("none", "full", "selective"):
+        counts = tmp_path / f"calls_{mode}"
+        counts.mkdir()
         out = run_main(
-            base + [f"parallelism.activation_checkpointing={mode}", f"hydra.run.dir={tmp_path / mode}"], tmp_path
+            base + [f"parallelism.activation_checkpointing={mode}", f"hydra.run.dir={tmp_path / mode}"],
+            tmp_path,
+            env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}", "COUNT_DIR": str(counts)},
         )
         assert out.returncode == 0, out.stderr[-3000:]
         runs[mode] = [r["loss"] for r in read_metrics(tmp_path / mode)]
+        calls[mode] = {f.name: [n for _, n in json.loads(f.read_text())] for f in counts.iterdir()}
     assert runs["full"] == runs["none"] and runs["selective"] == runs["none"]
+    # debug has 2 blocks; every rank runs every block on each of its micro-batches.
+    once, twice = micro_batches, 2 * micro_batches
+    assert calls["none"] == {"rank0": [once, once], "rank1": [once, once]}, calls
+    assert calls["full"] == {"rank0": [twice, twice], "rank1": [twice, twice]}, calls
+    assert calls["selective"] == {"rank0": [twice, once], "rank1": [twice, once]}, calls
 
 
 def test_quantized_comm_from_the_config(tmp_path):
