@@ -25,6 +25,26 @@ def test_digits_cnn_learns(tmp_path):
     assert final["step"] == 40 and final["val_acc"] > 0.6, final
 
 
+def test_model_digits_cnn_with_data_digits_trains(tmp_path):
+    """`model=digits_cnn data=digits` (the README's config table), without the experiment: the
+    group option composes and the CNN trains on the digits with the trainer's own defaults."""
+    run = tmp_path / "run"
+    out = run_main(
+        ["model=digits_cnn", "data=digits", "trainer.max_steps=30", "trainer.eval_interval=30", f"hydra.run.dir={run}"]
+        + ["trainer.progress_bar=false", "logging.tensorboard=false", "logging.loss_plot=false"]
+        + ["checkpoint.save_final=false"],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(run)
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    final = [m for m in metrics if "val_acc" in m][-1]
+    # 30 steps of 16 images (a third of an epoch) take the test accuracy from chance (0.1) to
+    # 0.88 measured, the training loss from 2.45 to 0.25.
+    assert len(losses) == 30 and losses[-1] < losses[0], losses
+    assert final["step"] == 30 and final["val_acc"] > 0.5, final
+
+
 def _files(tmp_path):
     from framework.data.tokenizer import train_bpe
 
