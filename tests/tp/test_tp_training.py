@@ -83,8 +83,8 @@ def two_rank(four_rank, ckpt_dir):
 
 
 def _check(result: dict, ref, first_step: int = 0) -> None:
-    if "skip" in result:
-        pytest.skip(f"the native engine refuses this layout: {result['skip']}")
+    if "refused" in result:  # no layout here is expected to be refused
+        pytest.fail(result["refused"], pytrace=False)
     ref_losses, ref_params = ref
     expected = ref_losses[first_step:]
     assert len(result["losses"]) == len(expected)
@@ -134,3 +134,29 @@ def test_checkpoint_reshards_and_continues(two_rank, ref, ckpt_dir, target):
     """Written at dp2 x tp2 (+SP) after 5 steps, loaded into another layout: steps 6-10 and the
     final weights are those of the uninterrupted single-process run."""
     _check(two_rank[job_key(Job(target, load=str(ckpt_dir)))], ref, first_step=SAVE_AT)
+
+
+def test_an_engine_refusal_fails_its_layout(monkeypatch):
+    """No layout here is expected to be refused: an engine's NotImplementedError (a tensor-parallel
+    composition it lacks) fails that layout's test with the engine's message, never skips it."""
+    from types import SimpleNamespace
+
+    from tests.tp import tp_cases
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("fully_shard: this composition is not supported")
+
+    monkeypatch.setattr(tp_cases, "build_mesh", lambda dims, device: None)
+    monkeypatch.setattr(tp_cases, "parallelize", refuse)
+    monkeypatch.setattr(tp_cases, "dist", SimpleNamespace(barrier=lambda: None))
+    for engine in ENGINES:
+        job = Job(Layout(1, 2, engine=engine))
+        result, outcome = rank_main(0, 2, [job])[job_key(job)], None
+        try:
+            _check(result, ref=None)
+        except BaseException as exc:  # pytest's skip and fail outcomes are BaseExceptions
+            outcome = exc
+        assert isinstance(outcome, pytest.fail.Exception), (engine, type(outcome))
+        assert str(outcome) == (
+            f"the {engine} engine refused {job.layout.name}: fully_shard: this composition is not supported"
+        )
