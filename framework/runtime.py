@@ -27,6 +27,23 @@ sub-group's. So `init_distributed` makes the job's timeout the default of every 
 it, and the engine's transports take their group's timeout (`fsdp/host`: the shared-memory channel
 fails its waiters after it too).
 
+[Note: a hung rank on NCCL]
+On gloo (and our shared-memory transport) the rank that waits raises once the timeout passes, and
+`report_crash` names the rank that did not arrive. NCCL by default does not raise in the rank: the
+host does not wait in `work.wait()` (it only orders the CUDA streams) but later, in a CUDA sync, and
+torch's watchdog thread, on finding the collective past its timeout, ends the process itself
+(TORCH_NCCL_ASYNC_ERROR_HANDLING's default tears it down): no Python code runs, so no diagnosis.
+So a CUDA rank sets TORCH_NCCL_BLOCKING_WAIT=1 before its process group is made: `wait()` then
+blocks the host until the collective finished, and one that passes the group's timeout raises
+DistBackendError in the rank's own thread (torch documents this for init_process_group's timeout;
+with blocking wait its watchdog does not tear the process down). Torch's heartbeat monitor still
+ends the process TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes by default) after its own flight
+recorder dump; a shorter exported value is raised to NCCL_MONITOR_FLOOR_S so that the diagnosis
+(4 heartbeats) comes first. An exported TORCH_NCCL_BLOCKING_WAIT=0 is kept: the host then runs
+ahead of NCCL as torch's default does, and a hung rank ends the job without naming it. The cost of
+blocking (the host no longer queues kernels past a collective it waits for) and this path itself
+have not run on two GPUs; tests/reliability/test_nccl_env.py checks the settings the ranks give.
+
 [Note: local ranks are forked on CPU builds]
 `python main.py` has imported torch and the framework by the time it starts its ranks. A spawned
 rank imports them again (about 5 s of every job's start on two cores); a forked one has them. So
@@ -48,7 +65,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +75,7 @@ import torch.distributed as dist
 from framework.errors import EXIT_CRASH
 
 HEARTBEAT_S = 1.0  # see [Note: naming the rank that did not arrive]
+NCCL_MONITOR_FLOOR_S = 60  # the least TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: [Note: a hung rank on NCCL]
 FAILURE_GRACE_S = 5.0  # how long the other local ranks may take to exit after one failed
 _KEY = "framework/heartbeat"
 
@@ -98,6 +116,8 @@ def init_distributed(requested_device: str, collective_timeout_s: float = 300.0)
         # On GPUs, NCCL for CUDA tensors and gloo beside it for the few CPU ones (a norm over
         # host-offloaded gradients, a stop flag on a CPU rank), as FSDP2 jobs set it up.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            os.environ.update(nccl_environment(os.environ))
         dist.init_process_group(
             backend,
             store=_job_store(rank, world, timeout),
@@ -110,6 +130,18 @@ def init_distributed(requested_device: str, collective_timeout_s: float = 300.0)
         if world > 1 and _store_hosted_outside():
             _Heartbeat.start(rank, world)
     return Runtime(rank, world, local_rank, device)
+
+
+def nccl_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The TORCH_NCCL_* variables a CUDA rank sets before its process group is made, given the
+    environment it inherited: see [Note: a hung rank on NCCL]."""
+    if env.get("TORCH_NCCL_BLOCKING_WAIT", "").strip() == "0":
+        return {}
+    settings = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    monitor = env.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "").strip()
+    if monitor and (not monitor.isdigit() or int(monitor) < NCCL_MONITOR_FLOOR_S):
+        settings["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(NCCL_MONITOR_FLOOR_S)
+    return settings
 
 
 def _groups_default_to(timeout: datetime.timedelta) -> None:
