@@ -136,7 +136,9 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     greedy), then the top_k most likely (0: all), then the smallest head holding top_p of the mass."""
     if temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / temperature
+    # Shifted so the largest is 0 before dividing: a tiny temperature sends the others to -inf
+    # (mass 0) instead of the largest to +inf (softmax of inf is nan).
+    logits = (logits - logits.max()) / temperature
     if top_k:
         values, indices = torch.topk(logits, min(top_k, logits.numel()))
     else:
