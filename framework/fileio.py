@@ -9,6 +9,11 @@ would otherwise make the job overwrite the file it points to. So:
 - a temporary file (written, fsynced, then renamed over its final name) is created with
   `O_EXCL | O_NOFOLLOW` after removing whatever held its name: removing a link removes the link,
   never its target, and `os.replace` onto a final name replaces a link there, not what it names.
+Every other file a job writes whole (an export's weights, config and tokenizer files, plan.json, a
+profile's trace, prepared data) goes the temporary's way: `replace_file` for our own writes,
+`written_by_path` for a library that writes by path (it gets the temporary we created), so a link
+at the final name is replaced by the job's file. A directory the job fills afresh (an export) is
+made by `own_directory`, which replaces a link at its name by a directory of the job's own.
 Reads of what a checkpoint holds follow [Note: files stay inside] in checkpoint/layout.py.
 """
 
@@ -76,14 +81,82 @@ def read_json(path: str):
 
 def create_temporary(path: str, mode: str = "w"):
     """`path` created afresh for writing (a temporary about to be renamed over its final name):
-    whatever held the name is removed first, and the new file is opened with O_EXCL | O_NOFOLLOW."""
+    whatever held the name is removed first, and the new file is opened with O_EXCL | O_NOFOLLOW.
+    Text modes write UTF-8."""
     if os.path.lexists(path):
         if os.path.isdir(path) and not os.path.islink(path):
             raise _refuse(path, "a directory")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    return os.fdopen(fd, mode)
+    return os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8")
+
+
+@contextlib.contextmanager
+def replace_file(path: str, mode: str = "w"):
+    """A file handle whose contents become `path` whole: written to `<path>.tmp` (create_temporary),
+    fsynced, then renamed over `path`. A link planted at either name is replaced, never written
+    through; if the block raises, the temporary is removed and `path` is left as it was."""
+    tmp = path + ".tmp"
+    handle = create_temporary(tmp, mode)
+    try:
+        with handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def written_by_path(path: str, tmp: str = ""):
+    """The name a library should write `path` under, for a library that opens its file by name
+    (torch's profiler, megatron's builder): a temporary (`<path>.tmp` or `tmp`) this process created
+    empty with O_EXCL | O_NOFOLLOW, so the library writes into our own file; renamed over `path`
+    when the block ends, removed if it raises."""
+    tmp = tmp or path + ".tmp"
+    create_temporary(tmp, "wb").close()
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+
+
+def write_json(path: str, obj, **dump_args) -> None:
+    """`obj` as JSON in `path`, through `replace_file`."""
+    import json
+
+    with replace_file(path) as handle:
+        json.dump(obj, handle, **dump_args)
+
+
+def copy_file(source: str, path: str) -> None:
+    """`source`'s bytes as `path`, through `replace_file` (shutil.copyfile would write through a link at `path`)."""
+    import shutil
+
+    with open(source, "rb") as src, replace_file(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+
+
+def own_directory(path: str) -> str:
+    """`path` as a directory this job writes into: made if missing; a link there (to someone's
+    directory, or dangling) is removed first and a directory of the job's own made in its place;
+    a file or special file there is refused. Returns `path`."""
+    if os.path.islink(path):
+        os.unlink(path)
+    elif os.path.lexists(path) and not os.path.isdir(path):
+        raise PlantedFileError(
+            f"{path} is a file, where this job makes a directory of its own; "
+            "remove it (or give the job another directory)"
+        )
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 # [Note: leftovers of killed jobs]

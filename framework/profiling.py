@@ -43,10 +43,15 @@ class StepProfiler:
         self.prof.start()
 
     def _write(self, prof) -> None:
-        path = os.path.join(self.dir, f"rank_{self.rank:05d}.pt.trace.json")
-        prof.export_chrome_trace(path)
+        from framework.fileio import written_by_path
+
+        # torch writes by name: into a temporary of our own, renamed over the final name (never
+        # through a link planted there)
+        with written_by_path(os.path.join(self.dir, f"rank_{self.rank:05d}.pt.trace.json")) as path:
+            prof.export_chrome_trace(path)
         if self.cuda:
-            torch.cuda.memory._dump_snapshot(os.path.join(self.dir, f"rank_{self.rank:05d}.memory.pickle"))
+            with written_by_path(os.path.join(self.dir, f"rank_{self.rank:05d}.memory.pickle")) as path:
+                torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
         if self.rank == 0:
             print(

@@ -22,6 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from framework.fileio import create_temporary
+
 
 class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner unpickles non-tensor entries with `weights_only=False`, which can run
@@ -101,7 +103,7 @@ def rng_path(ckpt: str, rank: int) -> str:
 def write_rng(ckpt: str, rank: int) -> str:
     path = rng_path(ckpt, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with create_temporary(path) as f:  # inside the save's fresh temp directory; never through a link
         json.dump(rng_state(), f)
         f.flush()
         os.fsync(f.fileno())

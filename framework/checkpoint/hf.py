@@ -25,7 +25,7 @@ import struct
 import torch
 
 from framework.errors import UserInputError
-from framework.fileio import read_json
+from framework.fileio import create_temporary, own_directory, read_json, write_json
 
 _DTYPES = {
     torch.float32: "F32",
@@ -67,7 +67,7 @@ def _write_file(path: str, entries: list[tuple[str, torch.Tensor]], rank: int) -
     if rank == 0:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        f = open(path + ".tmp", "wb")  # noqa: SIM115 - closed in the finally below
+        f = create_temporary(path + ".tmp", "wb")  # never through a planted link; closed in the finally below
         f.write(struct.pack("<Q", len(raw)) + raw)
     try:
         for _, t in entries:
@@ -106,7 +106,7 @@ def export_safetensors(
     by_key = dict(entries)
     groups = _plan_files([(k, t.numel() * t.element_size()) for k, t in entries], max_shard_bytes)
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
+        own_directory(out_dir)  # a link planted as the directory is replaced, its target left alone
         for stale in os.listdir(out_dir):  # a previous export's files would confuse from_pretrained
             if stale.endswith(".safetensors") or stale == INDEX_FILE:
                 os.remove(os.path.join(out_dir, stale))
@@ -125,10 +125,8 @@ def export_safetensors(
             "metadata": {"total_size": total},
             "weight_map": {k: f for f, keys in zip(names, groups) for k in keys},
         }
-        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-            json.dump(index, f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+        write_json(os.path.join(out_dir, INDEX_FILE), index, indent=2)
+    write_json(os.path.join(out_dir, "config.json"), config, indent=2)
     return out_dir
 
 

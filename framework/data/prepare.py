@@ -20,6 +20,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import framework.data.megatron_quiet  # noqa: F401  (before any megatron.core import)
 from framework.errors import EXIT_BAD_INPUT, UserInputError
+from framework.fileio import create_temporary
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 _BATCH = 64  # documents per task handed to a worker
@@ -228,6 +229,8 @@ def prepare(
         tok = train_bpe(_all_pieces(iter_documents(files, limit)), vocab_size, output_prefix + ".tokenizer.json")
     dtype = DType.optimal_dtype(tok.vocab_size)
     tmp = f"{output_prefix}.tmp-{os.getpid()}"
+    for suffix in (".bin", ".idx"):  # megatron opens them by name: our own files, never a planted link
+        create_temporary(tmp + suffix, "wb").close()
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
     bar = tqdm(unit="doc", desc="tokenizing", disable=not progress, file=sys.stderr, mininterval=0.5)
     pool = None

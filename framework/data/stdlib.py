@@ -40,7 +40,9 @@ def stdlib_files(limit: int = STDLIB_BYTES) -> List[str]:
 def write_documents(files: List[str], out_path: str, max_chars: int = DOC_CHARS) -> None:
     """The files as JSONL documents of at most ~`max_chars`, cut at line boundaries: whole files
     (73 of them) are too few documents for a 98/1/1 train/valid/test split."""
-    with open(out_path, "w", encoding="utf-8") as out:
+    from framework.fileio import create_temporary
+
+    with create_temporary(out_path) as out:
         for path in files:
             with open(path, encoding="utf-8", errors="replace") as f:
                 lines = f.readlines()

@@ -64,8 +64,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> BPETokeni
     )
     tok.train_from_iterator(texts, trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    from framework.fileio import create_temporary
+
     tmp = f"{out_path}.tmp-{os.getpid()}"
-    tok.save(tmp)
+    with create_temporary(tmp) as handle:  # never through a planted link (tok.save follows one)
+        handle.write(tok.to_str(pretty=True))
     os.replace(tmp, out_path)
     return BPETokenizer(out_path)
 

@@ -20,6 +20,7 @@ import sys
 import sysconfig
 
 from framework.data.stdlib import stdlib_files
+from framework.fileio import create_temporary
 
 INSTRUCTION = "# Complete this function.\n"
 MAX_BODY_LINES = 8
@@ -123,7 +124,7 @@ def ensure_dataset(name: str, cache_dir: str) -> str:
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with create_temporary(tmp) as f:  # never through a planted link
             make = stdlib_docstring_records if name == "stdlib_docstrings" else stdlib_function_records
             f.writelines(json.dumps(record) + "\n" for record in make())
         os.replace(tmp, path)

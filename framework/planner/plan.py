@@ -8,13 +8,13 @@ into the run directory; the launcher calls `fit_problems` before it writes a job
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 
 from framework.config.schema import Config
 from framework.config.validate import parallel_dims_of
 from framework.errors import EXIT_BAD_INPUT
+from framework.fileio import write_json
 from framework.models.shapes import plan_shape
 from framework.planner.devices import DEVICES, device_for
 from framework.planner.estimate import (
@@ -452,8 +452,7 @@ def run_plan(cfg: Config, problems: list[str]) -> int:
     if cfg.run_dir:
         os.makedirs(cfg.run_dir, exist_ok=True)
         path = os.path.join(cfg.run_dir, "plan.json")
-        with open(path, "w") as f:
-            json.dump(plan_json(result), f, indent=1, default=str)
+        write_json(path, plan_json(result), indent=1, default=str)  # never through a planted link
         print(f"wrote {path}")
     return 0
 

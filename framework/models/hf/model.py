@@ -329,8 +329,9 @@ class HFAdapter:
         return data
 
     def write_extras(self, out_dir: str, tokenizer, cfg: ModelConfig) -> None:
-        """The tokenizer and generation files of model.path, copied unchanged."""
-        import shutil
+        """The tokenizer and generation files of model.path, copied unchanged (never through a link
+        planted in `out_dir`)."""
+        from framework.fileio import copy_file
 
         if not cfg.path:
             return
@@ -345,7 +346,7 @@ class HFAdapter:
             "generation_config.json",
         ):
             if os.path.isfile(os.path.join(cfg.path, name)):
-                shutil.copyfile(os.path.join(cfg.path, name), os.path.join(out_dir, name))
+                copy_file(os.path.join(cfg.path, name), os.path.join(out_dir, name))
 
     def check_hf_config(self, hf: dict, cfg: ModelConfig, where: str) -> None:
         mine = json.loads(self.config.to_json_string(use_diff=False))

@@ -179,11 +179,11 @@ def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
 def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
     """What a transformers user needs besides the weights: the generation config (stop at our
     end-of-document token) and, when the job had one, the tokenizer."""
-    a = llama_args(cfg)
-    import shutil
+    from framework.fileio import copy_file, replace_file
 
+    a = llama_args(cfg)
     eod = getattr(tokenizer, "eod", EOD_ID) if tokenizer is not None else EOD_ID
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    with replace_file(os.path.join(out_dir, "generation_config.json")) as f:  # never through a planted link
         json.dump(
             {
                 "bos_token_id": eod,
@@ -200,9 +200,9 @@ def write_extras(out_dir: str, tokenizer, cfg: ModelConfig) -> None:
     path = getattr(tokenizer, "path", None)
     if not path:
         return
-    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.json"))
+    copy_file(path, os.path.join(out_dir, "tokenizer.json"))
     token = tokenizer.decode([eod]) if hasattr(tokenizer, "decode") else None
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    with replace_file(os.path.join(out_dir, "tokenizer_config.json")) as f:
         json.dump(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
