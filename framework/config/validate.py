@@ -78,6 +78,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         path = getattr(f, name)
         if cfg.stage == Stage.fine_tuning and path and not os.path.exists(path):
             errors.append(f"finetune.{name}={path}: no such file; give an existing path")
+        elif cfg.stage == Stage.fine_tuning and path and name != "tokenizer" and os.path.isdir(path):
+            errors.append(
+                f"finetune.{name}={path} is a directory; give a JSONL file of "
+                '{"prompt", "response"} or {"messages": [...]} records'
+            )
         elif cfg.stage == Stage.fine_tuning and path and not (os.path.isfile(path) or os.path.isdir(path)):
             errors.append(f"finetune.{name}={path} is not a regular file or directory (a FIFO, device or socket)")
     if cfg.peft.lora.enabled and p.float8:

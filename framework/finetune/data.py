@@ -45,9 +45,15 @@ class Document:
 def read_records(path: str) -> list:
     """The JSONL records of `path`; a line that is not a record is refused naming file and line."""
     if not os.path.isfile(path):
+        what = (
+            "is a directory"
+            if os.path.isdir(path)
+            else "is not a regular file (a FIFO, device or socket)"
+            if os.path.exists(path)
+            else "does not exist"
+        )
         raise UserInputError(
-            f"finetune: {path} does not exist; give a JSONL file of "
-            '{"prompt", "response"} or {"messages": [...]} records'
+            f'finetune: {path} {what}; give a JSONL file of {{"prompt", "response"}} or {{"messages": [...]}} records'
         )
     records = []
     with open(path, "rb") as f:

@@ -181,3 +181,34 @@ def test_lora_starts_as_the_base_trains_adapters_only_and_merges():
     merge_lora_(model)
     assert not any("lora" in n for n, _ in model.named_parameters())
     torch.testing.assert_close(model(tokens), after, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("field", ["train_file", "valid_file"])
+def test_a_directory_given_as_records_is_named_a_directory_before_any_rank_starts(tmp_path, field):
+    """An existing directory is not "missing": the one line says what it is and what to give."""
+    from conftest import TINY, run_main
+
+    records = tmp_path / "sft.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    folder = tmp_path / "records"
+    folder.mkdir()
+    files = {"train_file": records, "valid_file": records, field: folder}
+    out = run_main(
+        TINY
+        + [
+            "stage=fine_tuning",
+            f"finetune.train_file={files['train_file']}",
+            f"finetune.valid_file={files['valid_file']}",
+        ]
+        + [f"hydra.run.dir={tmp_path}/run"],
+        tmp_path,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: finetune.{field}={folder} is a directory; give a JSONL file of "
+        '{"prompt", "response"} or {"messages": [...]} records'
+    ], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()  # refused before any rank started
+    with pytest.raises(UserInputError, match=f"^finetune: {folder} is a directory; give a JSONL file"):
+        read_records(str(folder))
