@@ -205,6 +205,22 @@ def pinned_tool(name: str) -> str:
     return str(exe)
 
 
+def pinned_import(module: str, lock: str = "requirements-tools.lock"):
+    """`import module` for a test file that needs a package `lock` pins: missing, the file fails
+    (a collection error naming the module and the lock file), never skips. The lock must pin it."""
+    import importlib
+
+    pinned = module.replace("_", "-").lower()
+    with open(REPO / lock) as f:
+        names = {line.split("==")[0].strip().replace("_", "-").lower() for line in f if "==" in line}
+    assert pinned in names, f"{lock} does not pin {module}"
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing = exc  # failed outside the handler: one message, not the ImportError's chain
+    pytest.fail(f"{module} cannot be imported ({missing}): {lock} pins it; `make venv` installs it", pytrace=False)
+
+
 def rank_pids(parent: int) -> List[int]:
     """The rank processes `python main.py` (pid `parent`) started: its children, except
     multiprocessing's resource tracker (forked ranks carry the parent's command line, spawned ones

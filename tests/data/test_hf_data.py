@@ -11,9 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, TINY, read_metrics, run_main
+from conftest import REPO, TINY, pinned_import, read_metrics, run_main
 
-datasets = pytest.importorskip("datasets")
+datasets = pinned_import("datasets")
 
 from framework.config.schema import DataConfig, HFDataConfig  # noqa: E402
 from framework.data.hf_data import build_hf  # noqa: E402

@@ -8,10 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import TINY, read_metrics, run_main
+from conftest import TINY, pinned_import, read_metrics, run_main
 
-pytest.importorskip("lm_eval")
-pytest.importorskip("datasets")
+pinned_import("lm_eval")
+pinned_import("datasets")
 
 WORDS = "the model trains on shards of data gathered unit by unit while every rank keeps its own piece".split()
 

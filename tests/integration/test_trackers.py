@@ -13,10 +13,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TINY, free_port, read_metrics, run_main, start_main
+from conftest import TINY, free_port, pinned_import, read_metrics, run_main, start_main
 
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
+pinned_import("wandb")
+pinned_import("mlflow")
 
 BIN = Path(sys.executable).parent
 SENTINEL = "wandb-key-sentinel-5f1e2d"  # a fake W&B key: must appear in no file and no log
