@@ -13,7 +13,8 @@ new ones. Steps redone after a resume are logged again with the same values (res
 
 No credential is passed through here or written anywhere: W&B reads WANDB_API_KEY and MLflow its
 MLFLOW_TRACKING_* variables from the environment (the launcher's cluster.secret_env puts them
-there by reference), and a tracking URI holding a password is refused by the config.
+there by reference), and a tracking URI holding a credential (user info, a token or key in its
+query, a fragment) is refused by the config.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ section, and `validate.py` checks what spans sections. Choices are `str` enums b
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -433,7 +434,8 @@ class WandbConfig:
 @dataclass
 class MlflowConfig:
     """MLflow (`logger=[...,mlflow]`): the `mlflow` package, rank 0 only. Credentials come from
-    MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN in the environment, never from the URI."""
+    MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD in the environment, never from the
+    URI (refused there: the URI is written to config.yaml, the trackers and job logs)."""
 
     enabled: bool = False
     tracking_uri: str = ""  # http://host:5000, sqlite:///path.db, ...; "": sqlite <run>/mlflow.db
@@ -442,21 +444,38 @@ class MlflowConfig:
     tags: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from urllib.parse import urlsplit
-
-        try:
-            password = urlsplit(self.tracking_uri).password
-        except ValueError:
-            raise UserInputError(f"logging.mlflow.tracking_uri={self.tracking_uri!r}: not a URI") from None
-        if password is not None:
-            # The config is written to <run>/config.yaml, the trackers and job logs: no secrets in it.
+        where = _credential_in_uri(self.tracking_uri)
+        if where:
             raise UserInputError(
-                "logging.mlflow.tracking_uri holds a password: give the URI without it and set "
-                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the environment "
-                "(cluster.secret_env in a job)"
+                f"logging.mlflow.tracking_uri holds a credential ({where}): give the URI without it and set "
+                "MLflow's MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, in the "
+                "environment (cluster.secret_env in a job)"
             )
         if not self.experiment.strip():
             raise UserInputError("logging.mlflow.experiment is empty: name the MLflow experiment")
+
+
+# Query parameter names that carry a secret (matched in the lower-cased name): token, api_key,
+# access_token, password, client_secret, auth, X-Amz-Signature, sig (a SAS), ...
+_SECRET_PARAMETER = re.compile(r"token|passw|pwd|secret|key|auth|credential|signature|^sig$")
+
+
+def _credential_in_uri(uri: str) -> Optional[str]:
+    """Where `uri` holds a credential (said without quoting it), or None."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:  # the text is not quoted: it may hold a secret
+        raise UserInputError(f"logging.mlflow.tracking_uri is not a URI ({exc}); give e.g. http://host:5000") from None
+    if "@" in parts.netloc:
+        return "a user name or password before the host"
+    for name, _ in parse_qsl(parts.query, keep_blank_values=True):
+        if _SECRET_PARAMETER.search(name.lower()):
+            return f"the query parameter {name}"
+    if parts.fragment:
+        return "a fragment after #"
+    return None
 
 
 @dataclass
