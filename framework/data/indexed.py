@@ -172,9 +172,10 @@ def build_indexed(
     cache_dir: str,
     per_node_cache: bool = False,
 ) -> Tuple[MegatronSource, MegatronSource]:
-    """(train, valid) sources of a blend of `paths`. Every rank calls it (megatron builds the index
-    caches on rank 0 first, then the others read them). `per_node_cache`: `cache_dir` is each
-    node's own, so each node's local rank 0 builds its index caches first (see
+    """(train, valid) sources of a blend of `paths`. Every rank calls it: the rank that writes the
+    index caches builds (or loads and checks) them first, then the others load them (see
+    [Note: index caches built in turn, refusals agreed]). `per_node_cache`: `cache_dir` is each
+    node's own, so each node's local rank 0 writes its caches (see
     [Note: a cache per node or one for the job] in framework/data/shared_cache.py)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -203,9 +204,9 @@ def build_indexed(
     )
     sizes = _split_sizes(samples, split)  # see [Note: indexed dataset sizes]
     no_pickle_in_megatron_indices()  # its index cache may be shared: never unpickle it
-    if per_node_cache:
-        _build_node_cache(lambda: BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build())
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    train, valid, _ = _build_in_turn(
+        lambda: BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build(), per_node_cache
+    )
     if train is None or len(train) == 0 or valid is None or len(valid) == 0:
         raise UserInputError(
             f"data.split={split!r} leaves the {'train' if not train else 'valid'} split of "
@@ -214,20 +215,63 @@ def build_indexed(
     return MegatronSource(train), MegatronSource(valid)
 
 
-def _build_node_cache(build) -> None:
-    """Each node's local rank 0 runs megatron's builder as if it were the only process (megatron
-    writes its index caches from global rank 0 only), so every node's own cache holds them; the
-    other ranks wait, then every rank finds them (a cache hit) in the normal build that follows."""
+# [Note: index caches built in turn, refusals agreed]
+# megatron-core's builder sequences the ranks itself: global rank 0 builds (or loads) the index
+# caches, a barrier, then the others load them. A refusal on rank 0 (a pickled or out-of-range
+# cache file) left the others in that barrier, and they ended with "Connection closed by peer"
+# tracebacks beside the one refusal line. So the ranks take turns outside megatron's sequencing:
+# the rank that writes this cache (global rank 0 of a shared cache, each node's local rank 0 of a
+# per-node one: see [Note: a cache per node or one for the job]) runs the builder as if it were the
+# only process and checks what it built or loaded (`check_indices`); the ranks agree on its
+# refusal (one all_gather, which is also the barrier), then the others load the cache the same
+# way, and agree once more. A refusal is raised on every rank: one line, status 2, no traceback.
+
+
+def _build_in_turn(build, per_node_cache: bool):
+    """`build()` (megatron's builder) on every rank, the cache's writer first; see the Note above."""
     import torch.distributed as dist
 
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    from framework.data.index_cache import check_indices
+    from framework.data.shared_cache import prepares_here
+
+    def alone(check: bool):
         real = dist.is_initialized
         dist.is_initialized = lambda: False  # megatron asks this before every rank-0 decision
         try:
-            build()
+            datasets = build()
+            if check:
+                for dataset in datasets:
+                    if dataset is not None:
+                        check_indices(dataset)
+            return datasets, None
+        except UserInputError as exc:
+            return None, str(exc)
         finally:
             dist.is_initialized = real
-    dist.barrier()
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        datasets, problem = alone(check=True)
+        if problem:
+            raise UserInputError(problem)
+        return datasets
+    writer = prepares_here(shared=not per_node_cache)
+    datasets, problem = alone(check=True) if writer else (None, None)
+    _agree(problem)
+    if not writer:
+        datasets, problem = alone(check=False)  # the writer checked these files
+    _agree(problem)
+    return datasets
+
+
+def _agree(problem) -> None:
+    """Collective: raise the first rank's refusal (if any rank has one) on every rank."""
+    import torch.distributed as dist
+
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise UserInputError(first)
 
 
 class MegatronTokenizerInfo:

@@ -8,7 +8,7 @@ writes a marker file with a fresh token into the cache directory, and every rank
 Seen by all: one cache for the job, prepared by rank 0 while the others wait. Not seen by some:
 a cache per node, prepared by each node's local rank 0; megatron-core writes its shuffled index
 files from global rank 0 only, so each node's local rank 0 first runs megatron's builder as if it
-were alone (`framework/data/indexed._build_node_cache`) and every rank then finds them in its
+were alone (`framework/data/indexed._build_in_turn`) and every rank then finds them in its
 node's cache. Either way a two-node job on default settings trains; the log says which it is.
 """
 
