@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -307,3 +308,162 @@ def test_bench_defaults_in_docs_are_the_scripts(monkeypatch, capsys):
         said = re.findall(r"`--timing-runs`[^.;]*?default (\d+)", " ".join(path.read_text().split()))
         assert said, f"{path.name} no longer states --timing-runs' default"
         assert {int(n) for n in said} == {defaults.timing_runs}, (path.name, said, defaults.timing_runs)
+
+
+# ---------------------------------------------------------------- figures and their committed outputs
+# A measured figure in the docs names the committed output it was read from, and is that output's:
+# the GPU runs (README, bench/RESULTS.md), the engine tables and re-check (bench/RESULTS.md) and the
+# digits recipe (docs/fine_tuning.md). A run whose output was not kept has no figures in the docs.
+OUTPUT = re.compile(r"`(bench/[\w./-]+\.(?:json|txt))`")
+
+
+def _tables(path: Path, header: str) -> Iterator[Tuple[str, List[List[str]]]]:
+    """(the text since the previous table or heading, the rows' cells) of every Markdown table of
+    `path` whose header line starts with `header`."""
+    lines = path.read_text().splitlines()
+    preface: List[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("|"):
+            rows = []
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append([c.strip().replace("**", "") for c in lines[i].strip().strip("|").split("|")])
+                i += 1
+            if line.startswith(header):
+                yield " ".join(preface), rows[2:]
+            preface = []
+            continue
+        preface = [] if line.startswith("#") else preface + [line]
+        i += 1
+
+
+def _named_output(preface: str, where: str, suffix: str = "") -> Path:
+    named = [name for name in OUTPUT.findall(preface) if name.endswith(suffix)]
+    assert named, f"{where}: measured figures that name no committed output"
+    path = REPO / named[-1]
+    assert path.is_file(), f"{where}: {named[-1]} is not committed"
+    return path
+
+
+def _gpu_run(path: Path) -> dict:
+    """One `bench/engine.py --device cuda` run, ours against FSDP2: from the script's JSON or from
+    the report of `bench/gpu_check.sh` (whose ratios are printed from the unrounded times)."""
+    if path.suffix == ".json":
+        ours, fsdp2 = (json.loads(path.read_text())["rows"][k] for k in ("ours", "fsdp2"))
+        return {
+            "ours_s": ours["median_step_s"],
+            "fsdp2_s": fsdp2["median_step_s"],
+            "ratio": ours["median_step_s"] / fsdp2["median_step_s"],
+            "ours_gib": ours["peak_mem_gib"],
+            "fsdp2_gib": fsdp2["peak_mem_gib"],
+            "peak_ratio": ours["peak_mem_gib"] / fsdp2["peak_mem_gib"],
+        }
+    text = path.read_text()
+    run = {}
+    for engine in ("ours", "fsdp2"):
+        m = re.search(rf"^{engine}\s+step ([\d.]+) s .*peak memory ([\d.]+) GiB", text, re.M)
+        run[f"{engine}_s"], run[f"{engine}_gib"] = float(m.group(1)), float(m.group(2))
+    m = re.search(r"ours / fsdp2: step time ([\d.]+)x, peak memory ([\d.]+)x", text)
+    run["ratio"], run["peak_ratio"] = float(m.group(1)), float(m.group(2))
+    return run
+
+
+def test_gpu_table_rows_are_their_committed_outputs():
+    rows = [row for _, table in _tables(REPO / "bench" / "RESULTS.md", "| run (commit) | output |") for row in table]
+    assert rows, "bench/RESULTS.md no longer has its GPU table"
+    for run, output, *figures in rows:
+        path = _named_output(output, f"bench/RESULTS.md, GPU run {run}")
+        r = _gpu_run(path)
+        expected = [f"{r['ours_s']:.4f}", f"{r['fsdp2_s']:.4f}", f"{r['ratio']:.2f}"]
+        expected += [f"{r['ours_gib']:.2f}", f"{r['fsdp2_gib']:.2f}", f"{r['peak_ratio']:.3f}"]
+        assert figures == expected, f"bench/RESULTS.md, GPU run {run}: {figures}, but {path.name} says {expected}"
+
+
+def test_readme_gpu_figures_are_their_committed_outputs():
+    text = (REPO / "README.md").read_text()
+    bullet = " ".join(re.search(r"^- \*\*GPUs\.\*\*.*?(?=^- |^$)", text, re.M | re.S).group(0).split())
+    named = OUTPUT.findall(bullet)
+    assert named, "README's GPU figures name no committed output"
+    said = set()
+    for name in named:
+        r = _gpu_run(REPO / name)
+        said |= {f"{r['ratio']:.2f}x", f"{r['ratio']:.3f}x", f"{r['ours_gib']:.2f} GiB", f"{r['fsdp2_gib']:.2f} GiB"}
+    figures = re.findall(r"\d+\.\d+x|\d+\.\d+ GiB", bullet)
+    assert figures and set(figures) <= said, f"README's GPU figures {figures}; {', '.join(named)} say {sorted(said)}"
+
+
+ENGINE_ROWS = {"ours (ZeRO-3)": "ours", "torch FSDP2": "fsdp2", "torch DDP": "ddp", "ours over gloo": "ours_gloo"}
+# bench/engine.py's JSON row fields, in the table's column order, with the digits the table shows
+ENGINE_COLUMNS = [
+    ("median_step_s", 3),
+    ("ratio_to_fsdp2", 2),
+    ("ratio_to_ddp", 2),
+    ("alone_step_s", 3),
+    ("alone_ratio_to_ddp", 2),
+    ("tensor_bytes_mb", 1),
+    ("rss_peak_mb", 0),
+    ("rss_ratio_to_fsdp2", 2),
+    ("comm_mb_per_step", 1),
+    ("exposed_comm_s", 3),
+]
+
+
+def test_engine_tables_are_their_committed_outputs():
+    tables = list(_tables(REPO / "bench" / "RESULTS.md", "| engine | interleaved step (s) |"))
+    assert tables, "bench/RESULTS.md no longer has its engine table"
+    for preface, rows in tables:
+        path = _named_output(preface, "bench/RESULTS.md, engine table", ".json")
+        measured = json.loads(path.read_text())["rows"]
+        for engine, *figures in rows:
+            row = measured[ENGINE_ROWS[engine]]
+            expected = ["n/a" if row[k] is None else f"{row[k]:.{digits}f}" for k, digits in ENGINE_COLUMNS]
+            assert figures == expected, f"bench/RESULTS.md, {engine}: {figures}, but {path.name} says {expected}"
+
+
+def test_engine_recheck_is_its_committed_output():
+    text = " ".join((REPO / "bench" / "RESULTS.md").read_text().split())
+    recheck = re.search(r"Re-check .*?The guards (?:hold|do not hold)\.", text)
+    assert recheck, "bench/RESULTS.md no longer has its engine re-check"
+    path = _named_output(recheck.group(0), "bench/RESULTS.md, engine re-check", ".json")
+    rows = json.loads(path.read_text())["rows"]
+    expected = (
+        f"ours {rows['ours']['median_step_s']:.3f} s, FSDP2 {rows['fsdp2']['median_step_s']:.3f} s, "
+        f"DDP {rows['ddp']['median_step_s']:.3f} s: **{rows['ours']['ratio_to_fsdp2']:.2f}x** FSDP2 and "
+        f"**{rows['ours']['ratio_to_ddp']:.2f}x** DDP"
+    )
+    assert expected in recheck.group(0), f"bench/RESULTS.md's re-check is not {path.name}'s: {expected}"
+
+
+def test_digits_table_is_its_committed_output():
+    path = REPO / "docs" / "fine_tuning.md"
+    tables = list(_tables(path, "| step | val_loss | val_acc"))
+    assert len(tables) == 1, "docs/fine_tuning.md has one digits table"
+    preface, rows = tables[0]
+    output = _named_output(preface, "docs/fine_tuning.md, digits table")
+    log = output.read_text()
+    assert rows == [list(m) for m in re.findall(r"^step (\d+): val_loss ([\d.]+), val_acc ([\d.]+)$", log, re.M)]
+    took = re.search(r"took (\d+) s wall time", path.read_text()).group(1)
+    assert took == re.search(r"^# wall time: (\d+) s", log, re.M).group(1)
+
+
+# A test named in the docs (`tests/x/test_y.py::test_z`, `test_y.py::test_z`, then `::test_w` for
+# the same file, `::test_prefix_*` for several) is defined in that file.
+TEST_REF = re.compile(r"`((?:tests/[\w/]+/)?test_\w+\.py)?::(\w+)(\*?)")
+
+
+def test_every_test_named_in_docs_is_in_the_file_named():
+    files: dict = {}
+    for p in (REPO / "tests").rglob("test_*.py"):
+        files.setdefault(p.name, []).append(p)
+    wrong = []
+    for doc in DOC_FILES:
+        for paragraph in re.split(r"\n\s*\n", doc.read_text()):
+            last = None
+            for m in TEST_REF.finditer(paragraph):
+                last = m.group(1) or last
+                name = m.group(2) + (r"\w*" if m.group(3) else r"\b")
+                paths = [REPO / last] if last and "/" in last else files.get(last or "", [])
+                if not any(p.is_file() and re.search(rf"^def {name}", p.read_text(), re.M) for p in paths):
+                    wrong.append(f"{doc.relative_to(REPO)}: {last}::{m.group(2)}{m.group(3)}")
+    assert not wrong, "tests named in the docs that their file does not define:\n" + "\n".join(wrong)
