@@ -41,20 +41,49 @@ def _refuse(problems: List[str], run_dir: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def claim_run_dir(run_dir: str, config_yaml: str) -> Optional[str]:
-    """Take the run directory's lock (see [Note: the run directory lock]) and record the resolved
-    config there; the refusal's text if the directory is taken or a file there is planted."""
-    from framework.fileio import create_temporary
-
+def claim_run_dir(run_dir: str) -> Optional[str]:
+    """Take the run directory's lock (see [Note: the run directory lock]); the refusal's text if the
+    directory is taken or a file there is planted."""
     try:
         lock_run_dir(run_dir)
-        path = os.path.join(run_dir, "config.yaml")
-        with create_temporary(path + ".tmp") as f:  # never through a link planted as config.yaml
-            f.write(config_yaml)
-        os.replace(path + ".tmp", path)
     except UserInputError as exc:
         return str(exc)
     return None
+
+
+# [Note: one config.yaml per run]
+# `<run>/config.yaml` is the resolved config of the run the directory holds: its training (or
+# fine-tuning) job, written by rank 0 once the job is past everything it refuses (the build, the
+# data, the resume, the trackers), just before the first step; a requeued or resumed run rewrites
+# it with the settings it runs on. Any other stage run in that directory later (the README's
+# `stage=generate checkpoint.resume=auto hydra.run.dir=runs/exp1`, stage=evaluate, plan, data
+# preparation) records its config as `config.<stage>.yaml`, once it has finished, and a job refused
+# anywhere (before the ranks start or inside them) writes neither, so the run's own record is never
+# replaced by a job that did not run it.
+
+
+def config_name(stage: Stage) -> str:
+    """The file a job of `stage` records its resolved config in: see [Note: one config.yaml per run]."""
+    return "config.yaml" if stage in (Stage.training, Stage.fine_tuning) else f"config.{stage.value}.yaml"
+
+
+def record_config(run_dir: str, name: str, config_yaml: str) -> None:
+    """Write `<run_dir>/<name>` (never through a planted link: framework/fileio.py)."""
+    from framework.fileio import replace_file
+
+    with replace_file(os.path.join(run_dir, name)) as f:
+        f.write(config_yaml)
+
+
+def _recorded(code: int, record) -> int:
+    """A stage run in this process: its config recorded if it finished (status 0)."""
+    if code == 0:
+        try:
+            record()
+        except UserInputError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
+    return code
 
 
 def start(dict_cfg: DictConfig, run_dir: str) -> int:
@@ -73,26 +102,29 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
-    config_yaml = OmegaConf.to_yaml(dict_cfg, resolve=True)
+    # written by rank 0 when the job is past its refusals ([Note: one config.yaml per run])
+    record = functools.partial(
+        record_config, cfg.run_dir, config_name(cfg.stage), OmegaConf.to_yaml(dict_cfg, resolve=True)
+    )
     if under_torchrun() and cfg.stage not in (Stage.plan, Stage.data_preparation, Stage.generate, Stage.evaluate):
         # Every rank is its own process: rank 0 claims the run directory once the ranks can talk,
         # and a refusal there ends every rank with the same status (trainer.run).
         from framework.trainer import run
 
-        return run_rank(functools.partial(run, claim=lambda: claim_run_dir(cfg.run_dir, config_yaml)), cfg)
+        return run_rank(functools.partial(run, claim=lambda: claim_run_dir(cfg.run_dir), record=record), cfg)
     if os.environ.get("RANK", "0") == "0":
-        problem = claim_run_dir(cfg.run_dir, config_yaml)
+        problem = claim_run_dir(cfg.run_dir)
         if problem:
             print(f"error: {problem}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
     if cfg.stage == Stage.plan:
         from framework.planner import run_plan
 
-        return run_plan(cfg, problems)
+        return _recorded(run_plan(cfg, problems), record)
     if cfg.stage == Stage.data_preparation:
         from framework.data.prepare import prepare_data
 
-        return prepare_data(cfg)
+        return _recorded(prepare_data(cfg), record)
 
     from framework.trainer import run
 
@@ -104,6 +136,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         from framework.evaluate import run_evaluate
 
         run = run_evaluate  # noqa: F811
+    run = functools.partial(run, record=record)  # noqa: F811 - rank 0 records the config
     if under_torchrun() or cfg.cluster.nproc_per_node == 1:
         return run_rank(run, cfg)  # a crash prints its rank and traceback (and torchrun's error file)
     return spawn_local(run, cfg, cfg.cluster.nproc_per_node)

@@ -26,9 +26,9 @@ def _evaluate_stage(trainer) -> int:
     return 0
 
 
-def run_evaluate(cfg) -> int:
+def run_evaluate(cfg, record=None) -> int:
     """Every rank: the training job's build and failure handling, with evaluation in place of
-    training. Exit status."""
+    training; rank 0 then `record`s the job's config. Exit status."""
     from framework.trainer import run
 
-    return run(cfg, body=_evaluate_stage)
+    return run(cfg, body=_evaluate_stage, record=record)

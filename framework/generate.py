@@ -85,9 +85,9 @@ def _generate_stage(trainer) -> int:
     return 0
 
 
-def run_generate(cfg: Config) -> int:
+def run_generate(cfg: Config, record=None) -> int:
     """Every rank: the training job's build and failure handling (`run` in framework/trainer.py), with
-    generation in place of training. Exit status."""
+    generation in place of training; rank 0 then `record`s the job's config. Exit status."""
     from framework.trainer import run
 
-    return run(cfg, body=_generate_stage)
+    return run(cfg, body=_generate_stage, record=record)

@@ -50,15 +50,20 @@ class TensorBoard:
     def __init__(self, run_dir: str):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        # The events file is made at the first record: a job refused after its trackers opened (a
+        # later tracker, an evaluation's tasks) leaves none behind.
+        self._dir, self._make, self._writer = os.path.join(run_dir, "tensorboard"), SummaryWriter, None
 
     def log(self, step: int, values: Dict[str, object]) -> None:
+        if self._writer is None:
+            self._writer = self._make(self._dir)
         for key, value in _numbers(values).items():
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class Wandb:

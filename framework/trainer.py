@@ -194,11 +194,21 @@ class Trainer:
         self.model.train()
         return out
 
-    def fit(self) -> int:
+    def fit(self, started=None) -> int:
+        """Train to trainer.max_steps (or a stop); `started()` runs once the job is past its
+        refusals (resume, trackers), before the first step: rank 0 records the config there."""
         cfg, t, rt = self.cfg, self.cfg.trainer, self.rt
         if self.ckpt is not None:
             self.state.step = self.ckpt.resume(self.state)
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        trackers = self.open_trackers()
+        if started is not None:
+            try:
+                started()
+            except BaseException:
+                if trackers is not None:
+                    trackers.close()
+                raise
         logger = MetricsLogger(
             cfg.run_dir,
             enabled=rt.is_main,
@@ -207,7 +217,7 @@ class Trainer:
             jsonl=cfg.logging.jsonl,
             progress_bar=t.progress_bar,
             log_interval=t.log_interval,
-            trackers=self.open_trackers(),
+            trackers=trackers,
             loss_plot=cfg.logging.loss_plot,
             tokens_per_step=tokens_per_step,
         )
@@ -338,11 +348,19 @@ def _world_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def _train(cfg: Config, rt: Runtime, body=None) -> int:
+def _train(cfg: Config, rt: Runtime, body=None, record=None) -> int:
     """`Trainer(cfg, rt).fit()`, or `body(trainer)` (another stage on the same build: generate),
-    with every failure turned into its exit status."""
+    with every failure turned into its exit status. `record` (rank 0 calls it): writes the job's
+    config, before training's first step or once another stage has finished ([Note: one
+    config.yaml per run] in framework/entrypoint.py)."""
+    record = record if rt.rank == 0 else None
     try:
-        return Trainer(cfg, rt).fit() if body is None else body(Trainer(cfg, rt))
+        if body is None:
+            return Trainer(cfg, rt).fit(started=record)
+        code = body(Trainer(cfg, rt))
+        if code == 0 and record is not None:
+            record()
+        return code
     except TrainingDiverged as exc:
         if rt.local_rank == 0:
             print(f"error: {exc}", flush=True)
@@ -363,10 +381,11 @@ def _train(cfg: Config, rt: Runtime, body=None) -> int:
         return EXIT_CRASH
 
 
-def run(cfg: Config, claim=None, body=None) -> int:
+def run(cfg: Config, claim=None, body=None, record=None) -> int:
     """One rank's whole job: join the process group, train (or `body(trainer)`), leave. Returns
     the exit status. `claim` (under torchrun, where rank 0 is not a parent of the others): rank 0
-    takes the run directory once the ranks can talk, and a refusal there ends every rank with 2."""
+    takes the run directory once the ranks can talk, and a refusal there ends every rank with 2.
+    `record`: writes the job's config (see `_train`)."""
     rt = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     if claim is not None:
         problem = [claim() if rt.rank == 0 else None]
@@ -376,7 +395,7 @@ def run(cfg: Config, claim=None, body=None) -> int:
                 print(f"error: {problem[0]}", file=sys.stderr, flush=True)
             shutdown()
             return EXIT_BAD_INPUT
-    code = _train(cfg, rt, body)
+    code = _train(cfg, rt, body, record)
     # [Note: nothing outlives the process group]
     # The trainer (model, optimizer, the engine's buffers and pending work) must be gone before the
     # process group is destroyed: an exception's traceback keeps its frames alive, and objects freed
