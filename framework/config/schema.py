@@ -70,6 +70,15 @@ class Stage(str, Enum):
     evaluate = "evaluate"  # lm-eval tasks on a checkpoint or an export (the `evaluate` section, framework/evaluate.py)
 
 
+# The shortest trainer.collective_timeout_s accepted. The job's key-value store waits this long for
+# a rank that starts late, and every collective for a rank that is busy (writing a checkpoint,
+# preparing data): a shorter one fails healthy jobs in the store's C++ with no rank named (1e-9 did,
+# on every rank). 5 s is what the hung-rank test runs at (tests/reliability/test_failures.py): the
+# ranks start and train, and the one stopped is named after the diagnosis's 4 heartbeats of 1 s
+# (framework/runtime.py, [Note: naming the rank that did not arrive]).
+MIN_COLLECTIVE_TIMEOUT_S = 5.0
+
+
 def _positive(section: str, **values: float) -> None:
     for name, value in values.items():
         if value is None or not 0 < value < math.inf:  # nan and inf too (a timeout of inf never fires)
@@ -294,7 +303,8 @@ class TrainerConfig:
     sample_tokens: int = 160  # tokens of text generated at the end of training (0: none; needs a tokenizer)
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: look it up, unknown on CPU
     # A collective that waits longer than this for a rank fails, and the job ends naming the rank(s)
-    # that did not arrive (a stopped process, a lost node); torch's own default is 30 minutes.
+    # that did not arrive (a stopped process, a lost node); torch's own default is 30 minutes. At
+    # least MIN_COLLECTIVE_TIMEOUT_S.
     collective_timeout_s: float = 300.0
     # torch.profiler traces per rank in <run dir>/profile (see [Note: step profiles]): skip
     # profile_wait steps, warm up profile_warmup, record profile_active
@@ -317,6 +327,12 @@ class TrainerConfig:
             collective_timeout_s=self.collective_timeout_s,
             profile_active=self.profile_active,
         )
+        if self.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
+            raise UserInputError(
+                f"trainer.collective_timeout_s={self.collective_timeout_s}: must be at least "
+                f"{MIN_COLLECTIVE_TIMEOUT_S:g} s (the ranks' store waits this long for a rank that starts "
+                "late, and every collective for a busy one); the default is 300"
+            )
         for name in (
             "eval_interval",
             "eval_tasks_interval",

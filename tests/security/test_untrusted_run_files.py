@@ -250,6 +250,18 @@ def test_small_checkpoint_files_that_lie_are_refused_on_every_rank(own_run, tmp_
     _refused(_resume(own_run, tmp_path), str(ckpt / name))
 
 
-def test_a_non_finite_collective_timeout_is_refused(tmp_path):
-    out = run_main(TINY + ["trainer.collective_timeout_s=inf", f"hydra.run.dir={tmp_path}/run"], tmp_path)
-    _refused(out, "trainer.collective_timeout_s=inf", "finite")
+@pytest.mark.parametrize("value, says", [("inf", "finite"), ("1e-9", "at least 5"), ("4.9", "at least 5")])
+def test_a_collective_timeout_out_of_range_is_refused(tmp_path, value, says):
+    """inf never fires; one shorter than the floor (trainer.MIN_COLLECTIVE_TIMEOUT_S) failed every
+    rank in the TCP store with C++ frames."""
+    out = run_main(TINY + [f"trainer.collective_timeout_s={value}", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    _refused(out, f"trainer.collective_timeout_s={float(value)}", says)
+    assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
+
+
+def test_the_collective_timeout_floor_outlasts_the_hung_rank_diagnosis():
+    from framework import runtime
+    from framework.config.schema import MIN_COLLECTIVE_TIMEOUT_S
+
+    # The diagnosis reads 4 heartbeats; the hung-rank test (tests/reliability) runs at the floor.
+    assert MIN_COLLECTIVE_TIMEOUT_S > 4 * runtime.HEARTBEAT_S
