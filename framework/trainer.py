@@ -23,7 +23,7 @@ from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInpu
 from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib, throughput
 from framework.models import family_of
 from framework.models.tasks import IGNORE_INDEX, RunView, to_device
-from framework.optim import build_optimizer, build_scheduler
+from framework.optim import build_optimizer, build_scheduler, no_decay_names
 from framework.profiling import StepProfiler
 from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
@@ -90,6 +90,7 @@ class Trainer:
 
             add_lora(model, cfg.peft.lora, family, model_cfg, seed=t.seed, rank0=rt.is_main)
         self.engine = engine_of(cfg.parallelism.engine)  # clipping, counters (framework/distributed/engines.py)
+        undecayed = no_decay_names(model)  # from the model as built: [Note: what weight decay leaves alone]
         self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
         if meta:
             self.model.to_empty(device=rt.device)
@@ -102,7 +103,7 @@ class Trainer:
             torch.manual_seed(t.seed)
         elif rt.device.type != "cpu":
             self.model.to(rt.device)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, undecayed)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.max_steps)
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data.train)
         self.ckpt = None

@@ -1,39 +1,90 @@
 """Optimizer and schedule construction.
 
-Weight-decay groups are chosen by parameter *name*, not by `ndim`: with the sharded engine a
-rank's piece of a matrix may be 1-D, so shape says nothing about what a parameter is.
+[Note: what weight decay leaves alone]
+Weight decay pulls weights towards zero; it is not applied to a norm's scale and shift, to an
+embedding table, to biases, or to any other parameter of fewer than 2 dimensions (a gain, a
+scalar), as most language-model recipes do. What a parameter *is* decides, not its name: a name
+marker ("norm", "bias", "embeddings") misses GPT-2's `ln_1`, BERT's `LayerNorm`, Llama's
+`embed_tokens` and NeoX's `embed_in`. So the decision reads the module tree: the parameters of a
+module that is a norm (torch's norm classes, or any class whose name ends in "Norm": RMSNorm,
+T5LayerNorm, GemmaRMSNorm ...) or an embedding (`nn.Embedding` and its subclasses), every
+parameter registered as `bias`, and every parameter whose shape has fewer than 2 dims. It is taken
+on the model as built, before parallelism: the engine shards a matrix into 1-D pieces (so `ndim`
+there says nothing) and tensor parallel turns parameters into DTensors, while names stay the same
+(`build_optimizer` checks that they did). A parameter shared by two modules (a head tied to the
+embedding) is left undecayed if either module says so.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from framework.config.schema import OptimizerConfig, OptimizerName, Schedule
 
-_NO_DECAY_MARKERS = ("norm", "bias", "embeddings")
+# torch's own norm layers (BatchNorm's and InstanceNorm's class names end in "Norm1d" etc.)
+_TORCH_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
 
 
-def no_decay(name: str) -> bool:
-    """Norm weights, biases and embedding tables are not decayed."""
-    return any(marker in name for marker in _NO_DECAY_MARKERS)
+def _undecayed_module(module: nn.Module) -> bool:
+    """A norm or an embedding: see [Note: what weight decay leaves alone]."""
+    norm = isinstance(module, _TORCH_NORMS) or type(module).__name__.endswith("Norm")
+    return norm or isinstance(module, (nn.Embedding, nn.EmbeddingBag))
 
 
-def _param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float) -> List[dict]:
+def no_decay_names(model: nn.Module) -> Set[str]:
+    """Every name (tied parameters have several) of the parameters of `model` that weight decay
+    leaves alone ([Note: what weight decay leaves alone]). Call it on the model as built, before
+    parallelism changes its parameters' shapes."""
+    names_of: dict = {}
+    undecayed: set = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        by_module = _undecayed_module(module)
+        for short, param in module.named_parameters(recurse=False):
+            names_of.setdefault(id(param), set()).add(f"{prefix}.{short}" if prefix else short)
+            if by_module or short == "bias" or param.dim() < 2:
+                undecayed.add(id(param))
+    return {name for key in undecayed for name in names_of[key]}
+
+
+def _param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float, undecayed: Set[str]) -> List[dict]:
     decay, plain, seen = [], [], set()
     for name, param in named:
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (plain if no_decay(name) else decay).append(param)
+        (plain if name in undecayed else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    groups = _param_groups(model.named_parameters(), cfg.weight_decay)
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, undecayed: Optional[Set[str]] = None
+) -> torch.optim.Optimizer:
+    """`undecayed`: `no_decay_names` of the model as built, when `model` has been parallelized
+    since; None: taken from `model` itself (a model as built)."""
+    if undecayed is None:
+        undecayed = no_decay_names(model)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if not undecayed <= names:  # a bug: parallelism renamed parameters, decay would be misapplied
+        raise RuntimeError(
+            f"weight decay: parameters named before parallelism are missing after it: {sorted(undecayed - names)[:5]}"
+        )
+    groups = _param_groups(model.named_parameters(), cfg.weight_decay, undecayed)
     if cfg.name == OptimizerName.adamw:
         # foreach=False: one kernel per parameter. The multi-tensor path groups tensors by
         # device and dtype and is no faster on CPU; on a GPU torch picks foreach itself.
