@@ -25,15 +25,15 @@ MUNGE_KEY = "/etc/munge/munge.key"
 
 
 def missing() -> Optional[str]:
-    """Why a Slurm cluster cannot be started here, or None when it can."""
+    """Why the Slurm tests skip here: the binaries are not installed, or this is not root; None
+    where they run (CI: root, slurm-wlm installed by .ci/run). There anything else that stops the
+    cluster (no munge key, a node name that does not resolve) fails the test: see `start`."""
     for tool in DAEMONS + CLIENTS:
         if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
             return f"{tool} not installed (apt-get install -y slurm-wlm munge)"
     if os.geteuid() != 0:
         return "starting slurmd needs root"
-    if not os.path.exists(MUNGE_KEY):
-        return f"{MUNGE_KEY} missing (the munge package creates it)"
-    return unresolvable([local_host()])
+    return None
 
 
 def _daemon(name: str) -> str:
@@ -184,9 +184,15 @@ def unresolvable(names: List[str]) -> Optional[str]:
 
 def start(root: str, cpus: int = 2, nodes: Optional[List[str]] = None) -> SlurmCluster:
     """Start munged, slurmctld and one slurmd per node, in the foreground (children of this
-    process), every file under `root`. `nodes` defaults to this host's short name alone."""
+    process), every file under `root`. `nodes` defaults to this host's short name alone. A machine
+    that has Slurm and root but cannot run it is refused here, before any daemon starts."""
     host = local_host()
     nodes = nodes or [host]
+    if not os.path.exists(MUNGE_KEY):
+        raise RuntimeError(f"{MUNGE_KEY} missing (the munge package creates it)")
+    why = unresolvable(nodes)
+    if why:
+        raise RuntimeError(why)
     for sub in ("state", "munge", *(f"spool-{n}" for n in nodes)):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     munge_socket = os.path.join(root, "munge", "munge.socket")

@@ -211,16 +211,35 @@ def test_a_jsonl_line_over_the_stated_size_is_refused_before_it_is_read_whole(tm
 # ---- item 7: a sync save on a disk that really fills ----
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
+def _mount_tmpfs(path: Path, size: str) -> None:
+    """A tmpfs of `size` mounted at `path` (made here). Skips where this is not root; as root (CI)
+    a mount that fails fails the test with mount's message."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     path.mkdir()
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    return ok.returncode == 0
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if out.returncode:
+        pytest.fail(f"mount -t tmpfs failed as root: {out.stderr.strip()}", pytrace=False)
+
+
+def test_only_a_user_who_is_not_root_skips_the_full_disk_test(monkeypatch, tmp_path):
+    """CI runs as root: there a tmpfs that cannot be mounted fails the test with mount's message;
+    only where this is not root does the full-disk test skip, saying so."""
+    refused = subprocess.CompletedProcess(["mount"], 32, "", "mount: tmpfs: permission denied\n")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: refused)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(pytest.fail.Exception, match="^mount -t tmpfs failed as root: mount: tmpfs: permission denied$"):
+        _mount_tmpfs(tmp_path / "small", "300k")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match=r"^mounting a tmpfs needs root \(CI runs as root\)$"):
+        _mount_tmpfs(tmp_path / "other", "300k")
 
 
 def test_a_save_on_a_full_disk_is_one_line_naming_it(tmp_path):
     small = tmp_path / "small"
-    if not _mount_tmpfs(small, "300k"):
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    _mount_tmpfs(small, "300k")
     try:
         out = run_main(
             TINY
