@@ -27,10 +27,14 @@ run: venv
 # cuts on the same day: identical runs differ by ~45 s, days by more); one process: 1247 s (an
 # older suite); 3 workers made the first phase slower (1011 s, an older suite).
 TEST_WORKERS ?= 2
+# Each phase lists its skipped tests with their reasons (-rs; -rfE: failures and errors, pytest's
+# default) and writes a JUnit report here; .ci/run ends with both phases' skips (.ci/skips.py).
+TEST_REPORTS ?= outputs/test-reports
 
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests $(ARGS)
-	$(BIN)/python -m pytest -q -m serial tests $(ARGS)
+	rm -f $(TEST_REPORTS)/parallel.xml $(TEST_REPORTS)/serial.xml
+	$(BIN)/python -m pytest -q -rfEs --junitxml=$(TEST_REPORTS)/parallel.xml -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests $(ARGS)
+	$(BIN)/python -m pytest -q -rfEs --junitxml=$(TEST_REPORTS)/serial.xml -m serial tests $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
