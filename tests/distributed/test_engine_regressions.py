@@ -474,7 +474,13 @@ def _grad_lifetime(rank, ws):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = _plain_batch(0, rank, ws)
     F.mse_loss(model(x), y).backward()
-    bases = {id(p.grad._base): weakref.ref(p.grad._base) for p in model.parameters() if p.grad is not None}
+    # the gradient pieces' storage (the unit's gradient shard: torch keeps one Python object per
+    # live storage, so a weak reference to it dies with the buffer)
+    bases = {
+        p.grad.untyped_storage().data_ptr(): weakref.ref(p.grad.untyped_storage())
+        for p in model.parameters()
+        if p.grad is not None
+    }
     out["grad_bytes_after_backward"] = model.sharded_tensor_bytes()["grad_shard"]
     out["shard_bytes"] = model.sharded_tensor_bytes()["shard"]
     opt.step()

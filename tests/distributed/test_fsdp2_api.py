@@ -394,6 +394,8 @@ def c_dcp_state_dict_api(rank, n):
     )
     from torch.distributed.tensor import DTensor
 
+    from framework.distributed.fsdp import prepare_optimizer
+
     dev = torch.device("cpu")
 
     def steps(model, opt, first, count):
@@ -409,7 +411,7 @@ def c_dcp_state_dict_api(rank, n):
 
     shapes = {k: tuple(v.shape) for k, v in Deep().named_parameters()}
     ours = _shard_deep(Deep())
-    opt = torch.optim.AdamW(ours.parameters(), lr=0.01)
+    opt = prepare_optimizer(torch.optim.AdamW(ours.parameters(), lr=0.01))
     steps(ours, opt, 0, 2)
     osd = get_optimizer_state_dict(ours, opt)
     kinds = sorted(
@@ -423,7 +425,7 @@ def c_dcp_state_dict_api(rank, n):
     dist.broadcast_object_list(where)
     dcp.save({"model": get_model_state_dict(ours), "optim": osd}, checkpoint_id=where[0])
     fresh = _shard_deep(Deep())
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    fresh_opt = prepare_optimizer(torch.optim.AdamW(fresh.parameters(), lr=0.01))
     sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
     dcp.load(sd, checkpoint_id=where[0])
     set_model_state_dict(fresh, sd["model"])

@@ -754,7 +754,7 @@ def _nanogpt_groups(model, ndim, weight_decay=0.1):
 
 
 def b_nanogpt_param_groups(rank, n):
-    from framework.distributed.fsdp import original_shape
+    from framework.distributed.fsdp import original_shape, prepare_optimizer
 
     dev = _device(rank)
 
@@ -765,16 +765,15 @@ def b_nanogpt_param_groups(rank, n):
 
     ref, ours = Deep().to(dev), shard(Deep().to(dev))
     _, ref_names = _nanogpt_groups(ref, lambda p: p.dim())
-    # as written: every sharded piece is 1-D, so the decay group comes out empty; the first step refuses
+    # as written: every sharded piece is 1-D, so the decay group comes out empty; the opt-in refuses
     groups, _ = _nanogpt_groups(ours, lambda p: p.dim())
-    opt = torch.optim.AdamW(groups, lr=1e-3)
-    x, y = _batch(0, dev, rank, n)
-    _mse(ours, 0, x, y).backward()
     try:
-        opt.step()
+        prepare_optimizer(torch.optim.AdamW(groups, lr=1e-3))
         refusal = None
     except ValueError as exc:
         refusal = str(exc)
+    x, y = _batch(0, dev, rank, n)
+    _mse(ours, 0, x, y).backward()
     # with the original shape: the unsharded model's groups, and the optimizer steps
     groups, our_names = _nanogpt_groups(ours, lambda p: len(original_shape(p)))
     torch.optim.AdamW(groups, lr=1e-3).step()
@@ -953,7 +952,7 @@ def test_matches_reference(results4, name):
 def test_layer_by_layer_shared_params(results4):
     r = _result(results4, "layer_by_layer_shared_params")
     _ok(r)
-    assert r["param_kinds"] == [("Parameter", 1)], r  # flat 1-D slices, not DTensors
+    assert r["param_kinds"] == [("ShardPiece", 1)], r  # flat 1-D pieces that describe themselves, not DTensors
     # A parameter shared by two units is refused when the second unit is built, naming the fix.
     assert r["cross_unit_error"] and "tied parameters must belong to one unit" in r["cross_unit_error"], r
 
@@ -1029,11 +1028,12 @@ def test_torch_clip_grad_norm_is_global_on_our_parameters(results4):
 
 
 def test_nanogpt_configure_optimizers_fails_loudly_or_matches(results4):
-    """Grouping weight decay by `p.dim()` sees only 1-D pieces on our model: the optimizer's first
-    step refuses it with a message naming the fix; grouping by `original_shape(p)` gives exactly
+    """Grouping weight decay by `p.dim()` sees only 1-D pieces on our model: `prepare_optimizer`
+    (the opt-in, docs/engine.md) refuses it with a message naming the fix; grouping by `original_shape(p)` gives exactly
     the unsharded model's groups."""
     r = _result(results4, "nanogpt_param_groups")
     assert "error" not in r, r.get("error")
     assert r["refusal"] and "grouping by p.dim()/p.ndim" in r["refusal"], r
-    assert "original_shape(p)" in r["refusal"] and "layers.0.0.weight" in r["refusal"], r
+    # named within its unit (the optimizer is built before the first forward names the units)
+    assert "original_shape(p)" in r["refusal"] and "0.weight, shape (8, 8)" in r["refusal"], r
     assert r["our_groups"] == r["ref_groups"] and r["ref_groups"][0], r

@@ -8,9 +8,11 @@
 Files, in import order: api.py (policies, state enums), flat.py (storage layout), transport.py and
 host/ (how a group moves bytes), collectives.py, zeropp.py and reduce.py (parts of a unit), unit.py,
 context.py (one model's shared state), hooks.py, mesh.py (groups and meshes), state_dict.py,
-clip.py (global gradient norms, also for torch's clip_grad_norm_), optim_check.py (what the
-optimizer sees: original_shape), sharded_module.py (FSDP2's FSDPModule methods), fully_shard.py
-(the entry point).
+views.py (what torch sees: pieces that describe themselves, so torch's own clip_grad_norm_ is
+global), clip.py (the engine's spelling of the global norm), optim_check.py (what the optimizer
+sees: original_shape; prepare_optimizer, the opt-in checks and state-dict format),
+sharded_module.py (FSDP2's FSDPModule methods), fully_shard.py (the entry point). Where shard
+boundaries fall: framework/distributed/shard_layout.py (torch-free; the planner uses it too).
 """
 
 from .api import (
@@ -24,10 +26,11 @@ from .api import (
 from .clip import clip_grad_norm_
 from .fully_shard import fully_shard
 from .host import set_host_transport
-from .optim_check import original_shape
+from .optim_check import original_shape, prepare_optimizer
 from .sharded_module import FSDPModule, ShardedModule, UnshardHandle, register_fsdp_forward_method
 from .state_dict import get_state_dicts, set_state_dicts
 from .unit import sharded_units
+from .views import ShardPiece
 
 __all__ = [
     "fully_shard",
@@ -46,5 +49,7 @@ __all__ = [
     "TrainingPhase",
     "sharded_units",
     "original_shape",
+    "prepare_optimizer",
+    "ShardPiece",
     "set_host_transport",
 ]

@@ -2,8 +2,9 @@
 
 [Note: flat storage]
 A unit's parameters are laid out one after the other in a flat buffer of T elements, padded to
-N x S (S = ceil(T / N), rounded up to the quantization block when int8 communication is on). Rank
-r owns the contiguous slice [r S, (r+1) S). Consequences, all deliberate:
+N x S (S = ceil(T / N), rounded up to the quantization block when int8 communication is on; a
+boundary policy may leave gaps between parameters and a larger S: [Note: shard boundaries] in
+framework/distributed/shard_layout.py). Rank r owns the contiguous slice [r S, (r+1) S). Consequences, all deliberate:
   * the all-gather output *is* the concatenation of the full parameters, so every full parameter
     is a view into it (no copy-out), and the gathered buffer is the all-gather receive buffer;
   * the reduce-scatter input is one flat gradient buffer with the same layout (one copy-in of the
@@ -20,11 +21,14 @@ They would have made checkpoints free but every step dearer; checkpoints are rar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+
+from ..shard_layout import granule, pack
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,19 @@ class FlatLayout:
     shard_numel: int  # S: elements each rank owns (padded)
     world: int  # N: ranks in the shard group
     rank: int
+    boundary: str = "anywhere"  # where rank boundaries may fall: [Note: shard boundaries]
     padded_total: int = field(init=False)
+    gaps: List[Tuple[int, int]] = field(init=False)  # [start, end) of the flat buffer holding no parameter
 
     def __post_init__(self) -> None:
         self.padded_total = self.shard_numel * self.world
+        self.gaps, pos = [], 0
+        for e in sorted(self.entries, key=lambda e: e.offset):
+            if e.offset > pos:
+                self.gaps.append((pos, e.offset))
+            pos = max(pos, e.offset + e.numel)
+        if self.padded_total > pos:
+            self.gaps.append((pos, self.padded_total))
         lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         for e in self.entries:
             e.local_lo = min(max(e.offset, lo), hi)
@@ -88,16 +101,28 @@ class FlatLayout:
         """Where `e`'s local piece lives inside the flattened full parameter."""
         return slice(e.local_lo - e.offset, e.local_hi - e.offset)
 
+    @property
+    def padding(self) -> int:
+        """Elements of the N x S buffer that hold no parameter (every rank's together)."""
+        return self.padded_total - self.total
 
-def build_layout(entries: List[FlatEntry], world: int, rank: int, align: int = 1) -> FlatLayout:
-    offset = 0
-    for e in entries:
+
+def row_numel(shape) -> int:
+    """Elements of one row (a dim-0 slice) of a parameter of `shape`; 1 for 0-D and 1-D ones."""
+    return math.prod(shape[1:]) if len(shape) >= 2 else 1
+
+
+def build_layout(
+    entries: List[FlatEntry], world: int, rank: int, align: int = 1, boundary: str = "anywhere"
+) -> FlatLayout:
+    """Place `entries` in the flat buffer under the `boundary` policy ([Note: shard boundaries] in
+    framework/distributed/shard_layout.py)."""
+    sizes = [(e.numel, granule(e.numel, row_numel(e.shape), boundary)) for e in entries]
+    offsets, shard = pack(sizes, world, align)
+    for e, offset in zip(entries, offsets):
         e.offset = offset
-        offset += e.numel
-    total = offset
-    shard = max(1, -(-total // world))
-    shard = -(-shard // align) * align
-    return FlatLayout(entries=entries, total=total, shard_numel=shard, world=world, rank=rank)
+    total = sum(e.numel for e in entries)
+    return FlatLayout(entries=entries, total=total, shard_numel=shard, world=world, rank=rank, boundary=boundary)
 
 
 def dim0_chunk(shape: torch.Size, world: int, rank: int) -> Tuple[int, int]:

@@ -14,15 +14,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..shard_layout import BOUNDARIES
 from . import hooks
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizedCommPolicy
-from .clip import install_torch_norm
 from .flat import FlatEntry, TPSpec, build_layout
 from .mesh import dp_tp_mesh, mesh_key, reduce_group, resolve_mesh, secondary_group
-from .optim_check import install_param_group_check
 from .sharded_module import ShardedModule
 from .state_dict import register_state_dict_hooks
 from .unit import ShardUnit, claim, claimed_by, owner_of
+from .views import ShardPiece, piece_spec
 
 _CLASS_CACHE: Dict[type, type] = {}
 
@@ -43,6 +43,7 @@ def fully_shard(
     comm_policy: Optional[QuantizedCommPolicy] = None,
     ignored_params: Optional[Set[nn.Parameter]] = None,
     shard_placement_fn: Optional[Callable] = None,
+    shard_boundary: str = "anywhere",
 ) -> nn.Module:
     """Shard `module`'s parameters that no sub-unit owns yet into one unit (ZeRO-3 by default).
 
@@ -62,13 +63,21 @@ def fully_shard(
         gradients not reduced; they stay plain, replicated parameters of the module.
     shard_placement_fn: refused (FSDP2 uses it for Shard(1) and other per-parameter placements):
         a unit is one flat buffer cut into equal contiguous pieces, so a parameter cannot be split
-        on another dimension. State dicts are Shard(0) DTensors either way.
+        on another dimension; `shard_boundary` says where the cuts may fall. State dicts are
+        Shard(0) DTensors either way.
+    shard_boundary: where a rank's piece may begin or end ([Note: shard boundaries] in
+        framework/distributed/shard_layout.py): "anywhere" (tight packing, the default), "rows"
+        (each rank holds whole rows of every matrix) or "params" (each parameter whole on one
+        rank). Checkpoints do not depend on it: one written under one policy loads under another.
     """
+    if shard_boundary not in BOUNDARIES:
+        raise ValueError(f"fully_shard: shard_boundary={shard_boundary!r}; choose one of {', '.join(BOUNDARIES)}")
     if shard_placement_fn is not None:
         raise NotImplementedError(
             "fully_shard: shard_placement_fn is not supported: the engine keeps each unit as one flat buffer cut "
             "into equal contiguous pieces (docs/engine.md), so a parameter cannot be sharded on another dimension "
-            "(Shard(1)); drop shard_placement_fn (state dicts are Shard(0) DTensors either way)"
+            "(Shard(1)); drop shard_placement_fn (state dicts are Shard(0) DTensors either way), or keep whole rows "
+            "or whole parameters per rank with shard_boundary='rows' or 'params'"
         )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(
@@ -76,8 +85,6 @@ def fully_shard(
         )
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     ignored = {id(p) for p in (ignored_params or ())}
-    install_torch_norm()  # [Note: torch's clip_grad_norm_ on sharded parameters] in clip.py
-    install_param_group_check()  # [Note: grouping optimizer parameters by ndim] in optim_check.py
     members = list(module) if isinstance(module, (list, tuple)) else [module]
     if not members or not all(isinstance(m, nn.Module) for m in members):
         raise ValueError(f"fully_shard: {module!r}; give a module or a non-empty list of modules")
@@ -170,7 +177,7 @@ def fully_shard(
                 f"(hpZ: keep a secondary shard over groups of that many ranks after forward)"
             )
     align = comm_policy.align if comm_policy is not None else 1
-    layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align)
+    layout = build_layout(entries, n_shard, dist.get_rank(shard_group), align=align, boundary=shard_boundary)
     shard_dtype = originals[0].dtype if originals else torch.float32
     unit = ShardUnit(
         members[0],
@@ -200,7 +207,8 @@ def fully_shard(
             if e.local_numel:
                 unit.shard[layout.shard_slice(e)].copy_(p.detach().reshape(-1)[layout.piece_slice(e)])
     for i, (e, p) in enumerate(zip(entries, [owners[i] for i in by_id])):
-        sp = nn.Parameter(unit.shard[layout.shard_slice(e)], requires_grad=e.requires_grad)
+        # [Note: pieces that describe themselves] in views.py
+        sp = nn.Parameter(ShardPiece(unit.shard[layout.shard_slice(e)], piece_spec(unit, i)), e.requires_grad)
         unit.set_sharded_param(i, sp)  # [Note: records of sharded parameters] in unit.py
         for mod, name, _ in e.users:
             mod._parameters[name] = sp

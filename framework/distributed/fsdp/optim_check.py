@@ -4,26 +4,22 @@
 The optimizer's parameters are 1-D local pieces (see docs/engine.md, "The optimizer sees flat
 slices"), so code that picks weight decay by `p.dim() >= 2` (nanoGPT's `configure_optimizers`,
 and many scripts written after it) puts every sharded matrix in the no-decay group: silently, no
-weight decay anywhere. `original_shape(p)` gives the shape the model computes with; and on the
-first step of each optimizer a global step pre-hook (torch's public
-`register_optimizer_step_pre_hook`, installed by `fully_shard`) refuses the tell-tale layout: the
+weight decay anywhere. `original_shape(p)` (or `p.piece_spec.full_shape`) gives the shape the model computes with.
+`prepare_optimizer(optimizer)`, an explicit opt-in (the engine changes nothing of torch's for the
+whole process, so it cannot see optimizers it was not given), refuses the tell-tale layout: the
 groups with weight decay are empty (or hold no sharded piece, one empty) while a group without
-decay holds sharded matrices. The check runs once per optimizer; later steps cost one lookup.
-The same first step registers the optimizer's state-dict hooks ([Note: the optimizer's own
-state_dict holds DTensors] in state_dict.py).
+decay holds sharded matrices; and it registers the optimizer's state-dict hooks ([Note: the
+optimizer's own state_dict holds DTensors] in state_dict.py), so that `optimizer.state_dict()`,
+torch's `get_optimizer_state_dict` and DCP see per-parameter Shard(0) DTensors.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 
 from .unit import owner_of
-
-_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_INSTALLED: list = []
 
 
 def original_shape(param: torch.Tensor) -> Optional[torch.Size]:
@@ -64,20 +60,13 @@ def check_param_groups(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _pre_step(optimizer, args, kwargs) -> None:
-    if optimizer in _CHECKED:
-        return
-    _CHECKED.add(optimizer)
-    check_param_groups(optimizer)
+def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Opt an optimizer over our sharded parameters into the engine's checks and state-dict
+    format (see the note at the top); returns it. Idempotent; a no-op for an optimizer that holds
+    no sharded parameter."""
     if any(original_shape(p) is not None for g in optimizer.param_groups for p in g["params"]):
+        check_param_groups(optimizer)
         from .state_dict import hook_optimizer_state_dict  # [Note: the optimizer's own state_dict holds DTensors]
 
         hook_optimizer_state_dict(optimizer)
-
-
-def install_param_group_check() -> None:
-    """Register the step pre-hook once per process; called by `fully_shard`."""
-    if not _INSTALLED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _INSTALLED.append(register_optimizer_step_pre_hook(_pre_step))
+    return optimizer

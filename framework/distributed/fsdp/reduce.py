@@ -17,6 +17,7 @@ from torch.profiler import record_function
 
 from . import collectives as C
 from .api import UnitState
+from .views import ShardPiece
 from .zeropp import dequantize_into, packed_nbytes
 
 
@@ -250,8 +251,9 @@ class GradReduction:
                 else:
                     dst.add_(g.view(-1)) if accumulate else dst.copy_(g.reshape(-1))
                     full.grad = None
-            if not accumulate and L.padded_total > L.total:
-                buf[L.total :].zero_()
+            if not accumulate:
+                for lo, hi in L.gaps:  # padding: between parameters under a boundary policy, and at the end
+                    buf[lo:hi].zero_()
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
@@ -302,7 +304,7 @@ class GradReduction:
                     self.grad_shard = self._new_grad_shard()
                     self.grad_shard.copy_(reduced, non_blocking=True)
                 for p, e in zip(params, self.trainable):
-                    p.grad = self.grad_shard[self.layout.shard_slice(e)]
+                    p.grad = ShardPiece(self.grad_shard[self.layout.shard_slice(e)], p.piece_spec)
                 self.grad_shard = None  # the .grad views own it now (see the note in __init__)
             else:
                 # gradients persist (zero_grad(set_to_none=False), or a second synced backward):
@@ -312,7 +314,7 @@ class GradReduction:
                 for p, e in zip(params, self.trainable):
                     piece = host[self.layout.shard_slice(e)].to(p.dtype)
                     if p.grad is None:
-                        p.grad = piece.clone()
+                        p.grad = ShardPiece(piece.clone(), p.piece_spec)
                     else:
                         p.grad.add_(piece)
         if out is not None:

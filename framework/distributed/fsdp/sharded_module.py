@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import torch
 import torch.nn as nn
 
 from . import hooks
@@ -165,18 +164,11 @@ class ShardedModule:
         return out
 
     def _apply(self, fn, recurse=True):
-        # `.to(device)`, `.to_empty(device=...)`, `.double()` replace the parameters' data; the
-        # children (their own units) rebind in their own _apply, this unit after its parameters.
-        # The engine's records of its parameters are weak references (unit.py), which
-        # `torch.utils.swap_tensors` refuses; so the conversion assigns `.data` (torch's default)
-        # even where `torch.__future__.set_swap_module_params_on_conversion(True)` asks to swap,
-        # and `rebind_after_apply` then rebuilds the shards from the converted values.
-        swap = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(False)
-        try:
-            result = super()._apply(fn, recurse)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(swap)
+        # `.to(device)`, `.to_empty(device=...)`, `.double()` replace the parameters' data (by
+        # assigning `.data`, or by `torch.utils.swap_tensors` where torch.__future__ asks for it:
+        # the pieces carry their description either way, [Note: records of sharded parameters]);
+        # the children (their own units) rebind in their own _apply, this unit after its parameters.
+        result = super()._apply(fn, recurse)
         self._fsdp_unit.rebind_after_apply(fn)
         hooks.register_param_hooks(self._fsdp_unit)
         return result

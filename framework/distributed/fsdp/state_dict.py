@@ -175,8 +175,8 @@ def _state_piece(unit: "ShardUnit", e: FlatEntry, key: str, value):
 # FSDP2's optimizer state is DTensors, so `optimizer.state_dict()` and torch's
 # `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` / `set_optimizer_state_dict`
 # (which go through it) save per-parameter Shard(0) state that DCP reshards. Ours keeps the state
-# as flat local pieces (what the optimizer steps on), so on an optimizer's first step over our
-# parameters the engine registers two public optimizer hooks: `state_dict()` turns each sharded
+# as flat local pieces (what the optimizer steps on), so `prepare_optimizer(optimizer)` (the
+# explicit opt-in, optim_check.py) registers two public hooks on that optimizer: `state_dict()` turns each sharded
 # piece into its parameter's DTensor (collective, like the model's state_dict), and
 # `load_state_dict()` turns a DTensor, or a whole tensor, back into this rank's piece. Pieces
 # already local (what `set_state_dicts` passes) are left as they are.

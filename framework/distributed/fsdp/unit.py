@@ -9,7 +9,6 @@ See [Note: flat storage] in flat.py.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
@@ -23,6 +22,7 @@ from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
 from .flat import FlatEntry, FlatLayout, contiguous_stride
 from .reduce import GradReduction, _Reduction
 from .transport import Transport
+from .views import ShardPiece
 from .zeropp import ZeroPlusPlus, float8_plan, packed_nbytes
 
 if TYPE_CHECKING:
@@ -30,27 +30,18 @@ if TYPE_CHECKING:
 
 
 # [Note: records of sharded parameters]
-# What the engine knows about a sharded parameter (its unit, its entry) lives here, never as
-# attributes on the tensor: `to_empty()` / `.to()` replace the Parameter objects, and attributes
-# would silently stay behind on the old ones (gradient clipping then took every piece for a
-# replicated one and came out sqrt(N) too small). Keys are held weakly, values name the unit
-# weakly, so the table never keeps a model alive; `rebind_after_apply` records the new objects.
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # sharded Parameter -> (weakref to unit, entry index)
+# What the engine knows about a sharded parameter (its unit, its entry) is part of the parameter:
+# a `ShardPiece` carries its `piece_spec` (views.py, [Note: pieces that describe themselves]), and
+# every elementwise result of it (`.to()`, `to_empty()`'s `empty_like`, `zeros_like`) carries it
+# on, so `module.to()` and `torch.utils.swap_tensors` keep it with no table to update. Only the
+# original (pre-sharding) parameters are recorded, weakly, to refuse sharding one twice.
 _CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original (pre-sharding) parameter -> owning unit's name
 
 
 def owner_of(param: torch.Tensor) -> Optional[Tuple["ShardUnit", int]]:
-    """(unit, entry index) of a parameter our engine sharded, None for any other tensor."""
-    rec = _SHARDED.get(param)
-    if rec is None:
-        return None
-    unit = rec[0]()
-    return None if unit is None else (unit, rec[1])
-
-
-def sharded_parameters() -> List[torch.Tensor]:
-    """Every live parameter our engine sharded, in any model of this process."""
-    return list(_SHARDED.keys())
+    """(unit, entry index) of a parameter our engine sharded (or of its gradient or optimizer
+    state), None for any other tensor."""
+    return param.piece_spec.owner() if isinstance(param, ShardPiece) else None
 
 
 def claimed_by(param: torch.Tensor) -> Optional[str]:
@@ -276,7 +267,6 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         else:
             assert index == len(self.sharded_params)
             self.sharded_params.append(param)
-        _SHARDED[param] = (weakref.ref(self), index)
 
     def norm_share(self, index: int) -> int:
         """How many ranks hold an identical copy of entry `index`'s local piece (gradient clipping

@@ -1,0 +1,270 @@
+"""What torch sees of a sharded parameter: a 1-D piece that knows whose piece it is.
+
+[Note: pieces that describe themselves]
+The optimizer's parameters and their gradients are this rank's contiguous pieces of the unit's
+flat shard buffer (see [Note: flat storage] in flat.py): 1-D views, copied nowhere. Each is a
+`ShardPiece`, a `torch.Tensor` subclass made over the same storage (`Tensor._make_subclass`, as
+`nn.Parameter` is), whose `piece_spec` names its unit, its entry, the parameter's full shape and
+how many ranks hold an identical copy of it. Every torch operation runs on the plain data (the
+subclass adds one Python call per op, no copy); what the piece changes is only what a piece's
+*norm* means:
+  * `torch.linalg.vector_norm` / `Tensor.norm` / `torch._foreach_norm` of a piece give a
+    `PartialNorm`: this rank's share of a norm, not yet summed over the ranks (DTensor's
+    `Partial` placement, for the one reduction torch's tools take of gradients);
+  * `torch.stack` of partial norms stays partial (plain norms beside them count as replicated),
+    `.to()` keeps it partial, and the `vector_norm` of a partial vector is the global norm: one
+    all-reduce (SUM of the p-th powers, each divided by its copies; MAX for inf) over the default
+    group, the world every rank of a sharded model is in;
+  * any other use of a partial norm (`.item()`, arithmetic, printing) first completes it the same
+    way.
+So torch's own, unmodified `clip_grad_norm_` / `get_total_norm` return the global norm on our
+gradients and scale each piece by the global factor (which is the right clipping), as they do
+on FSDP2's DTensors; and, as there, a norm of a sharded gradient is a collective: every rank
+asks for it. Elementwise results that keep a piece's shape (`zeros_like`, `.to()`, `.detach()`,
+the optimizer's state) are pieces of the same parameter, so the description follows the data
+through `module.to()`, `to_empty()` and `torch.utils.swap_tensors`, with nothing recorded about
+the tensor anywhere else. Pickling a piece saves its plain local data.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from .unit import ShardUnit
+
+
+@dataclass(frozen=True, eq=False)
+class PieceSpec:
+    """Whose piece a `ShardPiece` is."""
+
+    unit_ref: Callable[[], Optional["ShardUnit"]]  # weak reference to the owning unit
+    index: int  # the unit's entry (one distinct parameter)
+    full_shape: torch.Size  # the parameter's shape in the model (global over tensor parallel)
+    copies: int  # ranks holding an identical copy of this piece (replicas x unsplit tp)
+
+    def owner(self) -> Optional[Tuple["ShardUnit", int]]:
+        unit = self.unit_ref()
+        return None if unit is None else (unit, self.index)
+
+
+def piece_spec(unit: "ShardUnit", index: int) -> PieceSpec:
+    return PieceSpec(weakref.ref(unit), index, unit.entries[index].global_shape, unit.norm_share(index))
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class ShardPiece(torch.Tensor):
+    """A rank's 1-D piece of one sharded parameter (or of its gradient or optimizer state)."""
+
+    piece_spec: PieceSpec
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, spec: PieceSpec, requires_grad: bool = False):
+        t = torch.Tensor._make_subclass(cls, data, requires_grad)
+        t.piece_spec = spec
+        return t
+
+    def to_local(self) -> torch.Tensor:
+        """The plain local data (same storage)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.view_as(self)
+
+    def __reduce_ex__(self, proto):
+        return self.to_local().detach().__reduce_ex__(proto)
+
+    def __repr__(self) -> str:
+        return f"ShardPiece({self.to_local()!r}, of shape {tuple(self.piece_spec.full_shape)})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NORMS:
+            return _norm_of_pieces(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func in _PLAIN_RESULTS:
+            return out
+        spec, numel = _first_spec(args, kwargs)
+        if spec is None:
+            return out
+        return tree_map(lambda t: _as_piece(t, spec, numel), out)
+
+
+class PartialNorm(torch.Tensor):
+    """This rank's share of a norm over sharded data: see [Note: pieces that describe themselves]."""
+
+    norm_type: float
+    copies: torch.Tensor  # per element: identical copies in the world (float64, same shape)
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, norm_type: float, copies: torch.Tensor):
+        t = torch.Tensor._make_subclass(cls, data, False)
+        t.norm_type = float(norm_type)
+        t.copies = copies
+        return t
+
+    def complete(self) -> torch.Tensor:
+        """The global norm(s): one all-reduce. Collective."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return _reduce_powers(self.view_as(self), self.norm_type, self.copies, elementwise=True)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.to, torch.Tensor.detach) and isinstance(args[0], PartialNorm):
+            me = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return PartialNorm(out, me.norm_type, me.copies.to(out.device))
+        if func is torch.stack:
+            return _stack_partials(args, kwargs)
+        if func in _VECTOR_NORMS and isinstance(args[0], PartialNorm) and _whole_norm(args, kwargs, args[0].norm_type):
+            me = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                total = _reduce_powers(me.view_as(me), me.norm_type, me.copies, elementwise=False)
+            return total.to(kwargs.get("dtype") or me.dtype)
+        if func in _PLAIN_RESULTS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        done = tree_map(lambda t: t.complete() if isinstance(t, PartialNorm) else t, (args, kwargs))
+        return func(*done[0], **done[1])
+
+
+# Attribute reads and the like: their results never describe a piece.
+_PLAIN_RESULTS = {
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.__hash__,
+    torch.Tensor.__reduce_ex__,
+    torch.Tensor.__getstate__,
+    torch.Tensor.__setstate__,
+    torch.Tensor.dim,
+    torch.Tensor.size,
+    torch.Tensor.numel,
+    torch.Tensor.data_ptr,
+    torch.Tensor.untyped_storage,
+    torch.Tensor.stride,
+    torch.Tensor.storage_offset,
+    torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+}
+_VECTOR_NORMS = (torch.linalg.vector_norm, torch.Tensor.norm, torch.norm, torch.linalg.norm)
+_NORMS = set(_VECTOR_NORMS) | {torch._foreach_norm}
+
+
+def _first_spec(args, kwargs) -> Tuple[Optional[PieceSpec], int]:
+    found: List[Any] = []
+
+    def look(t):
+        if not found and isinstance(t, ShardPiece):
+            found.append(t)
+        return t
+
+    tree_map(look, (args, kwargs))
+    if not found:
+        return None, 0
+    with torch._C.DisableTorchFunctionSubclass():
+        return found[0].piece_spec, found[0].numel()
+
+
+def _as_piece(t, spec: PieceSpec, numel: int):
+    """An elementwise result of a piece is a piece of the same parameter: a plain 1-D tensor of
+    the piece's length (a new tensor, or a view like `.detach()`)."""
+    if type(t) is torch.Tensor and t.dim() == 1 and t.numel() == numel:
+        return ShardPiece(t, spec, t.requires_grad)
+    return t
+
+
+def _whole_norm(args, kwargs, norm_type: float) -> bool:
+    """A `vector_norm`/`norm` call over all elements with the given order (positional or keyword)."""
+    order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    return dim is None and order is not None and not isinstance(order, str) and float(order) == norm_type
+
+
+def _norm_of_pieces(func, args, kwargs):
+    """`vector_norm`/`norm` of one piece, or `_foreach_norm` of a list of them: partial norms."""
+    if func is torch._foreach_norm:
+        tensors = list(args[0])
+        order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
+        with torch._C.DisableTorchFunctionSubclass():
+            norms = torch._foreach_norm(tensors, order)
+        return [_partial(n, t, order) for n, t in zip(norms, tensors)]
+    piece = args[0]
+    if not _whole_norm(args, kwargs, float(args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0)))):
+        # a norm along a dimension of a 1-D piece, or a matrix norm: not a global quantity
+        raise NotImplementedError(
+            f"{getattr(func, '__name__', func)} of a sharded parameter's piece along a dimension or with "
+            "a matrix order: the piece is this rank's 1-D share; take the norm of the whole tensor "
+            "(vector_norm(g) / clip_grad_norm_), or of piece.to_local() for a local quantity"
+        )
+    order = float(args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0)))
+    with torch._C.DisableTorchFunctionSubclass():
+        local = func(*args, **kwargs)
+    return _partial(local, piece, order)
+
+
+def _partial(local: torch.Tensor, source, order: float) -> "PartialNorm":
+    copies = source.piece_spec.copies if isinstance(source, ShardPiece) else _world()
+    return PartialNorm(local, order, torch.full(local.shape, float(copies), dtype=torch.float64, device=local.device))
+
+
+def _stack_partials(args, kwargs) -> "PartialNorm":
+    tensors = list(args[0])
+    rest = args[1:]
+    orders = {t.norm_type for t in tensors if isinstance(t, PartialNorm)}
+    if len(orders) != 1:
+        raise NotImplementedError("torch.stack of partial norms of different orders")
+    with torch._C.DisableTorchFunctionSubclass():
+        plain = [t.view_as(t) for t in tensors]
+        device = plain[0].device
+        copies = [
+            t.copies.to(device)
+            if isinstance(t, PartialNorm)
+            else torch.full(t.shape, float(_world()), dtype=torch.float64, device=device)
+            for t in tensors
+        ]
+        out = torch.stack(plain, *rest, **kwargs)
+        copies = torch.stack(copies, *rest, **kwargs)
+    return PartialNorm(out, orders.pop(), copies)
+
+
+def _reduce_powers(local: torch.Tensor, order: float, copies: torch.Tensor, elementwise: bool) -> torch.Tensor:
+    """Global norm from per-rank partial norms: every element (elementwise) or all together."""
+    from . import collectives as C
+
+    acc = local.detach().double()
+    if order == float("inf"):
+        acc = acc if elementwise else acc.max() if acc.numel() else acc.new_zeros(())
+        acc = acc.clone()
+        if _world() > 1:
+            _all_reduce(acc, dist.ReduceOp.MAX, C)
+        return acc.to(local.dtype)
+    powers = acc.pow(order) / copies.to(acc.device)
+    if not elementwise:
+        powers = powers.sum()
+    if _world() > 1:
+        _all_reduce(powers, None, C)
+    return powers.pow(1.0 / order).to(local.dtype)
+
+
+def _all_reduce(t: torch.Tensor, op, C) -> None:
+    if dist.get_backend() == "nccl" and t.device.type != "cuda":  # e.g. CPU-offloaded grads
+        moved = t.to(torch.device("cuda", torch.cuda.current_device()))
+        _all_reduce(moved, op, C)
+        t.copy_(moved.to(t.device))
+        return
+    if op is None:
+        C.all_reduce_sum_(t, None)
+    else:
+        dist.all_reduce(t, op=op)

@@ -1,0 +1,82 @@
+"""Where shard boundaries fall in a unit's flat buffer: the layout policy, without torch.
+
+[Note: shard boundaries]
+A unit's parameters lie one after the other in a flat buffer of N x S elements and rank r owns
+[r S, (r+1) S) ([Note: flat storage] in fsdp/flat.py). Where a rank's range may begin or end
+inside a parameter is the policy:
+  * "anywhere": the parameters are packed tightly and S = ceil(T / N): the least padding (under N
+    elements), and a rank's piece of a matrix may start or end inside a row;
+  * "rows": no rank boundary cuts a row (a matrix's rows are its dim-0 slices; a 1-D parameter's
+    rows are its elements): each rank's piece of a matrix is a set of whole rows, what row-wise
+    block formats and row-wise optimizers need;
+  * "params": no rank boundary cuts a parameter: every parameter lives whole on one rank, so an
+    optimizer that needs whole matrices (Muon, Shampoo) has them locally with no communication.
+The packing keeps the parameters' order and each parameter contiguous (so every full parameter is
+still a view of the gathered buffer: the gather path's copy budget is unchanged). Walking them, a
+parameter that a boundary would cut inside a granule (its row, or the whole parameter) starts a
+little later, at the next position where every boundary inside it falls between granules: a gap
+of less than one granule, or, for a parameter that fits in one range, the next range. A parameter
+longer than S crosses several boundaries, which then fall between its rows only if S is a multiple
+of its row: S is rounded up to the least common multiple of those rows (and of `align`), then
+grown by that step until everything fits. The padding is reported: under one granule per
+parameter plus, per rank, the rounding of S; for the whole-parameter policy S is at least the
+largest parameter.
+The planner (framework/planner/estimate.py) packs its tensor shapes with the same function, so its
+memory and traffic figures are the engine's own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+BOUNDARIES = ("anywhere", "rows", "params")
+
+
+def granule(numel: int, row: int, boundary: str) -> int:
+    """The unit a rank boundary may not cut, in elements, for a parameter of `numel` elements whose
+    rows hold `row` elements each (1 for a 1-D or 0-D parameter)."""
+    if boundary == "anywhere" or numel == 0:
+        return 1
+    if boundary == "rows":
+        return max(1, row)
+    if boundary == "params":
+        return numel
+    raise ValueError(f"shard_boundary={boundary!r}: choose one of {', '.join(BOUNDARIES)}")
+
+
+def pack(sizes: Sequence[Tuple[int, int]], world: int, align: int = 1) -> Tuple[List[int], int]:
+    """(offsets, S): where each parameter, given as (numel, granule), starts in the flat buffer,
+    and the elements each of the `world` ranks owns. See [Note: shard boundaries]."""
+    total = sum(n for n, _ in sizes)
+    S = max(1, -(-total // world), max((g for n, g in sizes if n), default=1))
+    for _ in range(10_000):
+        step = math.lcm(align, *[g for n, g in sizes if n > S])
+        S = -(-S // step) * step
+        offsets = _fit(sizes, S, world)
+        if offsets is not None:
+            return offsets, S
+        S += step
+    raise AssertionError(f"no shard size fits {len(sizes)} parameters over {world} ranks")  # unreachable
+
+
+def _fit(sizes: Sequence[Tuple[int, int]], S: int, world: int) -> Optional[List[int]]:
+    """Offsets at which each parameter starts, no rank boundary inside a granule, or None."""
+    offsets, pos, end = [], 0, world * S
+    for numel, g in sizes:
+        while numel and g > 1:
+            first = (pos // S + 1) * S  # the first boundary after pos
+            if first >= pos + numel:
+                break  # inside one range
+            shift = (first - pos) % g
+            if shift:
+                pos += shift  # start later, so that the boundary falls between two granules
+            elif numel > S and S % g:
+                return None  # later boundaries would cut a granule (S is a multiple of g by `pack`)
+            else:
+                break
+        offsets.append(pos)
+        pos += numel
+        if pos > end:
+            return None
+    return offsets
