@@ -33,7 +33,12 @@ SHORT = TINY + [
 # The transports the native engine can pick for CPU ranks on this host (shared memory needs Linux on
 # x86-64); torch's engine runs on gloo, as our gloo transport does.
 TRANSPORTS = [
-    pytest.param(name, marks=pytest.mark.skipif(name == "shm" and not shm.supported(), reason="no shared memory here"))
+    pytest.param(
+        name,
+        marks=pytest.mark.skipif(
+            name == "shm" and not shm.supported(), reason="the shm transport needs Linux on x86-64 with /dev/shm"
+        ),
+    )
     for name in HOST_TRANSPORTS
 ]
 
