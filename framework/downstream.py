@@ -19,10 +19,11 @@ line naming the task.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -132,19 +133,54 @@ _MANAGERS: dict = {}
 
 
 def _task_manager(task_manager_type, include_path: str, tasks: List[str]):
-    """lm-eval's task index, built once per process: the local tasks of `include_path` alone when
-    they are all that is asked for (indexing lm-eval's ~15,000 built-in task files takes ~19 s,
-    at every evaluation), else those and lm-eval's own."""
-    if include_path:
-        key = (include_path, False)
-        if key not in _MANAGERS:
-            _MANAGERS[key] = task_manager_type(include_path=include_path, include_defaults=False)
-        if all(t in _MANAGERS[key].all_tasks for t in tasks):
-            return _MANAGERS[key]
-    key = (include_path, True)
+    """lm-eval's task index over the folders that hold `tasks`, built once per process: the local
+    tasks of `include_path`, and the folder of each built-in task asked for (found as
+    framework/task_files.py finds it: [Note: indexing lm-eval's tasks without lm-eval]). lm-eval's
+    whole index (~14,000 files, 12-47 s in every rank) only for a built-in group or tag, whose
+    members may lie anywhere."""
+    from framework.task_files import builtin_index, task_index
+
+    local = task_index([include_path]) if include_path else {}
+    folders: Optional[set] = set()
+    for name in tasks:
+        entry = None if name in local else builtin_index().get(name)
+        if entry is not None and entry.kind in ("task", "python task"):
+            folders.add(os.path.dirname(entry.path))
+        elif name not in local:
+            folders = None  # a group, a tag or an unknown name: lm-eval's whole index decides
+            break
+    key = (include_path, None if folders is None else tuple(sorted(folders)))
     if key not in _MANAGERS:
-        _MANAGERS[key] = task_manager_type(include_path=include_path or None)
+        if folders is None:
+            _MANAGERS[key] = task_manager_type(include_path=include_path or None)
+        else:  # lm-eval's order: its own folders first, include_path's tasks replacing theirs
+            roots = [*sorted(folders), *([include_path] if include_path else [])]
+            _MANAGERS[key] = task_manager_type(include_path=roots, include_defaults=False)
     return _MANAGERS[key]
+
+
+@contextlib.contextmanager
+def _sandboxed_templates(trusted: bool):
+    """lm-eval renders every task template through one module-level Jinja environment
+    (`lm_eval.utils.env`, read by `apply_template` at each call). Unless the task files are trusted,
+    it is a sandboxed copy (the same settings and filters) while our evaluation runs, and lm-eval's
+    own again after: a template cannot reach Python's internals, not even through a key computed
+    at run time that no reading of the file can see ([Note: task files that run code] in
+    framework/task_files.py)."""
+    if trusted:
+        yield
+        return
+    from jinja2.sandbox import SandboxedEnvironment
+    from lm_eval import utils
+
+    own = utils.env
+    sandboxed = SandboxedEnvironment(undefined=own.undefined, keep_trailing_newline=own.keep_trailing_newline)
+    sandboxed.filters.update(own.filters)
+    utils.env = sandboxed
+    try:
+        yield
+    finally:
+        utils.env = own
 
 
 def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, Dict[str, float]]:
@@ -160,7 +196,15 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
         )
     if e.include_path and not os.path.isdir(e.include_path):
         raise UserInputError(f"evaluate.include_path={e.include_path}: no such directory of task YAMLs")
+    if e.include_path and not e.trust_task_code:  # checked before any rank started too (preflight.py)
+        from framework.task_files import code_problem
+
+        problem = code_problem(e.include_path)
+        if problem:
+            raise UserInputError(problem)
     import logging
+
+    from jinja2.exceptions import SecurityError
 
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -175,17 +219,23 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
     was_training = trainer.model.training
     trainer.model.eval()
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            num_fewshot=e.num_fewshot,
-            limit=e.limit,
-            task_manager=manager,
-            log_samples=False,
-            bootstrap_iters=0,
-            random_seed=trainer.cfg.trainer.seed,
-            verbosity="ERROR",
-        )
+        with _sandboxed_templates(e.trust_task_code):
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(tasks),
+                num_fewshot=e.num_fewshot,
+                limit=e.limit,
+                task_manager=manager,
+                log_samples=False,
+                bootstrap_iters=0,
+                random_seed=trainer.cfg.trainer.seed,
+                verbosity="ERROR",
+            )
+    except SecurityError as exc:
+        raise UserInputError(
+            f"evaluate.tasks={list(tasks)}: a task's Jinja template reached past the sandbox ({exc}); set "
+            "evaluate.trust_task_code=true to render task templates unsandboxed (only for files you trust)"
+        ) from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
         raise UserInputError(
             f"evaluate.tasks={list(tasks)}: lm-eval could not run them ({type(exc).__name__}: {exc}); "

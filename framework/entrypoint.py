@@ -99,6 +99,10 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
 
         problems += job_model_problems(cfg)  # the model's arguments against the job (no torch)
         problems += [p for p in check_model(cfg.model) if p not in problems]  # the family's own refusals
+    if cfg.stage not in (Stage.data_preparation, Stage.plan):
+        from framework.preflight import preflight_problems
+
+        problems += preflight_problems(cfg, under_torchrun())  # what the ranks would refuse, found now
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)

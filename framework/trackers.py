@@ -153,6 +153,41 @@ class Mlflow:
         self._client.set_terminated(self.id)
 
 
+REACH_TIMEOUT_S = 3.0  # a server's TCP accept takes milliseconds; a dropped packet would wait this long
+
+
+def unreachable(logging_cfg) -> Optional[str]:
+    """Before any rank starts: why the MLflow server an http(s) tracking URI names cannot be reached
+    from here (nothing accepts a TCP connection at its host and port), or None. MLflow's own
+    client in rank 0 would find the same only after its retries (17 s). A URI reached through a
+    proxy (HTTP(S)_PROXY without NO_PROXY for the host) is left to the client, as are other schemes."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    uri = logging_cfg.mlflow.tracking_uri
+    if not logging_cfg.mlflow.enabled or not uri:
+        return None
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname):
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return f"logging.mlflow.tracking_uri={uri}: the port is not a number; give e.g. http://host:5000"
+    try:
+        socket.create_connection((parts.hostname, port), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        return (
+            f"logging.mlflow.tracking_uri={uri}: nothing answers at {parts.hostname}:{port} ({why}); "
+            "start the MLflow server, or give the address it listens on"
+        )
+    return None
+
+
 def _flatten(tree, prefix: str = "") -> Dict[str, object]:
     out: Dict[str, object] = {}
     for key, value in tree.items():

@@ -563,6 +563,10 @@ class EvaluateConfig:
     limit: Optional[float] = None  # documents per task (a fraction when < 1); None: all
     batch_size: int = 8  # requests per forward
     max_gen_tokens: int = 64  # generation tasks: the most new tokens, unless the task says
+    # Run the code task files in include_path name: `!function` Python, metrics loaded through
+    # Hugging Face evaluate (their scripts), Jinja templates rendered outside the sandbox. Refused
+    # without it ([Note: task files that run code] in framework/task_files.py): only for files you trust.
+    trust_task_code: bool = False
 
     def __post_init__(self) -> None:
         _positive("evaluate", batch_size=self.batch_size, max_gen_tokens=self.max_gen_tokens)

@@ -68,6 +68,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         elif cfg.data.name == DataName.indexed and not os.path.isfile(prefix + ".idx"):
             errors.append(f"data.paths: {prefix}.idx is not a regular file (a FIFO, device or directory)")
 
+    for path in cfg.data.paths if cfg.data.name == DataName.hf else []:
+        if not os.path.exists(path):
+            errors.append(_missing_hf_path(path))
+
     f = cfg.finetune
     if cfg.stage == Stage.fine_tuning and not f.dataset and not f.train_file:
         errors.append(
@@ -115,6 +119,19 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         except ImportError:  # the launcher's environment may lack torch; the job checks again
             pass
     return errors
+
+
+def _missing_hf_path(path: str) -> str:
+    """data=hf reads local files only: a name that is no file here (a hub dataset's name, most
+    often) is refused before any rank starts, and nothing is downloaded."""
+    hub_like = not path.startswith((".", "/", "~")) and path.count("/") <= 1 and not os.path.splitext(path)[1]
+    hint = (
+        "; nothing is downloaded: save the hub dataset elsewhere (`datasets.load_dataset(...).save_to_disk(dir)`) "
+        "and give that directory"
+        if hub_like
+        else ""
+    )
+    return f"data.paths: {path}: no such file or directory{hint}"
 
 
 def _advise(message: str) -> None:

@@ -12,10 +12,10 @@ from conftest import REPO
 # nothing below the trainer imports it. A new package must be placed here.
 LAYERS = [
     {"errors"},
-    {"config", "fileio"},
+    {"config", "fileio", "task_files"},
     {"loss_plot"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
-    {"finetune", "checkpoint", "stop", "planner", "downstream"},
+    {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight"},
     {"trainer"},
     {"generate", "evaluate"},
     {"entrypoint"},

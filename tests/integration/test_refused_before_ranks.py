@@ -1,0 +1,66 @@
+"""What the ranks would refuse is refused before any rank starts (framework/preflight.py): an
+unknown lm-eval task (it took 47 s, lm-eval indexing all its tasks in a rank), lm-eval tasks on
+data without a tokenizer (found after training), an MLflow address where nothing listens (17 s of
+the client's retries), a hub name in data.paths, stage=evaluate without tasks. Each is one line and
+status 2 within 5 s of wall time, and no rank started: no rank printed the model line, and the run
+directory a rank would have claimed does not exist."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import TINY, free_port, pinned_import, run_main
+
+pinned_import("lm_eval")
+
+CASES = {
+    "unknown task in training": (
+        ["data=stdlib", "trainer.eval_tasks=[no_such_task]"],
+        "trainer.eval_tasks: no lm-eval task no_such_task",
+    ),
+    "unknown task in evaluation": (
+        ["data=stdlib", "stage=evaluate", "evaluate.tasks=[arc_easy,no_such_task]", "checkpoint.init_from={tmp}"],
+        "evaluate.tasks: no lm-eval task no_such_task;",
+    ),
+    "tasks on data without a tokenizer": (
+        ["trainer.eval_tasks=[arc_easy]"],  # TINY's data=synthetic: no text, no tokenizer
+        "trainer.eval_tasks: lm-eval tasks need a tokenizer, and data=synthetic has none",
+    ),
+    "evaluation without tasks": (
+        ["stage=evaluate", "checkpoint.init_from={tmp}"],
+        "stage=evaluate needs evaluate.tasks",
+    ),
+    "MLflow where nothing listens": (
+        ["logger=[mlflow]", "logging.mlflow.tracking_uri=http://127.0.0.1:{port}"],
+        "logging.mlflow.tracking_uri=http://127.0.0.1:{port}: nothing answers",
+    ),
+    "hub name in data.paths": (["data=hf", "data.paths=[allenai/c4]"], "data.paths: allenai/c4: no such file"),
+}
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> None:
+    """The tests' main.py server started (once per test process), so the wall times below are the
+    jobs' own."""
+    tmp = tmp_path_factory.mktemp("warm")
+    assert run_main([*TINY, "trainer.max_steps=0"], tmp).returncode == 2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refused_in_one_line_before_any_rank_starts(warm, tmp_path, case):
+    overrides, expected = CASES[case]
+    port = free_port()
+    overrides = [o.format(tmp=tmp_path, port=port) for o in overrides]
+    run = tmp_path / "run"
+    began = time.monotonic()
+    args = [*TINY, *overrides, "trainer.max_steps=2", "cluster.nproc_per_node=1", f"hydra.run.dir={run}"]
+    out = run_main(args, tmp_path, timeout=300)
+    wall = time.monotonic() - began
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(errors) == 1 and expected.format(port=port) in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert "rank(s) of" not in out.stderr  # rank 0 prints the model line once the model is built
+    assert not run.exists()  # a rank would have claimed it (lock, config)
+    assert wall < 5, f"{case}: refused after {wall:.1f} s"
