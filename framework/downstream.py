@@ -32,8 +32,9 @@ from framework.errors import UserInputError
 
 
 def _lm_eval():
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from framework.offline import hub_offline
+
+    hub_offline()  # [Note: offline whatever the environment says]
     try:
         import lm_eval
         from lm_eval.api.model import LM

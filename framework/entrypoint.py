@@ -88,6 +88,9 @@ def _recorded(code: int, record) -> int:
 
 def start(dict_cfg: DictConfig, run_dir: str) -> int:
     """Validate, record the resolved config, then run the stage on every rank."""
+    from framework.offline import hub_offline
+
+    hub_offline()  # for this process and every rank: [Note: offline whatever the environment says]
     try:
         cfg = to_config(dict_cfg)
     except UserInputError as exc:  # a section's own check; anything else is a bug (see errors.py)

@@ -49,16 +49,12 @@ _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _BATCH = 64  # documents tokenized together
 
 
-def _offline() -> None:
-    # Local files only: neither datasets nor the hub client may reach the network.
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
 def open_dataset(path: str, streaming: bool, cache_dir: str):
     """The records of one `data.paths` entry: a datasets.Dataset, or an IterableDataset when
     streaming."""
-    _offline()
+    from framework.offline import hub_offline
+
+    hub_offline()  # local files only: [Note: offline whatever the environment says]
     try:
         import datasets
     except ImportError as exc:
