@@ -10,7 +10,9 @@ where nothing listens 17 s):
   that run code] in framework/task_files.py);
 - the MLflow server of an http(s) tracking URI accepts a connection (framework/trackers.py). Under
   torchrun this is left to rank 0's own tracker start, which the ranks agree on: a rank on another
-  node may not reach the server rank 0 reaches, and the ranks must refuse together.
+  node may not reach the server rank 0 reaches, and the ranks must refuse together;
+- the tokenizer the data was prepared with against a Hugging Face model's own (model.path), by
+  their token tables ([Note: the data's tokenizer against the model's] in framework/data/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from framework.trackers import TOOLS_LOCK, unreachable
 def preflight_problems(cfg, torchrun: bool) -> List[str]:
     """Every problem found, one line each, naming the field and the fix."""
     problems = task_problems(cfg)
+    if cfg.stage != Stage.fine_tuning:  # which tokenizes its records itself, and checks their ids
+        from framework.data.tokenizer import data_tokenizer_problem
+
+        problem = data_tokenizer_problem(cfg.data, cfg.model.path)
+        if problem:
+            problems.append(problem)
     if not torchrun:
         problem = unreachable(cfg.logging)
         if problem:

@@ -41,7 +41,9 @@ class DataRequest:
     seed: int
     sample_kind: str = "tokens"  # what the model's task consumes (framework/data/synthetic.py)
     num_labels: int = 2
-    model_path: str = ""  # a Hugging Face model directory (model=hf): its tokenizer, for data=hf
+    # a Hugging Face model directory (model=hf): its tokenizer (data=hf reads with it, data=stdlib is
+    # prepared with it), and its vocabulary (vocab_size), which the data's ids must fit
+    model_path: str = ""
 
     def loaders(self, train, valid) -> tuple:
         kw = dict(micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size)
@@ -101,12 +103,16 @@ def _digits(cfg: DataConfig, req: DataRequest) -> DataBundle:
     )
 
 
-def _stdlib_paths(cfg: DataConfig, shared: bool, barrier) -> tuple:
+def _stdlib_paths(cfg: DataConfig, shared: bool, barrier, tokenizer: str = "") -> tuple:
+    """The embedded corpus, prepared with `tokenizer` (a tokenizer.json) or a BPE trained on it."""
     from framework.data.shared_cache import prepares_here
     from framework.data.stdlib import ensure_stdlib
 
     is_main = prepares_here(shared)  # see [Note: a cache per node or one for the job]
-    return [ensure_stdlib(cfg.cache_dir, cfg.vocab_size, cfg.workers, is_main=is_main, barrier=barrier)], []
+    prefix = ensure_stdlib(
+        cfg.cache_dir, cfg.vocab_size, cfg.workers, is_main=is_main, barrier=barrier, tokenizer=tokenizer
+    )
+    return [prefix], []
 
 
 def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
@@ -115,12 +121,16 @@ def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
 
     from framework.data.indexed import MegatronTokenizerInfo, build_indexed, resolve_tokenizer
     from framework.data.shared_cache import cache_is_shared
+    from framework.data.tokenizer import model_tokenizer
 
     distributed = dist.is_available() and dist.is_initialized()
     barrier = dist.barrier if distributed else (lambda: None)
     shared = cache_is_shared(cfg.cache_dir)
     if cfg.name == DataName.stdlib:
-        paths, weights = _stdlib_paths(cfg, shared, barrier)
+        # data.tokenizer, else model.path's own ([Note: the data's tokenizer against the model's])
+        own = model_tokenizer(req.model_path)
+        tokenizer = cfg.tokenizer or (own if own.endswith(".json") else "")
+        paths, weights = _stdlib_paths(cfg, shared, barrier, tokenizer)
     else:
         paths, weights = list(cfg.paths), list(cfg.weights)
     tokenizer = resolve_tokenizer(cfg.tokenizer, paths)
@@ -144,8 +154,15 @@ def _indexed(cfg: DataConfig, req: DataRequest) -> DataBundle:
         tokenizer=info,
         cache_dir=cfg.cache_dir,
         per_node_cache=not shared,
+        # a model read from model.path has the vocabulary of its config.json, whatever the data's
+        model=(f"model.path={req.model_path}", req.vocab_size) if _own_vocab(req) else None,
     )
     return DataBundle(*req.loaders(train, valid), vocab_size=vocab_size, tokenizer=tokenizer)
+
+
+def _own_vocab(req: DataRequest) -> bool:
+    """The model was read from model.path (model=hf): its vocabulary is its config.json's."""
+    return bool(req.model_path) and os.path.isdir(req.model_path) and req.vocab_size > 0
 
 
 def _has_tokenizer(directory: str) -> bool:

@@ -38,9 +38,10 @@ class MegatronSource:
         return torch.cat([item["tokens"], item["labels"][-1:]])
 
 
-def _check_splits(prefixes: Sequence[str], parts: List[float], split: str, tokenizer=None) -> int:
+def _check_splits(prefixes: Sequence[str], parts: List[float], split: str, tokenizer=None, model=None) -> int:
     """Total tokens of `prefixes`; refuses a split that would get no document of some path
-    (megatron-core would loop forever on an empty split)."""
+    (megatron-core would loop forever on an empty split), and ids that do not fit the tokenizer or
+    the model (`model`: (its name, its vocabulary) when the model's vocabulary is its own)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     total, bounds, acc = 0, [], 0.0
@@ -50,7 +51,7 @@ def _check_splits(prefixes: Sequence[str], parts: List[float], split: str, token
     for prefix in prefixes:
         check_index(prefix)
         dataset = IndexedDataset(prefix)  # keep it alive: its arrays view the mapped index file
-        _check_token_ids(prefix, dataset, tokenizer)
+        _check_token_ids(prefix, dataset, tokenizer, model)
         total += int(dataset.sequence_lengths.sum())
         n_docs = len(dataset)
         del dataset
@@ -133,17 +134,24 @@ def check_index(prefix: str) -> None:
 _ID_SAMPLE = 1 << 24  # token ids read from each end of a .bin to check them against the vocabulary
 
 
-def _check_token_ids(prefix: str, dataset, tokenizer) -> None:
-    """Refuse data whose token ids do not fit the tokenizer (data prepared with another one),
-    instead of an index error deep in the model's embedding. The first and last _ID_SAMPLE ids of
-    the .bin are checked (all of them in files up to 2 x 2^24 tokens)."""
+def _check_token_ids(prefix: str, dataset, tokenizer, model=None) -> None:
+    """Refuse data whose token ids do not fit the tokenizer (data prepared with another one), or the
+    model (`model`: its name and vocabulary, when it has its own: model=hf), instead of an index
+    error deep in the model's embedding. The first and last _ID_SAMPLE ids of the .bin are checked
+    (all of them in files up to 2 x 2^24 tokens)."""
     vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
-    if vocab <= 0 or not len(dataset.index.sequence_lengths):
+    if (vocab <= 0 and model is None) or not len(dataset.index.sequence_lengths):
         return
     ids = numpy.memmap(prefix + ".bin", dtype=dataset.index.dtype, mode="r")
     largest = max(int(ids[:_ID_SAMPLE].max()), int(ids[-_ID_SAMPLE:].max()))
     del ids
-    if largest >= vocab:
+    if model is not None and largest >= model[1]:
+        raise UserInputError(
+            f"data: {prefix}.bin holds token id {largest}, but {model[0]} has only {model[1]} ids: the data "
+            "was prepared with another tokenizer than the model's; prepare it with the model's "
+            "(data.tokenizer=<its tokenizer.json>)"
+        )
+    if vocab > 0 and largest >= vocab:
         where = (
             f"the tokenizer {tokenizer.path}" if getattr(tokenizer, "path", None) else f"model.args.vocab_size={vocab}"
         )
@@ -171,12 +179,14 @@ def build_indexed(
     tokenizer,
     cache_dir: str,
     per_node_cache: bool = False,
+    model: Optional[Tuple[str, int]] = None,
 ) -> Tuple[MegatronSource, MegatronSource]:
     """(train, valid) sources of a blend of `paths`. Every rank calls it: the rank that writes the
     index caches builds (or loads and checks) them first, then the others load them (see
     [Note: index caches built in turn, refusals agreed]). `per_node_cache`: `cache_dir` is each
     node's own, so each node's local rank 0 writes its caches (see
-    [Note: a cache per node or one for the job] in framework/data/shared_cache.py)."""
+    [Note: a cache per node or one for the job] in framework/data/shared_cache.py). `model`: the
+    model's name and vocabulary when it has its own (model=hf): the ids must fit it too."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -188,7 +198,7 @@ def build_indexed(
         raise UserInputError(
             f"data.split={split!r}: give three train,valid,test proportions with train and valid > 0, e.g. 98,1,1"
         )
-    samples = max(1, _check_splits(paths, parts, split, tokenizer) // seq_len)
+    samples = max(1, _check_splits(paths, parts, split, tokenizer, model) // seq_len)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_len,

@@ -5,7 +5,7 @@
 Every input file is one document, except JSONL (`.jsonl`/`.json`), where every line is a document
 whose text is its `text` field; directories are walked in sorted order. Documents are tokenized by
 `data.workers` processes with a byte-level BPE (`data.tokenizer`, or one of `data.vocab_size`
-trained on the inputs and written to `<prefix>.tokenizer.json`), each followed by the end-of-
+trained on the inputs), recorded as `<prefix>.tokenizer.json`, each followed by the end-of-
 document token, and written with megatron-core's IndexedDatasetBuilder, so the result is the
 same format NeMo and Megatron-LM read and write.
 """
@@ -225,6 +225,7 @@ def prepare(
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     if tokenizer:
         tok = BPETokenizer(tokenizer)
+        _record_tokenizer(tok.path, output_prefix + ".tokenizer.json")
     else:
         tok = train_bpe(_all_pieces(iter_documents(files, limit)), vocab_size, output_prefix + ".tokenizer.json")
     dtype = DType.optimal_dtype(tok.vocab_size)
@@ -267,6 +268,17 @@ def prepare(
         flush=True,
     )
     return output_prefix, tok.path
+
+
+def _record_tokenizer(source: str, path: str) -> None:
+    """A copy of the tokenizer `source` next to the data it tokenized, so the data names its
+    tokenizer whatever tokenized it (training reads it without data.tokenizer, and compares it
+    with a model's: [Note: the data's tokenizer against the model's] in framework/data/tokenizer.py)."""
+    from framework.fileio import copy_file
+
+    if os.path.exists(path) and os.path.samefile(source, path):
+        return
+    copy_file(source, path)
 
 
 def prepare_data(cfg) -> int:

@@ -3,8 +3,11 @@
 The corpus is the top-level `*.py` files of `sysconfig.get_paths()['stdlib']` in name order, up
 to STDLIB_BYTES (about half of them: it prepares in seconds, yet is enough text for a small GPT).
 It is prepared once through the same path as `stage=data_preparation` into
-`<data.cache_dir>/stdlib-<python version>-<vocab>/` and reused by every later run: rank 0
-prepares while the others wait at a barrier, and the finished directory appears by one rename.
+`<data.cache_dir>/stdlib-<python version>-<vocab>/` (a BPE of data.vocab_size trained on it), or
+`...-t<its sha256>/` with a given tokenizer (data.tokenizer, else a Hugging Face model's own: see
+[Note: the data's tokenizer against the model's] in framework/data/tokenizer.py), and reused by
+every later run: rank 0 prepares while the others wait at a barrier, and the finished directory
+appears by one rename.
 """
 
 from __future__ import annotations
@@ -58,16 +61,26 @@ def write_documents(files: List[str], out_path: str, max_chars: int = DOC_CHARS)
                     size += len(line)
 
 
-def stdlib_prefix(cache_dir: str, vocab_size: int) -> str:
+def stdlib_prefix(cache_dir: str, vocab_size: int, tokenizer: str = "") -> str:
+    """Where the corpus is prepared: named by its BPE's size, or by the content of the tokenizer
+    it is prepared with (`tokenizer`, a tokenizer.json)."""
+    import hashlib
+
     version = "%d.%d" % sys.version_info[:2]
-    return os.path.join(os.path.abspath(cache_dir), f"stdlib-r{CORPUS_REVISION}-py{version}-v{vocab_size}", "stdlib")
+    if tokenizer:
+        with open(tokenizer, "rb") as f:
+            which = "t" + hashlib.sha256(f.read()).hexdigest()[:16]
+    else:
+        which = f"v{vocab_size}"
+    return os.path.join(os.path.abspath(cache_dir), f"stdlib-r{CORPUS_REVISION}-py{version}-{which}", "stdlib")
 
 
-def ensure_stdlib(cache_dir: str, vocab_size: int, workers: int, *, is_main: bool, barrier) -> str:
-    """The prefix of the prepared stdlib corpus, preparing it first (rank 0) if needed."""
+def ensure_stdlib(cache_dir: str, vocab_size: int, workers: int, *, is_main: bool, barrier, tokenizer: str = "") -> str:
+    """The prefix of the prepared stdlib corpus, preparing it first (rank 0) if needed: with a BPE of
+    `vocab_size` trained on it, or with `tokenizer` (a tokenizer.json: a model's own)."""
     from framework.data.prepare import prepare
 
-    prefix = stdlib_prefix(cache_dir, vocab_size)
+    prefix = stdlib_prefix(cache_dir, vocab_size, tokenizer)
     final = os.path.dirname(prefix)
     if is_main and not os.path.isfile(prefix + ".idx"):
         tmp = f"{final}.tmp-{os.getpid()}"
@@ -76,7 +89,14 @@ def ensure_stdlib(cache_dir: str, vocab_size: int, workers: int, *, is_main: boo
         os.makedirs(tmp)
         corpus = os.path.join(tmp, "corpus.jsonl")
         write_documents(stdlib_files(), corpus)
-        prepare([corpus], os.path.join(tmp, "stdlib"), vocab_size=vocab_size, workers=workers, progress=False)
+        prepare(
+            [corpus],
+            os.path.join(tmp, "stdlib"),
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            workers=workers,
+            progress=False,
+        )
         os.remove(corpus)
         try:
             os.rename(tmp, final)

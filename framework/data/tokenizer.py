@@ -134,3 +134,108 @@ def load_tokenizer(path: str, setting: str = "finetune.tokenizer") -> SFTTokeniz
         return SFTTokenizer(None, eod, hf=hf)
     tok = BPETokenizer(path)
     return SFTTokenizer(tok, tok.eod)
+
+
+# [Note: the data's tokenizer against the model's]
+# A Hugging Face model (model=hf model.path=<dir>) was trained on its own tokenizer: id 17 is one
+# token to it. Data prepared with another tokenizer gives it ids it reads as other tokens (a
+# foreign BPE of the same size trains without a word, on the wrong table) or ids past its
+# embedding (a bigger one: an IndexError at the first batch). So before any rank starts
+# (`data_tokenizer_problem`, which framework/preflight.py runs for every stage but fine-tuning), the
+# tokenizer the data was prepared with (<prefix>.tokenizer.json, which data preparation writes for
+# every dataset, or data.tokenizer) is compared with the one model.path holds, by their token
+# tables (token -> id, added tokens included), and a difference is refused in one line naming both
+# files. data=stdlib, the embedded corpus, is prepared with the model's tokenizer.json (when it has
+# one and data.tokenizer is empty), so it agrees by construction. A model directory without a
+# tokenizer has no table to compare: the data's ids are held to its vocabulary when the data is
+# loaded (framework/data/indexed.py).
+
+
+def model_tokenizer(model_path: str) -> str:
+    """The tokenizer a Hugging Face model directory (model.path) holds: its tokenizer.json, else the
+    directory itself when it has a tokenizer_config.json (a tokenizer transformers reads from other
+    files), else ""."""
+    if not model_path or not os.path.isdir(model_path):
+        return ""
+    found = os.path.join(model_path, "tokenizer.json")
+    if os.path.isfile(found):
+        return found
+    return model_path if os.path.isfile(os.path.join(model_path, "tokenizer_config.json")) else ""
+
+
+def token_table(path: str) -> dict:
+    """token -> id of a tokenizer.json (or of a directory's tokenizer, through transformers),
+    added tokens included."""
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        return dict(AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab())
+    from tokenizers import Tokenizer
+
+    return dict(Tokenizer.from_file(path).get_vocab(with_added_tokens=True))
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def table_difference(ours: str, theirs: str) -> str:
+    """ "" when the tokenizers `ours` and `theirs` give every token the same id; else what differs,
+    in a few words. A file that is not a tokenizer is a UserInputError naming it."""
+    if os.path.isfile(ours) and os.path.isfile(theirs) and _digest(ours) == _digest(theirs):
+        return ""
+    tables = []
+    for path in (ours, theirs):
+        try:
+            tables.append(token_table(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers' and transformers' parse errors vary
+            raise UserInputError(
+                f"{path} is not a tokenizer this job can read ({type(exc).__name__}); give a tokenizer.json"
+            ) from None
+    a, b = tables
+    if a == b:
+        return ""
+    by_id_a, by_id_b = ({i: t for t, i in table.items()} for table in (a, b))
+    first = min(i for i in set(by_id_a) | set(by_id_b) if by_id_a.get(i) != by_id_b.get(i))
+    there, here = by_id_a.get(first), by_id_b.get(first)
+    return f"{len(a)} vs {len(b)} ids; id {first} is {there!r} there, {here!r} in the model's"
+
+
+def data_tokenizer_problem(data, model_path: str) -> str:
+    """The job's data (a DataConfig) against model.path's tokenizer, before any rank starts (see
+    [Note: the data's tokenizer against the model's]): one line naming both files, or ""."""
+    theirs = model_tokenizer(model_path)
+    name = getattr(data.name, "value", data.name)
+    if not theirs or name not in ("indexed", "stdlib", "hf"):
+        return ""
+    if theirs.endswith(".json"):
+        fix = f"prepare the data with data.tokenizer={theirs} (stage=data_preparation)"
+    else:
+        fix = "prepare the data with the model's tokenizer (saved as a tokenizer.json)"
+    if not theirs.endswith(".json") and name == "stdlib" and not data.tokenizer:
+        return (
+            f"data=stdlib is prepared with model.path's tokenizer, but {theirs} has no tokenizer.json; write "
+            "one (AutoTokenizer.from_pretrained(dir).save_pretrained(dir)), or give data.tokenizer=<a tokenizer.json>"
+        )
+    readable = os.path.isfile(data.tokenizer) or (name == "hf" and os.path.isdir(data.tokenizer))
+    given = [("data.tokenizer", data.tokenizer)] if data.tokenizer and readable else []
+    recorded = [(p, p + ".tokenizer.json") for p in data.paths if os.path.isfile(p + ".tokenizer.json")]
+    for field, ours in given + (recorded if name == "indexed" else []):
+        try:
+            difference = table_difference(ours, theirs)
+        except UserInputError as exc:
+            return f"{field}: {exc}" if field == "data.tokenizer" else f"data.paths: {exc}"
+        if not difference:
+            continue
+        if field == "data.tokenizer":
+            stdlib = " (data=stdlib is then prepared with the model's)" if name == "stdlib" else ""
+            return (
+                f"data.tokenizer={ours}: its token table is not model.path's {theirs} ({difference}): the model "
+                f"would read the data's ids as other tokens; leave data.tokenizer empty{stdlib} or give the model's"
+            )
+        return (
+            f"data.paths: {field} was prepared with the tokenizer {ours}, whose token table is not "
+            f"model.path's {theirs} ({difference}): the model would read its ids as other tokens; {fix}"
+        )
+    return ""
