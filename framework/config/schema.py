@@ -29,6 +29,15 @@ class HostTransport(str, Enum):
     gloo = "gloo"  # always gloo's TCP, as torch's engines do
 
 
+class ShardBoundary(str, Enum):
+    """Where a rank's piece of a unit's flat buffer may begin or end (native engine):
+    [Note: shard boundaries] in framework/distributed/shard_layout.py."""
+
+    anywhere = "anywhere"  # tight packing: the least padding
+    rows = "rows"  # whole rows of every matrix per rank
+    params = "params"  # every parameter whole on one rank
+
+
 class Strategy(str, Enum):
     full = "full"  # ZeRO-3: reshard after forward, re-gather in backward
     grad_op = "grad_op"  # ZeRO-2: keep parameters unsharded from forward to backward
@@ -143,9 +152,12 @@ class ParallelismConfig:
     # CPU jobs with the native engine: how a group of ranks on one host moves its all-gathers and
     # reduce-scatters (groups that span hosts use gloo either way)
     host_transport: HostTransport = HostTransport.shm
+    # where shard boundaries fall (native engine): anywhere | rows | params (docs/engine.md)
+    shard_boundary: ShardBoundary = ShardBoundary.anywhere
 
     def __post_init__(self) -> None:
         self.engine = _choice("parallelism", "engine", self.engine, Engine)
+        self.shard_boundary = _choice("parallelism", "shard_boundary", self.shard_boundary, ShardBoundary)
         self.host_transport = _choice("parallelism", "host_transport", self.host_transport, HostTransport)
         self.strategy = _choice("parallelism", "strategy", self.strategy, Strategy)
         self.activation_checkpointing = _choice(
@@ -182,6 +194,12 @@ class ParallelismConfig:
             raise UserInputError(
                 f"parallelism.float8=true with parallelism.tp={self.tp}: float8 linears are not split for "
                 "tensor parallelism here; set parallelism.tp=1"
+            )
+        if self.shard_boundary != ShardBoundary.anywhere and self.engine == Engine.torch:
+            raise UserInputError(
+                f"parallelism.shard_boundary={self.shard_boundary.value} is a feature of the native engine (torch's "
+                "fully_shard cuts every parameter on dim 0); set parallelism.engine=native or "
+                "parallelism.shard_boundary=anywhere"
             )
         if self.quantized_comm and self.engine == Engine.torch:
             raise UserInputError(

@@ -71,6 +71,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     if cfg.quantized_comm:  # our engine only; the config refuses it with engine=torch
         precision["quantized_comm"] = True
     kwargs = {"mesh": dp_mesh_of(mesh, dims), "mp_policy": MixedPrecisionPolicy(**precision)}
+    if cfg.shard_boundary.value != "anywhere":  # our engine only; the config refuses it with engine=torch
+        kwargs["shard_boundary"] = cfg.shard_boundary.value
     if cfg.float8:
         from framework.distributed.float8 import all_gather_in_float8, is_float8_linear
 

@@ -49,15 +49,32 @@ def pack(sizes: Sequence[Tuple[int, int]], world: int, align: int = 1) -> Tuple[
     """(offsets, S): where each parameter, given as (numel, granule), starts in the flat buffer,
     and the elements each of the `world` ranks owns. See [Note: shard boundaries]."""
     total = sum(n for n, _ in sizes)
-    S = max(1, -(-total // world), max((g for n, g in sizes if n), default=1))
-    for _ in range(10_000):
-        step = math.lcm(align, *[g for n, g in sizes if n > S])
-        S = -(-S // step) * step
-        offsets = _fit(sizes, S, world)
-        if offsets is not None:
-            return offsets, S
-        S += step
-    raise AssertionError(f"no shard size fits {len(sizes)} parameters over {world} ranks")  # unreachable
+
+    def legal(S: int) -> int:  # S rounded up to a multiple of `align` and of the rows crossing ranks
+        for _ in range(64):
+            step = math.lcm(align, *[g for n, g in sizes if n > S])
+            rounded = -(-S // step) * step
+            if rounded == S:
+                return S
+            S = rounded
+        return S
+
+    S = legal(max(1, -(-total // world), max((g for n, g in sizes if n), default=1)))
+    offsets = _fit(sizes, S, world)
+    if offsets is not None:
+        return offsets, S
+    bad, good = S, legal(S + max(1, S // 16))
+    while (offsets := _fit(sizes, good, world)) is None:  # grow by ~6% until it fits
+        bad, good = good, legal(good + max(1, good // 16))
+    while True:  # then the smallest legal size between the last that did not fit and the first that did
+        mid = legal((bad + good) // 2 + 1)
+        if mid >= good:
+            return offsets, good
+        found = _fit(sizes, mid, world)
+        if found is None:
+            bad = mid
+        else:
+            good, offsets = mid, found
 
 
 def _fit(sizes: Sequence[Tuple[int, int]], S: int, world: int) -> Optional[List[int]]:
@@ -80,3 +97,9 @@ def _fit(sizes: Sequence[Tuple[int, int]], S: int, world: int) -> Optional[List[
         if pos > end:
             return None
     return offsets
+
+
+def elements_on(rank: int, offsets: Sequence[int], sizes: Sequence[Tuple[int, int]], S: int) -> int:
+    """Parameter elements in rank `rank`'s range [rank S, (rank+1) S)."""
+    lo, hi = rank * S, (rank + 1) * S
+    return sum(max(0, min(o + n, hi) - max(o, lo)) for o, (n, _) in zip(offsets, sizes))

@@ -25,6 +25,7 @@ class Tensor:
     numel: int  # elements on one tensor-parallel rank (the whole tensor when tp = 1)
     tp_split: bool  # split by the tensor-parallel plan (else replicated over tp ranks)
     experts: int = 0  # stacked experts on dim 0 (split by expert parallelism), 0: not an expert tensor
+    row: int = 1  # elements of one dim-0 slice on one tensor-parallel rank (1 for a 1-D tensor)
 
 
 @dataclass(frozen=True)

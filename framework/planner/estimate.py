@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from framework.distributed.shard_layout import elements_on, granule, pack
 from framework.models.shapes import (
     ModelShape,
     Unit,
@@ -63,6 +64,7 @@ class Job:
     offload: bool = False
     quantized: bool = False
     block_size: int = 256
+    shard_boundary: str = "anywhere"  # where rank boundaries fall: [Note: shard boundaries]
     activation_checkpointing: str = "none"  # none | full | selective
     sequence_parallel: bool = False
     gloo: bool = False  # CPU jobs: gloo's reduce-scatter needs receive scratch (collectives.py)
@@ -107,17 +109,19 @@ class UnitLayout:
         return self.S * self.N
 
 
-def layouts(job: Job, rank: int = 0) -> list[UnitLayout]:
-    """Each unit's flat layout as `framework.distributed.fsdp.flat.build_layout` makes it."""
+def layouts(job: Job, rank: int | None = None) -> list[UnitLayout]:
+    """Each unit's flat layout as `framework.distributed.fsdp.flat.build_layout` makes it (the same
+    packing: [Note: shard boundaries]); `real` counts the parameter elements on `rank`, or on the
+    rank holding the most (None: what memory must fit)."""
     align = job.block_size if job.quantized else 1
     out = []
     for u in units(job.model, job.tp, job.ep):
         N = job.dp_shard // job.ep if u.shard == "efsdp" else job.dp_shard * job.cp
-        T = u.numel
-        S = max(1, -(-T // N))
-        S = -(-S // align) * align
-        real = min(max(T - rank * S, 0), S)
-        out.append(UnitLayout(u, T, S, N, real))
+        sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in u.tensors]
+        offsets, S = pack(sizes, N, align)
+        ranks = [rank] if rank is not None else range(N)
+        real = max((elements_on(r, offsets, sizes, S) for r in ranks), default=0)
+        out.append(UnitLayout(u, u.numel, S, N, real))
     return out
 
 
@@ -294,7 +298,7 @@ def logits_bytes(job: Job) -> int:
     return tokens * vocab * (12 + (e if e != 4 else 0)) + tokens * job.model.dim * 3 * e
 
 
-def memory(job: Job, rank: int = 0) -> Memory:
+def memory(job: Job, rank: int | None = None) -> Memory:
     lays = layouts(job, rank)
     pb, rb = BYTES[job.param_dtype], BYTES[job.reduce_dtype]
     mem = Memory()

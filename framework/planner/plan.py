@@ -64,6 +64,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
         momentum=cfg.optimizer.momentum,
         offload=p.cpu_offload,
         quantized=p.quantized_comm,
+        shard_boundary=p.shard_boundary.value,
         activation_checkpointing=p.activation_checkpointing.value,
         sequence_parallel=p.sequence_parallel,
         # gloo's reduce-scatter needs receive scratch; a shard group on one host uses shared memory
@@ -350,6 +351,11 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
         f"  gradients (fp32 shards)         {_gib(mem.grads)}",
         f"  optimizer state                 {_gib(mem.optimizer)}",
     ]
+    padding = sum(lay.padded - lay.T for lay in lays) * 4  # fp32 shard elements holding no parameter, all ranks
+    lines.append(
+        f"  shard boundaries {job.shard_boundary}: padding {padding / GIB:.2f} GiB over all ranks; the fullest rank "
+        "holds the figures above"
+    )
     if mem.host:
         lines.append(f"  offloaded to host memory        {_gib(mem.host)}")
     lines += [

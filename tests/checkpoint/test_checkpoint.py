@@ -183,6 +183,31 @@ def test_resume_at_another_world_size(source, tmp_path, ranks):
         )
 
 
+@pytest.mark.parametrize("boundary,ranks", [("rows", 4), ("params", 2)])
+def test_resume_under_another_shard_boundary(native_resumed, tmp_path, boundary, ranks):
+    """A checkpoint written with tight shard boundaries (step 9 of `native_resumed`) resumes with
+    whole-row or whole-parameter pieces (and another world size) on the uninterrupted losses: the
+    checkpoint holds each parameter whole, whatever the layout ([Note: shard boundaries])."""
+    _ok(
+        run_main(
+            COMMON
+            + [
+                "parallelism.engine=native",
+                f"parallelism.shard_boundary={boundary}",
+                f"cluster.nproc_per_node={ranks}",
+                f"checkpoint.resume={_ckpt(native_resumed, 9)}",
+                "checkpoint.save_final=false",
+                f"hydra.run.dir={tmp_path}/run",
+            ],
+            tmp_path,
+        )
+    )
+    want, got = _losses(native_resumed), _losses(tmp_path / "run")
+    assert sorted(got) == [10, 11, 12]
+    for step in got:
+        assert abs(got[step] - want[step]) <= WORLD_TOLERANCE, (step, got[step], want[step])
+
+
 def _samples_of_steps(consumed: int, dp: int, steps: int, micro: int = 2, global_batch: int = 8) -> list:
     """The global sample indices each step reads, over all dp ranks (GlobalBatchLoader's order)."""
     from framework.data.loader import GlobalBatchLoader

@@ -1,7 +1,8 @@
 """The planner's arithmetic against the ZeRO paper, the model's own tensors and the running engine.
 
-One 4-rank gloo spawn runs five layouts of a small Llama (full, grad_op, hybrid 2x2, tp=2 x dp=2,
-int8 communication) for a few steps and compares, per rank, the planner's predictions with what
+One 4-rank gloo spawn runs eight layouts of a small Llama (full, grad_op, hybrid 2x2, tp=2 x dp=2,
+int8 communication, whole-row and whole-parameter shard boundaries) for a few steps and compares,
+per rank, the planner's predictions with what
 the engine holds and counts: model-state bytes and the gradient pool exactly, bytes per step
 exactly, peak memory within 10% (measured with torch.profiler's allocation events).
 """
@@ -120,6 +121,10 @@ CASES = {  # name: parallelism overrides (4 ranks)
     "hybrid": {"strategy": "hybrid", "dp_replicate": 2, "dp_shard": 2},
     "tp2": {"strategy": "full", "dp_shard": 2, "tp": 2},
     "int8": {"strategy": "full", "dp_shard": 4, "quantized_comm": True},
+    # shard boundary policies ([Note: shard boundaries]): the same packing in the planner and the engine
+    "rows": {"strategy": "full", "dp_shard": 4, "shard_boundary": "rows"},
+    "params": {"strategy": "full", "dp_shard": 4, "shard_boundary": "params"},
+    "tp2_rows": {"strategy": "full", "dp_shard": 2, "tp": 2, "shard_boundary": "rows"},
 }
 
 

@@ -104,6 +104,14 @@ def test_section_checks_raise_user_input_error(override, needle):
     assert needle in str(info.value)
 
 
+def test_shard_boundary_is_the_native_engines():
+    """torch's fully_shard cuts every parameter on dim 0: a boundary policy with it is refused by name."""
+    assert cfg_of("parallelism.shard_boundary=params").parallelism.shard_boundary.value == "params"
+    with pytest.raises(UserInputError) as info:
+        cfg_of("parallelism.engine=torch", "parallelism.shard_boundary=rows")
+    assert "parallelism.shard_boundary=rows is a feature of the native engine" in str(info.value)
+
+
 def test_degrees_are_inferred_per_strategy():
     from framework.config import parallel_dims_of
 

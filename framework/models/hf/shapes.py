@@ -26,7 +26,7 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         for p in module.parameters():  # a tied tensor once, where it is met first; model-level names
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append(Tensor(full_name[id(p)], p.numel(), False))
+                out.append(Tensor(full_name[id(p)], p.numel(), False, row=p[0].numel() if p.dim() >= 2 else 1))
         return tuple(out)
 
     per_unit = [(f"block.{i}", tensors(b)) for i, b in enumerate(blocks(model))]
@@ -87,5 +87,5 @@ def _split(t: Tensor, plan: dict, tp: int, model) -> Tensor:
     rows, cols = p.shape[0], p.numel() // p.shape[0]
     is_embedding = isinstance(model.get_submodule(module_name), __import__("torch").nn.Embedding)
     if style == "colwise" or is_embedding:
-        return Tensor(t.name, -(-rows // tp) * cols, True)
-    return Tensor(t.name, rows * -(-cols // tp), True)
+        return Tensor(t.name, -(-rows // tp) * cols, True, row=cols)
+    return Tensor(t.name, rows * -(-cols // tp), True, row=-(-cols // tp))

@@ -20,31 +20,36 @@ def block_tensors(m: ModelShape, tp: int = 1, moe: tuple = ()) -> tuple[Tensor, 
     d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.kv_dim, m.ffn_dim
     attention = (
         Tensor("attention_norm.weight", d, False),
-        Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1),
-        Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1),
-        Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1),
-        Tensor("attention.wo.weight", d * _split(q, tp), tp > 1),
+        Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1, row=d),
+        Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1, row=d),
+        Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1, row=d),
+        Tensor("attention.wo.weight", d * _split(q, tp), tp > 1, row=_split(q, tp)),
         Tensor("ffn_norm.weight", d, False),
     )
     if moe:
         experts, ef, shared = moe
-        out = [Tensor("feed_forward.router.weight", experts * d, False)]
-        out += [Tensor(f"feed_forward.experts.{w}", experts * ef * d, False, experts) for w in ("w1", "w3", "w2")]
+        out = [Tensor("feed_forward.router.weight", experts * d, False, row=d)]
+        out += [
+            Tensor(f"feed_forward.experts.{w}", experts * ef * d, False, experts, ef * d) for w in ("w1", "w3", "w2")
+        ]
         if shared:
-            out += [Tensor(f"feed_forward.shared.{w}.weight", shared * d, False) for w in ("w1", "w3", "w2")]
+            out += [
+                Tensor(f"feed_forward.shared.{w}.weight", shared * d, False, row=shared if w == "w2" else d)
+                for w in ("w1", "w3", "w2")
+            ]
         return attention + tuple(out)
     return attention + (
-        Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1),
-        Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1),
-        Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1),
+        Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1, row=d),
+        Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1, row=d),
+        Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1, row=_split(f, tp)),
     )
 
 
 def root_tensors(m: ModelShape, tp: int = 1) -> tuple[Tensor, ...]:
     rows = _split(m.vocab_size, tp)
-    out = [Tensor("tok_embeddings.weight", rows * m.dim, tp > 1), Tensor("norm.weight", m.dim, False)]
+    out = [Tensor("tok_embeddings.weight", rows * m.dim, tp > 1, row=m.dim), Tensor("norm.weight", m.dim, False)]
     if not m.tie_embeddings:
-        out.append(Tensor("output.weight", rows * m.dim, tp > 1))
+        out.append(Tensor("output.weight", rows * m.dim, tp > 1, row=m.dim))
     return tuple(out)
 
 
