@@ -130,6 +130,18 @@ def contract(rank: int, n: int, boundary: str) -> dict:
             "param_diff": max((a[k] - b[k]).abs().max().item() for k in a),
             "moved": max((a[k] - Net().state_dict()[k]).abs().max().item() for k in a),
         }
+        if label == "for-loop":  # the norms torch's tools take, on gradients left in place
+            for model, r, world in ((ref, 0, 1), (ours, rank, n)):
+                x, y = _batch(STEPS, r, world)
+                nn.functional.mse_loss(model(x), y).backward()
+            grads = {k: [p.grad for p in m.parameters()] for k, m in (("ref", ref), ("ours", ours))}
+            out["norms"] = {
+                order: [float(torch.nn.utils.get_total_norm(grads[k], order)) for k in ("ref", "ours")]
+                for order in (1.0, 2.0, float("inf"))
+            }
+            # one gradient's norm: completed over the ranks on first use (float())
+            out["norms"]["emb.weight"] = [float(torch.linalg.vector_norm(m.emb.weight.grad)) for m in (ref, ours)]
+            out["norms"]["head.weight.norm()"] = [m.head.weight.grad.norm().item() for m in (ref, ours)]
     # module.to() with torch's swap flag on: the pieces keep their description through the swap
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -198,6 +210,14 @@ def test_torch_clip_and_adamw_match_one_process(results, variant):
         assert v["norm_rel"] < TOL, v
         assert v["loss_diff"] < TOL and v["param_diff"] < TOL, v
         assert v["moved"] > 100 * TOL, v  # training moved the weights: the comparison means something
+
+
+def test_total_norms_of_every_order_are_global(results):
+    """torch.nn.utils.get_total_norm of orders 1, 2 and inf, and one gradient's vector_norm, on
+    our pieces: the single-process values on every rank."""
+    for r in results:
+        for order, (ref, ours) in r["norms"].items():
+            assert abs(ref - ours) <= TOL * ref, (order, ref, ours)
 
 
 def test_swap_on_conversion_keeps_sharding(results):

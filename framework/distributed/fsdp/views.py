@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -91,22 +90,24 @@ class ShardPiece(torch.Tensor):
             return _norm_of_pieces(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if func in _PLAIN_RESULTS:
-            return out
-        spec, numel = _first_spec(args, kwargs)
-        if spec is None:
-            return out
-        return tree_map(lambda t: _as_piece(t, spec, numel), out)
+            if func in _PLAIN_RESULTS or out is None or type(out) is cls:  # e.g. an in-place op's self
+                return out
+            piece = _first_piece(args)
+            if piece is None:
+                piece = _first_piece(kwargs.values())
+            if piece is None:
+                return out
+            return _as_pieces(out, piece.piece_spec, piece.numel())
 
 
 class PartialNorm(torch.Tensor):
     """This rank's share of a norm over sharded data: see [Note: pieces that describe themselves]."""
 
     norm_type: float
-    copies: torch.Tensor  # per element: identical copies in the world (float64, same shape)
+    copies: Any  # identical copies in the world: a number for every element, or a tensor per element
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, norm_type: float, copies: torch.Tensor):
+    def __new__(cls, data: torch.Tensor, norm_type: float, copies):
         t = torch.Tensor._make_subclass(cls, data, False)
         t.norm_type = float(norm_type)
         t.copies = copies
@@ -124,7 +125,10 @@ class PartialNorm(torch.Tensor):
             me = args[0]
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
-            return PartialNorm(out, me.norm_type, me.copies.to(out.device))
+                if out is me:  # `.to()` of what is already there
+                    return me
+                copies = me.copies.to(out.device) if isinstance(me.copies, torch.Tensor) else me.copies
+                return PartialNorm(out, me.norm_type, copies)
         if func is torch.stack:
             return _stack_partials(args, kwargs)
         if func in _VECTOR_NORMS and isinstance(args[0], PartialNorm) and _whole_norm(args, kwargs, args[0].norm_type):
@@ -135,8 +139,9 @@ class PartialNorm(torch.Tensor):
         if func in _PLAIN_RESULTS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        done = tree_map(lambda t: t.complete() if isinstance(t, PartialNorm) else t, (args, kwargs))
-        return func(*done[0], **done[1])
+        done = lambda t: t.complete() if isinstance(t, PartialNorm) else t  # noqa: E731
+        args = [[done(t) for t in a] if isinstance(a, (list, tuple)) else done(a) for a in args]
+        return func(*args, **{k: done(v) for k, v in kwargs.items()})
 
 
 # Attribute reads and the like: their results never describe a piece.
@@ -162,34 +167,45 @@ _VECTOR_NORMS = (torch.linalg.vector_norm, torch.Tensor.norm, torch.norm, torch.
 _NORMS = set(_VECTOR_NORMS) | {torch._foreach_norm}
 
 
-def _first_spec(args, kwargs) -> Tuple[Optional[PieceSpec], int]:
-    found: List[Any] = []
-
-    def look(t):
-        if not found and isinstance(t, ShardPiece):
-            found.append(t)
-        return t
-
-    tree_map(look, (args, kwargs))
-    if not found:
-        return None, 0
-    with torch._C.DisableTorchFunctionSubclass():
-        return found[0].piece_spec, found[0].numel()
+def _first_piece(values) -> Optional["ShardPiece"]:
+    """The first `ShardPiece` among `values` or one level of lists/tuples inside them (how torch's
+    ops take tensors), without the cost of a general tree walk (the optimizer's hot path)."""
+    for v in values:
+        if isinstance(v, ShardPiece):
+            return v
+        if isinstance(v, (list, tuple)):
+            for w in v:
+                if isinstance(w, ShardPiece):
+                    return w
+    return None
 
 
-def _as_piece(t, spec: PieceSpec, numel: int):
+def _as_pieces(out, spec: PieceSpec, numel: int):
     """An elementwise result of a piece is a piece of the same parameter: a plain 1-D tensor of
-    the piece's length (a new tensor, or a view like `.detach()`)."""
-    if type(t) is torch.Tensor and t.dim() == 1 and t.numel() == numel:
-        return ShardPiece(t, spec, t.requires_grad)
-    return t
+    the piece's length (a new tensor, or a view like `.detach()`); lists and tuples element-wise."""
+    if type(out) is torch.Tensor:
+        if out.dim() == 1 and out.numel() == numel:
+            return ShardPiece(out, spec, out.requires_grad)
+        return out
+    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
+        return type(out)(_as_pieces(o, spec, numel) for o in out)
+    return out
+
+
+def _order(args, kwargs) -> Optional[float]:
+    """The order of a `vector_norm`/`norm` call over all elements, None for any other call (along a
+    dimension, a matrix order). `Tensor.norm()`'s default "fro" is the 2-norm of a vector."""
+    order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim is not None or order is None:
+        return None
+    if order == "fro":
+        return 2.0
+    return None if isinstance(order, str) else float(order)
 
 
 def _whole_norm(args, kwargs, norm_type: float) -> bool:
-    """A `vector_norm`/`norm` call over all elements with the given order (positional or keyword)."""
-    order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0))
-    dim = args[2] if len(args) > 2 else kwargs.get("dim")
-    return dim is None and order is not None and not isinstance(order, str) and float(order) == norm_type
+    return _order(args, kwargs) == norm_type
 
 
 def _norm_of_pieces(func, args, kwargs):
@@ -198,25 +214,33 @@ def _norm_of_pieces(func, args, kwargs):
         tensors = list(args[0])
         order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
         with torch._C.DisableTorchFunctionSubclass():
-            norms = torch._foreach_norm(tensors, order)
+            norms = [_local_norm(t, order) for t in tensors]
         return [_partial(n, t, order) for n, t in zip(norms, tensors)]
     piece = args[0]
-    if not _whole_norm(args, kwargs, float(args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0)))):
+    order = _order(args, kwargs)
+    if order is None:
         # a norm along a dimension of a 1-D piece, or a matrix norm: not a global quantity
         raise NotImplementedError(
             f"{getattr(func, '__name__', func)} of a sharded parameter's piece along a dimension or with "
             "a matrix order: the piece is this rank's 1-D share; take the norm of the whole tensor "
             "(vector_norm(g) / clip_grad_norm_), or of piece.to_local() for a local quantity"
         )
-    order = float(args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0)))
     with torch._C.DisableTorchFunctionSubclass():
-        local = func(*args, **kwargs)
+        local = _local_norm(piece, order)
     return _partial(local, piece, order)
+
+
+def _local_norm(t: torch.Tensor, order: float) -> torch.Tensor:
+    """This rank's norm of `t`; 0 for an empty piece (a rank may hold none of a parameter), where
+    torch refuses the inf norm of an empty tensor."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=t.dtype, device=t.device)
+    return torch.linalg.vector_norm(t, order)
 
 
 def _partial(local: torch.Tensor, source, order: float) -> "PartialNorm":
     copies = source.piece_spec.copies if isinstance(source, ShardPiece) else _world()
-    return PartialNorm(local, order, torch.full(local.shape, float(copies), dtype=torch.float64, device=local.device))
+    return PartialNorm(local, order, float(copies))
 
 
 def _stack_partials(args, kwargs) -> "PartialNorm":
@@ -228,18 +252,25 @@ def _stack_partials(args, kwargs) -> "PartialNorm":
     with torch._C.DisableTorchFunctionSubclass():
         plain = [t.view_as(t) for t in tensors]
         device = plain[0].device
-        copies = [
-            t.copies.to(device)
-            if isinstance(t, PartialNorm)
-            else torch.full(t.shape, float(_world()), dtype=torch.float64, device=device)
-            for t in tensors
-        ]
+        copies = [t.copies if isinstance(t, PartialNorm) else float(_world()) for t in tensors]
         out = torch.stack(plain, *rest, **kwargs)
-        copies = torch.stack(copies, *rest, **kwargs)
+        if all(not isinstance(c, torch.Tensor) for c in copies) and out.dim() == 1:
+            copies = torch.tensor(copies, dtype=torch.float64, device=device)
+        else:
+            copies = torch.stack(
+                [
+                    c.to(device)
+                    if isinstance(c, torch.Tensor)
+                    else torch.full(t.shape, c, dtype=torch.float64, device=device)
+                    for c, t in zip(copies, plain)
+                ],
+                *rest,
+                **kwargs,
+            )
     return PartialNorm(out, orders.pop(), copies)
 
 
-def _reduce_powers(local: torch.Tensor, order: float, copies: torch.Tensor, elementwise: bool) -> torch.Tensor:
+def _reduce_powers(local: torch.Tensor, order: float, copies, elementwise: bool) -> torch.Tensor:
     """Global norm from per-rank partial norms: every element (elementwise) or all together."""
     from . import collectives as C
 
@@ -250,7 +281,7 @@ def _reduce_powers(local: torch.Tensor, order: float, copies: torch.Tensor, elem
         if _world() > 1:
             _all_reduce(acc, dist.ReduceOp.MAX, C)
         return acc.to(local.dtype)
-    powers = acc.pow(order) / copies.to(acc.device)
+    powers = acc.pow(order) / (copies.to(acc.device) if isinstance(copies, torch.Tensor) else copies)
     if not elementwise:
         powers = powers.sum()
     if _world() > 1:

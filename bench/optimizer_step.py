@@ -1,0 +1,116 @@
+"""The optimizer step on our sharded parameters: AdamW for-loop / foreach / fused and torch's
+clip_grad_norm_, per shard-boundary policy.
+
+    .venv/bin/python bench/optimizer_step.py                  # 25M GPT, 2 gloo ranks, CPU, fp32
+    .venv/bin/python bench/optimizer_step.py --out bench/results/optimizer_step_before.json
+
+The optimizer's parameters are `ShardPiece`s ([Note: pieces that describe themselves] in
+framework/distributed/fsdp/views.py): every op on them goes through one Python
+`__torch_function__` call. This measures what that costs where it is paid, the optimizer step and
+the clipping, on the benchmark model: one forward and backward, then `--repeats` timed calls of
+each, gradients kept; medians of the slower rank. Run it at two commits to compare (the JSON
+names the commit). Writes a table to stdout and JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import SIZES, batch, build_gpt, loss_of  # noqa: E402
+
+VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+
+
+def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repeats: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import inspect
+
+    from framework.distributed.fsdp import fully_shard
+
+    takes_boundary = "shard_boundary" in inspect.signature(fully_shard).parameters
+    out = {}
+    for boundary in boundaries:
+        if boundary != "anywhere" and not takes_boundary:
+            continue
+        kw = {"shard_boundary": boundary} if takes_boundary else {}
+        model = build_gpt(size)
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        fully_shard(model, reshard_after_forward=False, **kw)
+        idx = batch(size, 0, rank, torch.device("cpu"))
+        loss_of(model(idx[:, :-1]), idx).backward()
+        for name, opt_kw in VARIANTS.items():
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **opt_kw)
+            opt.step()  # state allocated outside the timing
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t)
+            out[f"{boundary} {name}"] = times
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            times.append(time.perf_counter() - t)
+        out[f"{boundary} clip_grad_norm_"] = times
+    queue.put((rank, out))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-size", default="25m", choices=sorted(SIZES))
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--boundaries", nargs="+", default=["anywhere", "rows", "params"])
+    ap.add_argument("--out", default="bench/results/optimizer_step.json")
+    args = ap.parse_args()
+    from framework.runtime import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.ranks, port, args.model_size, args.boundaries, args.repeats, queue))
+        for r in range(args.ranks)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = {}
+    for key in results[0]:
+        slowest = [max(results[r][key][i] for r in results) for i in range(args.repeats)]
+        rows[key] = statistics.median(slowest) * 1e3
+    print(
+        f"GPT {args.model_size}, {args.ranks} gloo ranks, CPU fp32, commit {commit}: median of {args.repeats} calls, ms"
+    )
+    for key, ms in rows.items():
+        print(f"  {key:28} {ms:9.2f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "commit": commit, "median_ms": rows, "raw": results}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
