@@ -143,9 +143,9 @@ def build_engine(name: str, size: str, device, world: int, *, foreach: bool | No
     """The benchmark GPT of `size` under engine `name`, every block one unit and the root kept
     gathered after forward (as `parallelize` and torchtitan do), with AdamW. Names: ours_full (or
     ours), ours_gloo (ours over gloo's TCP on process groups of its own), ours_grad_op,
-    ours_hybrid, ours_int8, fsdp2, ddp, ds_zero2, ds_zero3; a "+compile" suffix compiles each
-    block. `foreach`: AdamW's (None: torch's choice on CUDA, off on CPU); `bf16`: bf16 compute
-    with fp32 shards and reduction (ours and fsdp2)."""
+    ours_hybrid, ours_int8, ours_rows, ours_params (shard boundaries), fsdp2, ddp, ds_zero2,
+    ds_zero3; a "+compile" suffix compiles each block. `foreach`: AdamW's (None: torch's choice
+    on CUDA, off on CPU); `bf16`: bf16 compute with fp32 shards and reduction (ours and fsdp2)."""
     compile_blocks = name.endswith("+compile")
     base = name.removesuffix("+compile")
     model = build_gpt(size).to(device)  # the same initial weights on every device
@@ -173,6 +173,8 @@ def build_engine(name: str, size: str, device, world: int, *, foreach: bool | No
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         elif base == "ours_int8":
             kw["mp_policy"] = MixedPrecisionPolicy(quantized_comm=True)
+        if base in ("ours_rows", "ours_params"):  # [Note: shard boundaries]
+            kw["shard_boundary"] = base.removeprefix("ours_")
         if mesh is not None:
             kw["mesh"] = mesh
         for block in model.blocks:

@@ -49,7 +49,8 @@ from bench.common import (  # noqa: E402
 
 # ------------------------------------------------------------------ engines
 # our engine's variants: ours_gloo over gloo's TCP instead of shared memory
-OURS = ("ours", "ours_gloo")
+OURS = ("ours", "ours_gloo", "ours_rows", "ours_params")
+BOUNDARY_ROWS = ("ours_rows", "ours_params")  # --boundary-rows: whole rows / whole parameters per rank
 
 
 def build(engine: str, size: str):
@@ -80,9 +81,17 @@ def tensor_bytes(engine, model, opt) -> int:
     return live_tensor_bytes(model, opt, extra)
 
 
-def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
+def padding_bytes(model) -> int:
+    """Bytes of this rank's shards that hold no parameter ([Note: shard boundaries])."""
+    lays = [u.layout for u in model._fsdp_unit.ctx.units]
+    return sum(lay.shard_numel - sum(e.local_numel for e in lay.entries) for lay in lays) * 4
+
+
+def timing_worker(rank, ws, size, steps, warmup, gloo_row=False, boundary_rows=False):
     counter = WireCounter().install()  # FSDP2's traffic, at torch.distributed's functions
-    engines = ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else [])
+    engines = (
+        ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else []) + (list(BOUNDARY_ROWS) if boundary_rows else [])
+    )
     built = {e: build(e, size) for e in engines}
     times = {e: [] for e in engines}
     traffic = {e: [] for e in engines}
@@ -122,6 +131,7 @@ def timing_worker(rank, ws, size, steps, warmup, gloo_row=False):
         "traffic": traffic,
         "exposed": exposed,
         "tensor_bytes": tb,
+        "padding_bytes": {e: padding_bytes(built[e][0]) for e in engines if e in OURS},
         "params": sum(p.numel() for p in built["ddp"][0].parameters()),
     }
 
@@ -284,6 +294,12 @@ def main() -> None:
         help="also time our engine with parallelism.host_transport=gloo (row ours_gloo), interleaved with the others",
     )
     ap.add_argument(
+        "--boundary-rows",
+        action="store_true",
+        help="also time our engine with whole-row and whole-parameter shard boundaries (rows ours_rows, "
+        "ours_params), interleaved with the others; their padding is printed after the table",
+    )
+    ap.add_argument(
         "--tp",
         action="store_true",
         help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)",
@@ -314,7 +330,7 @@ def main() -> None:
         run_ranks(
             timing_worker,
             args.ranks,
-            args=(args.model_size, args.steps, 2, args.gloo_row),
+            args=(args.model_size, args.steps, 2, args.gloo_row, args.boundary_rows),
             timeout_s=1800,
         )
         for _ in range(max(1, args.timing_runs))
@@ -359,9 +375,10 @@ def main() -> None:
             "alone_ratio_to_ddp": alone[e] / alone["ddp"] if e in alone else None,
             "comm_mb_per_step": statistics.median(r0["traffic"][e]) / 2**20 if r0["traffic"][e] else None,
             "exposed_comm_s": statistics.median(r0["exposed"][e]) if r0["exposed"].get(e) else None,
+            "padding_mb": max(r["padding_bytes"][e] for r in res) / 2**20 if e in OURS else None,
         }
     hdr = (
-        f"{'engine':9} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
+        f"{'engine':11} {'step s':>8} {'/FSDP2':>7} {'/DDP':>6} {'tensor MB':>10} {'RSS peak MB':>12} "
         f"{'RSS/FSDP2':>10} {'alone s':>8} {'/DDP':>6} {'comm MB/step':>13} {'exposed s':>10}"
     )
     print(
@@ -374,13 +391,17 @@ def main() -> None:
     fmt = lambda v, f: "n/a" if v is None else format(v, f)
     for e, r in rows.items():
         print(
-            f"{e:9} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
+            f"{e:11} {r['median_step_s']:8.3f} {r['ratio_to_fsdp2']:7.2f} {r['ratio_to_ddp']:6.2f} "
             f"{r['tensor_bytes_mb']:10.1f} {fmt(r['rss_peak_mb'], '12.0f'):>12} "
             f"{fmt(r['rss_ratio_to_fsdp2'], '10.2f'):>10} "
             f"{fmt(r['alone_step_s'], '8.3f'):>8} {fmt(r['alone_ratio_to_ddp'], '6.2f'):>6} "
             f"{fmt(r['comm_mb_per_step'], '13.1f'):>13} "
             f"{fmt(r['exposed_comm_s'], '10.3f'):>10}"
         )
+    print(
+        "padding (MB per rank, the fullest): "
+        + "; ".join(f"{e} {r['padding_mb']:.2f}" for e, r in rows.items() if r["padding_mb"] is not None)
+    )
     if len(runs) > 1:
         print(
             "step time / DDP in each interleaved run: "
