@@ -86,14 +86,16 @@ def build_optimizer(
         )
     groups = _param_groups(model.named_parameters(), cfg.weight_decay, undecayed)
     if cfg.name == OptimizerName.adamw:
-        # foreach=False: one kernel per parameter. The multi-tensor path groups tensors by
-        # device and dtype and is no faster on CPU; on a GPU torch picks foreach itself.
+        # foreach=False on CPU: one kernel per parameter; the multi-tensor path groups tensors by
+        # device and dtype and is no faster there. On a GPU, foreach=True: torch's own default
+        # would take the for-loop form for our engine's parameters (it picks foreach for its own
+        # tensor types only; docs/engine.md, "The optimizer sees flat pieces").
         return torch.optim.AdamW(
             groups,
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
-            foreach=None if torch.cuda.is_available() else False,
+            foreach=torch.cuda.is_available(),
         )
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
