@@ -97,7 +97,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
     if cfg.stage != Stage.data_preparation:
-        from framework.models.args import job_model_problems
+        from framework.models.families import job_model_problems
         from framework.models.registry import check_model
 
         problems += job_model_problems(cfg)  # the model's arguments against the job (no torch)

@@ -114,7 +114,7 @@ def job_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
         checked = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device="auto"))
     problems = validate(checked, cfg.cluster.nodes * cfg.cluster.nproc_per_node)
     if Stage.data_preparation not in stages or len(stages) > 1:
-        from framework.models.args import job_model_problems  # torch-free (framework/models/args.py)
+        from framework.models.families import job_model_problems  # torch-free (framework/models/families.py)
 
         problems += job_model_problems(cfg)
     if not sees_local_files(launch):

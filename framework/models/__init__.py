@@ -1,10 +1,10 @@
 """Model definitions (plain nn.Modules) and the registry that describes each family to the rest of
 the framework (`framework/models/registry.py`).
 
-A family is a folder here with a `family.py` that registers its record, and optionally a
-`shapes.py` for the planner (`framework/models/shapes.py`), plus its `conf/model/<name>.yaml`;
-nothing else names it. Importing this package loads no family and no torch: the names below
-are looked up on first use, and `registry.family_of` registers every family first.
+A family is a folder here with a torch-free `spec.py` and a `family.py` that builds its record,
+plus its `conf/model/<name>.yaml` and its line in `framework/models/families.py` (the list the
+registry looks names up in). Importing this package loads no family and no torch: the names
+below are looked up on first use.
 """
 
 _WHERE = {

@@ -3,20 +3,14 @@
 Every family declares the dataclass of its arguments (`ModelFamily.args_type`, e.g. our Llama's
 `LlamaArgs` with its sizes, the CNN's `DigitsCNNArgs`); the central `ModelConfig` keeps only what
 every model has (name, path, task, init). `parse_args` fills the dataclass from `model.args`,
-refusing an unknown or mistyped field in one line.
-
-A family may also keep a torch-free `args.py` in its folder, with `NAMES` (the `model.name` values
-it builds) and `problems(cfg, tp, seq_len, data_vocab, ep, cp) -> list[str]`: the checks of its
-arguments against the rest of the job (heads divisible by the tensor-parallel degree, a sequence
-longer than the model takes). `model_problems` asks it; `main.py` and the launcher run it with
-the config's own checks, before any rank starts and without importing torch.
+refusing an unknown or mistyped field in one line. The checks of a family's arguments against
+the rest of the job are its spec's `problems` (`framework/models/families.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from typing import Any, List
+from typing import Any
 
 from framework.errors import UserInputError
 
@@ -44,47 +38,3 @@ def parse_args(args_type: type | None, cfg) -> Any:
             )
             raise UserInputError(f"model.args.{key}={value!r}: give {kind}")
     return args_type(**given)
-
-
-def _args_module(name: str):
-    """The torch-free `args.py` of the family folder whose NAMES hold `name`, or None."""
-    from framework.models.shapes import family_packages
-
-    for package in family_packages():
-        try:
-            module = importlib.import_module(f"framework.models.{package}.args")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"framework.models.{package}.args":
-                raise
-            continue
-        if name in getattr(module, "NAMES", ()):
-            return module
-    return None
-
-
-def model_problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1) -> List[str]:
-    """Every refusal of `cfg.model`'s arguments for this job (one line each), from its family's
-    torch-free `args.py`; empty for a family without one (it checks when it builds).
-    `data_vocab`: the vocabulary size the data's tokenizer will have, 0 when only the start decides."""
-    module = _args_module(cfg.name)
-    if module is None:
-        out = []
-        if ep > 1:
-            out.append(f"parallelism.ep={ep}: model.name={cfg.name} has no experts to split; set parallelism.ep=1")
-        if cp > 1:
-            out.append(f"parallelism.cp={cp}: model.name={cfg.name} cannot split its sequences; set parallelism.cp=1")
-        return out
-    try:
-        return list(module.problems(cfg, tp, seq_len, data_vocab, ep, cp))
-    except UserInputError as exc:
-        return [str(exc)]
-
-
-def job_model_problems(cfg) -> List[str]:
-    """`model_problems` for a whole job's Config (its tensor-parallel degree, sequence length and
-    the vocabulary its data fixes before start); `main.py` and the launcher call it beside
-    `framework.config.validate`."""
-    data = cfg.data
-    data_vocab = data.vocab_size if data.name == "stdlib" and not data.tokenizer else 0
-    p = cfg.parallelism
-    return model_problems(cfg.model, p.tp, data.seq_len, data_vocab, ep=p.ep, cp=p.cp)

@@ -11,18 +11,19 @@ Nothing outside `framework/models/` knows a model's attribute names or tensor na
     family.blocks(model)                     # the sharding units, in forward order
     task = family.task(cfg.model)            # how a batch becomes a loss: task.loss(model, batch)
 
-Registering a family: our Llama does it in `framework/models/llama/family.py`. Every folder of
-framework/models/ with a `family.py` is a family (`shapes.family_packages`); a family kept outside
-this package (a user's own, or a test's) is a module named by `model.family_module` in its
-conf/model YAML, imported before the name is looked up:
+The families of framework/models/ are listed in `framework/models/families.py` (one line each);
+each builds its record (`ModelFamily`, framework/models/record.py) in its folder's `family.py`, as
+our Llama does in `framework/models/llama/family.py`. A family kept outside this package (a
+user's own, or a test's) is a module named by `model.family_module` in its conf/model YAML,
+imported before the name is looked up, that registers its record:
 
     from framework.models.registry import ModelFamily, register_family
 
     register_family(ModelFamily(
-        names=("digits_cnn",),                 # the model.name values this family accepts
-        build=build_cnn,                       # (ModelConfig, device) -> nn.Module
-        blocks=lambda m: list(m.features),     # sharding units; the root takes the rest
-        task=lambda cfg: get_task("image_classification"),
+        names=("my_mlp",),                     # the model.name values this family accepts
+        build=build_mlp,                       # (ModelConfig, device) -> nn.Module
+        blocks=lambda m: list(m.blocks),       # sharding units; the root takes the rest
+        task=lambda cfg: get_task("causal_lm"),
     ))
 
 Every other field has a default that suits a small model without tensor parallelism or a
@@ -32,144 +33,31 @@ Hugging Face export: see `ModelFamily`. A task is looked up by name from `framew
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
-
-import torch
 from torch import nn
 
 from framework.config.schema import ModelConfig
 from framework.errors import UserInputError
-from framework.models.tasks import Task, get_task
+from framework.models.families import family_names, import_family_module, spec_of, unknown_name
+from framework.models.record import ModelFamily, StateDictAdapter  # noqa: F401 - what a family outside registers
 
-
-class StateDictAdapter(Protocol):
-    """Our state-dict names <-> Hugging Face names, and the Hugging Face `config.json`.
-
-    Used by `framework/checkpoint/hf.py` for `checkpoint.export_safetensors` and
-    `checkpoint.init_from`; each family keeps its own next to its model."""
-
-    def to_hf(self, name: str) -> str | None:
-        """The Hugging Face name of our state-dict entry; None: not written (e.g. a tied copy)."""
-
-    def from_hf_fallback(self, name: str) -> str | None:
-        """Another Hugging Face name to read our entry from when `to_hf(name)` is absent (a tied
-        head stored once as the embedding), or None."""
-
-    def hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict:
-        """The `config.json` an export carries."""
-
-    def check_hf_config(self, hf: dict, cfg: ModelConfig, where: str) -> None:
-        """Refuse (UserInputError, one line naming the field) a `config.json` that computes
-        differently from the model this job builds."""
-
-    # Optional: `ignorable(key) -> bool` (Hugging Face names a checkpoint may hold that the model
-    # does not read, e.g. buffers transformers ignores on load) and `write_extras(out_dir, tokenizer, cfg)` (tokenizer
-    # files, generation config written next to an export).
-
-
-def _default_init(model: nn.Module, seed: int | None) -> None:
-    """Re-run each module's own `reset_parameters` under `seed` (None: the current RNG state)."""
-    with torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-
-
-def _count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())  # parameters() already skips tied duplicates
-
-
-def _default_flops(model: nn.Module, seq_len: int) -> float:
-    """6 x parameters per trained token: the dense-matmul estimate, without attention's share."""
-    return 6.0 * _count_params(model)
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    names: tuple  # the model.name values this family builds (the conf/model presets)
-    build: Callable[[ModelConfig, object], nn.Module]  # (cfg, device) -> plain module
-    blocks: Callable[[nn.Module], list[nn.Module]]  # sharding units in forward order
-    task: Callable[[ModelConfig], Task] = lambda cfg: get_task("causal_lm")
-    init_weights: Callable[[nn.Module, int | None], None] = _default_init
-    # {module name: ParallelStyle} for tensor parallelism, or None: parallelism.tp > 1 is refused.
-    tp_plan: Callable[[nn.Module, bool], dict] | None = None
-    # Modules recomputed in backward by parallelism.activation_checkpointing; None: the blocks.
-    checkpoint_targets: Callable[[nn.Module], list[nn.Module]] | None = None
-    # (cfg) -> the state-dict adapter of that configuration; None: Hugging Face export/import refused.
-    adapter: Callable[[ModelConfig], StateDictAdapter] | None = None
-    embedding_name: str | None = None  # state-dict key whose rows are the vocabulary
-    num_params: Callable[[nn.Module], int] = _count_params
-    flops_per_token: Callable[[nn.Module, int], float] = _default_flops
-    # Classes of a classification task (data=synthetic draws labels below it).
-    num_labels: Callable[[ModelConfig], int] = lambda cfg: cfg.num_labels if cfg.num_labels > 0 else 2
-    # The vocabulary size before the data is built (data=synthetic draws tokens below it); <= 0:
-    # the data's tokenizer decides it, and `with_vocab_size` gives the config the model is built with.
-    vocab_size: Callable[[ModelConfig], int] = lambda cfg: 0
-    with_vocab_size: Callable[[ModelConfig, int], ModelConfig] = lambda cfg, vocab_size: cfg
-    # Refuses (UserInputError) a configuration this family cannot build; run before any rank starts.
-    check: Callable[[ModelConfig], None] = lambda cfg: None
-    # A directory whose weights initialise the model at the start (model=hf model.path); "" none.
-    weights_dir: Callable[[ModelConfig], str] = lambda cfg: ""
-
-    # The family's own typed arguments (`model.args`), a dataclass whose fields have defaults
-    # (framework/models/args.py); None: the family takes none.
-    args_type: type | None = None
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-    def args_of(self, cfg: ModelConfig):
-        """`model.args` as the family's dataclass; an unknown or mistyped field is refused in one
-        line naming it and the fields there are (framework/models/args.py)."""
-        from framework.models.args import parse_args
-
-        return parse_args(self.args_type, cfg)
-
-    def activation_checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
-        return (self.checkpoint_targets or self.blocks)(model)
-
-
-_FAMILIES: dict[str, ModelFamily] = {}
-
-
-def register_all(extra_module: str = "") -> None:
-    """Import every family's record (each registers itself once), and `extra_module` (a family
-    from outside this package: `model.family_module`)."""
-    import importlib
-
-    from framework.models.shapes import family_packages
-
-    for package in family_packages():
-        importlib.import_module(f"framework.models.{package}.family")
-    if extra_module:
-        try:
-            importlib.import_module(extra_module)
-        except ModuleNotFoundError as exc:
-            if exc.name and extra_module.startswith(exc.name):
-                raise UserInputError(
-                    f"model.family_module={extra_module}: no such module on the path; give an importable "
-                    "module that calls register_family (e.g. my_models.family, with PYTHONPATH set)"
-                ) from None
-            raise
+# Families registered by the modules `model.family_module` names (the ones of framework/models/
+# are in framework/models/families.py).
+_OUTSIDE: dict[str, ModelFamily] = {}
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
-    """Add `family` under each of its names; a name may belong to one family only."""
+    """Add a family from outside framework/models/ under each of its names; a name may belong to
+    one family only."""
     for name in family.names:
-        if name in _FAMILIES and _FAMILIES[name] is not family:
+        spec = spec_of(name)
+        if (spec is not None and spec.record() is not family) or _OUTSIDE.get(name, family) is not family:
             raise RuntimeError(f"model name {name!r} is registered twice")
-        _FAMILIES[name] = family
+        _OUTSIDE[name] = family
     return family
 
 
 def registered_names() -> list[str]:
-    register_all()
-    return sorted(_FAMILIES)
+    return sorted({*family_names(), *_OUTSIDE})
 
 
 def build_model(cfg: ModelConfig, device="cpu") -> nn.Module:
@@ -190,14 +78,11 @@ def check_model(cfg: ModelConfig) -> list[str]:
 
 def family_of(cfg: ModelConfig) -> ModelFamily:
     """The family that builds `model.name`; an unknown name is refused in one line."""
-    family = _FAMILIES.get(cfg.name)
-    if family is None:
-        register_all(cfg.family_module)
-        family = _FAMILIES.get(cfg.name)
-    if family is None:
-        raise UserInputError(
-            f"model.name={cfg.name!r} is not a model this framework builds; choose one of "
-            f"{', '.join(registered_names())} (a Hugging Face model: model=hf "
-            "model.path=<its directory>)"
-        )
-    return family
+    spec = spec_of(cfg.name)
+    if spec is not None:
+        return spec.record()
+    if cfg.name not in _OUTSIDE and cfg.family_module:
+        import_family_module(cfg.family_module)  # registers its family
+    if cfg.name not in _OUTSIDE:
+        raise UserInputError(unknown_name(cfg.name, registered_names()))
+    return _OUTSIDE[cfg.name]

@@ -1,22 +1,18 @@
 """What the planner needs to know of a model, asked of its family: sharding units of tensors per
 tensor-parallel rank, the widths its memory and FLOP arithmetic use, and nothing that needs torch.
 
-Each family folder may hold a `shapes.py` with `NAMES` (the `model.name` values it builds) and
-`plan_shape(cfg, vocab_size) -> ModelShape`; `plan_shape` below asks the one whose `NAMES` holds
-`model.name` (a family from outside, `model.family_module`, may define both in that module). A
-family without one is refused by `stage=plan` in one line. Our Llama's is pure arithmetic (the
-launcher plans on a login node without torch); Hugging Face's builds the model on the meta device
-to count its tensors.
+Each family folder may hold a `shapes.py` with `plan_shape(cfg, vocab_size) -> ModelShape`, which
+its spec names (`framework/models/families.py`, where `plan_shape` asks the family of
+`model.name`; a family from outside, `model.family_module`, may define `NAMES` and `plan_shape`
+in that module). A family without one is refused by `stage=plan` in one line. Our Llama's is
+pure arithmetic (the launcher plans on a login node without torch); Hugging Face's builds the
+model on the meta device to count its tensors.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-
-from framework.errors import UserInputError
 
 
 @dataclass(frozen=True)
@@ -100,40 +96,3 @@ def non_embedding_params(m: ModelShape) -> int:
 def flops_per_token(m: ModelShape, seq_len: int) -> float:
     """Training FLOPs per token, as the trainer counts them for MFU (6 N + attention)."""
     return 6.0 * (non_embedding_params(m) - m.inactive_params) + 12.0 * m.n_layers * m.dim * seq_len
-
-
-def family_packages() -> tuple:
-    """Every family folder of framework/models/: a package holding a `family.py` (found by
-    looking, so adding a family is its folder and its conf/model YAML, nothing else)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return tuple(sorted(name for name in os.listdir(here) if os.path.isfile(os.path.join(here, name, "family.py"))))
-
-
-def plan_shape(cfg, vocab_size: int) -> ModelShape:
-    """The shape of `cfg` (a ModelConfig) from its family's shapes.py; refused in one line where
-    the family has none. Families with a shapes.py are asked first, so planning one of them loads
-    no other family (and no torch, for ours)."""
-    if getattr(cfg, "family_module", ""):
-        from framework.models.registry import register_all
-
-        register_all(cfg.family_module)  # a module that is not there is refused in one line
-        module = importlib.import_module(cfg.family_module)
-        if cfg.name in getattr(module, "NAMES", ()):
-            return module.plan_shape(cfg, vocab_size)
-    for package in family_packages():
-        try:
-            module = importlib.import_module(f"framework.models.{package}.shapes")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"framework.models.{package}.shapes":
-                raise
-            continue
-        if cfg.name in module.NAMES:
-            return module.plan_shape(cfg, vocab_size)
-    # No family has shapes for it: say whether it exists at all (this may import torch).
-    from framework.models.registry import family_of
-
-    family_of(cfg)  # an unknown model.name is refused here, naming the choices
-    raise UserInputError(
-        f"model.name={cfg.name}: stage=plan has no shapes for this family (its folder has no shapes.py, "
-        "or its model.family_module defines no NAMES and plan_shape); train it without stage=plan"
-    )

@@ -15,7 +15,7 @@ from framework.config.schema import Config
 from framework.config.validate import parallel_dims_of
 from framework.errors import EXIT_BAD_INPUT
 from framework.fileio import write_json
-from framework.models.shapes import plan_shape
+from framework.models.families import plan_shape
 from framework.planner.devices import DEVICES, device_for
 from framework.planner.estimate import (
     GIB,
@@ -40,7 +40,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
     key = device_for(getattr(c, "gpu_type", "auto"), c.gpus_per_node)
     if key not in DEVICES:
         raise ValueError(f"cluster.gpu_type={key!r}: unknown; choose auto, {', '.join(DEVICES)}")
-    # the family's own units and widths (framework/models/shapes.py); the data's vocabulary (the
+    # the family's own units and widths (framework/models/families.py); the data's vocabulary (the
     # tokenizer data preparation trains has this size) where the model takes it from the data
     shape = plan_shape(m, cfg.data.vocab_size)
     return Job(

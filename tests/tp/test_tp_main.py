@@ -84,7 +84,7 @@ def _cfg(**parallelism) -> Config:
 
 
 def test_validation_says_uneven_vocabulary(caplog):
-    from framework.models.args import job_model_problems  # the model's own checks (its family's)
+    from framework.models.families import job_model_problems  # the model's own checks (its family's)
 
     with caplog.at_level(logging.WARNING, logger="framework.config"):
         cfg = _cfg(tp=2, dp_shard=1, vocab=255)

@@ -10,7 +10,7 @@ from framework.config import compose_config, to_config, validate
 from framework.config.compose import CONF_DIR
 from framework.config.schema import Config, Engine, Strategy
 from framework.errors import UserInputError
-from framework.models.args import job_model_problems
+from framework.models.families import job_model_problems
 
 
 def cfg_of(*overrides):
@@ -76,7 +76,7 @@ def test_unknown_engine_is_refused():
     ],
 )
 def test_cross_field_problems_name_the_field(overrides, world, needle):
-    from framework.models.args import job_model_problems  # the model's arguments, checked by its family
+    from framework.models.families import job_model_problems  # the model's arguments, checked by its family
 
     cfg = cfg_of(*overrides)
     problems = validate(cfg, world_size=world) + job_model_problems(cfg)
@@ -239,7 +239,7 @@ def test_group_options_set_only_what_they_change():
 )
 def test_llama_arguments_are_checked_by_their_family(override, needle):
     """Our Llama's sizes are its own typed arguments (LlamaArgs), checked without torch."""
-    from framework.models.args import job_model_problems
+    from framework.models.families import job_model_problems
 
     problems = job_model_problems(cfg_of(override))
     assert len(problems) == 1 and needle in problems[0], problems

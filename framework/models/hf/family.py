@@ -1,6 +1,6 @@
 """The Hugging Face family's record (`model=hf`)."""
 
-from framework.models.hf.args import HFArgs
+from framework.models.hf.args import NAMES, HFArgs
 from framework.models.hf.model import (
     HFAdapter,
     blocks,
@@ -13,7 +13,7 @@ from framework.models.hf.model import (
     task_of,
     weights_dir,
 )
-from framework.models.registry import ModelFamily, register_family
+from framework.models.record import ModelFamily
 from framework.models.tasks import get_task
 
 
@@ -23,20 +23,18 @@ def _plan(model, sequence_parallel: bool):
     return hf_tp_plan(model, sequence_parallel)
 
 
-FAMILY = register_family(
-    ModelFamily(
-        names=("hf",),
-        build=build_hf,
-        check=check_config,
-        blocks=blocks,
-        task=lambda cfg: get_task(task_of(cfg)),
-        num_labels=num_labels,
-        init_weights=init_weights,
-        adapter=HFAdapter,
-        flops_per_token=flops_per_token,
-        vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
-        weights_dir=weights_dir,
-        args_type=HFArgs,
-        tp_plan=lambda model, sequence_parallel: _plan(model, sequence_parallel),
-    )
+FAMILY = ModelFamily(
+    names=NAMES,
+    build=build_hf,
+    check=check_config,
+    blocks=blocks,
+    task=lambda cfg: get_task(task_of(cfg)),
+    num_labels=num_labels,
+    init_weights=init_weights,
+    adapter=HFAdapter,
+    flops_per_token=flops_per_token,
+    vocab_size=lambda cfg: int(hf_config(cfg).vocab_size),
+    weights_dir=weights_dir,
+    args_type=HFArgs,
+    tp_plan=lambda model, sequence_parallel: _plan(model, sequence_parallel),
 )

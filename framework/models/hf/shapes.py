@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from framework.models.shapes import ModelShape, Tensor, Unit
 
-NAMES = ("hf",)
-
 
 def plan_shape(cfg, vocab_size: int) -> ModelShape:
     from framework.models.hf.model import blocks, build_hf, hf_config

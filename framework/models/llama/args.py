@@ -97,7 +97,7 @@ def with_vocab_size(cfg, vocab_size: int):
 
 def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1) -> List[str]:
     """The refusals of these arguments for a job with this tensor-parallel degree, expert-parallel
-    degree and sequence length (see framework/models/args.py); advice that does not stop the job
+    degree and sequence length (see framework/models/families.py); advice that does not stop the job
     is logged."""
     a = llama_args(cfg)
     out = []

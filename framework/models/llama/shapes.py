@@ -6,7 +6,7 @@ model, tensor by tensor."""
 
 from __future__ import annotations
 
-from framework.models.llama.args import NAMES, llama_args  # noqa: F401 - NAMES: the presets this module plans
+from framework.models.llama.args import llama_args
 from framework.models.shapes import ModelShape, Tensor, Unit
 
 
