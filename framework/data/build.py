@@ -12,20 +12,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
 
 from framework.config.schema import DataConfig, DataName
-from framework.data.loader import GlobalBatchLoader
+from framework.data.loader import DataBundle, GlobalBatchLoader
 from framework.data.synthetic import SyntheticSource
 from framework.errors import UserInputError
-
-
-@dataclass
-class DataBundle:
-    train: GlobalBatchLoader
-    valid: GlobalBatchLoader
-    vocab_size: int
-    tokenizer: Optional[Any] = None  # has encode(str) -> list[int] and decode(list[int]) -> str
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from framework.data.loader import GlobalBatchLoader
+from framework.data.loader import DataBundle, GlobalBatchLoader
 from framework.errors import UserInputError
 
 NUM_CLASSES = 10
@@ -119,8 +119,6 @@ class ImageBatchLoader(GlobalBatchLoader):
 
 def build_digits_data(*, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
     """data=digits: the training split and the held-out test split (the validation loader)."""
-    from framework.data.build import DataBundle
-
     train, test = split_digits(seed)
     kw = {
         "micro_batch_size": micro_batch_size,

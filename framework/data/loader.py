@@ -10,7 +10,8 @@ neither repeats nor skips a sample, and the step's mean loss is the same mean ov
 
 from __future__ import annotations
 
-from typing import Protocol, Tuple
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 
@@ -78,3 +79,13 @@ class GlobalBatchLoader:
                     "the checkpoint was not saved from data=hf: resume with the data it was trained on"
                 )
             self.source.seek(state["stream"], self.consumed)
+
+
+@dataclass
+class DataBundle:
+    """What a data source builds for one rank: its two loaders, the vocabulary and the tokenizer."""
+
+    train: GlobalBatchLoader
+    valid: GlobalBatchLoader
+    vocab_size: int
+    tokenizer: Optional[Any] = None  # has encode(str) -> list[int] and decode(list[int]) -> str

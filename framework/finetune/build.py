@@ -8,8 +8,7 @@ import sys
 import torch
 
 from framework.config.schema import Config
-from framework.data.build import DataBundle
-from framework.data.loader import GlobalBatchLoader
+from framework.data.loader import DataBundle, GlobalBatchLoader
 from framework.errors import UserInputError
 from framework.finetune.data import (
     RowSource,

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.models.llama.args import LlamaArgs, llama_args
+from framework.models.llama.feed_forward import FeedForward
+from framework.models.llama.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -115,29 +117,13 @@ class Attention(nn.Module):
         return self.wo(out.reshape(bsz, seq, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaArgs):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        if cfg.n_experts:
-            from framework.models.llama.moe import MoE
-
-            self.feed_forward = MoE(cfg)
-        else:
-            self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.n_experts else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.models.llama.feed_forward import FeedForward
+
 
 class MoE(nn.Module):
     def __init__(self, cfg):
@@ -37,8 +39,6 @@ class MoE(nn.Module):
         self.experts = Experts(e, f, d)
         self.shared = None
         if cfg.n_shared_experts:
-            from framework.models.llama.model import FeedForward
-
             shared = type(cfg)(**{**cfg.__dict__, "ffn_dim": f * cfg.n_shared_experts, "n_experts": 0})
             self.shared = FeedForward(shared)
         self.aux_loss: torch.Tensor | None = None
