@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -120,3 +120,20 @@ class TrainingPhase(enum.Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"  # backward started, units being re-gathered
     POST_BACKWARD = "post_backward"  # final callback: waiting for reductions
+
+
+class UnitContext(Protocol):
+    """What a unit (unit.py, with its GradReduction and ZeroPlusPlus parts) asks of the shared
+    state of the model it belongs to: `ShardContext` (context.py), which is built over units and
+    imports unit.py, never the reverse."""
+
+    step: int  # forward/backward rounds of the model
+    phase: TrainingPhase
+
+    def acquire_buffer(self, unit, numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> torch.Tensor: ...
+
+    def release_buffer(self, buf: torch.Tensor) -> None: ...
+
+    def add_pending(self, unit) -> None: ...
+
+    def on_unit_ready(self, unit) -> None: ...

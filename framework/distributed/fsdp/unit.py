@@ -9,7 +9,7 @@ See [Note: flat storage] in flat.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,16 +18,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
-from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitState
+from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitContext, UnitState
 from .flat import FlatEntry, FlatLayout, contiguous_stride
 from .reduce import GradReduction, _Reduction
 from .transport import Transport
 from .views import ShardPiece
 from .zeropp import ZeroPlusPlus, float8_plan, packed_nbytes
-
-if TYPE_CHECKING:
-    from .context import ShardContext
-
 
 # [Note: records of sharded parameters]
 # What the engine knows about a sharded parameter (its unit, its entry) is part of the parameter:
@@ -120,7 +116,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         self.state = UnitState.SHARDED
         self.state_mesh = mesh  # checkpoint DTensors live here (the (dp..., tp) mesh under TP)
         self.tp_size = 1
-        self.ctx: Optional["ShardContext"] = None
+        self.ctx: Optional[UnitContext] = None
         self.stats = C.CommStats()
         self.requires_grad_sync = True
         # FSDP2's per-module settings (sharded_module.py): the all-reduce over replicas (hybrid;
