@@ -1,5 +1,22 @@
-"""Rank 0's reporting: a progress bar, metrics.jsonl in the run directory, the trackers
-(framework/trackers.py) and loss.png."""
+"""The step's numbers: kept on the device between the host's reads (`LossWatch`, with the
+finite-loss check), and rank 0's reporting of them: a progress bar, metrics.jsonl in the run
+directory, the trackers (framework/trackers.py) and loss.png.
+
+[Note: the host reads the device on log steps only]
+On a GPU, reading a device value (`.item()`, `float(t)`, `.tolist()`, a CUDA event's
+`synchronize`) makes the host wait until the device has run everything queued before it, so the
+host cannot queue the next step's kernels while this one runs. The training step therefore keeps
+its numbers on the device: the loss (the world mean, one all-reduce on the device), the gradient
+norm, and the finite-loss check, which records the first step whose loss was not finite, and that
+loss, with device operations only (`torch.where`). The host reads them all at once (one
+`.tolist()`) before the optimizer step of the steps that read anyway: log steps
+(`trainer.log_interval`), evaluations, checkpoints and the last step. So a non-finite loss stops
+the job at the next such step at the latest, naming the step where it happened; with
+`trainer.log_interval=1` (the default) that is the step itself, before its optimizer step.
+A checkpoint is written only after a read, so none holds a state past a non-finite loss.
+The engine's communication counters are read on log steps too (`CommStats.resolve`, which
+synchronizes on CUDA); resetting them each step does not wait.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +25,7 @@ import math
 import os
 import resource
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,6 +60,53 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss: the job ends with EXIT_DIVERGED and this message."""
+
+
+class LossWatch:
+    """One rank's view of the steps since the last read (the same on every rank: the loss it
+    watches is the world mean)."""
+
+    def __init__(self, device: torch.device, log_interval: int):
+        self.log_interval = log_interval
+        # The first step whose loss was not finite (0: none yet), and that loss; float64 holds
+        # every step number exactly.
+        self._first_bad = torch.zeros((), dtype=torch.float64, device=device)
+        self._bad_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._last: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the last step's (loss, grad norm)
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Record `step`'s loss and gradient norm: device operations only, nothing waits."""
+        loss = loss.detach().to(torch.float64)
+        new = torch.logical_and(~torch.isfinite(loss), self._first_bad == 0)
+        self._first_bad = torch.where(new, float(step), self._first_bad)
+        self._bad_loss = torch.where(new, loss, self._bad_loss)
+        self._last = (loss, grad_norm.detach().to(loss.device, torch.float64))
+
+    def read(self, step: int, before_optimizer_step: bool = True) -> Tuple[float, float]:
+        """The host's one read at `step`: the last observed step's (loss, gradient norm). Raises
+        `TrainingDiverged` naming the first step whose loss was not finite, if any was."""
+        loss, norm = self._last if self._last is not None else (self._bad_loss, self._bad_loss)
+        loss_value, norm_value, first_bad, bad_loss = torch.stack(
+            [loss, norm, self._first_bad, self._bad_loss]
+        ).tolist()
+        if first_bad:
+            bad = int(first_bad)
+            if bad == step and before_optimizer_step:
+                raise TrainingDiverged(
+                    f"loss is {bad_loss} at step {bad}; stopping before the optimizer step (no checkpoint "
+                    "of this state is written). Lower optimizer.lr or enable optimizer.clip_grad_norm"
+                )
+            raise TrainingDiverged(
+                f"loss is {bad_loss} at step {bad}, found at step {step} (the loss is read on log steps, "
+                f"every trainer.log_interval={self.log_interval} steps, and before evaluations and "
+                f"checkpoints); stopping with no checkpoint after step {bad - 1}. Lower optimizer.lr or "
+                "enable optimizer.clip_grad_norm"
+            )
+        return loss_value, norm_value
 
 
 def _drop_steps_after(path: str, step: int) -> None:

@@ -9,7 +9,10 @@ A signal may reach one rank only (a `kill` of one pid, a node's agent), and wall
 little between ranks. If each rank decided alone, one would leave the training loop while the
 others wait for it in the next step's collectives. So every step each rank contributes two flags
 (signalled, past the time limit) to one tiny all-reduce with MAX: all ranks see the same result and
-stop after the same step.
+stop after the same step. The flags are host values and stay in host memory, reduced by the host
+half of the process group (gloo: a CPU run's whole group, a GPU run's `cpu:gloo,cuda:nccl`), so
+the check never waits for the device ([Note: the host reads the device on log steps only] in
+framework/metrics.py).
 """
 
 from __future__ import annotations
@@ -59,12 +62,12 @@ class StopPolicy:
         """True on every rank when any rank was signalled or is past the time limit. One collective
         per call; every rank must call it at the same step. See [Note: ranks agree to stop]."""
         note_step(step)
-        flags = torch.tensor(
-            [1.0 if self.signal_name else 0.0, 1.0 if self.past_time_limit() else 0.0], device=self.device
-        )
+        flags = [1.0 if self.signal_name else 0.0, 1.0 if self.past_time_limit() else 0.0]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.tensor(flags, device="cpu" if "cpu:" in dist.get_backend_config() else self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, late = (bool(f) for f in flags.tolist())
+            flags = flags.tolist()
+        signalled, late = (bool(f) for f in flags)
         if not (signalled or late):
             return False
         if signalled:

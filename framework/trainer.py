@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import sys
 import time
 from typing import Dict
@@ -20,7 +19,14 @@ from framework.distributed.parallel_dims import build_mesh
 from framework.distributed.parallelize import parallelize
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_DIVERGED, UserInputError
-from framework.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib, throughput
+from framework.metrics import (
+    LossWatch,
+    MetricsLogger,
+    TrainingDiverged,
+    device_peak_tflops,
+    peak_memory_gib,
+    throughput,
+)
 from framework.models import family_of
 from framework.models.tasks import IGNORE_INDEX, RunView, to_device
 from framework.optim import build_optimizer, build_scheduler, no_decay_names
@@ -28,10 +34,6 @@ from framework.profiling import StepProfiler
 from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
 from framework.train_state import TrainState
-
-
-class TrainingDiverged(RuntimeError):
-    pass
 
 
 class Trainer:
@@ -122,8 +124,14 @@ class Trainer:
             self.ckpt.tokenizer = self.data.tokenizer
         self.flops_per_token = family.flops_per_token(model, cfg.data.seq_len)
         self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
+        # The step's loss, gradient norm and finite-loss check, on the device between reads
+        # ([Note: the host reads the device on log steps only] in framework/metrics.py).
+        self.watch = LossWatch(rt.device, t.log_interval)
 
-    def train_step(self) -> Dict[str, float]:
+    def train_step(self, read: bool = True) -> Dict[str, float]:
+        """One optimizer step. `read`: the host reads the step's loss and gradient norm (and the
+        finite-loss check) before the optimizer step; otherwise nothing waits for the device and
+        only the learning rate is returned. See [Note: the host reads the device on log steps only]."""
         model = self.model
         accum = self.data.train.accum_steps
         total = torch.zeros((), device=self.rt.device)
@@ -135,18 +143,15 @@ class Trainer:
                 loss.backward()
             total += full(loss.detach())
         grad_norm = self.engine.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
-        loss_value = _world_mean(total)  # the global batch's mean loss
-        if not math.isfinite(loss_value):
-            raise TrainingDiverged(
-                f"loss is {loss_value} at step {self.state.step + 1}; stopping "
-                "before the optimizer step (no checkpoint of this state is written). "
-                "Lower optimizer.lr or enable optimizer.clip_grad_norm"
-            )
-        lr = self.scheduler.get_last_lr()[0]
+        step = self.state.step + 1
+        self.watch.observe(step, _world_mean(total), grad_norm)  # the global batch's mean loss
+        out = {"lr": self.scheduler.get_last_lr()[0]}
+        if read:  # raises TrainingDiverged, before the optimizer step, if a loss was not finite
+            out["loss"], out["grad_norm"] = self.watch.read(step)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_value, "grad_norm": float(grad_norm), "lr": lr}
+        return out
 
     def _loss(self, batch) -> torch.Tensor:
         """The task's loss; under context parallelism this rank's share of it, from its chunk of
@@ -180,7 +185,7 @@ class Trainer:
         for batch in batches:
             with loss_context(self.model), self._sequences_split():  # tensor / context parallel
                 total += full(self._loss(to_device(batch, self.rt.device)))
-        out = {"val_loss": _world_mean(total) / len(batches)}
+        out = {"val_loss": float(_world_mean(total)) / len(batches)}
         if self.task.metrics is not None:
             if hasattr(valid, "whole_split"):
                 batches = valid.whole_split()
@@ -238,36 +243,49 @@ class Trainer:
         profiler = StepProfiler(
             t.profile, cfg.run_dir, rt.rank, rt.device, t.profile_wait, t.profile_warmup, t.profile_active
         )
+        # train_step's time since the last record: on a GPU the steps between reads only queue
+        # work, and the read waits for all of it, so their sum is the interval's device time.
+        interval_s, interval_steps, shown = 0.0, 0, {}
         try:
             while self.state.step < t.max_steps:
+                step = self.state.step + 1
+                logs = step % t.log_interval == 0 or step == t.max_steps
+                evaluates = bool(t.eval_interval) and (step % t.eval_interval == 0 or step == t.max_steps)
+                tasks = bool(t.eval_tasks) and (
+                    step == t.max_steps or bool(t.eval_tasks_interval and step % t.eval_tasks_interval == 0)
+                )
+                saves = self.ckpt is not None and self.ckpt.should_save(step)
                 self.engine.reset_counters(self.model)
                 tic = time.perf_counter()
-                metrics = self.train_step()
-                step_time = time.perf_counter() - tic
+                metrics = self.train_step(read=logs or evaluates or tasks or saves)
+                interval_s += time.perf_counter() - tic
+                interval_steps += 1
                 profiler.step()
-                self.state.step += 1
-                step = self.state.step
-                metrics.update(
-                    throughput(step_time, tokens_per_step, self.flops_per_token, rt.world_size, self.peak_tflops)
-                )
-                metrics["peak_memory_gib"] = peak_memory_gib(rt.device)
-                metrics.update(self.engine.step_counters(self.model))
-                if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
+                self.state.step = step
+                if logs:
+                    step_time, interval_s, interval_steps = interval_s / interval_steps, 0.0, 0
+                    metrics.update(
+                        throughput(step_time, tokens_per_step, self.flops_per_token, rt.world_size, self.peak_tflops)
+                    )
+                    metrics["peak_memory_gib"] = peak_memory_gib(rt.device)
+                    metrics.update(self.engine.step_counters(self.model))  # synchronizes on CUDA
+                    shown = {
+                        "loss": metrics["loss"],
+                        "tok/s": round(metrics["tokens_per_s"]),
+                        "step_s": round(step_time, 3),
+                    }
+                if evaluates:
                     metrics.update(self.evaluate())
                     logger.write(
                         f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
                     )
-                if t.eval_tasks and (
-                    step == t.max_steps or (t.eval_tasks_interval and step % t.eval_tasks_interval == 0)
-                ):
+                if tasks:
                     from framework.downstream import flat_scores, run_tasks
 
                     metrics.update(flat_scores(run_tasks(self, list(t.eval_tasks), step)))
-                if step % t.log_interval == 0 or step == t.max_steps:
+                if logs:
                     logger.log(step, metrics)
-                logger.progress(
-                    {"loss": metrics["loss"], "tok/s": round(metrics["tokens_per_s"]), "step_s": round(step_time, 3)}
-                )
+                logger.progress(shown)  # as of the last record
                 if self.stop.should_stop(step) and step < t.max_steps:
                     return self.stop_early(step)
                 if self.ckpt is not None and self.ckpt.should_save(step):
@@ -338,15 +356,16 @@ class Trainer:
             ).format(s=EXIT_REQUEUE)
             print(f"stopping at step {step} ({self.stop.reason}): {then}", file=sys.stderr, flush=True)
         if self.ckpt is not None:
+            self.watch.read(step, before_optimizer_step=False)  # never save past a non-finite loss
             self.ckpt.save(self.state, blocking=True)
         return EXIT_REQUEUE
 
 
-def _world_mean(value: torch.Tensor) -> float:
-    """Mean over all ranks. Tensor-parallel ranks hold the same loss, so this is the mean over the
-    data-parallel ranks, without a separate data-parallel group."""
+def _world_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over all ranks, on the device. Tensor-parallel ranks hold the same loss, so this is the
+    mean over the data-parallel ranks, without a separate data-parallel group."""
     dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
+    return value / dist.get_world_size()
 
 
 def _train(cfg: Config, rt: Runtime, body=None, record=None) -> int:

@@ -311,7 +311,9 @@ class TrainerConfig:
     micro_batch_size: Optional[int] = None
     eval_interval: int = 100  # steps between validation losses (0: never)
     eval_iters: int = 4  # validation batches per evaluation
-    log_interval: int = 1  # steps between metrics records
+    # steps between metrics records, and between the host's reads of the loss: a non-finite loss
+    # is found at the next one at the latest (framework/metrics.py)
+    log_interval: int = 1
     seed: int = 1234
     max_time_minutes: float = 0.0  # stop (with a checkpoint) after this wall time; 0: no limit
     device: str = "auto"  # auto | cpu | cuda

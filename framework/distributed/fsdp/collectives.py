@@ -42,17 +42,26 @@ class CommStats:
     _events: List[Tuple[Any, Any]] = field(default_factory=list, repr=False)
 
     def reset(self) -> None:
-        self.resolve()
+        """Zero the counters. Never waits: the timed waits not read yet are dropped unread (the
+        trainer resets every step and reads on log steps only; [Note: the host reads the device
+        on log steps only] in framework/metrics.py)."""
+        self._events.clear()
         self.allgather_bytes = self.reduce_scatter_bytes = self.allreduce_bytes = 0
         self.alltoall_bytes = self.num_collectives = 0
         self.exposed_comm_s = 0.0
 
-    def resolve(self) -> None:
-        """Add the timed CUDA waits to exposed_comm_s (synchronizes on the last of them)."""
+    def resolve(self, wait: bool = True) -> None:
+        """Add the timed CUDA waits to exposed_comm_s: all of them, synchronizing on the last, or
+        (`wait=False`) those the device has already passed, without waiting."""
+        kept = []
         for before, after in self._events:
-            after.synchronize()
+            if wait:
+                after.synchronize()
+            elif not after.query():
+                kept.append((before, after))
+                continue
             self.exposed_comm_s += before.elapsed_time(after) / 1000.0
-        self._events.clear()
+        self._events[:] = kept
 
 
 class Pending(NamedTuple):
@@ -88,8 +97,8 @@ def wait(p: Optional[Pending]) -> Optional[torch.Tensor]:
             if cuda:
                 after.record()
                 p.stats._events.append((before, after))
-                if len(p.stats._events) > 1024:  # bound the events kept between reads
-                    p.stats.resolve()
+                if len(p.stats._events) > 1024:  # bound the events kept between reads, not waiting
+                    p.stats.resolve(wait=False)
             else:
                 p.stats.exposed_comm_s += time.perf_counter() - t0
     if p.finish is not None:
