@@ -77,6 +77,14 @@ class ShardPiece(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return self.view_as(self)
 
+    @staticmethod
+    def map_whole(updates: list, fn: Callable[[torch.Tensor], torch.Tensor]) -> list:
+        """This rank's piece of `fn(full matrix)` for each piece in `updates`, each matrix made
+        whole where it is transformed: [Note: whole matrices from pieces] in whole.py. Collective."""
+        from .whole import map_whole
+
+        return map_whole(updates, fn)
+
     def __reduce_ex__(self, proto):
         return self.to_local().detach().__reduce_ex__(proto)
 
