@@ -21,8 +21,8 @@ from .flat import FlatEntry, TPSpec, build_layout
 from .mesh import dp_tp_mesh, mesh_key, reduce_group, resolve_mesh, secondary_group
 from .sharded_module import ShardedModule
 from .state_dict import register_state_dict_hooks
-from .unit import ShardUnit, claim, claimed_by, owner_of
-from .views import ShardPiece, piece_spec
+from .unit import ShardUnit, claim, claimed_by, owner_of, piece_spec
+from .views import ShardPiece
 
 _CLASS_CACHE: Dict[type, type] = {}
 

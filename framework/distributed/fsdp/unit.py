@@ -9,6 +9,7 @@ See [Note: flat storage] in flat.py.
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -22,7 +23,7 @@ from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitContext, UnitSta
 from .flat import FlatEntry, FlatLayout, contiguous_stride
 from .reduce import GradReduction, _Reduction
 from .transport import Transport
-from .views import ShardPiece
+from .views import PieceSpec, ShardPiece
 from .zeropp import ZeroPlusPlus, float8_plan, packed_nbytes
 
 # [Note: records of sharded parameters]
@@ -38,6 +39,11 @@ def owner_of(param: torch.Tensor) -> Optional[Tuple["ShardUnit", int]]:
     """(unit, entry index) of a parameter our engine sharded (or of its gradient or optimizer
     state), None for any other tensor."""
     return param.piece_spec.owner() if isinstance(param, ShardPiece) else None
+
+
+def piece_spec(unit: "ShardUnit", index: int) -> PieceSpec:
+    """The description the pieces of the unit's entry `index` carry (views.py)."""
+    return PieceSpec(weakref.ref(unit), index, unit.entries[index].global_shape, unit.norm_share(index))
 
 
 def claimed_by(param: torch.Tensor) -> Optional[str]:

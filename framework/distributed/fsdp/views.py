@@ -28,33 +28,28 @@ the tensor anywhere else. Pickling a piece saves its plain local data.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from .unit import ShardUnit
 
 
 @dataclass(frozen=True, eq=False)
 class PieceSpec:
     """Whose piece a `ShardPiece` is."""
 
-    unit_ref: Callable[[], Optional["ShardUnit"]]  # weak reference to the owning unit
+    # weak reference to the owning unit: a ShardUnit (unit.py builds the spec; this module knows no
+    # more of it than that it is the unit's)
+    unit_ref: Callable[[], Any]
     index: int  # the unit's entry (one distinct parameter)
     full_shape: torch.Size  # the parameter's shape in the model (global over tensor parallel)
     copies: int  # ranks holding an identical copy of this piece (replicas x unsplit tp)
 
-    def owner(self) -> Optional[Tuple["ShardUnit", int]]:
+    def owner(self) -> Optional[Tuple[Any, int]]:
+        """(unit, entry index), or None once the unit is gone."""
         unit = self.unit_ref()
         return None if unit is None else (unit, self.index)
-
-
-def piece_spec(unit: "ShardUnit", index: int) -> PieceSpec:
-    return PieceSpec(weakref.ref(unit), index, unit.entries[index].global_shape, unit.norm_share(index))
 
 
 def _world() -> int:
