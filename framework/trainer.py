@@ -29,7 +29,7 @@ from framework.metrics import (
 )
 from framework.models import family_of
 from framework.models.tasks import IGNORE_INDEX, RunView, to_device
-from framework.optim import build_optimizer, build_scheduler, no_decay_names
+from framework.optim import build_optimizer, build_scheduler, hidden_matrix_names, no_decay_names
 from framework.profiling import StepProfiler
 from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
@@ -93,6 +93,7 @@ class Trainer:
             add_lora(model, cfg.peft.lora, family, model_cfg, seed=t.seed, rank0=rt.is_main)
         self.engine = engine_of(cfg.parallelism.engine)  # clipping, counters (framework/distributed/engines.py)
         undecayed = no_decay_names(model)  # from the model as built: [Note: what weight decay leaves alone]
+        hidden = hidden_matrix_names(model)  # Muon's matrices, likewise: [Note: Muon on sharded matrices]
         self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
         if meta:
             self.model.to_empty(device=rt.device)
@@ -105,7 +106,7 @@ class Trainer:
             torch.manual_seed(t.seed)
         elif rt.device.type != "cpu":
             self.model.to(rt.device)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, undecayed)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, undecayed, hidden)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.max_steps)
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data.train)
         self.ckpt = None

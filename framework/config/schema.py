@@ -54,6 +54,7 @@ class ActivationCheckpointing(str, Enum):
 class OptimizerName(str, Enum):
     adamw = "adamw"
     sgd = "sgd"
+    muon = "muon"  # Muon for the hidden matrices, AdamW for the rest (framework/optim/muon.py)
 
 
 class Schedule(str, Enum):
@@ -218,6 +219,14 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     momentum: float = 0.9  # SGD only
+    # Muon (optimizer=muon): its own peak lr and momentum for the hidden matrices (the schedule
+    # scales both groups alike); lr, betas and weight_decay above are the AdamW part's, and
+    # weight_decay is Muon's too. muon_adjust_lr: "original" (sqrt(max(1, rows/cols))) or
+    # "match_rms_adamw" (0.2 sqrt(max(rows, cols)): AdamW's lr carries over)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_adjust_lr: str = "original"
+    muon_ns_steps: int = 5
     schedule: Schedule = Schedule.cosine
     warmup_steps: int = 10
     clip_grad_norm: float = 1.0  # 0 disables clipping
@@ -225,8 +234,12 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         self.name = _choice("optimizer", "name", self.name, OptimizerName)
         self.schedule = _choice("optimizer", "schedule", self.schedule, Schedule)
-        _positive("optimizer", lr=self.lr)
-        for name in ("weight_decay", "warmup_steps", "clip_grad_norm", "min_lr_ratio", "momentum"):
+        _positive("optimizer", lr=self.lr, muon_lr=self.muon_lr, muon_ns_steps=self.muon_ns_steps)
+        if self.muon_adjust_lr not in ("original", "match_rms_adamw"):
+            raise UserInputError(
+                f"optimizer.muon_adjust_lr={self.muon_adjust_lr!r}: choose original or match_rms_adamw"
+            )
+        for name in ("weight_decay", "warmup_steps", "clip_grad_norm", "min_lr_ratio", "momentum", "muon_momentum"):
             if getattr(self, name) < 0:
                 raise UserInputError(f"optimizer.{name}={getattr(self, name)}: must be >= 0")
 

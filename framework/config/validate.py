@@ -47,6 +47,19 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
             )
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
+    if (
+        cfg.optimizer.name.value == "muon"
+    ):  # whole matrices come from our engine's pieces: [Note: Muon on sharded matrices]
+        if p.engine.value != "native":
+            errors.append(
+                "optimizer=muon with parallelism.engine=torch: Muon orthogonalizes whole matrices, which our "
+                "engine's pieces provide; set parallelism.engine=native"
+            )
+        if p.tp > 1:
+            errors.append(
+                f"optimizer=muon with parallelism.tp={p.tp}: a tensor-parallel matrix is not gathered over tp "
+                "for its orthogonalization yet; set parallelism.tp=1"
+            )
 
     if dims is not None:
         t.fit_micro_batch(dims.dp)

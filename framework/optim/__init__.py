@@ -1,3 +1,9 @@
 """Optimizers with weight-decay groups, and learning-rate schedules."""
 
-from framework.optim.builder import build_optimizer, build_scheduler, lr_at, no_decay_names  # noqa: F401
+from framework.optim.builder import (  # noqa: F401
+    build_optimizer,
+    build_scheduler,
+    hidden_matrix_names,
+    lr_at,
+    no_decay_names,
+)

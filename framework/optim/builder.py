@@ -62,6 +62,22 @@ def no_decay_names(model: nn.Module) -> Set[str]:
     return {name for key in undecayed for name in names_of[key]}
 
 
+def hidden_matrix_names(model: nn.Module) -> Set[str]:
+    """The names of the matrices Muon steps ([Note: Muon on sharded matrices]): every parameter of
+    2 or more dimensions that weight decay does not leave alone (so no embedding, norm or bias:
+    [Note: what weight decay leaves alone]) and that is not an output head (a linear layer with as
+    many outputs as an embedding table has rows; a head tied to the embedding is the embedding).
+    Stacked experts (3-D) are each expert's matrix. Call it on the model as built."""
+    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and vocab and m.out_features in vocab}
+    undecayed = no_decay_names(model)
+    return {
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if p.dim() >= 2 and name not in undecayed and id(p) not in heads
+    }
+
+
 def _param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float, undecayed: Set[str]) -> List[dict]:
     decay, plain, seen = [], [], set()
     for name, param in named:
@@ -73,16 +89,36 @@ def _param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, undecayed: Optional[Set[str]] = None
+    model: nn.Module, cfg: OptimizerConfig, undecayed: Optional[Set[str]] = None, hidden: Optional[Set[str]] = None
 ) -> torch.optim.Optimizer:
-    """`undecayed`: `no_decay_names` of the model as built, when `model` has been parallelized
-    since; None: taken from `model` itself (a model as built)."""
+    """`undecayed` / `hidden`: `no_decay_names` / `hidden_matrix_names` of the model as built, when
+    `model` has been parallelized since; None: taken from `model` itself (a model as built)."""
     if undecayed is None:
         undecayed = no_decay_names(model)
+    if hidden is None and cfg.name == OptimizerName.muon:
+        hidden = hidden_matrix_names(model)
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     if not undecayed <= names:  # a bug: parallelism renamed parameters, decay would be misapplied
         raise RuntimeError(
             f"weight decay: parameters named before parallelism are missing after it: {sorted(undecayed - names)[:5]}"
+        )
+    if cfg.name == OptimizerName.muon:
+        from framework.optim.muon import MuonAdamW
+
+        named = [(n, p) for n, p in model.named_parameters() if n in hidden]
+        rest = [(n, p) for n, p in model.named_parameters() if n not in hidden]
+        return MuonAdamW(
+            [{"params": [p for _, p in named if p.requires_grad], "lr": cfg.muon_lr, "weight_decay": cfg.weight_decay}],
+            _param_groups(rest, cfg.weight_decay, undecayed),
+            adamw_defaults={
+                "lr": cfg.lr,
+                "betas": (cfg.beta1, cfg.beta2),
+                "eps": cfg.eps,
+                "foreach": torch.cuda.is_available(),
+            },
+            momentum=cfg.muon_momentum,
+            ns_steps=cfg.muon_ns_steps,
+            adjust_lr_fn=cfg.muon_adjust_lr,
         )
     groups = _param_groups(model.named_parameters(), cfg.weight_decay, undecayed)
     if cfg.name == OptimizerName.adamw:

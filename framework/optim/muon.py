@@ -46,8 +46,9 @@ def orthogonalize(
 
 def lr_scale(shape: torch.Size, rule: str) -> float:
     """How Muon's learning rate scales with a matrix's shape (A x B): "original" sqrt(max(1, A/B)),
-    "match_rms_adamw" 0.2 sqrt(max(A, B)) (an update RMS like AdamW's, so AdamW's lr carries over)."""
-    rows, cols = shape[0], shape[1]
+    "match_rms_adamw" 0.2 sqrt(max(A, B)) (an update RMS like AdamW's, so AdamW's lr carries over).
+    Stacked experts (E x A x B): each expert's matrix."""
+    rows, cols = shape[-2], shape[-1]
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     return math.sqrt(max(1.0, rows / cols))
@@ -87,8 +88,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["muon"]:
                 for p in g["params"]:
-                    if len(full_shape(p)) != 2:
-                        raise ValueError(f"Muon steps 2-D matrices; a parameter of shape {tuple(full_shape(p))}")
+                    if len(full_shape(p)) not in (2, 3):
+                        shape = tuple(full_shape(p))
+                        raise ValueError(f"Muon steps matrices (2-D, or stacked experts 3-D), not shape {shape}")
         self._link_adamw()
 
     def _link_adamw(self) -> None:
@@ -135,7 +137,9 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - m)
             updates.append(p.grad.lerp(buf, m) if group["nesterov"] else buf)
 
-        def ns(matrix: torch.Tensor) -> torch.Tensor:
+        def ns(matrix: torch.Tensor) -> torch.Tensor:  # stacked experts: each expert's matrix on its own
+            if matrix.dim() == 3:
+                return torch.stack([ns(m) for m in matrix])
             return orthogonalize(matrix, NS_COEFFICIENTS, group["ns_steps"], NS_EPS, self.ns_dtype)
 
         map_whole = getattr(type(params[0]), "map_whole", None)
