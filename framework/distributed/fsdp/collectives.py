@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from .host import host_transport
+from .mesh import engine_groups
 from .transport import Transport, _all_gather_single
 
 
@@ -106,23 +107,20 @@ def wait(p: Optional[Pending]) -> Optional[torch.Tensor]:
     return p.output
 
 
-# id(group) -> (a weak reference to the group, {device type: its transport}); see [Note: one
-# transport per group] in transport.py. A transport closes with its group.
-_TRANSPORTS: Dict[int, Tuple[weakref.ref, Dict[str, Transport]]] = {}
-
-
 def transport_for(group: ProcessGroup, device: torch.device) -> Transport:
     """The transport of `group` for tensors on `device`: chosen on first use (a collective over
-    the group for a host transport; every rank asks in the same order), then kept."""
-    entry = _TRANSPORTS.get(id(group))
+    the group for a host transport; every rank asks in the same order), then kept by the world's
+    `EngineGroups` (mesh.py), which closes it when its world goes; see [Note: one transport per
+    group] in transport.py."""
+    made = engine_groups().transports
+    entry = made.get(id(group))
     if entry is None or entry[0]() is not group:
-        entry = _TRANSPORTS[id(group)] = (weakref.ref(group), {})
+        entry = made[id(group)] = (weakref.ref(group), {})
     chosen = entry[1].get(device.type)
     if chosen is None:
         single = dist.get_world_size(group) == 1  # nothing to move: the collectives return at once
         chosen = (None if single else host_transport(group, device)) or Transport(group)
         entry[1][device.type] = chosen
-        weakref.finalize(group, chosen.close)
     return chosen
 
 

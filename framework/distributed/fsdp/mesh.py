@@ -1,33 +1,62 @@
-"""The process groups and device meshes the engine shards over, made once and cached.
-
-Every cache here is keyed by the default process group (a re-initialised world gets fresh
-entries) and by the ranks of a mesh; groups are created by every rank, in the same order.
+"""The process groups and device meshes the engine shards over, made once per world and kept by
+the one object that owns them (`EngineGroups`); groups are created by every rank, in the same order.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-_DEFAULT_MESH: Dict[tuple, DeviceMesh] = {}
+
+class EngineGroups:
+    """Everything the engine made in one world (one default process group) to communicate:
+    meshes, process groups and their transports, each made once (creating a group is collective)
+    and found again by the ranks or mesh it serves. A re-initialised world gets a fresh one; the
+    old one closes its transports as it goes, and its groups and meshes go with it. Meshes are
+    found by `mesh_key`, their content, not their identity: slicing a mesh makes a new object over
+    the same groups."""
+
+    def __init__(self, world: dist.ProcessGroup):
+        self.world = weakref.ref(world)
+        self.default_mesh: Dict[str, DeviceMesh] = {}  # device type -> the 1-D mesh over the world
+        self.tp_of_dp: Dict[tuple, DeviceMesh] = {}  # dp mesh -> the tp mesh seen with it (blocks first)
+        self.state_mesh: Dict[tuple, DeviceMesh] = {}  # (dp mesh, tp mesh) -> the checkpoint's mesh
+        self.groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}  # ranks -> their group (hpZ)
+        self.rows: Dict[tuple, List[Tuple[int, ...]]] = {}  # mesh -> every shard row of the world
+        self.reduce_groups: Dict[tuple, dist.ProcessGroup] = {}  # mesh -> this rank's reduction twin
+        # id(group) -> (a weak reference to the group, {device type: its transport}): see
+        # collectives.transport_for and [Note: one transport per group] in transport.py
+        self.transports: Dict[int, Tuple[weakref.ref, Dict[str, Any]]] = {}
+        weakref.finalize(self, _close_transports, self.transports)
 
 
-def _world_key() -> int:
-    """Caches below are per default process group (a re-initialised group gets fresh entries)."""
-    return id(dist.group.WORLD)
+def _close_transports(transports: Dict[int, Tuple[weakref.ref, Dict[str, Any]]]) -> None:
+    for _, by_device in transports.values():
+        for transport in by_device.values():
+            transport.close()
+    transports.clear()
+
+
+_current: Optional[EngineGroups] = None  # the current world's; see engine_groups
+
+
+def engine_groups() -> EngineGroups:
+    """The current world's `EngineGroups` (made on first use after the world was initialised)."""
+    global _current
+    world = dist.group.WORLD
+    if _current is None or _current.world() is not world:
+        _current = EngineGroups(world)
+    return _current
 
 
 def mesh_key(mesh: DeviceMesh) -> tuple:
     # the shape too: a 1-D mesh over 4 ranks and an unnamed 2 x 2 one list the same ranks, and
     # sharing their cached rows and reduction group crashed the 2 x 2 one's first reduce-scatter
-    return (_world_key(), tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
-
-
-_TP_OF_DP: Dict[tuple, DeviceMesh] = {}  # dp mesh -> the tp mesh seen with it (bottom-up: blocks first)
-_STATE_MESH: Dict[tuple, DeviceMesh] = {}
+    return (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
 
 
 def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
@@ -35,8 +64,8 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
 
     2-D (dp_shard, tp) for a 1-D dp mesh, 3-D (dp_replicate, dp_shard, tp) for hybrid sharding.
     """
-    key = mesh_key(dp) + mesh_key(tp)
-    if key not in _STATE_MESH:
+    key, made = mesh_key(dp) + mesh_key(tp), engine_groups().state_mesh
+    if key not in made:
         seen = [None] * dist.get_world_size()
         mine = tuple(dp.get_local_rank(d) for d in range(dp.ndim)) + (tp.get_local_rank(0),)
         dist.all_gather_object(seen, (mine, dp.mesh.flatten().tolist(), tp.mesh.flatten().tolist()))
@@ -46,8 +75,8 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
         dp_names = dp.mesh_dim_names or (("dp",) if dp.ndim == 1 else ("dp_replicate", "dp_shard"))
         names = tuple(dp_names) + ((tp.mesh_dim_names or ("tp",))[0],)
         groups = [dp.get_group(d) for d in range(dp.ndim)] + [tp.get_group(0)]
-        _STATE_MESH[key] = DeviceMesh.from_group(groups, dp.device_type, mesh=grid, mesh_dim_names=names)
-    return _STATE_MESH[key]
+        made[key] = DeviceMesh.from_group(groups, dp.device_type, mesh=grid, mesh_dim_names=names)
+    return made[key]
 
 
 def _connected(seen: list, me: int) -> List[int]:
@@ -64,23 +93,19 @@ def _connected(seen: list, me: int) -> List[int]:
     return sorted(block)
 
 
-_GROUPS: Dict[tuple, dist.ProcessGroup] = {}
-_ROWS: Dict[tuple, List[Tuple[int, ...]]] = {}
-
-
 def _shard_rows(mesh: DeviceMesh) -> List[Tuple[int, ...]]:
     """Every shard group of the world that `mesh` belongs to, as sorted rank tuples: the same
     list on every rank. A mesh over part of the world (the dp dims beside tensor parallel) shows
     each rank only its own rows, so the rows are gathered from all ranks (collective, once)."""
-    key = mesh_key(mesh)
-    if key not in _ROWS:
+    key, made = mesh_key(mesh), engine_groups().rows
+    if key not in made:
         rows = [tuple(r) for r in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()]
         if mesh.size() != dist.get_world_size():
             seen: List[Optional[list]] = [None] * dist.get_world_size()
             dist.all_gather_object(seen, rows)
             rows = [tuple(r) for rs in seen for r in rs]
-        _ROWS[key] = sorted(set(rows))
-    return _ROWS[key]
+        made[key] = sorted(set(rows))
+    return made[key]
 
 
 def secondary_blocks(rows: Sequence[Sequence[int]], k: int) -> List[Tuple[int, ...]]:
@@ -91,13 +116,11 @@ def secondary_blocks(rows: Sequence[Sequence[int]], k: int) -> List[Tuple[int, .
 
 def _groups_for(blocks: List[Tuple[int, ...]]) -> Dict[Tuple[int, ...], dist.ProcessGroup]:
     """One group per rank tuple, created by every rank in the given order (cached per tuple)."""
-    out = {}
+    made = engine_groups().groups
     for ranks in blocks:
-        key = (_world_key(), ranks)
-        if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group(list(ranks))
-        out[ranks] = _GROUPS[key]
-    return out
+        if ranks not in made:
+            made[ranks] = dist.new_group(list(ranks))
+    return {ranks: made[ranks] for ranks in blocks}
 
 
 def secondary_group(mesh: DeviceMesh, k: int):
@@ -108,23 +131,18 @@ def secondary_group(mesh: DeviceMesh, k: int):
     return groups[mine], k, mine.index(me)
 
 
-_REDUCE_GROUPS: Dict[tuple, dist.ProcessGroup] = {}
-
-
 def reduce_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The twin of this rank's shard group that gradient reductions use ([Note: reductions in a
     fixed order on their own group] in context.py); one per shard row, made on first use."""
     if dist.get_world_size(shard_group) == 1:
         return shard_group
-    key = mesh_key(mesh)
-    if key not in _REDUCE_GROUPS:
+    key, made = mesh_key(mesh), engine_groups().reduce_groups
+    if key not in made:
         me = dist.get_rank()
         rows = _shard_rows(mesh)
-        made = []
-        for ranks in rows:  # new_group directly: a twin is a second group over the same ranks
-            made.append(dist.new_group(list(ranks)))
-        _REDUCE_GROUPS[key] = next(g for r, g in zip(rows, made) if me in r)
-    return _REDUCE_GROUPS[key]
+        twins = [dist.new_group(list(ranks)) for ranks in rows]  # a twin: a second group, same ranks
+        made[key] = next(g for r, g in zip(rows, twins) if me in r)
+    return made[key]
 
 
 def resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Optional[DeviceMesh] = None):
@@ -136,10 +154,10 @@ def resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opti
     if mesh is None:
         if device.type == "meta":  # built on meta, materialised later with to_empty
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        key = (_world_key(), device.type)
-        if key not in _DEFAULT_MESH:
-            _DEFAULT_MESH[key] = init_device_mesh(device.type, (world,))
-        mesh = _DEFAULT_MESH[key]
+        made = engine_groups().default_mesh
+        if device.type not in made:
+            made[device.type] = init_device_mesh(device.type, (world,))
+        mesh = made[device.type]
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard: mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (shard) or a "
@@ -161,9 +179,9 @@ def resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opti
                 f"fully_shard: dp mesh size {mesh.size()} x tp mesh size {tp_mesh.size()} does not divide world size "
                 f"{world}; pass the dp dimension of the same mesh the tensor parallel plan used"
             )
-        _TP_OF_DP[mesh_key(mesh)] = tp_mesh
+        engine_groups().tp_of_dp[mesh_key(mesh)] = tp_mesh
     elif mesh.size() != world:
-        tp_mesh = _TP_OF_DP.get(mesh_key(mesh))  # the root of a TP model: its blocks named the tp mesh
+        tp_mesh = engine_groups().tp_of_dp.get(mesh_key(mesh))  # the root of a TP model: its blocks named the tp mesh
     if mesh.ndim == 1:
         return mesh, mesh.get_group(0), None, tp_mesh
     return mesh, mesh.get_group(1), mesh.get_group(0), tp_mesh
