@@ -1,8 +1,9 @@
-"""Shared pieces of the benchmarks: GPT-like models, rank spawning on gloo or NCCL, counting the
+"""Shared pieces of the benchmarks: GPT-like models, starting ranks on gloo or NCCL, counting the
 bytes peers put on the wire, and measuring a step's peak memory.
 
 The same code runs on CPU (gloo, one compute thread per rank) and on CUDA (NCCL, one GPU per rank):
-`device_and_backend()` picks by what the machine has.
+the ranks are started as `main.py` starts its own (`framework.runtime.run_local`), which picks by
+what the machine has. Nothing here comes from tests/.
 """
 
 from __future__ import annotations
@@ -10,19 +11,16 @@ from __future__ import annotations
 import inspect
 import os
 import platform
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from framework.runtime import free_port
-from tests.distributed.engine_models import TinyGPT, block_body
-from tests.distributed.harness import peak_delta_bytes  # noqa: F401  (the benchmarks' peak reader)
+from framework.profiling import peak_delta_bytes  # noqa: F401  (the benchmarks' peak reader)
+from framework.runtime import run_local
 
 SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
     "tiny": (1024, 128, 2, 4, 64, 4),
@@ -33,6 +31,8 @@ SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
 
 
 class Block(nn.Module):
+    """A pre-LN GPT-2 block: causal attention, then a GELU MLP, each added to the residual."""
+
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -40,16 +40,28 @@ class Block(nn.Module):
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
-    def forward(self, x):
-        return block_body(self, x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-class GPT(TinyGPT):
-    """The engine tests' GPT (tests/distributed/engine_models.py) at benchmark sizes, with biased
-    q/k/v projections and GPT-2's initialisation."""
+class GPT(nn.Module):
+    """GPT-2's shape at benchmark sizes: token + position embeddings, pre-LN blocks, a final norm
+    and a head tied to the embedding (both users in the root unit), with GPT-2's initialisation.
+    The engine tests' TinyGPT (tests/distributed/engine_models.py) has the same layout."""
 
     def __init__(self, vocab, d, layers, heads, seq):
-        super().__init__(vocab, d, heads, layers, seq, block=Block)
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
         # GPT-2's initialisation: N(0, 0.02) weights, zero biases. torch's defaults (an N(0, 1)
         # embedding, tied here to the head) give logits with a standard deviation of ~20, whose
         # softmax gradients underflow to subnormal floats within a few steps; x86 computes with
@@ -59,6 +71,12 @@ class GPT(TinyGPT):
                 nn.init.zeros_(p)
             elif p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
 
 
 def build_gpt(size: str, seed: int = 0) -> GPT:
@@ -201,13 +219,6 @@ def build_engine(name: str, size: str, device, world: int, *, foreach: bool | No
 
 
 # ------------------------------------------------------------------ ranks
-def device_and_backend(local_rank: int = 0):
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
 def machine() -> dict:
     info = {
         "python": platform.python_version(),
@@ -225,60 +236,32 @@ def machine() -> dict:
     return info
 
 
-def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    try:
-        import warnings
+def _with_device(rank: int, world: int, fn: Callable, *args) -> Any:
+    """One rank of `spawn`: in the process group run_local made (and on its GPU, on CUDA)."""
+    import warnings
 
-        warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's deprecated collective names
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-        )
-        if not torch.cuda.is_available():
-            torch.set_num_threads(1)  # as torchrun: gloo's threads get the other cores
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        device, backend = device_and_backend(rank)
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None
-        )
-        try:
-            out = fn(rank, world, device, *args)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, True, out))
-    except BaseException:  # noqa: BLE001 - every failure goes to the parent with its traceback
-        queue.put((rank, False, traceback.format_exc()))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's deprecated collective names
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return fn(rank, world, device, *args)
+
+
+def keep_torch_nccl_default() -> None:
+    """On CUDA the benchmarks measure with torch's own NCCL setting (the host does not block in
+    `work.wait()`), as FSDP2's and DDP's users run and as the recorded GPU runs did; `main.py`'s
+    ranks block there instead ([Note: a hung rank on NCCL] in framework/runtime.py), which an
+    exported TORCH_NCCL_BLOCKING_WAIT=0 turns off: this exports it unless already set."""
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "0")
 
 
 def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 3600) -> list:
-    """Run `fn(rank, world, device, *args)` on `world` ranks; return the per-rank results."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue), daemon=False) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    try:
-        while len(results) < world:
-            try:
-                rank, ok, payload = queue.get(timeout=timeout_s)
-            except Exception as exc:
-                raise TimeoutError(f"no rank reported within {timeout_s}s") from exc
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [results[r] for r in range(world)]
+    """Run `fn(rank, world, device, *args)` on `world` ranks; return the per-rank results. The
+    ranks are started as `main.py` starts its own (`framework.runtime.run_local`): one compute
+    thread each on CPU, gloo there, NCCL beside gloo on CUDA with one GPU per rank (with torch's
+    NCCL default: `keep_torch_nccl_default`)."""
+    keep_torch_nccl_default()
+    return run_local(_with_device, world, args=(fn, *args), device="auto", timeout_s=timeout_s)
 
 
 # ------------------------------------------------------------------ bytes on the wire

@@ -41,11 +41,13 @@ from bench.common import (  # noqa: E402
     batch,
     build_engine,
     gpt_params,
+    keep_torch_nccl_default,
     live_tensor_bytes,
     loss_of,
     reset_rss_peak,
     rss_mb,
 )
+from framework.runtime import run_local  # noqa: E402
 
 # ------------------------------------------------------------------ engines
 # our engine's variants: ours_gloo over gloo's TCP instead of shared memory
@@ -209,16 +211,18 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
 def run_gpu(args) -> None:
     """--device cuda: tokens/s, MFU against the GPU's bf16 peak, peak memory, exposed comm; ours,
     then torch FSDP2 on the same model and policy (one process group each)."""
-    from tests.distributed.harness import run_ranks
-
     if not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is visible; run on a GPU machine or drop --device", file=sys.stderr)
         sys.exit(2)
-    os.environ.setdefault("TEST_DIST_BACKEND", "cpu:gloo,cuda:nccl")
+    keep_torch_nccl_default()
     rows, raw = {}, {}
     for engine in args.gpu_engines:
-        res = run_ranks(
-            gpu_worker, args.ranks, args=(engine, args.model_size, args.steps, 2, args.peak_tflops), timeout_s=600
+        res = run_local(
+            gpu_worker,
+            args.ranks,
+            args=(engine, args.model_size, args.steps, 2, args.peak_tflops),
+            device="cuda",
+            timeout_s=600,
         )
         r0 = res[0]
         step_s = statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))
@@ -323,11 +327,9 @@ def main() -> None:
     if args.device == "cuda":
         run_gpu(args)
         return
-    from tests.distributed.harness import run_ranks
-
     t0 = time.time()
     runs = [
-        run_ranks(
+        run_local(
             timing_worker,
             args.ranks,
             args=(args.model_size, args.steps, 2, args.gloo_row, args.boundary_rows),
@@ -340,7 +342,7 @@ def main() -> None:
     if not args.skip_memory:
         for _ in range(max(1, args.memory_runs)):
             for e in ("ours", "fsdp2", "ddp"):
-                run = run_ranks(memory_worker, args.ranks, args=(e, args.model_size, args.steps), timeout_s=900)
+                run = run_local(memory_worker, args.ranks, args=(e, args.model_size, args.steps), timeout_s=900)
                 mem.setdefault(e, []).append(run)
     # a run's peak is its highest rank's; glibc's heap makes it vary by a few percent run to run
     peaks = {e: [max(m["rss_peak_mb"] for m in run) for run in e_runs] for e, e_runs in mem.items()}

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import reset_rss_peak, rss_mb  # noqa: E402
+from framework.runtime import run_local  # noqa: E402
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 FEATURES = {"lora": ("full", "lora"), "quantized": ("plain", "int8")}  # feature: (A, B)
@@ -93,12 +94,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--out", default=None, help="JSON results (default bench/memory_<feature>_results.json)")
     args = parser.parse_args()
-    from tests.distributed.harness import run_ranks
-
     a, b = FEATURES[args.feature]
     rows = {}
     for name, on in ((a, False), (b, True)):
-        ranks = run_ranks(_worker, 2, args=(args.model, args.feature, on, args.steps, args.seq), timeout_s=1800)
+        ranks = run_local(_worker, 2, args=(args.model, args.feature, on, args.steps, args.seq), timeout_s=1800)
         rows[name] = {k: max(r[k] for r in ranks) for k in ranks[0]}
     print(f"model={args.model}, 2 ranks, our engine, fp32 AdamW, {args.feature}: MiB per rank (the larger rank)")
     print(f"{'setting':8} {'params':>9} {'grads':>9} {'optimizer':>10} {'rss_peak':>10}")

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config.schema import Engine, ModelConfig, ParallelismConfig  # noqa: E402
 from framework.models.llama.args import llama_args  # noqa: E402
+from framework.runtime import run_local  # noqa: E402
 
 MODEL = ModelConfig(
     name="bench",
@@ -97,12 +98,10 @@ def layouts(ranks: int):
 
 
 def run(ranks: int, steps: int, engines, out: str | None = None) -> dict:
-    from tests.distributed.harness import run_ranks
-
     rows = []
     for engine in engines:
         for dp, tp, sp in layouts(ranks):
-            res = run_ranks(worker, ranks, args=(dp, tp, sp, engine, steps), timeout_s=900)
+            res = run_local(worker, ranks, args=(dp, tp, sp, engine, steps), timeout_s=900)
             row = {"engine": engine, "dp_shard": dp, "tp": tp, "sequence_parallel": sp}
             if "refused" in res[0]:
                 row["refused"] = res[0]["refused"]

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from framework.runtime import run_local  # noqa: E402
+
 
 def worker(rank: int, world: int, transport: str, numel: int, iters: int) -> tuple:
     from framework.distributed.fsdp import collectives as C
@@ -55,10 +57,8 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=4_000_000, help="elements of one rank's fp32 shard")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
-    from tests.distributed.harness import run_ranks
-
     for transport in ("shm", "gloo"):
-        res = run_ranks(worker, args.ranks, args=(transport, args.numel, args.iters), timeout_s=600)
+        res = run_local(worker, args.ranks, args=(transport, args.numel, args.iters), timeout_s=600)
         ag = ", ".join(f"{r[0]:.2f}" for r in res)
         rs = ", ".join(f"{r[1]:.2f}" for r in res)
         print(f"{transport:5s} all-gather GB/s per rank: {ag}; reduce-scatter GB/s per rank: {rs}")

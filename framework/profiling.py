@@ -66,3 +66,30 @@ class StepProfiler:
         if self.prof is not None:
             self.prof.stop()
             self.prof = None
+
+
+def peak_delta_bytes(fn, device: torch.device | None = None) -> int:
+    """Highest net bytes allocated while `fn` runs: CUDA's allocator statistics on a GPU; on CPU
+    the profiler's allocation events (ops' own allocations and frees outside ops, in time order).
+    The planner's tests and the benchmarks measure a step's peak with it."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    items = []
+    for e in prof.events():
+        usage = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        if usage:
+            items.append((e.time_range.start, usage))
+    cur = peak = 0
+    for _, usage in sorted(items):
+        cur += usage
+        peak = max(peak, cur)
+    return peak

@@ -407,12 +407,69 @@ def _local_rank_entry(
 
 def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
     """Run `fn(arg)` on `nprocs` local ranks; return the status of the first rank that failed (0 if
-    none). See [Note: every failure explained].
+    none), having printed every failure. See [Note: every failure explained].
 
     SIGTERM and SIGUSR1 sent to this process (a scheduler's pre-emption notice, `kill`) are passed
     on to every rank, which stop after the current step (saving a checkpoint if checkpoints are on)
     and exit with the requeue status.
     """
+    status, report = _start_local(fn, arg, nprocs)
+    if report:
+        print(report, file=sys.stderr, flush=True)
+    return status
+
+
+class RanksFailed(RuntimeError):
+    """A rank of `run_local` failed or did not finish in time; the message is the report
+    `spawn_local` prints: each failed rank's traceback, a rank killed by a signal, a rank stopped."""
+
+
+def run_local(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    device: str = "cpu",
+    timeout_s: float | None = None,
+    collective_timeout_s: float = 300.0,
+) -> list:
+    """`fn(rank, world_size, *args)` on `nprocs` local ranks started as `main.py` starts its own
+    (`spawn_local`), each in the process group `init_distributed(device)` makes (gloo on CPU; on
+    CUDA each rank takes its GPU, NCCL beside gloo); returns each rank's (picklable) result, rank
+    0 first. A failure raises `RanksFailed` naming the ranks, with their tracebacks; `timeout_s`:
+    ranks still running then are killed and named (None: no limit but the collectives' timeout).
+    `fn` is defined at module level (a spawned rank unpickles it). The benchmarks start their
+    ranks with this."""
+    import pickle
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="run_local-") as out:
+        status, report = _start_local(
+            _run_and_keep, (fn, args, device, collective_timeout_s, out), nprocs, timeout_s=timeout_s
+        )
+        if status:
+            raise RanksFailed(report or f"the ranks ended with status {status}")
+        results = []
+        for rank in range(nprocs):
+            with open(os.path.join(out, f"rank_{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+def _run_and_keep(arg: tuple) -> int:
+    """One rank of `run_local`: join the process group, run, keep the result for the parent."""
+    import pickle
+
+    fn, args, device, collective_timeout_s, out = arg
+    rt = init_distributed(device, collective_timeout_s)
+    result = fn(rt.rank, rt.world_size, *args)
+    shutdown()
+    with open(os.path.join(out, f"rank_{rt.rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    return 0
+
+
+def _start_local(fn: Callable[[Any], int], arg: Any, nprocs: int, timeout_s: float | None = None) -> tuple[int, str]:
+    """`spawn_local`'s work: the status, and the failure report it prints ("" when none)."""
     import multiprocessing
     import tempfile
 
@@ -464,6 +521,7 @@ def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
             os.write(port_pipe[1], f"{store.port:08d}".encode() * nprocs)  # atomic: under PIPE_BUF
             os.close(port_pipe[1])
         failed_at = None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while any(p.exitcode is None for p in procs):
             for p in procs:
                 p.join(timeout=0.1)
@@ -476,6 +534,14 @@ def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
                         stopped.append(r)
                         p.kill()
                         p.join()
+            if deadline is not None and time.monotonic() > deadline:
+                late = [r for r, p in enumerate(procs) if p.exitcode is None]
+                for r in late:
+                    procs[r].kill()
+                    procs[r].join()
+                overdue = f"error: rank(s) {', '.join(map(str, late))} did not finish within {timeout_s:g} s"
+                return EXIT_CRASH, "\n".join(filter(None, [_failure_report(procs, None, late, report_dir), overdue]))
+        report = _failure_report(procs, first, stopped, report_dir)
     except BaseException:
         for p in procs:
             if p.exitcode is None and p.pid is not None:
@@ -485,18 +551,24 @@ def spawn_local(fn: Callable[[Any], int], arg: Any, nprocs: int) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    _print_failures(procs, first, stopped, report_dir)
-    import shutil
+        import shutil
 
-    shutil.rmtree(report_dir, ignore_errors=True)
+        shutil.rmtree(report_dir, ignore_errors=True)
     del store
     if first is None:
-        return 0
-    return first[1] if first[1] > 0 else EXIT_CRASH
+        return 0, report
+    return (first[1] if first[1] > 0 else EXIT_CRASH), report
 
 
 def _print_failures(procs, first, stopped: list[int], report_dir: str) -> None:
     """Every failed rank's traceback, rank 0 first, identical ones once; signals named."""
+    report = _failure_report(procs, first, stopped, report_dir)
+    if report:
+        print(report, file=sys.stderr, flush=True)
+
+
+def _failure_report(procs, first, stopped: list[int], report_dir: str) -> str:
+    """What `_print_failures` prints ("" when every rank ended well)."""
     lines: list[str] = []
     reports: dict[str, list[int]] = {}
     for r, p in enumerate(procs):
@@ -518,5 +590,4 @@ def _print_failures(procs, first, stopped: list[int], report_dir: str) -> None:
             f"error: stopped rank(s) {', '.join(map(str, stopped))}: still running "
             f"{FAILURE_GRACE_S:.0f} s after rank {first[0]} ended with status {first[1]}"
         )
-    if lines:
-        print("\n".join(lines), file=sys.stderr, flush=True)
+    return "\n".join(lines)

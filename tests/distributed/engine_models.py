@@ -58,7 +58,8 @@ class TinyGPT(nn.Module):
 
 def block_body(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A pre-LN GPT block (`ln1`, `qkv`, `proj`, `ln2`, `fc`, `out`, `heads`): causal attention,
-    then a GELU MLP, each added to the residual. The benchmarks' GPT (bench/common.py) runs it too."""
+    then a GELU MLP, each added to the residual. The benchmarks' GPT (bench/common.py) has the same
+    block, with biased q/k/v."""
     B, T, D = x.shape
     q, k, v = block.qkv(block.ln1(x)).split(D, dim=-1)
     q, k, v = (t.view(B, T, block.heads, D // block.heads).transpose(1, 2) for t in (q, k, v))

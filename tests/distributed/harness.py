@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from framework.profiling import peak_delta_bytes  # noqa: F401 - the tests' peak reader, the benchmarks' too
+
 
 class RankFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
@@ -123,29 +125,3 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
-
-
-def peak_delta_bytes(fn, device: torch.device | None = None) -> int:
-    """Highest net bytes allocated while `fn` runs: CUDA's allocator statistics on a GPU; on CPU
-    the profiler's allocation events (ops' own allocations and frees outside ops, in time order)."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    items = []
-    for e in prof.events():
-        usage = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        if usage:
-            items.append((e.time_range.start, usage))
-    cur = peak = 0
-    for _, usage in sorted(items):
-        cur += usage
-        peak = max(peak, cur)
-    return peak

@@ -187,3 +187,20 @@ def test_imports_point_down_the_layers():
             if layer_of[target] >= layer_of[own]:
                 wrong.append(f"{module} imports framework.{target}")
     assert wrong == []
+
+
+def test_bench_imports_nothing_from_tests():
+    """The benchmarks stand on the framework (and bench/ itself): no import of tests/ or its
+    conftest, at module level or inside functions, so they run from a checkout without tests/."""
+    wrong = []
+    for path in sorted((REPO / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            wrong += [
+                f"{path.relative_to(REPO)}:{node.lineno} imports {n}"
+                for n in names
+                if n.split(".")[0] in ("tests", "conftest")
+            ]
+    assert wrong == []
