@@ -103,6 +103,8 @@ class UnitLayout:
     S: int  # elements per rank (padded)
     N: int  # shard-group size
     real: int  # of S, the real elements on the rank planned for
+    real_per_tensor: tuple = ()  # of `real`, each tensor's elements there (the unit's order)
+    crossing: tuple = ()  # per tensor: its range crosses a rank boundary (whole-matrix optimizers gather it)
 
     @property
     def padded(self) -> int:
@@ -120,8 +122,10 @@ def layouts(job: Job, rank: int | None = None) -> list[UnitLayout]:
         sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in u.tensors]
         offsets, S = pack(sizes, N, align)
         ranks = [rank] if rank is not None else range(N)
-        real = max((elements_on(r, offsets, sizes, S) for r in ranks), default=0)
-        out.append(UnitLayout(u, u.numel, S, N, real))
+        at = max(ranks, key=lambda r: elements_on(r, offsets, sizes, S), default=0)
+        per = tuple(elements_on(at, [o], [sz], S) for o, sz in zip(offsets, sizes))
+        crossing = tuple(n > 0 and o // S != (o + n - 1) // S for o, (n, _) in zip(offsets, sizes))
+        out.append(UnitLayout(u, u.numel, S, N, sum(per), per, crossing))
     return out
 
 
@@ -133,11 +137,21 @@ def _zero_copy(job: Job, lay: UnitLayout) -> bool:
     return lay.N == 1 and job.param_dtype == "float32" and not job.offload
 
 
+def muon_tensors(lay: UnitLayout) -> list[bool]:
+    """Per tensor of the unit: stepped by Muon (a block's matrix) under optimizer=muon."""
+    return [lay.unit.name != "root" and t.row > 1 for t in lay.unit.tensors]
+
+
 def optimizer_bytes(job: Job, lay: UnitLayout) -> int:
     """torch AdamW: exp_avg + exp_avg_sq (fp32) on the real elements, a 4-byte `step` per tensor;
-    SGD with momentum: one buffer."""
+    SGD with momentum: one buffer; Muon: one momentum buffer on the blocks' matrices (AdamW on the
+    rest: the root's embeddings and head, norms, biases; framework/optim/builder.py)."""
     if job.optimizer == "adamw":
         return 2 * 4 * lay.real + 4 * len(lay.unit.tensors)
+    if job.optimizer == "muon":
+        hidden = muon_tensors(lay)
+        muon = sum(r for r, h in zip(lay.real_per_tensor, hidden) if h)
+        return 4 * muon + 2 * 4 * (lay.real - muon) + 4 * hidden.count(False)
     return 4 * lay.real if job.momentum > 0 else 0
 
 
@@ -424,7 +438,7 @@ def traffic(job: Job) -> Traffic:
     shard_link = _link(job, N * t)  # the shard group's ranks are tp apart: it spans N x tp ranks
     repl_link = "inter" if job.nodes > 1 and N * t * R > job.nproc_per_node else "intra"
     gathers = ag_bytes = rs_bytes = a2a_bytes = ar_bytes = 0
-    reduces = 0
+    reduces = whole_calls = whole_bytes = 0
     for i, lay in enumerate(lays):
         if lay.N > 1:
             calls = 1 if (i == 0 or job.strategy == "grad_op") else 2
@@ -438,11 +452,18 @@ def traffic(job: Job) -> Traffic:
                 ag_bytes += calls * (n - 1) * lay.S * pb
                 rs_bytes += (n - 1) * lay.S * rb
             reduces += 1
+            if job.optimizer == "muon" and any(c and h for c, h in zip(lay.crossing, muon_tensors(lay))):
+                # its matrices made whole for the orthogonalization: one fp32 gather and one
+                # reduce-scatter of the unit's shard ([Note: whole matrices from pieces])
+                whole_calls += 1  # once per step, after the last micro-batch
+                reduces += 1
+                whole_bytes += (n - 1) * lay.S * 4
+                rs_bytes += (n - 1) * lay.S * 4
         if R > 1:
             esize = 4 if job.quantized else rb  # the int8 path reduces into an fp32 buffer
             ar_bytes += 2 * (R - 1) * lay.S * esize // R
     # With accumulation, forward/backward of every micro-batch gathers; only the last reduces.
-    tr.add("all_gather", "dp_shard", shard_link, ag_bytes * job.accum, gathers * job.accum)
+    tr.add("all_gather", "dp_shard", shard_link, ag_bytes * job.accum + whole_bytes, gathers * job.accum + whole_calls)
     if job.quantized:
         tr.add("all_to_all", "dp_shard", shard_link, a2a_bytes, reduces)
     else:

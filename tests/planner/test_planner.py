@@ -125,6 +125,9 @@ CASES = {  # name: parallelism overrides (4 ranks)
     "rows": {"strategy": "full", "dp_shard": 4, "shard_boundary": "rows"},
     "params": {"strategy": "full", "dp_shard": 4, "shard_boundary": "params"},
     "tp2_rows": {"strategy": "full", "dp_shard": 2, "tp": 2, "shard_boundary": "rows"},
+    # optimizer=muon (a momentum buffer on the blocks' matrices, AdamW's two on the rest), with its
+    # whole-matrix gathers in the step's traffic
+    "muon": {"strategy": "full", "dp_shard": 4},
 }
 
 
@@ -134,7 +137,7 @@ def _config(name: str) -> Config:
     return Config(
         model=ModelConfig(args=MODEL),
         parallelism=p,
-        optimizer=OptimizerConfig(),
+        optimizer=OptimizerConfig(name="muon" if name == "muon" else "adamw"),
         data=DataConfig(name="synthetic", seq_len=SEQ),
         trainer=TrainerConfig(micro_batch_size=MICRO, global_batch_size=MICRO * dp),
         cluster=ClusterConfig(nodes=1, nproc_per_node=4),
@@ -181,6 +184,7 @@ def _engine_worker(rank: int, world: int, names):
     from framework.distributed.parallelize import parallelize
     from framework.models import family_of
     from framework.models.llama import build_llama
+    from framework.optim import build_optimizer, hidden_matrix_names
 
     out = {}
     for name in names:
@@ -191,8 +195,12 @@ def _engine_worker(rank: int, world: int, names):
         torch.manual_seed(0)
         model = build_llama(cfg.model)
         model.init_weights(0)
+        hidden = hidden_matrix_names(model)
         model = parallelize(model, dims, mesh, p, family_of(cfg.model))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        if name == "muon":
+            opt = build_optimizer(model, cfg.optimizer, hidden=hidden)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         g = torch.Generator().manual_seed(rank // dims.tp)
 
         step = functools.partial(_train_step, model, opt, g)
