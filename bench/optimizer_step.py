@@ -1,5 +1,5 @@
-"""The optimizer step on our sharded parameters: AdamW for-loop / foreach / fused and torch's
-clip_grad_norm_, per shard-boundary policy.
+"""The optimizer step on our sharded parameters: AdamW for-loop / foreach / fused, Muon (with its
+whole-matrix traffic) and torch's clip_grad_norm_, per shard-boundary policy.
 
     .venv/bin/python bench/optimizer_step.py                  # 25M GPT, 2 gloo ranks, CPU, fp32
     .venv/bin/python bench/optimizer_step.py --out bench/results/optimizer_step_before.json
@@ -63,6 +63,27 @@ def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repea
                 opt.step()
                 times.append(time.perf_counter() - t)
             out[f"{boundary} {name}"] = times
+        try:
+            from framework.optim import build_optimizer, hidden_matrix_names
+        except ImportError:  # a commit before optimizer=muon
+            build_optimizer = None
+        if build_optimizer is not None:
+            from framework.config.schema import OptimizerConfig
+
+            hidden = hidden_matrix_names(build_gpt(size))  # the model as built: its names
+            opt = build_optimizer(model, OptimizerConfig(name="muon", lr=1e-6, muon_lr=1e-6), hidden=hidden)
+            opt.step()
+            times, traffic = [], []
+            for _ in range(repeats):
+                dist.barrier()
+                model.reset_comm_stats()
+                t = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t)
+                st = model.comm_stats()
+                traffic.append(st["allgather_bytes"] + st["reduce_scatter_bytes"])
+            out[f"{boundary} muon"] = times
+            out[f"{boundary} muon MB/step"] = [b / 2**20 for b in traffic]
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -100,7 +121,7 @@ def main() -> None:
     rows = {}
     for key in results[0]:
         slowest = [max(results[r][key][i] for r in results) for i in range(args.repeats)]
-        rows[key] = statistics.median(slowest) * 1e3
+        rows[key] = statistics.median(slowest) * (1 if key.endswith("MB/step") else 1e3)
     print(
         f"GPT {args.model_size}, {args.ranks} gloo ranks, CPU fp32, commit {commit}: median of {args.repeats} calls, ms"
     )
