@@ -54,3 +54,70 @@ def test_a_new_world_closes_the_old_worlds_transports(tmp_path):
         raise AssertionError("the shared-memory transport needs Linux on x86-64 with /dev/shm")
     for rank, counts in enumerate(run_ranks(_two_worlds, world_size=2, args=(str(tmp_path / "store"),))):
         assert counts == (0, 2, 2), (rank, counts)  # a shard group and its reduction twin
+
+
+def _note_names() -> tuple:
+    """The attributes [Note: the buffers of a unit] names: (of the unit, of its context)."""
+    import re
+
+    import framework.distributed.fsdp as fsdp
+
+    note = fsdp.__doc__.split("[Note: the buffers of a unit]", 1)[1]
+    of_ctx = set(re.findall(r"\bunit\.ctx\.(\w+)", note))
+    of_unit = set(re.findall(r"\bunit\.(?!py\b)(\w+)", note)) - {"ctx"}  # unit.py is a file
+    return of_unit, of_ctx
+
+
+def _holds_tensors(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    return isinstance(value, (torch.Tensor, torch.UntypedStorage))
+
+
+def _unit_attributes(rank, world):
+    """Train two micro-steps (the first without gradient sync) and a step on 2 ranks: the note's
+    names missing from a unit or its context, and the unit attributes holding tensors at some
+    point that the note does not name."""
+    from framework.distributed.fsdp import fully_shard, sharded_units
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
+    fully_shard(model[2])
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    of_unit, of_ctx = _note_names()
+    held = set()
+
+    def look(*_):
+        for u in sharded_units(model):
+            held.update(name for name, value in vars(u).items() if _holds_tensors(value))
+
+    for block in (model[2], model):
+        block.register_forward_hook(look)
+    x = torch.randn(3, 4)
+    for sync in (False, True):
+        model.set_requires_gradient_sync(sync)
+        model(x).sum().backward()
+        look()
+    opt.step()
+    look()
+    units = sharded_units(model)
+    missing = sorted(
+        [f"unit.{n}" for n in of_unit for u in units if not hasattr(u, n)]
+        + [f"unit.ctx.{n}" for n in of_ctx for u in units if not hasattr(u.ctx, n)]
+    )
+    return missing, sorted(held - of_unit), sorted(of_unit), sorted(of_ctx)
+
+
+def test_the_buffer_glossary_names_real_attributes_and_every_tensor_a_unit_holds():
+    """[Note: the buffers of a unit] (framework/distributed/fsdp/__init__.py) stays true: each
+    attribute it names exists on a built unit (or its context), and each attribute of a unit that
+    held a tensor during forward, backward (with and without gradient sync) and the optimizer step
+    is named in it."""
+    for rank, (missing, unnamed, of_unit, of_ctx) in enumerate(run_ranks(_unit_attributes, world_size=2)):
+        assert missing == [], (rank, missing)
+        assert unnamed == [], (rank, unnamed)
+        assert {"shard", "grad_shard", "full_flat", "_send", "_secondary", "_accum"} <= set(of_unit), of_unit
+        assert "_pool" in of_ctx, of_ctx
