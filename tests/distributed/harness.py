@@ -8,10 +8,10 @@ Usage::
 
 `my_fn` must be defined at module level (it is pickled for the child processes). The process
 group is initialised before `my_fn` runs and destroyed after. A failure on any rank raises
-`RankFailure` here with that rank's traceback; a rank that does not finish within `timeout_s`
-makes every rank get killed and `TimeoutError` raised, so a deadlocked collective never hangs
-the test suite. Each rank runs with one compute thread (as torchrun does) so gloo's
-communication threads get a core.
+`RankFailure` here with that rank's traceback (several cases in one spawn: see `recorded`); a
+rank that does not finish within `timeout_s` makes every rank get killed and `TimeoutError`
+raised, so a deadlocked collective never hangs the test suite. Each rank runs with one compute
+thread (as torchrun does) so gloo's communication threads get a core.
 
 The backend is gloo unless `TEST_DIST_BACKEND` says otherwise when `run_ranks` is called (e.g.
 `cpu:gloo,cuda:nccl` on a GPU machine: CPU tensors still use gloo, CUDA tensors NCCL); with a
@@ -125,3 +125,45 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
+
+
+# [Note: one spawn, many cases, each failing with its own traceback]
+# A module runs many cases in one group of ranks (starting ranks is the slow part). In the rank,
+# `recorded(case, ...)` turns an exception into {"error": "rank r of n: <traceback>"}, so one
+# failing case does not hide the others; `records_of` keeps rank 0's records, or another rank's
+# error record where that rank's case raised; and the test's `passed(record)` fails with that
+# traceback as the whole failure message, as if the assertion had failed in the test itself.
+
+
+def recorded(case: Callable, *args, **kwargs) -> Any:
+    """`case(*args, **kwargs)` in a rank; an exception becomes {"error": the rank and traceback}."""
+    try:
+        return case(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the test of this case fails with it (`passed`)
+        where = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "rank 0 of 1"
+        return {"error": f"{where}: {traceback.format_exc()}"}
+
+
+def records_of(per_rank: list) -> dict:
+    """{case: record} from each rank's {case: record}: rank 0's, or the lowest rank's error record
+    where that rank's case raised and rank 0's did not."""
+    out = dict(per_rank[0])
+    for records in per_rank[1:]:
+        for name, record in records.items():
+            if _raised(record) and not _raised(out.get(name)):
+                out[name] = record
+    return out
+
+
+def passed(record: Any) -> Any:
+    """The record of a case that ran in the ranks; one that raised there fails the calling test
+    with the rank's traceback as its message (no frame of this helper shown)."""
+    if _raised(record):
+        import pytest
+
+        pytest.fail(record["error"], pytrace=False)
+    return record
+
+
+def _raised(record: Any) -> bool:
+    return isinstance(record, dict) and "error" in record

@@ -2,9 +2,12 @@
 failed before its fix.
 
 One 2-rank and one 4-rank gloo spawn run every case (module-scoped fixtures); the tests assert on
-the returned numbers. Tolerances: fp32 runs compare with a single-process reference at 1e-5 (the
-same math summed in another order, see test_engine_parity.py); bf16 runs at 3e-2 (bf16 has 8
-mantissa bits: ~4e-3 relative per rounding, a few roundings per value).
+the returned numbers, and a case that raised in a rank fails its test with that rank's traceback
+([Note: one spawn, many cases, each failing with its own traceback] in harness.py).
+
+Tolerances: fp32 runs compare with a single-process reference at 1e-5 (the same math summed in
+another order, see test_engine_parity.py); bf16 runs at 3e-2 (bf16 has 8 mantissa bits: ~4e-3
+relative per rounding, a few roundings per value).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import passed, recorded, records_of, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -196,14 +199,6 @@ def _plain_batch(step, rank, ws, n=4):
     return torch.randn(n * ws, 6, generator=g), torch.randn(n * ws, 1, generator=g)
 
 
-def _guard(fn, *args, **kw):
-    """Run one case; a raised error becomes its message, so one failing case does not hide the rest."""
-    try:
-        return fn(*args, **kw)
-    except Exception as exc:  # noqa: BLE001 - reported per case, asserted in the parent
-        return f"{type(exc).__name__}: {str(exc)[:400]}"
-
-
 # ---------------------------------------------------------------- per-rank cases
 def _meta_clip(rank, ws, mesh_kind):
     """[1] clip_grad_norm_ after meta-device init + to_empty + loading the same weights equals
@@ -296,7 +291,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
                 opt.zero_grad(set_to_none=True)
             return losses
 
-        out[f"tp_ac_{ac}"] = _guard(run)
+        out[f"tp_ac_{ac}"] = recorded(run)
     if meta_clip:
 
         def clip():
@@ -316,7 +311,7 @@ def _tp_cases(rank, ws, ac_modes, meta_clip):
                 norms[how] = clip_grad_norm_(model.parameters(), 1e9).item()
             return norms
 
-        out["tp_meta_clip"] = _guard(clip)
+        out["tp_meta_clip"] = recorded(clip)
     return out
 
 
@@ -328,9 +323,9 @@ def _frozen_cases(rank, ws):
     out = {}
     for kind in ("orders", "repeat", "lora"):
         make = lambda kind=kind: FrozenNet(kind)
-        out[f"frozen_{kind}"] = _guard(_compare, make, 3, _plain_batch, rank, ws)
+        out[f"frozen_{kind}"] = recorded(_compare, make, 3, _plain_batch, rank, ws)
         bf16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
-        out[f"frozen_{kind}_bf16"] = _guard(_compare, make, 3, _plain_batch, rank, ws, shard_kw=bf16)
+        out[f"frozen_{kind}_bf16"] = recorded(_compare, make, 3, _plain_batch, rank, ws, shard_kw=bf16)
     return out
 
 
@@ -609,16 +604,16 @@ def _compiled(rank, ws):
 
 def cases_2(rank, ws):
     out = {
-        "meta_clip": _guard(_meta_clip, rank, ws, "full"),
-        "retain_graph": _guard(_retain_graph, rank, ws),
-        "offload_persistent": _guard(_offload_persistent, rank, ws),
-        "empty_unit": _guard(_empty_unit, rank, ws),
-        "quantized_memory": _guard(_quantized_memory, rank, ws),
-        "moe": _guard(_moe, rank, ws),
-        "compiled": _guard(_compiled, rank, ws),
-        "grad_lifetime": _guard(_grad_lifetime, rank, ws),
-        "send_lifetime": _guard(_send_lifetime, rank, ws),
-        "pool_release": _guard(_pool_release, rank, ws),
+        "meta_clip": recorded(_meta_clip, rank, ws, "full"),
+        "retain_graph": recorded(_retain_graph, rank, ws),
+        "offload_persistent": recorded(_offload_persistent, rank, ws),
+        "empty_unit": recorded(_empty_unit, rank, ws),
+        "quantized_memory": recorded(_quantized_memory, rank, ws),
+        "moe": recorded(_moe, rank, ws),
+        "compiled": recorded(_compiled, rank, ws),
+        "grad_lifetime": recorded(_grad_lifetime, rank, ws),
+        "send_lifetime": recorded(_send_lifetime, rank, ws),
+        "pool_release": recorded(_pool_release, rank, ws),
     }
     out.update(_frozen_cases(rank, ws))
     out.update(_tp_cases(rank, ws, ("full",), True))
@@ -627,10 +622,10 @@ def cases_2(rank, ws):
 
 def cases_4(rank, ws):
     out = {
-        "meta_clip": _guard(_meta_clip, rank, ws, "full"),
-        "meta_clip_hybrid": _guard(_meta_clip, rank, ws, "hybrid"),
-        "moe": _guard(_moe, rank, ws),
-        "fp16_reduce": _guard(_fp16_reduce, rank, ws),
+        "meta_clip": recorded(_meta_clip, rank, ws, "full"),
+        "meta_clip_hybrid": recorded(_meta_clip, rank, ws, "hybrid"),
+        "moe": recorded(_moe, rank, ws),
+        "fp16_reduce": recorded(_fp16_reduce, rank, ws),
     }
     out.update(_tp_cases(rank, ws, ("full", "selective"), True))
     return out
@@ -638,17 +633,17 @@ def cases_4(rank, ws):
 
 @pytest.fixture(scope="module")
 def two():
-    return run_ranks(cases_2, 2, timeout_s=400)[0]
+    return records_of(run_ranks(cases_2, 2, timeout_s=400))
 
 
 @pytest.fixture(scope="module")
 def four():
-    return run_ranks(cases_4, 4, timeout_s=400)[0]
+    return records_of(run_ranks(cases_4, 4, timeout_s=400))
 
 
 def _ok(result):
-    assert not isinstance(result, str), result
-    return result
+    """A case's record; one that raised in a rank fails the test with that rank's traceback."""
+    return passed(result)
 
 
 # ---------------------------------------------------------------- [1] clip after meta init

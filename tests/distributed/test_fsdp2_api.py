@@ -8,14 +8,12 @@ reduction order only); float64 runs are closer still.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import passed, recorded, records_of, run_ranks
 from tests.distributed.test_fsdp2_behaviours import (
     GB,
     STEPS,
@@ -508,22 +506,17 @@ CASES = {name[2:]: f for name, f in list(globals().items()) if name.startswith("
 def _worker(rank, n, names):
     out = {}
     for name in names:
-        try:
-            out[name] = CASES[name](rank, n)
-        except Exception:  # noqa: BLE001 - recorded; the test of this case fails with it
-            out[name] = {"error": traceback.format_exc()}
+        out[name] = recorded(CASES[name], rank, n)  # a raise: the test of this case fails with it
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_worker, N, args=(sorted(CASES),), timeout_s=300)[0]
+    return records_of(run_ranks(_worker, N, args=(sorted(CASES),), timeout_s=300))
 
 
 def _get(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("error")
-    return r
+    return passed(results[name])
 
 
 def test_fsdp2_names_and_offload_policy(results):

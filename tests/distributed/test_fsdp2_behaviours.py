@@ -4,7 +4,9 @@ Each behaviour trains a small model with our `fully_shard` on 4 ranks and the sa
 the same initial weights, in one process on the global batch (SGD with momentum, where a scaling
 bug cannot hide), and compares the losses step by step and then every parameter. All behaviours
 of a world size run inside ONE spawned process group (module-scoped fixtures); a behaviour that
-raises records its traceback and the others still run. The test functions assert on the records.
+raises records its traceback and the others still run, and its test fails with that rank's
+traceback as the message ([Note: one spawn, many cases, each failing with its own traceback] in
+harness.py). The test functions assert on the records.
 
 Device, backend and world size are read at run time: `FSDP_TEST_DEVICE=cuda` puts each rank on
 its own GPU (`bench/gpu_check.sh` sets it together with `TEST_DIST_BACKEND=cpu:gloo,cuda:nccl` and
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import traceback
 from collections.abc import Callable
 
 import pytest
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import clip_grad_norm_ as torch_clip_grad_norm_  # bound before any sharding
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import passed, recorded, records_of, run_ranks
 
 # The spawned groups have their own deadlines (run_ranks timeout_s); this is the outer bound.
 pytestmark = pytest.mark.timeout(600)
@@ -880,10 +881,7 @@ def _worker(rank, n, names):
     table = {**BEHAVIOURS_4, **BEHAVIOURS_1}
     out = {}
     for name in names:
-        try:
-            out[name] = table[name](rank, n)
-        except Exception:  # noqa: BLE001 - recorded; the test of this behaviour fails with it
-            out[name] = {"error": traceback.format_exc()}
+        out[name] = recorded(table[name], rank, n)  # a raise: the test of this behaviour fails with it
     return out
 
 
@@ -898,7 +896,7 @@ def _world() -> int:
 def results4():
     n = _world()
     names = sorted(BEHAVIOURS_4) if n > 1 else sorted(set(BEHAVIOURS_4) - set(NEEDS_RANKS))
-    return run_ranks(_worker, n, args=(names,), timeout_s=300)[0]
+    return records_of(run_ranks(_worker, n, args=(names,), timeout_s=300))
 
 
 # behaviours that need more than one rank (FSDP_TEST_WORLD=1 on a one-GPU machine skips them)
@@ -908,16 +906,15 @@ NEEDS_RANKS = ("hsdp_ckpt_offload_accum",)
 def _result(results: dict, name: str) -> dict:
     if name not in results:
         pytest.skip(f"{name} needs 2 or more ranks (FSDP_TEST_WORLD={_world()})")
-    return results[name]
+    return passed(results[name])
 
 
 @pytest.fixture(scope="module")
 def results1():
-    return run_ranks(_worker, 1, args=(sorted(BEHAVIOURS_1),), timeout_s=120)[0]
+    return records_of(run_ranks(_worker, 1, args=(sorted(BEHAVIOURS_1),), timeout_s=120))
 
 
 def _ok(r: dict, tol: float = TOL) -> None:
-    assert "error" not in r, r.get("error")
     assert r["loss_diff"] < tol, r
     assert r["param_diff"] < tol, r
     assert r["params_moved"] > 10 * tol, r  # training changed the weights: the comparison means something
@@ -976,7 +973,6 @@ def test_containers_cast_forward_inputs(results4):
 
 def test_fp16_on_one_submodule(results4):
     r = _result(results4, "fp16_one_submodule")
-    assert "error" not in r, r.get("error")
     # c2 in fp16: c1 sees the fp32 input, c2 the cast fp16 one
     assert r["c2"]["input_dtypes"] == {
         "c1": ["torch.float32"],
@@ -1000,7 +996,7 @@ def test_explicit_prefetch(results4):
 
 
 def test_world_size_1_issues_no_collectives(results1):
-    r = results1["world_size_1_no_collectives"]
+    r = _result(results1, "world_size_1_no_collectives")
     _ok(r)
     assert r["collectives"] == [] and r["counted"] == 0, r
 
@@ -1020,7 +1016,6 @@ def test_torch_clip_grad_norm_is_global_on_our_parameters(results4):
     rank by the same factor (sharded and 2 x 2 HSDP): the losses, parameters and norms of the
     unsharded run. Without it, each rank clipped by its own piece's norm (a silent wrong result)."""
     r = _result(results4, "torch_clip_grad_norm")
-    assert "error" not in r, r.get("error")
     for label in ("shard", "hsdp"):
         _ok(r[label])
         assert r[label]["norm_diff"] < TOL, r[label]
@@ -1032,7 +1027,6 @@ def test_nanogpt_configure_optimizers_fails_loudly_or_matches(results4):
     (the opt-in, docs/engine.md) refuses it with a message naming the fix; grouping by `original_shape(p)` gives exactly
     the unsharded model's groups."""
     r = _result(results4, "nanogpt_param_groups")
-    assert "error" not in r, r.get("error")
     assert r["refusal"] and "grouping by p.dim()/p.ndim" in r["refusal"], r
     # named within its unit (the optimizer is built before the first forward names the units)
     assert "original_shape(p)" in r["refusal"] and "0.weight, shape (8, 8)" in r["refusal"], r
