@@ -801,6 +801,89 @@ def b_hsdp_ckpt_offload_accum(rank, n):
     return out
 
 
+# ------------------------------------- DDP(A) around fully_shard(B) that ignores C's parameters
+class _C(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin_c = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin_c(x)
+
+
+class _B(nn.Module):
+    def __init__(self, subtrahend: torch.Tensor) -> None:
+        super().__init__()
+        self.lin_b, self.module_c = nn.Linear(D, D), _C()
+        self.subtrahend = nn.Parameter(subtrahend)
+
+    def forward(self, x):
+        return self.lin_b(self.module_c(x)) - self.subtrahend
+
+
+class _A(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(42)
+        self.addend = nn.Parameter(torch.randn(D, D, generator=g))
+        self.module_b = _B(torch.randn(D, D, generator=g))
+        torch.manual_seed(0)
+        for p in self.module_b.parameters():
+            if p is not self.module_b.subtrahend:
+                nn.init.normal_(p)
+
+    def forward(self, x):
+        return (self.module_b(x) + self.addend).sum()
+
+
+def b_ddp_fully_shard_ddp_ignored_params(rank, n):
+    """Mirrors torch's `TestFullyShardIgnoreParams.test_ddp_A_fsdp_B_ddp_C`: module_b and its
+    lin_b are sharded, ignoring module_c's parameters; DDP wraps the whole model and skips the
+    sharded parameters (named from our FSDPModule), so DDP averages `addend` and module_c's. Each
+    step's loss and every parameter, whole, equal a DDP-only run of the same model: the comparison
+    reads a sharded parameter whole through `full_tensor()` as FSDP2's test reads its DTensors."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from framework.distributed.fsdp import FSDPModule
+
+    dev = _device(rank)
+    ids = [dev.index] if dev.type == "cuda" else None
+    x = torch.randn(D, D, generator=torch.Generator().manual_seed(84 + rank)).to(dev)  # each rank its own rows
+    ref = DDP(_A().to(dev), device_ids=ids)
+    test = _A().to(dev)
+    ignored = set(test.module_b.module_c.parameters())
+    _fs(test.module_b.lin_b, ignored_params=ignored)
+    _fs(test.module_b, ignored_params=ignored)
+    sharded = {
+        f"module_b.{k}" for k, p in test.module_b.named_parameters() if p not in ignored
+    }  # what FSDP2's test finds under its FSDPModules, less the parameters fully_shard ignored
+    DDP._set_params_and_buffers_to_ignore_for_model(test, sorted(sharded))
+    test = DDP(test, device_ids=ids, broadcast_buffers=False)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, test)]
+    init = {k: v.detach().clone() for k, v in ref.module.named_parameters()}
+    loss_diff, param_diff = 0.0, 0.0
+    for _ in range(3):
+        losses = [ref(x), test(x)]
+        loss_diff = max(loss_diff, abs(float(losses[0]) - float(losses[1])) / abs(float(losses[0])))
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        ours = dict(test.module.named_parameters())
+        for name, p in ref.module.named_parameters():
+            whole = ours[name].full_tensor() if name in sharded else ours[name]  # collective, same order on every rank
+            param_diff = max(param_diff, (whole - p).abs().max().item())
+    modules = sorted(k for k, m in test.module.named_modules() if isinstance(m, FSDPModule))
+    moved = max((p - init[k]).abs().max().item() for k, p in ref.module.named_parameters())
+    return {
+        "loss_diff": loss_diff,  # relative: the loss is a sum of 64 outputs
+        "param_diff": param_diff,
+        "params_moved": moved,
+        "sharded": sorted(sharded),
+        "fsdp_modules": modules,
+    }
+
+
 BEHAVIOURS_4 = {
     f.__name__[2:]: f
     for f in (
@@ -822,6 +905,7 @@ BEHAVIOURS_4 = {
         b_torch_clip_grad_norm,
         b_nanogpt_param_groups,
         b_hsdp_ckpt_offload_accum,
+        b_ddp_fully_shard_ddp_ignored_params,
     )
 }
 
@@ -900,7 +984,7 @@ def results4():
 
 
 # behaviours that need more than one rank (FSDP_TEST_WORLD=1 on a one-GPU machine skips them)
-NEEDS_RANKS = ("hsdp_ckpt_offload_accum",)
+NEEDS_RANKS = ("hsdp_ckpt_offload_accum", "ddp_fully_shard_ddp_ignored_params")
 
 
 def _result(results: dict, name: str) -> dict:
@@ -1031,3 +1115,13 @@ def test_nanogpt_configure_optimizers_fails_loudly_or_matches(results4):
     # named within its unit (the optimizer is built before the first forward names the units)
     assert "original_shape(p)" in r["refusal"] and "0.weight, shape (8, 8)" in r["refusal"], r
     assert r["our_groups"] == r["ref_groups"] and r["ref_groups"][0], r
+
+
+def test_ddp_around_fully_shard_ignoring_params_matches_ddp(results4):
+    """torch's test_ddp_A_fsdp_B_ddp_C on our engine: DDP over a model whose module_b is sharded
+    with module_c's parameters ignored trains exactly like DDP alone (Adam, 3 steps), every
+    parameter compared whole (`ShardPiece.full_tensor()`, collective like DTensor's)."""
+    r = _result(results4, "ddp_fully_shard_ddp_ignored_params")
+    _ok(r)
+    assert r["fsdp_modules"] == ["module_b", "module_b.lin_b"], r
+    assert r["sharded"] == ["module_b.lin_b.bias", "module_b.lin_b.weight", "module_b.subtrahend"], r

@@ -72,6 +72,32 @@ class ShardPiece(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return self.view_as(self)
 
+    def full_tensor(self) -> torch.Tensor:
+        """The whole parameter this is a piece of (or its whole gradient, or optimizer state), as
+        a plain tensor of the parameter's full shape, like a DTensor's `full_tensor()`. Collective
+        over the unit's shard group (and the tp group under tensor parallel): every rank calls it
+        for the same parameter. It gathers the unit's shard: for checks and tests, not the step."""
+        from . import collectives as C
+
+        owner = self.piece_spec.owner()
+        if owner is None:
+            raise RuntimeError("full_tensor: the sharded module this piece belongs to no longer exists")
+        unit, index = owner
+        e, L = unit.entries[index], unit.layout
+        local = self.to_local().detach()
+        send = torch.zeros(L.shard_numel, dtype=local.dtype, device=unit.compute_device)
+        send[L.shard_slice(e)] = local.to(unit.compute_device)
+        flat = torch.empty(L.padded_total, dtype=local.dtype, device=unit.compute_device)
+        C.all_gather_object_free(flat, send, unit.shard_group)
+        full = flat[e.offset : e.offset + e.numel].view(e.shape)
+        if e.tp is not None:  # the TP-local value, gathered over tp too
+            from torch.distributed.tensor import DTensor
+
+            tp = e.tp
+            full = DTensor.from_local(full, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
+            full = full.full_tensor()
+        return full
+
     @staticmethod
     def map_whole(updates: list, fn: Callable[[torch.Tensor], torch.Tensor]) -> list:
         """This rank's piece of `fn(full matrix)` for each piece in `updates`, each matrix made
