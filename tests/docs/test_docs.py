@@ -312,7 +312,7 @@ def test_bench_defaults_in_docs_are_the_scripts(monkeypatch, capsys):
 
 # ---------------------------------------------------------------- figures and their committed outputs
 # A measured figure in the docs names the committed output it was read from, and is that output's:
-# the GPU runs (README, bench/RESULTS.md), the engine tables and re-check (bench/RESULTS.md) and the
+# the GPU runs (docs/features.md, bench/RESULTS.md), the engine tables and re-check (bench/RESULTS.md) and the
 # digits recipe (docs/fine_tuning.md). A run whose output was not kept has no figures in the docs.
 OUTPUT = re.compile(r"`(bench/[\w./-]+\.(?:json|txt))`")
 
@@ -380,17 +380,30 @@ def test_gpu_table_rows_are_their_committed_outputs():
         assert figures == expected, f"bench/RESULTS.md, GPU run {run}: {figures}, but {path.name} says {expected}"
 
 
-def test_readme_gpu_figures_are_their_committed_outputs():
+def test_readme_front_page_is_short_and_starts_with_the_two_commands():
+    """The README stays a front page (at most 220 lines): the two commands first, the feature list
+    and the long sections in docs/, each linked from it."""
     text = (REPO / "README.md").read_text()
-    bullet = " ".join(re.search(r"^- \*\*GPUs\.\*\*.*?(?=^- |^$)", text, re.M | re.S).group(0).split())
+    lines = text.splitlines()
+    assert len(lines) <= 220, f"README.md has {len(lines)} lines; move a long section to docs/"
+    first = "\n".join(lines[:15])
+    assert "make run" in first and "make test" in first, first
+    linked = set(re.findall(r"\]\((docs/[\w_]+\.md)\)", text))
+    assert linked == {str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")}, linked
+
+
+def test_feature_list_gpu_figures_are_their_committed_outputs():
+    """The GPU figures of the feature list (docs/features.md, linked from the README's front page)."""
+    text = (REPO / "docs" / "features.md").read_text()
+    bullet = " ".join(re.search(r"^- \*\*GPUs\.\*\*.*?(?=^- |^$|\Z)", text, re.M | re.S).group(0).split())
     named = OUTPUT.findall(bullet)
-    assert named, "README's GPU figures name no committed output"
+    assert named, "docs/features.md's GPU figures name no committed output"
     said = set()
     for name in named:
         r = _gpu_run(REPO / name)
         said |= {f"{r['ratio']:.2f}x", f"{r['ratio']:.3f}x", f"{r['ours_gib']:.2f} GiB", f"{r['fsdp2_gib']:.2f} GiB"}
     figures = re.findall(r"\d+\.\d+x|\d+\.\d+ GiB", bullet)
-    assert figures and set(figures) <= said, f"README's GPU figures {figures}; {', '.join(named)} say {sorted(said)}"
+    assert figures and set(figures) <= said, f"GPU figures {figures}; {', '.join(named)} say {sorted(said)}"
 
 
 ENGINE_ROWS = {"ours (ZeRO-3)": "ours", "torch FSDP2": "fsdp2", "torch DDP": "ddp", "ours over gloo": "ours_gloo"}
