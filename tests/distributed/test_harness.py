@@ -65,7 +65,7 @@ def test_other(results):
 def test_a_case_failing_in_one_rank_of_a_spawn_shows_that_ranks_traceback(tmp_path):
     """Through pytest: of two cases in one spawn of 2 ranks, the one that raised on rank 1 fails
     with rank 1's assertion and traceback as its message; the other passes."""
-    (tmp_path / "test_planted.py").write_text(MODULE)
+    (tmp_path / "test_planted").with_suffix(".py").write_text(MODULE)
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
         cwd=REPO,
