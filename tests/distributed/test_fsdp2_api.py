@@ -605,11 +605,12 @@ def test_mixed_precision_gradients_as_close_as_fsdp2s(results):
     on our side. Measured (relative error of each gradient tensor, the worst one): with fp32
     reduction ours equals FSDP2's bit for bit (both cast to fp32, sum, divide once), 2.6e-3 from
     the reference in bf16 (the reference sums 16 rows in bf16 matmuls, the ranks 4 rows each);
-    with bf16 reduction ours and FSDP2 differ by 3.2e-3 (ours divides by 4 before the bf16 sum,
-    FSDP2 on gloo by 2 before and 2 after: a different rounding at bf16's 2^-8), each 3.9e-3 from
-    the reference. Bounds: each engine within 1e-2 of the reference (a few bf16 roundings) and
-    ours within 1.25x FSDP2's distance plus 1e-3; a lost factor or a bf16 accumulation of the
-    fp32 path would be far outside."""
+    with bf16 reduction ours and FSDP2 differ by 3.2e-3 (both sum, then divide by 4, but each
+    element's four-term bf16 sum runs in the order of the rank that holds it, which the layout
+    decides: a different rounding at bf16's 2^-8; bit for bit on two ranks per sum, see
+    test_fsdp2_behaviours.py), each 3.9e-3 from the reference. Bounds: each engine within 1e-2 of
+    the reference (a few bf16 roundings) and ours within 1.25x FSDP2's distance plus 1e-3; a lost
+    factor or a bf16 accumulation of the fp32 path would be far outside."""
     r = _get(results, "mixed_precision_next_to_fsdp2")
     for key, v in r.items():
         assert v["ours_ref"] < 1e-2 and v["torch_ref"] < 1e-2, (key, v)

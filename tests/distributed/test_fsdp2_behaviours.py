@@ -884,6 +884,78 @@ def b_ddp_fully_shard_ddp_ignored_params(rank, n):
     }
 
 
+# ------------------------------------------ 16-bit compute and reduction, next to torch's FSDP2
+MP_POLICIES = (
+    (torch.bfloat16, None),
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float16, None),
+    (torch.float16, torch.float32),
+)
+
+
+def _mlps():
+    torch.manual_seed(42)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 16)) for _ in range(3)])
+
+
+def _mp_run(fully_shard, policy, mesh, dev, rows) -> list:
+    """Three SGD steps (momentum) of the 3-MLP model sharded by `fully_shard` on `mesh`: each
+    step's reduced gradients and the parameters after the last, every tensor whole."""
+    m = _mlps().to(dev)
+    for mlp in m:
+        fully_shard(mlp, mesh=mesh, mp_policy=policy)
+    fully_shard(m, mesh=mesh, mp_policy=policy)
+    opt = _sgd(m.parameters())
+    seen = []
+    for x in rows:
+        m(x).sum().backward()
+        seen.append({k: p.grad.full_tensor().float().cpu() for k, p in m.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    seen.append({k: p.full_tensor().float().cpu() for k, p in m.named_parameters()})
+    return seen
+
+
+def b_mixed_precision_bitwise_fsdp2(rank, n):
+    """Mirrors torch's `TestFullyShardMixedPrecisionTraining.test_compute_dtype` and
+    `test_reduce_dtype` (bf16/fp16 compute, fp32/bf16 reduction): our reduced gradients against
+    torch's `fully_shard` run side by side, same weights, same inputs, same mesh: on a 2-rank dp
+    group of a (pp, dp) mesh, and on a 2 x 2 HSDP mesh (and 4 ranks in one group, the first
+    step). Counted: elements of any gradient (three steps) or parameter that differ in any bit,
+    and the largest difference relative to its tensor's largest value."""
+    from torch.distributed import fsdp as theirs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from framework.distributed import fsdp as ours
+
+    dev = _device(rank)
+    meshes = {"dp2": init_device_mesh(dev.type, (n // 2, 2), mesh_dim_names=("pp", "dp"))["dp"]}
+    if n == 4:
+        meshes["hsdp2x2"] = init_device_mesh(dev.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+        meshes["dp4"] = init_device_mesh(dev.type, (4,))
+    g = torch.Generator().manual_seed(7 + rank)  # each rank its own rows
+    out = {}
+    for label, mesh in meshes.items():
+        for pdt, rdt in MP_POLICIES:
+            rows = [torch.randn(4, 16, generator=g).to(dev) for _ in range(STEPS)]
+            a = _mp_run(ours.fully_shard, ours.MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt), mesh, dev, rows)
+            b = _mp_run(
+                theirs.fully_shard, theirs.MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt), mesh, dev, rows
+            )
+            moved = max(float((a[-1][k] - _mlps().state_dict()[k].float()).abs().max()) for k in a[-1])
+            if label == "dp4":  # the first step's gradients: later steps start from different weights
+                a, b = a[:1], b[:1]
+            differ = sum(int((x[k] != y[k]).sum()) for x, y in zip(a, b) for k in x)
+            worst = max(float((x[k] - y[k]).abs().max() / y[k].abs().max()) for x, y in zip(a, b) for k in x)
+            out[f"{label} {str(pdt)[6:]}/{str(rdt)[6:] if rdt else 'param'}"] = {
+                "differ": differ,
+                "worst": worst,
+                "moved": moved,
+            }
+    return out
+
+
 BEHAVIOURS_4 = {
     f.__name__[2:]: f
     for f in (
@@ -906,6 +978,7 @@ BEHAVIOURS_4 = {
         b_nanogpt_param_groups,
         b_hsdp_ckpt_offload_accum,
         b_ddp_fully_shard_ddp_ignored_params,
+        b_mixed_precision_bitwise_fsdp2,
     )
 }
 
@@ -984,7 +1057,7 @@ def results4():
 
 
 # behaviours that need more than one rank (FSDP_TEST_WORLD=1 on a one-GPU machine skips them)
-NEEDS_RANKS = ("hsdp_ckpt_offload_accum", "ddp_fully_shard_ddp_ignored_params")
+NEEDS_RANKS = ("hsdp_ckpt_offload_accum", "ddp_fully_shard_ddp_ignored_params", "mixed_precision_bitwise_fsdp2")
 
 
 def _result(results: dict, name: str) -> dict:
@@ -1125,3 +1198,27 @@ def test_ddp_around_fully_shard_ignoring_params_matches_ddp(results4):
     _ok(r)
     assert r["fsdp_modules"] == ["module_b", "module_b.lin_b"], r
     assert r["sharded"] == ["module_b.lin_b.bias", "module_b.lin_b.weight", "module_b.subtrahend"], r
+
+
+def test_mixed_precision_gradients_are_fsdp2s_bit_for_bit(results4):
+    """bf16/fp16 compute with the param, fp32 or bf16 reduce dtype: three SGD steps of ours and of
+    torch's `fully_shard` side by side give the same gradients and weights in every bit, on a
+    2-rank dp group and a 2 x 2 HSDP mesh: the cast, the division before (fp16: FSDP2's power of
+    two) and after the sum, and the cast back happen in FSDP2's order. fp16 on 2 ranks divided
+    after the sum (1 before, 2 after, where FSDP2 divides by 2 before) and differed in 6 elements.
+    With 4 ranks in one group, 16-bit sums of four terms run in the order of the rank that holds
+    each element, which the layout decides (ours: flat, FSDP2's: per-parameter rows), so they round
+    differently: measured within one unit in the last place of the tensor's largest value (bf16
+    2^-7, fp16 2^-10; bounded here by two); fp32 reductions of 16-bit gradients stay exact."""
+    r = _result(results4, "mixed_precision_bitwise_fsdp2")
+    for key, v in r.items():
+        assert v["moved"] > 0.1, (key, v)  # the weights trained: the comparison means something
+        if key.startswith("dp4"):
+            compute, reduce = key.split()[1].split("/")
+            reduce = compute if reduce == "param" else reduce
+            if reduce == "float32":
+                assert v["differ"] == 0, (key, v)
+            else:
+                assert v["worst"] <= 2 * {"bfloat16": 2.0**-7, "float16": 2.0**-10}[reduce], (key, v)
+        else:
+            assert v["differ"] == 0 and v["worst"] == 0.0, (key, v)

@@ -36,21 +36,24 @@ class _Reduction(NamedTuple):
     quantized_pooled: bool  # ... received into a pooled buffer (not inside the input)
 
 
-def grad_divide_factors(dp: int, reduce_dtype: torch.dtype) -> Tuple[float, float]:
-    """(divide before the sum, divide after it), whose product is the data-parallel size `dp`.
+def grad_divide_factors(dp: float, reduce_dtype: torch.dtype) -> Tuple[float, float]:
+    """(divide before the sum, divide after it), whose product is the data-parallel size `dp`
+    (or the factor of `set_gradient_divide_factor`), in FSDP2's order so that our reduced
+    gradients are FSDP2's bit for bit where the sums are (two ranks per sum, or any sum of exact
+    values): each rank's gradient is cast to the reduce dtype, divided by the first factor, summed
+    in the reduce dtype, and the sum divided by the second, still in the reduce dtype, before it
+    is cast to the shard's dtype.
 
-    fp32 sums first and divides once. bf16 has fp32's exponent range: divide first so the sum
-    cannot overflow. fp16 can both overflow (summing first) and underflow (dividing the whole
-    world first, e.g. 1e-5 / 1024 is below fp16's smallest normal): split dp into a power of two
-    near sqrt(dp) before and the rest after, so each side loses at most ~sqrt(dp) of range (the
-    same split FSDP2 makes). Powers of two divide exactly.
+    fp32 and bf16 (fp32's exponent range) sum first and divide once, as FSDP2's average does.
+    fp16 can both overflow (summing first) and underflow (dividing the whole world first, e.g.
+    1e-5 / 1024 is below fp16's smallest normal): the first factor is the power of two FSDP2
+    takes, doubled while it divides `dp` and is below `dp` over it (2 of 4, 4 of 8, 32 of 1024, 2
+    of 2), the rest after, so each side loses about sqrt(dp) of range. Powers of two divide exactly.
     """
-    if dp <= 1 or reduce_dtype == torch.float32 or reduce_dtype == torch.float64:
+    if dp <= 1 or reduce_dtype != torch.float16:
         return 1.0, float(dp)
-    if reduce_dtype != torch.float16:
-        return float(dp), 1.0
     pre = 1
-    while (pre * 2) * (pre * 2) <= dp:
+    while dp % pre == 0 and dp / pre > pre:
         pre *= 2
     return float(pre), dp / pre
 
@@ -179,7 +182,7 @@ class GradReduction:
                 pooled = True
         pre, post = grad_divide_factors(self.divide_factor or self.dp, self.reduce_dtype)
         if pre != 1.0:
-            buf.div_(pre)  # see grad_divide_factors: 16-bit sums must not overflow
+            buf.div_(pre)  # see grad_divide_factors: fp16 sums must not overflow
         fresh = all(p.grad is None for p in self._trainable_sharded())
         direct = fresh and buf.dtype == self.shard_dtype and self._grad_device() == buf.device
         quant = self.comm is not None and self.comm.grads and self.N > 1
