@@ -956,6 +956,208 @@ def b_mixed_precision_bitwise_fsdp2(rank, n):
     return out
 
 
+# ------------------------------------- a group some of whose members skip the root's forward
+class ChunkedHead(nn.Module):
+    """torch's test model for a chunked loss: the root's forward can skip the head, which the loss
+    then calls on its own, chunk by chunk (norm and head sharded as one group)."""
+
+    dim, vocab = 32, 128
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(42)
+        self.embed = nn.Embedding(self.vocab, self.dim)
+        self.body = nn.Linear(self.dim, self.dim, bias=False)
+        self.norm = nn.RMSNorm(self.dim)
+        self.head = nn.Linear(self.dim, self.vocab, bias=False)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, tokens, skip_head: bool = False):
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def _shard_chunked(fully_shard, m, grouped=True, **kw):
+    fully_shard(m.embed, **kw)
+    fully_shard(m.body, **kw)
+    if grouped:
+        fully_shard([m.norm, m.head], **kw)
+    else:
+        fully_shard(m.norm, **kw)
+        fully_shard(m.head, **kw)
+    return fully_shard(m, **kw)
+
+
+def _whole_grads(m) -> dict:
+    """Every gradient whole (None stays None); collective for both engines' sharded gradients."""
+    return {k: None if p.grad is None else p.grad.full_tensor().detach().clone() for k, p in m.named_parameters()}
+
+
+def _rel(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b if b[k] is not None)
+
+
+def _chunked_step(m, tokens, n_chunks=4) -> tuple:
+    """torch's chunked-loss pattern: forward without the head, the head on each detached chunk with
+    its own backward, then backward through the rest. Returns (loss, head.weight's whole gradient
+    after each chunk)."""
+    h = m(tokens, skip_head=True)
+    grads, after_chunk, total = [], [], 0.0
+    for chunk in torch.chunk(h.detach(), n_chunks, dim=1):
+        chunk = chunk.contiguous().requires_grad_(True)
+        loss = m.head(chunk).pow(2).mean() / n_chunks
+        loss.backward()
+        total += float(loss)
+        grads.append(chunk.grad)
+        if m.head.weight.grad is not None:  # None on a micro-batch without gradient sync
+            after_chunk.append(m.head.weight.grad.full_tensor().clone())
+    h.backward(torch.cat(grads, dim=1))
+    return total, after_chunk
+
+
+def _counting_torch_collectives():
+    """Count torch FSDP2's collectives (the single-tensor ones it calls); undo with the result."""
+    names = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+    calls, saved = [], {k: getattr(dist, k) for k in names}
+
+    def wrap(k):
+        def f(*a, **kw):
+            calls.append(k)
+            return saved[k](*a, **kw)
+
+        return f
+
+    for k in names:
+        setattr(dist, k, wrap(k))
+    return calls, lambda: [setattr(dist, k, f) for k, f in saved.items()]
+
+
+def b_partial_group_forward_fsdp2(rank, n):
+    """Mirrors torch's `TestFullyShard1DTrainingCompose.test_double_partial_forward_then_backward`
+    and `test_partial_group_forward_then_standalone`, ours and torch's `fully_shard` side by side
+    (same weights, same tokens per rank). Two forwards that skip the head, one backward: the head,
+    a member of the [norm, head] group that never ran, gets no gradient (None). A chunked loss
+    (head called on its own per chunk, three steps of SGD): each chunk adds to the head's
+    gradient, the group is freed at the end of the root's forward, and the losses, gradients,
+    weights and the number of collectives per step are FSDP2's."""
+    from torch.distributed import fsdp as theirs
+
+    from framework.distributed import fsdp as ours
+    from framework.distributed.fsdp import UnitState
+
+    dev = _device(rank)
+    g = torch.Generator().manual_seed(11 + rank)
+    tokens = [torch.randint(0, ChunkedHead.vocab, (2, 16), generator=g).to(dev) for _ in range(2 + STEPS)]
+    out = {}
+    double = {}
+    for name, api in (("ours", ours), ("torch", theirs)):
+        m = _shard_chunked(api.fully_shard, ChunkedHead().to(dev))
+        h1, h2 = m(tokens[0], skip_head=True), m(tokens[1], skip_head=True)
+        (h1.sum() + h2.sum()).backward()
+        double[name] = _whole_grads(m)
+    out["double_none"] = {k: sorted(n for n, v in d.items() if v is None) for k, d in double.items()}
+    out["double_diff"] = _rel(double["ours"], double["torch"])
+    runs = {}
+    for name, api in (("ours", ours), ("torch", theirs)):
+        m = _shard_chunked(api.fully_shard, ChunkedHead().to(dev))
+        opt = _sgd(m.parameters())
+        run = {"losses": [], "collectives": [], "chunk_gains": [], "group_after_forward": []}
+        if name == "ours":  # after our post-forward hook on the root: is the [norm, head] group freed?
+            freed = lambda mod, a, o, run=run: run["group_after_forward"].append(  # noqa: E731
+                mod.head._fsdp_unit.state == UnitState.SHARDED
+            )
+            m.register_forward_hook(freed)
+        for step in range(STEPS):
+            if name == "ours":
+                m.reset_comm_stats()
+            else:
+                calls, undo = _counting_torch_collectives()
+            loss, after_chunk = _chunked_step(m, tokens[2 + step])
+            run["collectives"].append(m.comm_stats()["num_collectives"] if name == "ours" else len(calls))
+            if name == "torch":
+                undo()
+            run["chunk_gains"].append(min(float((b - a).norm()) for a, b in zip(after_chunk, after_chunk[1:])))
+            run["grads"] = _whole_grads(m)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            run["losses"].append(_global_mean(loss, n))
+        run["params"] = {k: p.full_tensor().detach().clone() for k, p in m.named_parameters()}
+        runs[name] = run
+    a, b = runs["ours"], runs["torch"]
+    init = {k: v.detach() for k, v in ChunkedHead().to(dev).named_parameters()}
+    out["chunked"] = {
+        "loss_diff": max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"])),
+        "grad_diff": _rel(a["grads"], b["grads"]),
+        "param_diff": _rel(a["params"], b["params"]),
+        "params_moved": max(float((b["params"][k] - init[k]).abs().max()) for k in init),
+        "chunk_gain_min": min(a["chunk_gains"]),
+        "collectives": {"ours": a["collectives"], "torch": b["collectives"]},
+        "group_freed_after_forward": a["group_after_forward"],
+    }
+    return out
+
+
+def _accumulate_chunked(m, tokens) -> None:
+    """torch's `test_partial_group_forward_grad_accum_chunked` steps: micro-batches without gradient
+    sync but the last, each a chunked loss."""
+    for i, t in enumerate(tokens):
+        last = i == len(tokens) - 1
+        m.set_requires_gradient_sync(last)
+        m.set_is_last_backward(last)
+        _chunked_step(m, t, n_chunks=2)
+
+
+def b_partial_group_grad_accum_chunked(rank, n):
+    """Mirrors torch's `TestFullyShard1DTrainingCompose.test_partial_group_forward_grad_accum_chunked`:
+    three micro-batches (gradient sync on the last only) of a chunked loss give the same gradients
+    with [norm, head] sharded as a group as sharded one by one, and as torch's `fully_shard`,
+    compared whole. FSDP2's test compares the local shards (`to_local()`) instead; what each rank
+    holds of `head.weight` (128 x 32) is recorded for FSDP2, ours packed tightly ("anywhere") and
+    ours with whole rows per rank ("rows"), on this world and on a 2-rank dp group, with whether
+    the rows case holds exactly FSDP2's local rows and the group's local gradient equals the
+    ungrouped model's (FSDP2's own check)."""
+    from torch.distributed import fsdp as theirs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from framework.distributed import fsdp as ours
+
+    dev = _device(rank)
+    g = torch.Generator().manual_seed(21 + rank)
+    tokens = [torch.randint(0, ChunkedHead.vocab, (2, 16), generator=g).to(dev) for _ in range(3)]
+    meshes = {f"dp{n}": None, "dp2": init_device_mesh(dev.type, (n // 2, 2), mesh_dim_names=("pp", "dp"))["dp"]}
+    out = {}
+    for label, mesh in meshes.items():
+        models = {
+            "torch": _shard_chunked(theirs.fully_shard, ChunkedHead().to(dev), mesh=mesh),
+            "anywhere": _shard_chunked(ours.fully_shard, ChunkedHead().to(dev), mesh=mesh),
+            "rows": _shard_chunked(ours.fully_shard, ChunkedHead().to(dev), mesh=mesh, shard_boundary="rows"),
+            "rows_ungrouped": _shard_chunked(
+                ours.fully_shard, ChunkedHead().to(dev), False, mesh=mesh, shard_boundary="rows"
+            ),
+        }
+        for m in models.values():
+            _accumulate_chunked(m, tokens)
+        whole = {k: _whole_grads(m) for k, m in models.items()}
+        head = {k: m.head.weight for k, m in models.items()}
+        local = {k: tuple(p.to_local().shape) for k, p in head.items()}
+        mine = {
+            "local": local,
+            "rows_hold_fsdp2_rows": bool(torch.equal(head["rows"].to_local(), head["torch"].to_local().reshape(-1))),
+            "rows_grad_equals_ungrouped": bool(
+                torch.equal(head["rows"].grad.to_local(), head["rows_ungrouped"].grad.to_local())
+            ),
+        }
+        every = [None] * n
+        dist.all_gather_object(every, mine)
+        out[label] = {
+            "grad_diff": {k: _rel(whole[k], whole["torch"]) for k in ("anywhere", "rows", "rows_ungrouped")},
+            "none": sorted(k for k, v in whole["anywhere"].items() if v is None),
+            "per_rank": every,
+        }
+    return out
+
+
 BEHAVIOURS_4 = {
     f.__name__[2:]: f
     for f in (
@@ -979,6 +1181,8 @@ BEHAVIOURS_4 = {
         b_hsdp_ckpt_offload_accum,
         b_ddp_fully_shard_ddp_ignored_params,
         b_mixed_precision_bitwise_fsdp2,
+        b_partial_group_forward_fsdp2,
+        b_partial_group_grad_accum_chunked,
     )
 }
 
@@ -1057,7 +1261,12 @@ def results4():
 
 
 # behaviours that need more than one rank (FSDP_TEST_WORLD=1 on a one-GPU machine skips them)
-NEEDS_RANKS = ("hsdp_ckpt_offload_accum", "ddp_fully_shard_ddp_ignored_params", "mixed_precision_bitwise_fsdp2")
+NEEDS_RANKS = (
+    "hsdp_ckpt_offload_accum",
+    "ddp_fully_shard_ddp_ignored_params",
+    "mixed_precision_bitwise_fsdp2",
+    "partial_group_grad_accum_chunked",
+)
 
 
 def _result(results: dict, name: str) -> dict:
@@ -1222,3 +1431,45 @@ def test_mixed_precision_gradients_are_fsdp2s_bit_for_bit(results4):
                 assert v["worst"] <= 2 * {"bfloat16": 2.0**-7, "float16": 2.0**-10}[reduce], (key, v)
         else:
             assert v["differ"] == 0 and v["worst"] == 0.0, (key, v)
+
+
+def test_group_members_that_skip_forward_get_no_gradient_and_chunked_loss_matches_fsdp2(results4):
+    """torch's test_double_partial_forward_then_backward: a group member that never ran forward
+    gets no gradient (None, as FSDP2; it got zeros). test_partial_group_forward_then_standalone:
+    with the head called on its own per chunk, every chunk adds to its gradient, the [norm, head]
+    group is freed when the root's forward ends (it stayed gathered), and ours and torch's
+    `fully_shard` give the same losses, gradients and weights with the same number of collectives
+    per step (ours issued two more: the body's and the embedding's reductions of zeros at the
+    first chunk's backward, which now waits for the backward through the root)."""
+    r = _result(results4, "partial_group_forward_fsdp2")
+    assert r["double_none"] == {"ours": ["head.weight"], "torch": ["head.weight"]}, r
+    assert r["double_diff"] < TOL, r
+    c = r["chunked"]
+    assert c["loss_diff"] < TOL and c["grad_diff"] < TOL and c["param_diff"] < TOL, c
+    assert c["params_moved"] > 10 * TOL and c["chunk_gain_min"] > 0.0, c
+    assert c["collectives"]["ours"] == c["collectives"]["torch"], c
+    assert c["group_freed_after_forward"] == [True] * STEPS, c
+
+
+def test_chunked_accumulation_of_a_group_and_where_its_rows_live(results4):
+    """torch's test_partial_group_forward_grad_accum_chunked: grouped and ungrouped [norm, head],
+    three micro-batches of a chunked loss, equal torch's gradients compared whole. What each rank
+    holds of head.weight (128 x 32): FSDP2 a Shard(0) chunk of 128 / N rows; ours a 1-D piece of
+    the unit's flat buffer: packed tightly it starts after the norm's 32 elements (2032 and 2064 on
+    2 ranks); with whole rows per rank ("rows") it is 64 whole rows on each of 2 ranks, exactly
+    FSDP2's local rows, and the group's local gradient equals the ungrouped model's (FSDP2's own
+    check); on 4 ranks rows stay whole but the norm in front shifts them (1024, 1056, 1056, 960
+    elements), so only the whole values compare."""
+    r = _result(results4, "partial_group_grad_accum_chunked")
+    for label, v in r.items():
+        assert v["none"] == [] and max(v["grad_diff"].values()) < TOL, (label, v)
+    two = r["dp2"]["per_rank"]
+    assert [p["local"]["torch"] for p in two] == [(64, 32)] * len(two), two
+    assert [p["local"]["anywhere"] for p in two] == [(2032,), (2064,)] * (len(two) // 2), two
+    assert all(p["local"]["rows"] == (2048,) and p["rows_hold_fsdp2_rows"] for p in two), two
+    assert all(p["rows_grad_equals_ungrouped"] for p in two), two
+    if "dp4" in r:
+        four = r["dp4"]["per_rank"]
+        assert [p["local"]["torch"] for p in four] == [(32, 32)] * 4, four
+        rows = [p["local"]["rows"][0] for p in four]
+        assert sum(rows) == 4096 and all(k % 32 == 0 for k in rows) and rows != [1024] * 4, four

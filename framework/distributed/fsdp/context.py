@@ -43,10 +43,13 @@ POOL_KEPT_BETWEEN_STEPS_ON = frozenset({"cpu"})  # device types whose pool outli
 # a sequential model), each as soon as it and all before it are ready; units not run forward
 # this step are skipped (all ranks run the same units forward: their gathers must match too);
 # (2) the final callback issues whatever is left, in the same order, with zeros for gradients
-# this rank never saw; (3) reductions run on a group of their own (same ranks as the shard
-# group), so their order never interleaves with the backward's all-gathers, whose timing is the
-# data's. A unit that waits for an earlier one keeps its gradients, which costs memory only when
-# the order differs from the backward's.
+# this rank never saw; a backward that did not pass through the root's outputs (a chunked loss's
+# head called on its own after the root's forward, `model.block(x).backward()`) reduces only the
+# units it reached (a hook on their outputs, or a gradient), as FSDP2 reduces only what has
+# gradients: the others keep waiting for the backward through the root; (3) reductions run on a
+# group of their own (same ranks as the shard group), so their order never interleaves with the
+# backward's all-gathers, whose timing is the data's. A unit that waits for an earlier one keeps
+# its gradients, which costs memory only when the order differs from the backward's.
 
 
 class ShardContext:
@@ -56,6 +59,8 @@ class ShardContext:
         self.order: List[ShardUnit] = []  # forward order, recorded on the first step
         self.order_frozen = False
         self.phase = TrainingPhase.IDLE
+        self.in_root_forward = False  # between the root's forward pre-hook and post-hook
+        self.root_reached = False  # this backward passed through the root's outputs
         self.pending_units: List[ShardUnit] = []
         self.callback_queued = False
         self.reduce_order: List[ShardUnit] = [u for u in reversed(units) if u.trainable]
@@ -174,9 +179,10 @@ class ShardContext:
             # What the fixed order still holds (units waiting for an earlier one, units with
             # parameters unused on this rank): issue it now, in that order, on every rank alike.
             for u in self.reduce_order[self.next_reduce :]:
-                if u._ready or u.used_this_step():
+                if u._ready or (u.used_this_step() and (self.root_reached or u.bwd_reached)):
                     u.reduce_grads()
             self.next_reduce = 0
+            self.root_reached = False
             while self.pending_units:
                 self.pending_units.pop(0).finish_reduce()
             for dev in {u.compute_device for u in self.units if u.offload and u.compute_device.type == "cuda"}:
@@ -208,6 +214,8 @@ class ShardContext:
             u.reshard()
             u.reset_backward()
             u._fwd_uses = 0
+            u._reached.clear()
+        self.in_root_forward = self.root_reached = False
         self.next_reduce = 0
         self.callback_queued = False
         self.backward_done = True

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -126,9 +126,13 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
     later_member = unit.members is not None and bool(unit.members_run)
     if unit.members is not None:
         unit.members_run.add(id(module))
+    # A unit run on its own after the root's forward (a chunked loss's head, `model.block(x)`)
+    # prefetches nothing, in forward or backward: the order recorded around it is not this call's.
+    unit.standalone = unit is not ctx.root and not ctx.in_root_forward
     if later_member:
         unit.wait_unshard()
     elif unit is ctx.root:
+        ctx.in_root_forward = True
         if ctx.phase == TrainingPhase.IDLE:  # a step starts: see [Note: requires_grad is read at every step]
             if [u for u in ctx.units if u.sync_requires_grad()]:  # every unit, no short-circuit
                 for u in ctx.units:
@@ -166,7 +170,7 @@ def _gather_and_prefetch(unit: ShardUnit, ctx: ShardContext) -> None:
     if unit.forward_prefetch is not None:  # set_modules_to_forward_prefetch replaces the implicit order
         for other in unit.forward_prefetch:
             other.unshard()
-    elif ctx.order_frozen:
+    elif ctx.order_frozen and not unit.standalone:
         i = ctx.order.index(unit) if unit in ctx.order else -1
         if 0 <= i < len(ctx.order) - 1:
             ctx.order[i + 1].unshard()
@@ -185,11 +189,14 @@ def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, 
         pass  # a group frees its parameters once every member has run forward
     elif unit is ctx.root:
         ctx.order_frozen = ctx.order_frozen or grad
+        ctx.in_root_forward = False
         if not grad:
             ctx.reshard_all()
             ctx.set_phase(TrainingPhase.IDLE)
-        elif unit.reshard_after_forward:  # only when set_reshard_after_forward asked it of the root
-            unit.reshard_after_forward_step()
+        else:
+            _complete_groups(ctx)
+            if unit.reshard_after_forward:  # only when set_reshard_after_forward asked it of the root
+                unit.reshard_after_forward_step()
     elif not grad:
         unit.reshard()
     elif unit.reshard_after_forward:
@@ -197,18 +204,34 @@ def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, 
     if unit.members is not None and len(unit.members_run) == len(unit.members):
         unit.members_run.clear()
     if grad:
+        member = module if unit.members is not None else None  # which member's outputs backward reached
         for t in _tensors(output):
             if t.requires_grad:
-                t.register_hook(lambda g, u=unit: _pre_backward(u, g))
+                t.register_hook(lambda g, u=unit, m=member: _pre_backward(u, g, m))
     if unit.mp.output_dtype is not None:
         dt = unit.mp.output_dtype
         output = _map_tensors(output, lambda t: t.to(dt) if torch.is_floating_point(t) else t)
     return output
 
 
+def _complete_groups(ctx: ShardContext) -> None:
+    """At the end of the root's forward: finish the forward of every group some of whose members
+    did not run in it (free it under ZeRO-3), as FSDP2 does; see [Note: a group of modules is one
+    unit] in unit.py."""
+    for u in ctx.units:
+        if u.members is not None and u.members_run and u is not ctx.root:
+            if u.reshard_after_forward:
+                u.reshard_after_forward_step()
+            u.members_run.clear()
+
+
 @_labelled("fsdp::pre_backward")
-def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
+def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Module] = None) -> None:
     ctx = unit.ctx
+    unit.bwd_reached = True
+    ctx.root_reached = ctx.root_reached or unit is ctx.root
+    if member is not None:
+        unit.reached_member(member)
     if ctx.phase in (TrainingPhase.FORWARD, TrainingPhase.IDLE):  # IDLE: forward ran through a non-root unit only
         ctx.set_phase(TrainingPhase.PRE_BACKWARD)
     if not ctx.callback_queued:
@@ -221,7 +244,7 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
         for other in unit.backward_prefetch:
             if other.state == UnitState.SHARDED and not other._reduce_issued:
                 other.unshard()
-    else:
+    elif not unit.standalone:
         i = ctx.order.index(unit) if unit in ctx.order else -1
         prev = ctx.order[i - 1] if i > 0 else None
         if unit is ctx.root and ctx.order and ctx.order[-1] is not unit:

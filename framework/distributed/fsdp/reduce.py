@@ -134,6 +134,8 @@ class GradReduction:
         handed to autograd to store: one copy, which also fixes the layout of transposed weight
         gradients (which autograd would otherwise clone into the parameter's layout first).
         """
+        if self.members is not None:  # a group: this parameter gets a gradient ([Note: a group of modules is one unit])
+            self._reached.add(idx)
         if not self._in_place_this_backward() or self._written[idx]:
             return None
         e = self.entries[idx]
@@ -147,6 +149,7 @@ class GradReduction:
         """Post-accumulate-grad of one trainable full parameter; after the last one the unit is
         ready, and the context issues its reduction in the model's fixed order."""
         self._grads_seen += 1
+        self.bwd_reached = True
         if self._grads_seen == len(self.trainable):
             self._ready = True
             self.ctx.on_unit_ready(self)
@@ -300,13 +303,14 @@ class GradReduction:
             C.wait(C.all_reduce(reduced, self.replicate_group, self.stats, self.name))
         if red.post_divide != 1.0:
             reduced.div_(red.post_divide)
-        params = self._trainable_sharded()
+        receiving = self._receiving()
+        params = [p for p, _ in receiving]
         with torch.no_grad():
             if red.fresh:
                 if not red.direct:
                     self.grad_shard = self._new_grad_shard()
                     self.grad_shard.copy_(reduced, non_blocking=True)
-                for p, e in zip(params, self.trainable):
+                for p, e in receiving:
                     p.grad = ShardPiece(self.grad_shard[self.layout.shard_slice(e)], p.piece_spec)
                 self.grad_shard = None  # the .grad views own it now (see the note in __init__)
             else:
@@ -314,7 +318,7 @@ class GradReduction:
                 # accumulate where they live, so bring the reduced shard there first (CPU offload
                 # keeps them on the host, the reduction ran on the compute device)
                 host = reduced.to(self._grad_device())
-                for p, e in zip(params, self.trainable):
+                for p, e in receiving:
                     piece = host[self.layout.shard_slice(e)].to(p.dtype)
                     if p.grad is None:
                         p.grad = ShardPiece(piece.clone(), p.piece_spec)
@@ -328,6 +332,22 @@ class GradReduction:
         for p in params:
             for hook in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
                 hook(p)
+
+    def _receiving(self) -> List[Tuple[nn.Parameter, object]]:
+        """(sharded parameter, entry) of each trainable parameter this reduction hands a gradient
+        to: all of them, or in a group those of the members the backward reached ([Note: a group of
+        modules is one unit]); the group's record of them starts again."""
+        pairs = zip(self.sharded_params, self.entries)
+        if self.members is None:
+            return [(p, e) for p, e in pairs if e.requires_grad]
+        reached, self._reached = self._reached, set()
+        return [(p, e) for i, (p, e) in enumerate(pairs) if e.requires_grad and i in reached]
+
+    def reached_member(self, module: nn.Module) -> None:
+        """The backward reached an output of `module`, a member of this group: its parameters get
+        gradients from the next synced reduction."""
+        k = next(k for k, m in enumerate(self.members) if m is module)
+        self._reached.update(i for i, e in enumerate(self.entries) if k in e.members)
 
     def _grad_device(self) -> torch.device:
         return self.shard.device

@@ -141,10 +141,21 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         # grouping): each member gets the forward hooks; the first member to run forward in a pass
         # gathers (and prefetches), the others find the unit gathered, and it is freed after
         # forward (ZeRO-3) once every member has run (`members_run`, reset then and when the unit
-        # is resharded for any other reason). Backward needs no change: the unit's gradients are
-        # complete when the last of its parameters has its gradient, whichever member used it.
+        # is resharded for any other reason). A member may not run in the root's forward (a
+        # chunked loss calls the head on its own afterwards, once per chunk): the root's
+        # post-forward then completes the group's forward (frees it under ZeRO-3), as FSDP2 does,
+        # and a member called on its own later gathers the unit again and keeps it until the end
+        # of its backward. The unit's reduction covers all its parameters, but a parameter gets a
+        # gradient only if the backward reached a member that uses it (a hook on that member's
+        # outputs) or its own gradient arrived (`_reached`, entry indices, kept until a synced
+        # reduction hands the gradients over): a member that did not run, or whose outputs this
+        # backward did not reach, leaves its parameters' `.grad` as it was (None, as FSDP2 does)
+        # instead of adding zeros. Which members a backward reaches must be the same on every rank
+        # (as FSDP2 requires of the parameters that get gradients).
         self.members: Optional[List[nn.Module]] = None
         self.members_run: set = set()
+        self._reached: set = set()
+        self.standalone = False  # its last forward ran outside the root's: no implicit prefetch (hooks.py)
         # units gathered ahead of this one's forward / backward when set explicitly; None = the
         # recorded forward order (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch)
         self.forward_prefetch: Optional[List["ShardUnit"]] = None
@@ -179,6 +190,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         # parameters reshard after the unit's whole backward]):
         self._used_step = -1  # ctx.step of this unit's last forward under grad mode
         self._ready = False  # every trainable gradient of this backward has arrived
+        self.bwd_reached = False  # this backward reached the unit (its outputs, or a gradient)
         self._fwd_uses = 0  # forward calls of this step whose inputs carry the post-backward hook
         self._bwd_done = 0  # of those, how many have finished their backward
         self._gather_quantized = False
@@ -446,6 +458,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
 
     def reset_backward(self) -> None:
         self.drop_secondary()
+        self.bwd_reached = False
         self._grads_seen = 0
         self._reduce_issued = False
         self._ready = False
