@@ -443,9 +443,9 @@ def c_dcp_state_dict_api(rank, n):
 # ----------------------------------------------------------------------------- refusals
 def c_refusals(rank, n):
     out = {}
-    try:
-        _shard_deep(Deep()).layers[0].set_unshard_in_backward(False)
-    except NotImplementedError as exc:
+    try:  # False is FSDP2's and works (test_fsdp2_behaviours.py); a non-bool is refused
+        _shard_deep(Deep()).layers[0].set_unshard_in_backward("no")
+    except ValueError as exc:
         out["unshard_in_backward"] = str(exc)
     try:
         _fs(Deep().layers[0], shard_placement_fn=lambda p: None)
@@ -569,7 +569,7 @@ def test_reshard_after_backward_false_keeps_parameters_for_the_next_forward(resu
 
 def test_refusals_name_the_reason(results):
     r = _get(results, "refusals")
-    assert "set_unshard_in_backward(False)" in r["unshard_in_backward"], r
+    assert r["unshard_in_backward"] == "set_unshard_in_backward: 'no'; give True or False", r
     assert "shard_placement_fn is not supported" in r["shard_placement_fn"], r
 
 

@@ -1158,6 +1158,69 @@ def b_partial_group_grad_accum_chunked(rank, n):
     return out
 
 
+# ------------------------------------------------ embeddings not gathered again in backward
+class PosLM(nn.Module):
+    """torch's test Transformer in small: token and position embeddings, blocks, norm, output."""
+
+    vocab, seq = 29, D - 1
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings = nn.Embedding(self.vocab, D)
+        self.pos_embeddings = nn.Embedding(self.seq, D)
+        self.layers = nn.ModuleList(CkptBlock() if checkpointed else _Plain() for _ in range(3))
+        self.norm = nn.LayerNorm(D)
+        self.output = nn.Linear(D, self.vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok_embeddings(idx) + self.pos_embeddings(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def _shard_mem_eff(m, unshard_in_backward: bool):
+    """torch's "mem_eff" module grouping, embeddings not gathered in backward when asked."""
+    _fs(m.layers[0])
+    _fs([m.layers[1], m.layers[2]])
+    _fs([m.tok_embeddings, m.pos_embeddings])
+    m.tok_embeddings.set_unshard_in_backward(unshard_in_backward)
+    _fs([m.norm, m.output])
+    return _fs(m)
+
+
+def _pos_lm_loss(model, step, x, y):
+    idx = (x.abs() * 9).long() % PosLM.vocab
+    out = model(idx[:, :-1])
+    return F.cross_entropy(out.reshape(-1, PosLM.vocab), idx[:, 1:].reshape(-1))
+
+
+def b_unshard_in_backward_false(rank, n):
+    """Mirrors torch's `TestFullyShard1DTrainingCompose.test_train_parity_with_activation_checkpointing`
+    with its "mem_eff" grouping: [tok_embeddings, pos_embeddings] sharded as one group with
+    `set_unshard_in_backward(False)` (embedding backward reads no weight), with and without
+    activation checkpointing: trains like one process, and each step gathers the embeddings once
+    (forward) instead of twice."""
+    dev = _device(rank)
+    out = {}
+    for ckpt in (False, True):
+        r = _parity(lambda ckpt=ckpt: PosLM(ckpt), lambda m: _shard_mem_eff(m, False), _pos_lm_loss, rank, n)
+        gathered = {}
+        for flag in (True, False):
+            m = _shard_mem_eff(PosLM(ckpt).to(dev), flag)
+            x, y = _batch(0, dev, rank, n)
+            _pos_lm_loss(m, 0, x, y).backward()  # first step: records the order
+            m.reset_comm_stats()
+            _pos_lm_loss(m, 1, x, y).backward()
+            gathered[flag] = m.comm_stats()["allgather_bytes"]
+            emb = m.tok_embeddings._fsdp_unit
+        r["saved_bytes"] = gathered[True] - gathered[False]
+        r["embedding_gather_bytes"] = (emb.N - 1) * emb.layout.shard_numel * emb.shard.element_size()
+        out["checkpointed" if ckpt else "plain"] = r
+    return out
+
+
 BEHAVIOURS_4 = {
     f.__name__[2:]: f
     for f in (
@@ -1183,6 +1246,7 @@ BEHAVIOURS_4 = {
         b_mixed_precision_bitwise_fsdp2,
         b_partial_group_forward_fsdp2,
         b_partial_group_grad_accum_chunked,
+        b_unshard_in_backward_false,
     )
 }
 
@@ -1266,6 +1330,7 @@ NEEDS_RANKS = (
     "ddp_fully_shard_ddp_ignored_params",
     "mixed_precision_bitwise_fsdp2",
     "partial_group_grad_accum_chunked",
+    "unshard_in_backward_false",
 )
 
 
@@ -1473,3 +1538,13 @@ def test_chunked_accumulation_of_a_group_and_where_its_rows_live(results4):
         assert [p["local"]["torch"] for p in four] == [(32, 32)] * 4, four
         rows = [p["local"]["rows"][0] for p in four]
         assert sum(rows) == 4096 and all(k % 32 == 0 for k in rows) and rows != [1024] * 4, four
+
+
+def test_set_unshard_in_backward_false_skips_the_backward_gather(results4):
+    """torch's mem_eff grouping with `tok_embeddings.set_unshard_in_backward(False)` (refused
+    before): trains like one process with and without activation checkpointing, and a step gathers
+    the embeddings' unit in forward only: exactly its (N-1) x shard bytes fewer than with True."""
+    r = _result(results4, "unshard_in_backward_false")
+    for label in ("plain", "checkpointed"):
+        _ok(r[label])
+        assert r[label]["saved_bytes"] == r[label]["embedding_gather_bytes"] > 0, (label, r[label])

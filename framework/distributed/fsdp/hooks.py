@@ -239,10 +239,11 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Modul
         Variable._execution_engine.queue_callback(ctx.finish_backward)
     if unit._reduce_issued or unit._ready:
         return  # a late hook on an output whose unit already finished its backward
-    unit.unshard()
+    if unit.unshard_in_backward:
+        unit.unshard()
     if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch replaces the implicit order
         for other in unit.backward_prefetch:
-            if other.state == UnitState.SHARDED and not other._reduce_issued:
+            if other.state == UnitState.SHARDED and not other._reduce_issued and other.unshard_in_backward:
                 other.unshard()
     elif not unit.standalone:
         i = ctx.order.index(unit) if unit in ctx.order else -1
@@ -251,14 +252,17 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Modul
             # backward starts at the root's outputs (e.g. the loss head) and reaches the unit that
             # ran forward last next: gather it now, under the root's own backward compute
             prev = ctx.order[-1]
-        if prev is not None and prev.state == UnitState.SHARDED and not (prev._ready or prev._bwd_done):
+        waiting = prev is not None and prev.state == UnitState.SHARDED and not (prev._ready or prev._bwd_done)
+        if waiting and prev.unshard_in_backward:
             prev.unshard()
-    unit.wait_unshard()
+    if unit.unshard_in_backward:
+        unit.wait_unshard()
 
 
 @_labelled("fsdp::post_accumulate_grad")
 def post_accumulate_grad(unit: ShardUnit, full: torch.Tensor) -> None:
-    unit.assert_state(UnitState.UNSHARDED, what="post-accumulate-grad")
+    if unit.unshard_in_backward:
+        unit.assert_state(UnitState.UNSHARDED, what="post-accumulate-grad")
     unit.on_grad()
 
 

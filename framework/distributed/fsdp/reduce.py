@@ -68,6 +68,15 @@ def grad_divide_factors(dp: float, reduce_dtype: torch.dtype) -> Tuple[float, fl
 # Units with frozen parameters (which later backward ops may still read) or a reduce dtype that
 # differs from the param dtype use a pooled buffer instead ([Note: the gradient buffer pool]).
 
+# [Note: a unit not gathered in backward]
+# `set_unshard_in_backward(False)` (FSDP2's, for modules whose backward reads no parameter, e.g.
+# an embedding) skips the unit's gather in backward (and every prefetch of it, and hpZ's secondary
+# shard, which only backward would read): under ZeRO-3 it stays sharded from the end of its
+# forward. Autograd stores its full gradients on the unsharded parameters as usual (their storage
+# is released, their shapes are not), and the reduction takes them from a pooled buffer, as for
+# a unit holding frozen weights; unsharded in backward anyway (ZeRO-2, or a recomputation under
+# activation checkpointing), it reduces in place as any unit.
+
 
 class GradReduction:
     """Backward's side of a unit (mixed into `ShardUnit`)."""

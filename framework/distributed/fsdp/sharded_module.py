@@ -84,15 +84,14 @@ class ShardedModule:
             u.reshard_after_backward = reshard_after_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Refused for False: see docs/engine.md. Each unit's gradients reuse its gathered storage
-        ([Note: gradients reuse the gathered storage] in reduce.py), so a unit with trainable
-        parameters is always gathered in backward."""
-        if not unshard_in_backward and self._fsdp_unit.trainable:
-            raise NotImplementedError(
-                "set_unshard_in_backward(False): the engine reduces a unit's gradients in its gathered "
-                "storage, so a unit with trainable parameters is gathered in backward; freeze its "
-                "parameters (requires_grad_(False)) if backward does not need them"
-            )
+        """False: this module's unit is not gathered again in backward (FSDP2's, for modules whose
+        backward does not read their parameters, e.g. an embedding: its weight's gradient needs
+        only the indices). Its gradients are still reduced, from a pooled buffer instead of the
+        gathered storage ([Note: a unit not gathered in backward] in reduce.py). A module whose
+        backward does read its parameters must keep True: it would read released storage."""
+        if not isinstance(unshard_in_backward, bool):
+            raise ValueError(f"set_unshard_in_backward: {unshard_in_backward!r}; give True or False")
+        self._fsdp_unit.unshard_in_backward = unshard_in_backward
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this module's parameters now (FSDP2's `unshard`): with `async_op=True` the

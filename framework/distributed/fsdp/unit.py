@@ -134,6 +134,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         self._partial: Optional[torch.Tensor] = None
         self.divide_factor: Optional[float] = None
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # False: not gathered again in backward (set_unshard_in_backward)
         self.reshard_after_forward_set = False
         self.in_method = False
         # [Note: a group of modules is one unit]

@@ -227,7 +227,8 @@ class ZeroPlusPlus:
         self._hpz = (group, k, index)
 
     def reshard_after_forward_step(self) -> None:
-        if self._hpz is None or self.state != UnitState.UNSHARDED:
+        # no secondary shard for a unit that backward does not gather (set_unshard_in_backward(False))
+        if self._hpz is None or self.state != UnitState.UNSHARDED or not self.unshard_in_backward:
             self.reshard()
             return
         group, k, idx = self._hpz
