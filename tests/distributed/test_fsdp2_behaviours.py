@@ -1221,6 +1221,103 @@ def b_unshard_in_backward_false(rank, n):
     return out
 
 
+# ------------------------------------ HSDP gradient accumulation, next to torch's fully_shard
+def _linear_and_mlps():
+    torch.manual_seed(42)
+    return nn.Sequential(
+        nn.Linear(32, 32), *[nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(3)]
+    )
+
+
+def _counting_our_collectives():
+    """Count our engine's collectives by kind (its one module of collectives); undo with the result."""
+    from framework.distributed.fsdp import collectives as C
+
+    names = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+    calls, saved = [], {k: getattr(C, k) for k in names}
+
+    def wrap(k):
+        def f(*a, **kw):
+            calls.append(k)
+            return saved[k](*a, **kw)
+
+        return f
+
+    for k in names:
+        setattr(C, k, wrap(k))
+    return calls, lambda: [setattr(C, k, f) for k, f in saved.items()]
+
+
+def _accumulate_hsdp(api, mesh, mode: str, all_reduce_only: bool, dev, rank) -> dict:
+    """torch's `_test_gradient_accumulation` steps on one engine: 3 steps of 3 micro-batches, the
+    flag off but on the last micro-batch for every unit ("all"), two MLPs ("some_mlps") or the
+    root's own linear ("root_only"); the collectives of each step by kind, each step's gradients
+    whole, the weights after the last step."""
+    m = _linear_and_mlps().to(dev)
+    for mlp in m[1:]:
+        api.fully_shard(mlp, mesh=mesh)
+    api.fully_shard(m, mesh=mesh)
+    opt = _sgd(m.parameters())
+
+    def flag(module, last, recurse=True):
+        if all_reduce_only:
+            module.set_requires_all_reduce(last, recurse=recurse)
+        else:
+            module.set_requires_gradient_sync(last, recurse=recurse)
+
+    g = torch.Generator().manual_seed(5 + rank)
+    out = {"counts": [], "grads": []}
+    for step in range(STEPS):
+        calls, undo = _counting_torch_collectives() if api.__name__.startswith("torch") else _counting_our_collectives()
+        for micro in range(3):
+            last = micro == 2
+            if mode == "all":
+                flag(m, last)
+            elif mode == "some_mlps":
+                for mlp in m[1:3]:
+                    flag(mlp, last)
+            else:
+                flag(m, last, recurse=False)
+            m(torch.randn(2, 32, generator=g).to(dev)).sum().backward()
+        undo()
+        kinds = {"all_gather": "AG", "all_gather_single": "AG", "reduce_scatter": "RS"}
+        kinds.update({"reduce_scatter_single": "RS", "all_reduce": "AR"})
+        out["counts"].append({k: sum(kinds[c] == k for c in calls) for k in ("AG", "RS", "AR")})
+        out["grads"].append(_whole_grads(m))
+        opt.step()
+        opt.zero_grad(set_to_none=bool(step % 2))  # persisting gradients too, as torch's test
+    out["params"] = {k: p.full_tensor().detach().clone() for k, p in m.named_parameters()}
+    return out
+
+
+def b_hsdp_accumulation_fsdp2(rank, n):
+    """Mirrors torch's `TestFullyShardGradientAccumulation.test_gradient_accumulation` on a 2 x 2
+    HSDP mesh: `set_requires_all_reduce(False)` (reduce-scatter every micro-batch, all-reduce on the
+    last) and `set_requires_gradient_sync(False)` (neither until the last), for all units, some
+    MLPs or the root's linear only; ours next to torch's `fully_shard` from the same weights and
+    inputs: the collectives of each step by kind, and the elements of any gradient or weight that
+    differ in any bit."""
+    from torch.distributed import fsdp as theirs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from framework.distributed import fsdp as ours
+
+    dev = _device(rank)
+    mesh = init_device_mesh(dev.type, (2, n // 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for all_reduce_only in (True, False):
+        for mode in ("all", "some_mlps", "root_only"):
+            a, b = (_accumulate_hsdp(api, mesh, mode, all_reduce_only, dev, rank) for api in (ours, theirs))
+            seen = list(zip(a["grads"], b["grads"])) + [(a["params"], b["params"])]
+            init = {k: v.to(dev) for k, v in _linear_and_mlps().state_dict().items()}
+            out[f"{'all_reduce' if all_reduce_only else 'gradient_sync'}/{mode}"] = {
+                "counts": {"ours": a["counts"], "torch": b["counts"]},
+                "differ": sum(int((x[k] != y[k]).sum()) for x, y in seen for k in y),
+                "moved": max(float((a["params"][k] - init[k]).abs().max()) for k in init),
+            }
+    return out
+
+
 BEHAVIOURS_4 = {
     f.__name__[2:]: f
     for f in (
@@ -1247,6 +1344,7 @@ BEHAVIOURS_4 = {
         b_partial_group_forward_fsdp2,
         b_partial_group_grad_accum_chunked,
         b_unshard_in_backward_false,
+        b_hsdp_accumulation_fsdp2,
     )
 }
 
@@ -1331,6 +1429,7 @@ NEEDS_RANKS = (
     "mixed_precision_bitwise_fsdp2",
     "partial_group_grad_accum_chunked",
     "unshard_in_backward_false",
+    "hsdp_accumulation_fsdp2",
 )
 
 
@@ -1548,3 +1647,19 @@ def test_set_unshard_in_backward_false_skips_the_backward_gather(results4):
     for label in ("plain", "checkpointed"):
         _ok(r[label])
         assert r[label]["saved_bytes"] == r[label]["embedding_gather_bytes"] > 0, (label, r[label])
+
+
+def test_hsdp_accumulation_collectives_and_gradients_are_fsdp2s(results4):
+    """torch's test_gradient_accumulation on HSDP 2 x 2, ours next to torch's `fully_shard`: with
+    `set_requires_all_reduce(False)` a reduce-scatter every micro-batch and the all-reduce on the
+    last only, with `set_requires_gradient_sync(False)` neither until the last, for all units,
+    two MLPs or the root's linear alone: the same all-gathers, reduce-scatters and all-reduces in
+    every step (counted where each engine issues them), and every gradient and weight bit for bit
+    (the sums are of two ranks). FSDP2's own test counts with CommDebugMode, which sees c10d ops
+    only: our CPU transport moves gathers and reduce-scatters through shared memory, so it counted
+    none of ours."""
+    r = _result(results4, "hsdp_accumulation_fsdp2")
+    for key, v in r.items():
+        assert v["counts"]["ours"] == v["counts"]["torch"], (key, v)
+        assert v["differ"] == 0 and v["moved"] > 0.1, (key, v)
+    assert r["all_reduce/all"]["counts"]["ours"][0] == {"AG": 21, "RS": 12, "AR": 4}, r  # torch's arithmetic
