@@ -1230,15 +1230,18 @@ def _linear_and_mlps():
 
 
 def _counting_our_collectives():
-    """Count our engine's collectives by kind (its one module of collectives); undo with the result."""
+    """Count our engine's collectives by kind (its one module of collectives), those over more
+    than one rank (over one they only copy, where torch calls none); undo with the result."""
     from framework.distributed.fsdp import collectives as C
 
-    names = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+    names = ("all_gather", "reduce_scatter", "all_reduce")
     calls, saved = [], {k: getattr(C, k) for k in names}
 
     def wrap(k):
         def f(*a, **kw):
-            calls.append(k)
+            over = a[2].world if k != "all_reduce" else dist.get_world_size(a[1])  # the transport, or the group
+            if over > 1:
+                calls.append(k)
             return saved[k](*a, **kw)
 
         return f
@@ -1662,4 +1665,5 @@ def test_hsdp_accumulation_collectives_and_gradients_are_fsdp2s(results4):
     for key, v in r.items():
         assert v["counts"]["ours"] == v["counts"]["torch"], (key, v)
         assert v["differ"] == 0 and v["moved"] > 0.1, (key, v)
-    assert r["all_reduce/all"]["counts"]["ours"][0] == {"AG": 21, "RS": 12, "AR": 4}, r  # torch's arithmetic
+    if _world() == 4:  # 2 x 2: torch's test's arithmetic (a 2 x 1 mesh of 2 ranks gathers nothing)
+        assert r["all_reduce/all"]["counts"]["ours"][0] == {"AG": 21, "RS": 12, "AR": 4}, r
