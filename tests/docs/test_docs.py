@@ -406,7 +406,14 @@ def test_feature_list_gpu_figures_are_their_committed_outputs():
     assert figures and set(figures) <= said, f"GPU figures {figures}; {', '.join(named)} say {sorted(said)}"
 
 
-ENGINE_ROWS = {"ours (ZeRO-3)": "ours", "torch FSDP2": "fsdp2", "torch DDP": "ddp", "ours over gloo": "ours_gloo"}
+ENGINE_ROWS = {
+    "ours (ZeRO-3)": "ours",
+    "torch FSDP2": "fsdp2",
+    "torch DDP": "ddp",
+    "ours over gloo": "ours_gloo",
+    "ours, whole rows": "ours_rows",  # --boundary-rows
+    "ours, whole parameters": "ours_params",
+}
 # bench/engine.py's JSON row fields, in the table's column order, with the digits the table shows
 ENGINE_COLUMNS = [
     ("median_step_s", 3),
