@@ -441,6 +441,21 @@ def test_engine_tables_are_their_committed_outputs():
             assert figures == expected, f"bench/RESULTS.md, {engine}: {figures}, but {path.name} says {expected}"
 
 
+def test_readme_engine_table_is_its_committed_output():
+    """The README's engine table: each figure is the committed output's it names."""
+    tables = list(_tables(REPO / "README.md", "| engine | step / FSDP2 |"))
+    assert len(tables) == 1, "README.md has one engine table"
+    preface, rows = tables[0]
+    path = _named_output(preface, "README.md, engine table", ".txt").with_suffix(".json")
+    measured = json.loads(path.read_text())["rows"]
+    names = {"ours (default boundaries)": "ours", "torch FSDP2": "fsdp2", "torch DDP": "ddp"}
+    columns = [("ratio_to_fsdp2", 2), ("ratio_to_ddp", 2), ("tensor_bytes_mb", 1), ("rss_ratio_to_fsdp2", 2)]
+    columns.append(("comm_mb_per_step", 1))
+    for engine, *figures in rows:
+        row = measured[names[engine]]
+        assert figures == [f"{row[k]:.{d}f}" for k, d in columns], (engine, figures, path.name)
+
+
 def test_engine_recheck_is_its_committed_output():
     text = " ".join((REPO / "bench" / "RESULTS.md").read_text().split())
     recheck = re.search(r"Re-check .*?The guards (?:hold|do not hold)\.", text)
