@@ -18,6 +18,7 @@ embedding) is left undecayed if either module says so.
 from __future__ import annotations
 
 import math
+import re
 from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -65,17 +66,25 @@ def no_decay_names(model: nn.Module) -> Set[str]:
 def hidden_matrix_names(model: nn.Module) -> Set[str]:
     """The names of the matrices Muon steps ([Note: Muon on sharded matrices]): every parameter of
     2 or more dimensions that weight decay does not leave alone (so no embedding, norm or bias:
-    [Note: what weight decay leaves alone]) and that is not an output head (a linear layer with as
-    many outputs as an embedding table has rows; a head tied to the embedding is the embedding).
-    Stacked experts (3-D) are each expert's matrix. Call it on the model as built."""
+    [Note: what weight decay leaves alone]) and that is not an output head: a linear layer outside
+    the repeated blocks (no layer index in its name) with as many outputs as an embedding table
+    has rows (a head tied to the embedding is the embedding). Stacked experts (3-D) are each
+    expert's matrix. Call it on the model as built."""
     vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and vocab and m.out_features in vocab}
+    heads = {
+        id(m.weight)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m.out_features in vocab and not _BLOCK_INDEX.search(f".{name}.")
+    }
     undecayed = no_decay_names(model)
     return {
         name
         for name, p in model.named_parameters(remove_duplicate=False)
         if p.dim() >= 2 and name not in undecayed and id(p) not in heads
     }
+
+
+_BLOCK_INDEX = re.compile(r"\.\d+\.")  # a module inside a ModuleList of blocks: layers.3.mlp
 
 
 def _param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float, undecayed: Set[str]) -> List[dict]:

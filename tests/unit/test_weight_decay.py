@@ -199,3 +199,27 @@ def test_the_decision_holds_after_sharding_and_tensor_parallel(tmp_path):
         # Our engine's pieces are 1-D, decayed matrices included: judged by shape there, every
         # matrix would have lost its decay.
         assert result["native"]["decayed_dims"] == [1], result["native"]
+
+
+@pytest.mark.parametrize("label", sorted(FAMILIES))
+def test_hugging_face_family_muon_matrices(label):
+    """optimizer=muon's matrices ([Note: Muon on sharded matrices]) are exactly the blocks'
+    decayed matrices (and BERT's pooler, a hidden matrix outside them): no embedding, norm, bias,
+    position table or output head (whose rows are the vocabulary), in every Hugging Face family
+    we support."""
+    from framework.config.schema import ModelConfig
+    from framework.models import family_of
+    from framework.optim import hidden_matrix_names
+
+    model_type, config, task = FAMILIES[label]
+    config = {k: (1 if k in ONE_LAYER else v) for k, v in config.items()}
+    cfg = ModelConfig(name="hf", config=dict(config, model_type=model_type), task=task, args={"max_seq_len": 64})
+    model = family_of(cfg).build(cfg, "meta")
+    in_blocks = {
+        n
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p.dim() >= 2 and (re.search(r"\.0\.", n) or ".pooler." in n) and n not in NO_DECAY[label]
+    }
+    hidden = hidden_matrix_names(model)
+    assert hidden == in_blocks, (label, sorted(hidden ^ in_blocks))
+    assert hidden, label
