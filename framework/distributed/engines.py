@@ -62,6 +62,15 @@ class ShardingEngine:
     def reset_counters(self, model: nn.Module) -> None:
         pass
 
+    def shards(self, model: nn.Module) -> bool:
+        """Whether this engine sharded `model` (its root)."""
+        return False
+
+    def register_forward_method(self, model: nn.Module, method_name: str) -> bool:
+        """`register_fsdp_forward_method(model, method_name)` for a method run under no_grad (generation).
+        True when the forwards inside it still communicate (every rank must then run as many)."""
+        raise NotImplementedError
+
 
 class NativeEngine(ShardingEngine):
     """Our engine (framework/distributed/fsdp): byte and exposed-time counters per unit."""
@@ -113,6 +122,16 @@ class NativeEngine(ShardingEngine):
         model.reset_comm_stats()
         AllToAllCounter.reset()
 
+    def shards(self, model):
+        return getattr(model, "_fsdp_unit", None) is not None
+
+    def register_forward_method(self, model, method_name):
+        from framework.distributed.fsdp import register_fsdp_forward_method
+
+        # Gathered once for the call (see its docstring): the forwards inside gather nothing.
+        register_fsdp_forward_method(model, method_name, gather_once=True)
+        return False
+
 
 class TorchEngine(ShardingEngine):
     """torch's `fully_shard` (FSDP2), for side-by-side comparison; it keeps no counters."""
@@ -149,6 +168,18 @@ class TorchEngine(ShardingEngine):
 
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
+    def shards(self, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(model, FSDPModule) and not NativeEngine().shards(model)
+
+    def register_forward_method(self, model, method_name):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        # FSDP2 gathers the root for the call and each block at each forward inside it.
+        register_fsdp_forward_method(model, method_name)
+        return True
+
 
 ENGINES: Dict[str, ShardingEngine] = {engine.name: engine for engine in (NativeEngine(), TorchEngine())}
 
@@ -156,6 +187,11 @@ ENGINES: Dict[str, ShardingEngine] = {engine.name: engine for engine in (NativeE
 def engine_of(name) -> ShardingEngine:
     """The engine `parallelism.engine` names (a config `Engine` or its string value)."""
     return ENGINES[getattr(name, "value", name)]
+
+
+def engine_sharding(model: nn.Module) -> ShardingEngine | None:
+    """The engine that sharded `model`, or None for a plain module."""
+    return next((engine for engine in ENGINES.values() if engine.shards(model)), None)
 
 
 def _grads_of(model: nn.Module) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import torch
 import torch.nn as nn
 
 from . import hooks
@@ -185,10 +186,15 @@ def _units_of(modules: List[nn.Module], what: str) -> List[ShardUnit]:
     return units
 
 
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+def register_fsdp_forward_method(module: nn.Module, method_name: str, *, gather_once: bool = False) -> None:
     """Make `module.<method_name>` gather and free the module's parameters as `forward` does
     (FSDP2's function of this name): e.g. `generate` on a sharded model. Forwards the method
-    calls inside it (`self(...)`) run without hooks of their own for this module."""
+    calls inside it (`self(...)`) run without hooks of their own for this module.
+
+    Ours: `gather_once=True` (for methods run under `torch.no_grad`, e.g. token-by-token decoding)
+    gathers every unit at and below the module when the method starts and frees them all when it
+    returns; the forwards inside run without any unit's hooks, so they gather nothing (FSDP2's
+    inner forwards gather each block at every call). It holds the whole model gathered for the call."""
     unit = getattr(module, "_fsdp_unit", None)
     if unit is None:
         raise ValueError(
@@ -199,14 +205,29 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     def run(*args, **kwargs):
         if unit.in_method:  # a nested call (generate calling generate): the outer one gathered
             return method(*args, **kwargs)
+        if gather_once and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(module).__name__}.{method_name} was registered with gather_once=True, which runs its "
+                "forwards without the backward's hooks: call it under torch.no_grad()"
+            )
         changed = hooks.pre_forward(unit, module, args, kwargs)
         if changed is not None:
             args, kwargs = changed
-        unit.in_method = True
+        held = sharded_units(module) if gather_once else [unit]
+        for u in held:  # issue every gather, then wait for them in order
+            u.unshard()
+        for u in held:
+            u.wait_unshard()
+            u.in_method = True
         try:
             out = method(*args, **kwargs)
         finally:
-            unit.in_method = False
-        return hooks.post_forward(unit, module, args, kwargs, out)
+            for u in held:
+                u.in_method = False
+        out = hooks.post_forward(unit, module, args, kwargs, out)
+        if gather_once:
+            for u in held:
+                u.reshard()
+        return out
 
     setattr(module, method_name, run)

@@ -16,6 +16,7 @@ from torch import nn
 
 from framework.models.llama.args import LlamaArgs, llama_args
 from framework.models.llama.feed_forward import FeedForward
+from framework.models.llama.kv_cache import KVCache, LayerCache
 from framework.models.llama.moe import MoE
 
 
@@ -91,7 +92,9 @@ class Attention(nn.Module):
         # 1/cp of the sequence, and q/k/v travel to whole sequences of 1/cp of the heads and back.
         self.sequence_exchange = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -105,6 +108,8 @@ class Attention(nn.Module):
                 k, v, n_rep = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2), 1
             q, k, v = exchange.to_heads(q), exchange.to_heads(k), exchange.to_heads(v)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)  # whole sequences (positions from 0)
+        if cache is not None:  # decoding: the new tokens' keys join those of the earlier ones
+            k, v = cache.update(k, v)
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
@@ -125,8 +130,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.n_experts else FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -153,11 +160,19 @@ class Transformer(nn.Module):
         return result
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits (batch, seq, vocab). Packed sequences (several documents in one row) pass each
         token's position inside its document and its document's id, both (batch, seq): a token
-        then attends only to earlier tokens of its own document (a block-diagonal causal mask)."""
+        then attends only to earlier tokens of its own document (a block-diagonal causal mask).
+        Decoding passes a `kv_cache` (`make_kv_cache`) whose `extend` announced these tokens: they
+        attend to the cached ones, at the positions and under the mask the cache gives."""
+        if kv_cache is not None:
+            return self._decode(tokens, kv_cache)
         h = self.tok_embeddings(tokens)
         rope = self.rope if positions is None else self.rope[positions]
         mask = None
@@ -169,6 +184,25 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, rope, mask=mask)
         return self.output(self.norm(h))
+
+    def _decode(self, tokens: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        exchanges = [layer.attention.sequence_exchange for layer in self.layers]
+        if any(e is not None and e.active for e in exchanges):
+            raise ValueError("the KV cache holds whole sequences: decode outside context parallelism's `active`")
+        h = self.tok_embeddings(tokens)
+        rope, mask = self.rope[kv_cache.positions], kv_cache.mask
+        for layer, cache in zip(self.layers, kv_cache.layers):
+            h = layer(h, rope, mask=mask, cache=cache)
+        kv_cache.advance()
+        return self.output(self.norm(h))
+
+    def make_kv_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache for `batch` rows of up to `capacity` tokens ([Note: the Llama KV cache])."""
+        if capacity > self.cfg.max_seq_len:
+            raise ValueError(
+                f"{capacity} tokens exceed the rotary table of model.args.max_seq_len={self.cfg.max_seq_len}"
+            )
+        return KVCache(len(self.layers), batch, capacity, self.rope.device)
 
     @property
     def aux_loss(self) -> torch.Tensor | None:
