@@ -22,6 +22,9 @@ class Tensor:
     tp_split: bool  # split by the tensor-parallel plan (else replicated over tp ranks)
     experts: int = 0  # stacked experts on dim 0 (split by expert parallelism), 0: not an expert tensor
     row: int = 1  # elements of one dim-0 slice on one tensor-parallel rank (1 for a 1-D tensor)
+    # optimizer=muon steps it with Muon (else AdamW): framework/param_roles.py's rule, which the
+    # optimizer builder applies too; None: a family that does not say (a block's tensor with row > 1)
+    muon: bool | None = None
 
 
 @dataclass(frozen=True)

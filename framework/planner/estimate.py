@@ -138,8 +138,10 @@ def _zero_copy(job: Job, lay: UnitLayout) -> bool:
 
 
 def muon_tensors(lay: UnitLayout) -> list[bool]:
-    """Per tensor of the unit: stepped by Muon (a block's matrix) under optimizer=muon."""
-    return [lay.unit.name != "root" and t.row > 1 for t in lay.unit.tensors]
+    """Per tensor of the unit: stepped by Muon under optimizer=muon, as the family's shapes say
+    (framework/param_roles.py: the optimizer builder's rule); a family that does not say: a
+    block's matrix (row > 1 outside the root)."""
+    return [t.muon if t.muon is not None else lay.unit.name != "root" and t.row > 1 for t in lay.unit.tensors]
 
 
 def optimizer_bytes(job: Job, lay: UnitLayout) -> int:

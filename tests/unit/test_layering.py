@@ -12,12 +12,12 @@ from conftest import REPO
 # nothing below the trainer imports it. A new package must be placed here.
 LAYERS = [
     {"errors"},
-    {"config", "fileio", "offline", "task_files"},
+    {"config", "fileio", "offline", "task_files", "param_roles"},
     {"loss_plot"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
     {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight"},
     {"trainer"},
-    {"generate", "evaluate"},
+    {"generate", "evaluate", "dpo"},
     {"entrypoint"},
 ]
 

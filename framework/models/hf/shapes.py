@@ -9,22 +9,27 @@ for other block shapes (docs/planner.md)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from framework.models.shapes import ModelShape, Tensor, Unit
 
 
 def plan_shape(cfg, vocab_size: int) -> ModelShape:
     from framework.models.hf.model import blocks, build_hf, hf_config
+    from framework.param_roles import hidden_matrix_names
 
     model = build_hf(cfg, "meta")  # no memory, no weights read
     seen: set = set()
     full_name = {id(p): n for n, p in model.named_parameters()}
+    muon = hidden_matrix_names(model)  # optimizer=muon's matrices, as the optimizer builder takes them
 
     def tensors(module) -> tuple:
         out = []
         for p in module.parameters():  # a tied tensor once, where it is met first; model-level names
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append(Tensor(full_name[id(p)], p.numel(), False, row=p[0].numel() if p.dim() >= 2 else 1))
+                name = full_name[id(p)]
+                out.append(Tensor(name, p.numel(), False, row=p[0].numel() if p.dim() >= 2 else 1, muon=name in muon))
         return tuple(out)
 
     per_unit = [(f"block.{i}", tensors(b)) for i, b in enumerate(blocks(model))]
@@ -81,9 +86,9 @@ def _split(t: Tensor, plan: dict, tp: int, model) -> Tensor:
         return t
     p = model.get_parameter(t.name)
     if p.dim() == 1:
-        return Tensor(t.name, -(-p.numel() // tp), True) if style == "colwise" else t
+        return replace(t, numel=-(-p.numel() // tp), tp_split=True) if style == "colwise" else t
     rows, cols = p.shape[0], p.numel() // p.shape[0]
     is_embedding = isinstance(model.get_submodule(module_name), __import__("torch").nn.Embedding)
     if style == "colwise" or is_embedding:
-        return Tensor(t.name, -(-rows // tp) * cols, True, row=cols)
-    return Tensor(t.name, rows * -(-cols // tp), True, row=-(-cols // tp))
+        return replace(t, numel=-(-rows // tp) * cols, tp_split=True, row=cols)
+    return replace(t, numel=rows * -(-cols // tp), tp_split=True, row=-(-cols // tp))

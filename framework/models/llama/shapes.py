@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from framework.models.llama.args import llama_args
 from framework.models.shapes import ModelShape, Tensor, Unit
+from framework.param_roles import is_muon_matrix, is_output_head
+
+# Which of our Llama's tensors optimizer=muon steps with Muon: the builder's rule
+# (framework/param_roles.py) with what this file knows of each: a block's linear weights and its
+# stacked experts are matrices weight decay applies to; norms are 1-D, the token embedding is an
+# embedding (both undecayed); the output head and the router are checked by name and width.
+MATRIX = is_muon_matrix(2, undecayed=False, head=False)
+NORM = is_muon_matrix(1, undecayed=True, head=False)
+EMBEDDING = is_muon_matrix(2, undecayed=True, head=False)
 
 
 def _split(n: int, tp: int) -> int:
@@ -19,37 +28,46 @@ def block_tensors(m: ModelShape, tp: int = 1, moe: tuple = ()) -> tuple[Tensor, 
     """`moe`: (n_experts, expert ffn, shared ffn) of a mixture-of-experts block (tp is then 1)."""
     d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.kv_dim, m.ffn_dim
     attention = (
-        Tensor("attention_norm.weight", d, False),
-        Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1, row=d),
-        Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1, row=d),
-        Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1, row=d),
-        Tensor("attention.wo.weight", d * _split(q, tp), tp > 1, row=_split(q, tp)),
-        Tensor("ffn_norm.weight", d, False),
+        Tensor("attention_norm.weight", d, False, muon=NORM),
+        Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1, row=d, muon=MATRIX),
+        Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1, row=d, muon=MATRIX),
+        Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1, row=d, muon=MATRIX),
+        Tensor("attention.wo.weight", d * _split(q, tp), tp > 1, row=_split(q, tp), muon=MATRIX),
+        Tensor("ffn_norm.weight", d, False, muon=NORM),
     )
     if moe:
         experts, ef, shared = moe
-        out = [Tensor("feed_forward.router.weight", experts * d, False, row=d)]
+        # the router: a linear of n_experts outputs inside a block, never a head
+        router = is_muon_matrix(2, False, is_output_head("layers.0.feed_forward.router", experts, {m.vocab_size}))
+        out = [Tensor("feed_forward.router.weight", experts * d, False, row=d, muon=router)]
         out += [
-            Tensor(f"feed_forward.experts.{w}", experts * ef * d, False, experts, ef * d) for w in ("w1", "w3", "w2")
+            Tensor(f"feed_forward.experts.{w}", experts * ef * d, False, experts, ef * d, muon=MATRIX)
+            for w in ("w1", "w3", "w2")
         ]
         if shared:
             out += [
-                Tensor(f"feed_forward.shared.{w}.weight", shared * d, False, row=shared if w == "w2" else d)
+                Tensor(
+                    f"feed_forward.shared.{w}.weight", shared * d, False, row=shared if w == "w2" else d, muon=MATRIX
+                )
                 for w in ("w1", "w3", "w2")
             ]
         return attention + tuple(out)
     return attention + (
-        Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1, row=d),
-        Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1, row=d),
-        Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1, row=_split(f, tp)),
+        Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1, row=d, muon=MATRIX),
+        Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1, row=d, muon=MATRIX),
+        Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1, row=_split(f, tp), muon=MATRIX),
     )
 
 
 def root_tensors(m: ModelShape, tp: int = 1) -> tuple[Tensor, ...]:
     rows = _split(m.vocab_size, tp)
-    out = [Tensor("tok_embeddings.weight", rows * m.dim, tp > 1, row=m.dim), Tensor("norm.weight", m.dim, False)]
-    if not m.tie_embeddings:
-        out.append(Tensor("output.weight", rows * m.dim, tp > 1, row=m.dim))
+    out = [
+        Tensor("tok_embeddings.weight", rows * m.dim, tp > 1, row=m.dim, muon=EMBEDDING),
+        Tensor("norm.weight", m.dim, False, muon=NORM),
+    ]
+    if not m.tie_embeddings:  # a linear of vocab_size outputs outside the blocks: the head
+        head = is_muon_matrix(2, False, is_output_head("output", m.vocab_size, {m.vocab_size}))
+        out.append(Tensor("output.weight", rows * m.dim, tp > 1, row=m.dim, muon=head))
     return tuple(out)
 
 
