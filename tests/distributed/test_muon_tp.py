@@ -1,0 +1,208 @@
+"""Muon with tensor parallelism: `optimizer=muon` on a dp_shard 2 x tp 2 mesh (4 gloo ranks) and
+the debug Llama, against torch's `torch.optim.Muon` + `torch.optim.AdamW` on one process with the
+same parameter groups ([Note: whole matrices from pieces] in framework/distributed/fsdp/whole.py),
+under each shard-boundary policy; and the whole-matrix traffic of a step against its theory.
+
+One 4-rank spawn runs every case (starting ranks is the slow part)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import passed, recorded, records_of, run_ranks
+
+BOUNDARIES = ["anywhere", "rows", "params"]
+STEPS = 10
+# Tolerances. Tensor parallelism sums each row-parallel matmul in two partial products plus an
+# all-reduce, so the gradients differ from one process's in their last fp32 bits (~1e-7
+# relative), as data parallelism's reduction order does (tests/distributed/test_muon.py's TOL).
+# So dp2 x tp2 is compared at 1e-5 with the Newton-Schulz iteration in float32, against the same
+# optimizer on one process (which equals torch's Muon bit for bit in bfloat16 on one process:
+# test_muon.py, n=1). In bfloat16 (torch's Muon's arithmetic) one flipped rounding of the
+# iteration's input changes its output by up to ~2% of its largest entry (a 64 x 176 matrix, 1e-6
+# relative noise on the input: 0.0049 of 0.27), which 10 steps of lr 0.02 carry to 3.1e-3 in a
+# Muon matrix, 1.4e-4 in the loss, and (AdamW normalizes the embedding rows' tiny gradients) 9.7e-3
+# in the embedding, for every boundary policy alike: torch's own Muon + AdamW is compared at
+# TORCH_TOL, about three times those.
+TOL = 1e-5
+TORCH_TOL = {"loss": 5e-4, "muon_weights": 1e-2, "weights": 3e-2}
+
+
+def _optimizer_cfg():
+    from framework.config.schema import OptimizerConfig
+
+    return OptimizerConfig(name="muon", lr=3e-3, muon_lr=0.02, weight_decay=0.1, warmup_steps=0)
+
+
+def _reference(ns_dtype: torch.dtype):
+    """Losses and final weights of one process: torch's Muon + AdamW over the groups
+    `build_optimizer` makes (bfloat16), or our optimizer with the iteration in float32."""
+    from framework.models.llama import build_llama
+    from framework.models.tasks import cross_entropy as loss_fn
+    from framework.optim import build_optimizer, hidden_matrix_names, no_decay_names
+    from tests.tp.tp_cases import MODEL, SEED, batches
+
+    torch.manual_seed(SEED)
+    model = build_llama(MODEL)
+    model.init_weights(seed=SEED)
+    cfg = _optimizer_cfg()
+    if ns_dtype == torch.bfloat16:
+        hidden, undecayed = hidden_matrix_names(model), no_decay_names(model)
+        named = dict(model.named_parameters())
+        rest = [k for k in named if k not in hidden]
+        opts = [
+            torch.optim.Muon(
+                [named[k] for k in named if k in hidden],
+                lr=cfg.muon_lr,
+                weight_decay=cfg.weight_decay,
+                momentum=cfg.muon_momentum,
+                nesterov=True,
+            ),
+            torch.optim.AdamW(
+                [
+                    {"params": [named[k] for k in rest if k not in undecayed], "weight_decay": cfg.weight_decay},
+                    {"params": [named[k] for k in rest if k in undecayed], "weight_decay": 0.0},
+                ],
+                lr=cfg.lr,
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+            ),
+        ]
+    else:
+        opt = build_optimizer(model, cfg)
+        opt.ns_dtype = ns_dtype
+        opts = [opt]
+    losses = []
+    for inputs, labels in batches(MODEL.args["vocab_size"])[:STEPS]:
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def whole_bytes_theory(model, hidden) -> dict:
+    """A step's whole-matrix traffic on this rank by [Note: whole matrices from pieces]: per unit
+    with a Muon matrix crossing dp ranks, one fp32 all-gather ((N-1) x S x 4 received) and one
+    reduce-scatter ((N-1) x S x 4 sent) of the unit's shard over dp; per unit, over tp, one fp32
+    all-gather ((T-1) x M x 4 received) and one reduce-scatter ((T-1) x M x 4 sent) of the
+    tp-local slices of the tp-split matrices this rank's dp index owns (M elements: the ones whose
+    dp shard holds them whole, and every N-th of those crossing dp ranks, in the unit's order)."""
+    import torch.distributed as dist
+
+    units, dp_bytes, tp_bytes = {}, 0, 0
+    for name, p in model.named_parameters():
+        if name in hidden:
+            unit, index = p.piece_spec.owner()
+            units.setdefault(id(unit), (unit, []))[1].append(unit.entries[index])
+    for unit, entries in units.values():
+        L = unit.layout
+        S, N = L.shard_numel, L.world
+        crossing = sorted(
+            (e for e in entries if e.offset // S != (e.offset + e.numel - 1) // S), key=lambda e: e.offset
+        )
+        if crossing:
+            dp_bytes += (N - 1) * S * 4
+        owner = {id(e): k % N for k, e in enumerate(crossing)}
+        M = 0
+        for e in entries:
+            if e.tp is not None and any(pl.is_shard() for pl in e.tp.placements):
+                if owner.get(id(e), e.offset // S) == L.rank:
+                    M += e.numel
+                T = dist.get_world_size(e.tp.mesh.get_group())
+        tp_bytes += (T - 1) * M * 4
+    return {"dp": dp_bytes, "tp": tp_bytes}
+
+
+def _run(boundary: str, ns_dtype: torch.dtype, ref) -> dict:
+    import torch.distributed as dist
+
+    from framework.config.schema import ParallelismConfig, ShardBoundary, Strategy
+    from framework.distributed.parallel_dims import ParallelDims, build_mesh
+    from framework.distributed.parallelize import parallelize
+    from framework.distributed.tensor_parallel import full, loss_context
+    from framework.models.llama import FAMILY as LLAMA
+    from framework.models.llama import build_llama
+    from framework.models.tasks import cross_entropy as loss_fn
+    from framework.optim import build_optimizer, hidden_matrix_names, no_decay_names
+    from tests.tp.tp_cases import MODEL, SEED, batches
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, world_size=4)
+    mesh = build_mesh(dims, "cpu")
+    torch.manual_seed(SEED)
+    model = build_llama(MODEL)
+    model.init_weights(seed=SEED)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hidden, undecayed = hidden_matrix_names(model), no_decay_names(model)
+    cfg = ParallelismConfig(strategy=Strategy.full, dp_shard=2, tp=2, shard_boundary=ShardBoundary(boundary))
+    model = parallelize(model, dims, mesh, cfg, LLAMA)
+    opt = build_optimizer(model, _optimizer_cfg(), undecayed=undecayed, hidden=hidden)
+    opt.ns_dtype = ns_dtype
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    losses, whole = [], None
+    for inputs, labels in batches(MODEL.args["vocab_size"])[:STEPS]:
+        rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+        with loss_context(model):
+            loss = loss_fn(model(inputs[rows]), labels[rows])
+            loss.backward()
+        value = full(loss.detach()).clone()
+        dist.all_reduce(value, group=mesh["dp_shard"].get_group())
+        losses.append(value.item() / 2)
+        model.reset_comm_stats()
+        opt.step()  # the optimizer step's traffic alone: the whole matrices'
+        whole = model.comm_stats()
+        opt.zero_grad(set_to_none=True)
+    ref_losses, ref_weights = ref
+    weights = {k: full(v).detach() for k, v in model.state_dict().items()}
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+        "weight_diff": max((ref_weights[k] - weights[k]).abs().max().item() for k in ref_weights),
+        "hidden_diff": max((ref_weights[k] - weights[k]).abs().max().item() for k in hidden),
+        "moved": max((weights[k] - initial[k]).abs().max().item() for k in hidden),
+        "gathered": whole["allgather_bytes"],
+        "scattered": whole["reduce_scatter_bytes"],
+        "theory": whole_bytes_theory(model, hidden),
+    }
+
+
+def _cases(rank: int, world: int) -> dict:
+    refs = {dt: _reference(dt) for dt in (torch.float32, torch.bfloat16)}
+    out = {}
+    for boundary in BOUNDARIES:
+        out[boundary] = recorded(_run, boundary, torch.float32, refs[torch.float32])
+    out["torch"] = recorded(_run, "anywhere", torch.bfloat16, refs[torch.bfloat16])  # the policy changes nothing here
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2():
+    return run_ranks(_cases, 4, timeout_s=400)  # every rank's records: the traffic differs by dp index
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+def test_muon_on_dp2_tp2_equals_one_process(dp2_tp2, boundary):
+    """10 steps on dp_shard 2 x tp 2, Newton-Schulz in float32: the losses and every weight of the
+    same optimizer on one process to 1e-5; each tp-split matrix made whole over dp and tp, and the
+    step's traffic the stated theory on every rank."""
+    r = passed(records_of(dp2_tp2)[boundary])
+    assert r["loss_diff"] < TOL and r["weight_diff"] < TOL, r
+    assert r["moved"] > 0.01, r  # Muon moved the matrices: the comparison means something
+    for rank, records in enumerate(dp2_tp2):
+        r = records[boundary]
+        theory = r["theory"]
+        assert r["gathered"] == r["scattered"] == theory["dp"] + theory["tp"], (rank, r)
+        if boundary == "params":
+            assert theory["dp"] == 0, (rank, r)  # every tp-local matrix in one dp shard: no dp traffic
+    assert all(records[boundary]["theory"]["tp"] > 0 for records in dp2_tp2)  # tp-split matrices gathered over tp
+
+
+def test_muon_on_dp2_tp2_tracks_torch_muon(dp2_tp2):
+    """The same in bfloat16 against torch's Muon + AdamW on one process: within TORCH_TOL (see the
+    tolerances at the top)."""
+    r = passed(records_of(dp2_tp2)["torch"])
+    assert r["loss_diff"] < TORCH_TOL["loss"], r
+    assert r["hidden_diff"] < TORCH_TOL["muon_weights"] and r["weight_diff"] < TORCH_TOL["weights"], r
+    assert r["moved"] > 0.01, r
