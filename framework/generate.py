@@ -6,16 +6,17 @@
 The model, its sharding and the tokenizer are built as for training from the same config; the
 weights come from `checkpoint.resume` (a DCP step directory, resharded to this world size, so a
 checkpoint of 2 ranks loads on 1) or `checkpoint.init_from` / `model.path` (an export). Every rank
-runs the same forwards (the sharded model needs them all) with the same seeded generator, so all
-agree on each token; rank 0 prints. Sampling: temperature (0: greedy), then top-k, then top-p.
+generates for every prompt (tensor-parallel ranks need the same ones) through framework/generation:
+one prompt after another, with a KV cache; each stops at the tokenizer's end-of-text or after
+max_new_tokens. Rank 0 streams each prompt and its completion, a token at a time. Sampling:
+temperature (0: greedy), then top-k, then top-p, each prompt from its own generator (generate.seed
++ its index).
 """
 
 from __future__ import annotations
 
 import sys
 from typing import List
-
-import torch
 
 from framework.config.schema import Config
 from framework.errors import UserInputError
@@ -37,34 +38,55 @@ def prompts_of(cfg: Config) -> List[str]:
     return prompts
 
 
-@torch.no_grad()
 def generate(trainer, prompts: List[str], is_main: bool) -> List[str]:
-    from framework.distributed.tensor_parallel import full
-    from framework.models.tasks import next_token
+    """Every rank: the prompts' completions through framework/generation (KV cache, stop at the
+    tokenizer's end-of-text), one prompt after another; rank 0 streams each prompt with its
+    completion. Returns the texts (prompt and completion)."""
+    from framework.generation import generate as complete
+    from framework.generation.decoders import max_tokens
 
-    cfg, g = trainer.cfg, trainer.cfg.generate
-    tok, model, device = trainer.data.tokenizer, trainer.model, trainer.rt.device
-    model.eval()
-    gen = torch.Generator().manual_seed(g.seed)
-    texts = []
+    g = trainer.cfg.generate
+    tok, model = trainer.data.tokenizer, trainer.model
+    ids = []
     for prompt in prompts:
-        ids = list(tok.encode(prompt))
-        if not ids:
+        ids.append(list(tok.encode(prompt)))
+        if not ids[-1]:
             raise UserInputError(f"generate: the prompt {prompt[:40]!r} has no tokens")
-        shown = tok.decode(ids)
+    limit = max_tokens(model)
+    longest = max(len(i) for i in ids)
+    if limit is not None and longest + g.max_new_tokens > limit:
+        raise UserInputError(
+            f"generate.max_new_tokens={g.max_new_tokens}: with the longest prompt ({longest} tokens) it exceeds the "
+            f"model's {limit} positions; lower it to {max(limit - longest, 0)} or shorten the prompt"
+        )
+    eod = getattr(tok, "eod", None)
+    texts = []
+    for i, prompt_ids in enumerate(ids):
+        shown = [tok.decode(prompt_ids)]
         if is_main:
-            print(shown, end="", flush=True)
-        for _ in range(g.max_new_tokens):
-            out = model(torch.tensor([ids[-cfg.data.seq_len :]], device=device))
-            logits = full(getattr(out, "logits", out))[0, -1].float().cpu()
-            ids.append(next_token(logits, g.temperature, g.top_k, g.top_p, gen))
-            text = tok.decode(ids)
+            print(shown[0], end="", flush=True)
+
+        def stream(_, out, prompt_ids=prompt_ids, shown=shown):
+            text = tok.decode(prompt_ids + [t for t in out if t != eod])
             if is_main:
-                print(text[len(shown) :], end="", flush=True)  # stream: what the new token added
-            shown = text
+                print(text[len(shown[0]) :], end="", flush=True)  # what the new token added
+            shown[0] = text
+
+        complete(
+            model,
+            [prompt_ids],
+            g.max_new_tokens,
+            eos_ids=[eod] if eod is not None else [],
+            decode=tok.decode,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            seed=[g.seed + i],
+            on_token=stream,
+        )
         if is_main:
             print(flush=True)
-        texts.append(shown)
+        texts.append(shown[0])
     return texts
 
 

@@ -56,8 +56,8 @@ def _draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, ge
 
 
 class _Row:
-    def __init__(self, prompt: Sequence[int], seed: int) -> None:
-        self.prompt = list(prompt)
+    def __init__(self, prompt: Sequence[int], seed: int, index: int = -1) -> None:
+        self.prompt, self.index = list(prompt), index
         self.gen = torch.Generator().manual_seed(seed)
         self.out: List[int] = []
         self.text: Optional[str] = None
@@ -106,6 +106,8 @@ def _batch(model, rows: List[_Row], max_new_tokens: int, opts: dict, collective:
                     picks[i] if greedy else _draw(cpu[i], opts["temperature"], opts["top_k"], opts["top_p"], row.gen)
                 )
                 _finish(row, token, opts["eos"], opts["stops"], opts["decode"], max_new_tokens)
+                if opts["on_token"] is not None:
+                    opts["on_token"](row.index, row.out)
         busy = any(r.reason is None for r in rows)
         if not _lockstep(int(busy), collective) or step == max_new_tokens - 1:
             break
@@ -155,11 +157,13 @@ def generate(
     batch_size: int = 0,
     use_cache: bool = True,
     pad_id: Optional[int] = None,
+    on_token: Optional[Callable[[int, List[int]], None]] = None,
 ) -> List[Completion]:
     """Completions of `prompts` (token ids), in their order. Sampling: temperature (0: greedy), then
     the top_k most likely (0: all), then the smallest head holding top_p of the mass; each prompt
     seeded on its own ([Note: a prompt's completion does not depend on its batch]). `batch_size`
-    prompts run together (0: all). Stop strings need `decode`. Raises ValueError for prompts the
+    prompts run together (0: all). Stop strings need `decode`. `on_token(i, token_ids)` is called
+    after each token prompt i gets (to stream it). Raises ValueError for prompts the
     model cannot take (empty, or longer with the completion than its positions allow)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}; give 1 or more")
@@ -187,8 +191,9 @@ def generate(
         batch_size=int(batch_size),
         use_cache=use_cache,
         pad_id=pad_id if pad_id is not None else (eos[0] if eos else 0),
+        on_token=on_token,
     )
-    rows = [_Row(p, s) for p, s in zip(prompts, seeds)]
+    rows = [_Row(p, s, i) for i, (p, s) in enumerate(zip(prompts, seeds))]
     was_training = model.training
     model.eval()
     try:
