@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/engine.py                       # ~25M GPT, 2 gloo ranks, CPU, fp32
     .venv/bin/python bench/engine.py --steps 4 --model-size tiny
+    .venv/bin/python bench/engine_muon.py                  # Muon vs AdamW per shard boundary (also: --muon)
 
 Phase 1 (timing): one 2-rank group builds the three engines from the same initial weights and
 runs their steps interleaved (round r runs one step of each, in rotating order, after a barrier),
@@ -309,6 +310,12 @@ def main() -> None:
         help="then the tensor-parallel rows (bench/tp.py: our Llama at dp x tp layouts, same --ranks/--steps)",
     )
     ap.add_argument(
+        "--muon",
+        action="store_true",
+        help="then the Muon rows (bench/engine_muon.py: Muon vs AdamW per shard-boundary policy, same "
+        "--ranks/--steps/--model-size; its bytes asserted equal to the planner's)",
+    )
+    ap.add_argument(
         "--device",
         default="cpu",
         choices=["cpu", "cuda"],
@@ -417,6 +424,11 @@ def main() -> None:
         from bench.tp import run as run_tp
 
         run_tp(args.ranks, args.steps, ["torch", "native"], os.path.splitext(args.out)[0] + "_tp.json")
+    if args.muon:
+        from bench.engine_muon import BOUNDARIES
+        from bench.engine_muon import run as run_muon
+
+        run_muon(args.model_size, args.ranks, args.steps, BOUNDARIES, os.path.splitext(args.out)[0] + "_muon.json")
 
 
 if __name__ == "__main__":
