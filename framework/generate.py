@@ -94,6 +94,11 @@ def _generate_stage(trainer) -> int:
     """The stage on a built trainer (every rank): load the weights, generate. Refusals raise."""
     cfg = trainer.cfg
     prompts = prompts_of(cfg)
+    if cfg.parallelism.sequence_parallel and cfg.parallelism.tp > 1:
+        raise UserInputError(
+            "stage=generate with parallelism.sequence_parallel=true: decoding feeds one token at a time, which "
+            "cannot be split over the tp ranks; set parallelism.sequence_parallel=false (tp stays)"
+        )
     if trainer.data.tokenizer is None:
         raise UserInputError(
             "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "
