@@ -19,8 +19,9 @@ Hugging Face models.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,8 @@ def _shape_of(module: nn.Module):
 
 
 def _lora_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    if getattr(module, "lora_off", False):  # adapters_disabled(): the base layer alone
+        return output
     x = args[0]
     if module.training and module.lora_dropout > 0:
         x = F.dropout(x, module.lora_dropout)
@@ -118,6 +121,20 @@ def reset_lora(model: nn.Module, seed: int | None = None) -> None:
         else:
             nn.init.uniform_(a, -bound, bound)
         module.lora_b.zero_()
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, every adapted layer of `model` computes its base layer alone: the model
+    as it was before LoRA (DPO's reference without a second copy)."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "lora_a", None), torch.Tensor)]
+    for module in layers:
+        module.lora_off = True
+    try:
+        yield
+    finally:
+        for module in layers:
+            module.lora_off = False
 
 
 def is_adapter(name: str) -> bool:
