@@ -9,6 +9,10 @@ Expert parallelism (`ep`) is no dimension of its own: it splits the dp_shard ran
 are sharded over the remaining `dp_shard / ep` ranks (`efsdp`), as torchtitan and Megatron lay it
 out. Everything else stays sharded over all dp_shard ranks.
 
+Pipeline parallelism (`pp`) is the outermost dimension: pp x dp_replicate x dp_shard x cp x tp.
+Each pipeline stage is a whole data-parallel (and tensor-parallel) group of its own; the stages
+pass activations to their neighbours (framework/distributed/pipeline.py).
+
 Pure arithmetic, importable without torch, so the config validation and the launcher can check a
 job before any process starts. The device mesh built from these degrees lives with the process
 groups (`framework.distributed.parallel_dims.build_mesh`), above the config.
@@ -36,20 +40,23 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     cp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         check_degrees(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
+        if self.pp < 1:
+            raise UserInputError(f"parallelism.pp={self.pp}: must be a positive degree (1: no pipeline)")
         unknown = [n for n in ("dp_replicate", "dp_shard", "tp") if getattr(self, n) == -1]
         if len(unknown) > 1:
             raise UserInputError(
                 f"parallelism: only one of dp_replicate, dp_shard, tp may be -1 (infer), got {', '.join(unknown)}"
             )
-        known = self.dp_replicate * self.dp_shard * self.tp * self.cp * (-1 if unknown else 1)
+        known = self.pp * self.dp_replicate * self.dp_shard * self.tp * self.cp * (-1 if unknown else 1)
         if unknown:
             if self.world_size % known:
                 raise UserInputError(self._mismatch(f"cannot infer parallelism.{unknown[0]}"))
             setattr(self, unknown[0], self.world_size // known)
-        if self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
+        if self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
             raise UserInputError(self._mismatch("degrees do not multiply to the world size"))
         if self.ep > 1:
             self._check_ep()
@@ -60,6 +67,12 @@ class ParallelDims:
             )
         if self.cp > 1 and self.ep > 1:
             raise UserInputError(f"parallelism.cp={self.cp} with parallelism.ep={self.ep}: choose one of them for now")
+        for name in ("cp", "ep") if self.pp > 1 else ():
+            if getattr(self, name) > 1:
+                raise UserInputError(
+                    f"parallelism.pp={self.pp} with parallelism.{name}={getattr(self, name)}: pipeline stages do not "
+                    f"split sequences or experts yet; set parallelism.{name}=1 or parallelism.pp=1"
+                )
 
     def _check_ep(self) -> None:
         if self.dp_shard % self.ep:
@@ -83,10 +96,12 @@ class ParallelDims:
             return "?" if v == -1 else str(v)
 
         cp = f" x cp ({self.cp})" if self.cp > 1 else ""
+        pp = f"pp ({self.pp}) x " if self.pp > 1 else ""
         return (
-            f"parallelism: {what}: dp_replicate ({show(self.dp_replicate)}) x dp_shard "
+            f"parallelism: {what}: {pp}dp_replicate ({show(self.dp_replicate)}) x dp_shard "
             f"({show(self.dp_shard)}){cp} x tp ({show(self.tp)}) must equal the world size "
-            f"({self.world_size}); fix parallelism.dp_replicate/dp_shard/cp/tp or the number of ranks"
+            f"({self.world_size}); fix parallelism.{'pp/' if self.pp > 1 else ''}dp_replicate/dp_shard/cp/tp or the "
+            "number of ranks"
         )
 
     @property
@@ -114,6 +129,7 @@ def resolve_parallel_dims(
     nproc_per_node: int,
     ep: int = 1,
     cp: int = 1,
+    pp: int = 1,
 ) -> ParallelDims:
     """Fill in the degrees a strategy implies, then check them against the world size.
 
@@ -128,17 +144,17 @@ def resolve_parallel_dims(
                 "no_shard replicates everything; set dp_shard=1 or choose strategy=hybrid"
             )
         dp_shard = 1
-        if dp_replicate == 1 and world_size // max(tp, 1) > 1:
+        if dp_replicate == 1 and world_size // max(tp, 1) // max(pp, 1) > 1:
             dp_replicate = -1
     elif strategy == "hybrid":
         if dp_replicate == -1 and dp_shard == -1:
-            dp_shard = max(1, nproc_per_node // max(tp, 1))
+            dp_shard = max(1, nproc_per_node // max(tp, 1) // max(pp, 1))
     else:
         if dp_replicate == -1 and dp_shard == -1:
             dp_replicate = 1
     if tp == -1 and (dp_replicate == -1 or dp_shard == -1):
         raise UserInputError("parallelism.tp=-1 needs dp_replicate and dp_shard given")
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, ep=ep, cp=cp)
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, ep=ep, cp=cp, pp=pp)
     if strategy == "hybrid" and dims.dp_replicate < 2:
         raise UserInputError(
             f"parallelism.strategy=hybrid needs dp_replicate > 1 (got {dims.dp_replicate}); "

@@ -16,6 +16,8 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from framework.config.degrees import check_degrees
+from framework.config.dpo import DPOConfig
+from framework.config.pipeline import PipelineSchedule
 from framework.errors import UserInputError
 
 
@@ -78,6 +80,7 @@ class Stage(str, Enum):
     fine_tuning = "fine_tuning"  # supervised fine-tuning on JSONL records (the `finetune` section)
     generate = "generate"  # text from a checkpoint or an export (the `generate` section, framework/generate.py)
     evaluate = "evaluate"  # lm-eval tasks on a checkpoint or an export (the `evaluate` section, framework/evaluate.py)
+    dpo = "dpo"  # preference optimization on data=hf pairs (the `dpo` section, framework/dpo/)
 
 
 # The shortest trainer.collective_timeout_s accepted. The job's key-value store waits this long for
@@ -155,9 +158,17 @@ class ParallelismConfig:
     host_transport: HostTransport = HostTransport.shm
     # where shard boundaries fall (native engine): anywhere | rows | params (docs/engine.md)
     shard_boundary: ShardBoundary = ShardBoundary.anywhere
+    # Pipeline parallelism (framework/config/pipeline.py, docs/engine.md "Pipeline parallelism"):
+    pp: int = 1  # pipeline stages across ranks, the outermost mesh dimension
+    # gpipe | 1f1b | interleaved_1f1b | zbv (a str for Hydra, which matches enums by name: 1f1b is none)
+    pp_schedule: str = PipelineSchedule.one_f_one_b.value
+    pp_microbatches: int = -1  # per data-parallel rank and step; -1: the gradient accumulation steps
+    pp_virtual_stages: int = -1  # stages per rank; -1: 1 (gpipe, 1f1b) or 2 (interleaved_1f1b, zbv)
+    pp_split: List[int] = field(default_factory=list)  # layers per stage; empty: even
 
     def __post_init__(self) -> None:
         self.engine = _choice("parallelism", "engine", self.engine, Engine)
+        self.pp_schedule = _choice("parallelism", "pp_schedule", self.pp_schedule, PipelineSchedule)
         self.shard_boundary = _choice("parallelism", "shard_boundary", self.shard_boundary, ShardBoundary)
         self.host_transport = _choice("parallelism", "host_transport", self.host_transport, HostTransport)
         self.strategy = _choice("parallelism", "strategy", self.strategy, Strategy)
@@ -227,6 +238,9 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     muon_adjust_lr: str = "original"
     muon_ns_steps: int = 5
+    # fp32 | bf16: the dtype of Adam's exp_avg / exp_avg_sq and Muon's momentum between steps (bf16
+    # halves those bytes; written back with stochastic rounding: framework/optim/lowp.py)
+    state_dtype: str = "fp32"
     schedule: Schedule = Schedule.cosine
     warmup_steps: int = 10
     clip_grad_norm: float = 1.0  # 0 disables clipping
@@ -238,6 +252,13 @@ class OptimizerConfig:
         if self.muon_adjust_lr not in ("original", "match_rms_adamw"):
             raise UserInputError(
                 f"optimizer.muon_adjust_lr={self.muon_adjust_lr!r}: choose original or match_rms_adamw"
+            )
+        if self.state_dtype not in ("fp32", "bf16"):
+            raise UserInputError(f"optimizer.state_dtype={self.state_dtype!r}: unknown; choose one of fp32, bf16")
+        if self.state_dtype == "bf16" and self.name == OptimizerName.sgd:
+            raise UserInputError(
+                "optimizer.state_dtype=bf16 with optimizer=sgd: bf16 state is for adamw and muon; "
+                "set optimizer.state_dtype=fp32"
             )
         for name in ("weight_decay", "warmup_steps", "clip_grad_norm", "min_lr_ratio", "momentum", "muon_momentum"):
             if getattr(self, name) < 0:
@@ -402,10 +423,19 @@ class CheckpointConfig:
     save_final: bool = True  # save at the last step
     init_from: str = ""  # fresh start from an exported model.safetensors + config.json directory
     export_safetensors: bool = False  # write <dir>/export/model.safetensors + config.json (HF names) at the end
+    # Steps between in-memory snapshots (0: none): each rank's shards, data position, RNG and LR
+    # schedule in host memory that outlives the rank; a restarted job resumes from the newest one
+    # every rank has whole, before any disk (framework/checkpoint/memory.py, docs/reliability.md).
+    memory_interval: int = 0
+    memory_dir: str = ""  # where the snapshots live on each node (empty: /dev/shm)
 
     def __post_init__(self) -> None:
         if self.interval < 0:
             raise UserInputError(f"checkpoint.interval={self.interval}: must be >= 0")
+        if self.memory_interval < 0:
+            raise UserInputError(
+                f"checkpoint.memory_interval={self.memory_interval}: must be >= 0 (0 turns snapshots off)"
+            )
         _positive("checkpoint", keep_last=self.keep_last)
 
 
@@ -623,6 +653,7 @@ class Config:
     peft: PeftConfig = field(default_factory=PeftConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     stage: Stage = Stage.training
     run_dir: str = ""  # filled in by main.py from hydra.run.dir; never set by hand
 

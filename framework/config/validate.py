@@ -12,6 +12,7 @@ import os
 from typing import List, Optional
 
 from framework.config.degrees import ParallelDims, resolve_parallel_dims
+from framework.config.pipeline import microbatch_problems, pipeline_problems
 from framework.config.schema import Config, DataName, Stage
 from framework.errors import UserInputError
 
@@ -45,6 +46,12 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
                 "tensor-parallel groups span nodes, and their per-layer all-reduces over the "
                 "inter-node network are slow; keep tp <= nproc_per_node (and dividing it)"
             )
+    errors += pipeline_problems(p)
+    if p.pp > 1 and p.engine.value != "native":
+        errors.append(
+            f"parallelism.pp={p.pp} with parallelism.engine={p.engine.value}: pipeline stages are sharded by our "
+            "engine only; set parallelism.engine=native"
+        )
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
     if (
@@ -54,11 +61,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
             errors.append(
                 "optimizer=muon with parallelism.engine=torch: Muon orthogonalizes whole matrices, which our "
                 "engine's pieces provide; set parallelism.engine=native"
-            )
-        if p.tp > 1:
-            errors.append(
-                f"optimizer=muon with parallelism.tp={p.tp}: a tensor-parallel matrix is not gathered over tp "
-                "for its orthogonalization yet; set parallelism.tp=1"
             )
 
     if dims is not None:
@@ -70,6 +72,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
                 f"trainer.micro_batch_size ({t.micro_batch_size}) x data-parallel size "
                 f"({dims.dp}) = {per_step}; make it a multiple of {per_step}"
             )
+        elif dims.pp > 1 and not pipeline_problems(p):
+            per_rank = t.global_batch_size // dims.dp
+            errors += microbatch_problems(p, per_rank, per_rank // t.micro_batch_size)
 
     if cfg.data.name == DataName.indexed and not cfg.data.paths:
         errors.append(
@@ -102,6 +107,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
             )
         elif cfg.stage == Stage.fine_tuning and path and not (os.path.isfile(path) or os.path.isdir(path)):
             errors.append(f"finetune.{name}={path} is not a regular file or directory (a FIFO, device or socket)")
+    if cfg.stage == Stage.dpo:
+        from framework.config.dpo import dpo_problems
+
+        errors += dpo_problems(cfg)
     if cfg.peft.lora.enabled and p.float8:
         errors.append(
             "peft.lora.enabled=true with parallelism.float8=true: the adapters wrap the linears float8 "
@@ -162,6 +171,7 @@ def parallel_dims_of(cfg: Config, world_size: int) -> ParallelDims:
         tp=p.tp,
         ep=p.ep,
         cp=p.cp,
+        pp=p.pp,
         world_size=world_size,
         nproc_per_node=cfg.cluster.nproc_per_node,
     )

@@ -116,7 +116,7 @@ def test_degrees_are_inferred_per_strategy():
     from framework.config import parallel_dims_of
 
     assert vars(parallel_dims_of(cfg_of("parallelism.tp=2"), 8)) == dict(
-        dp_replicate=1, dp_shard=4, tp=2, world_size=8, ep=1, cp=1
+        dp_replicate=1, dp_shard=4, tp=2, world_size=8, ep=1, cp=1, pp=1
     )
     experts = parallel_dims_of(cfg_of("parallelism.ep=2"), 8)
     assert (experts.dp_shard, experts.ep, experts.efsdp) == (8, 2, 4)

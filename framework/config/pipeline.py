@@ -1,0 +1,130 @@
+"""Pipeline parallelism's settings and their arithmetic (`parallelism.pp*`), importable without torch.
+
+    pp                   stages across ranks (the outermost mesh dimension: pp x dp_replicate x
+                         dp_shard x cp x tp)
+    pp_schedule          gpipe | 1f1b | interleaved_1f1b | zbv (torch.distributed.pipelining's
+                         ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+    pp_microbatches      microbatches per optimizer step per data-parallel rank; -1: the gradient
+                         accumulation steps (global batch / (micro batch x dp))
+    pp_virtual_stages    stages per rank; -1: 1 for gpipe/1f1b, 2 for interleaved_1f1b and zbv
+    pp_split             layers per stage, in stage order (pp x virtual stages entries summing to
+                         the model's layers); empty: as even as the layers allow
+
+The planner (framework/planner) and the config validation read the bubble fraction and the
+resolved numbers from here; the trainer builds the schedule from them
+(framework/distributed/pipeline.py).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import List
+
+
+class PipelineSchedule(str, Enum):
+    gpipe = "gpipe"  # every forward, then every backward
+    one_f_one_b = "1f1b"  # one forward, one backward in the steady state
+    interleaved_1f1b = "interleaved_1f1b"  # 1F1B over several stages per rank (looped)
+    zbv = "zbv"  # zero bubble, V-shaped placement of two stages per rank
+
+    def __str__(self) -> str:  # the config field is a str (Hydra matches enums by name): round-trips
+        return self.value
+
+
+_MULTI_STAGE = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zbv)
+
+
+def virtual_stages(schedule: PipelineSchedule, requested: int) -> int:
+    """Stages per rank: `requested`, or the schedule's own default (-1)."""
+    if requested != -1:
+        return requested
+    return 2 if schedule in _MULTI_STAGE else 1
+
+
+def pipeline_problems(p) -> List[str]:
+    """The `parallelism` section's pipeline fields checked on their own (one line each)."""
+    errors: List[str] = []
+    if p.pp < 1:
+        errors.append(f"parallelism.pp={p.pp}: must be a positive degree (1: no pipeline)")
+    if p.pp_microbatches == 0 or p.pp_microbatches < -1:
+        errors.append(
+            f"parallelism.pp_microbatches={p.pp_microbatches}: must be positive, or -1 (the gradient "
+            "accumulation steps)"
+        )
+    v = p.pp_virtual_stages
+    if v == 0 or v < -1:
+        errors.append(f"parallelism.pp_virtual_stages={v}: must be positive, or -1 (the schedule's own)")
+    elif p.pp_schedule == PipelineSchedule.zbv and v not in (-1, 2):
+        errors.append(
+            f"parallelism.pp_virtual_stages={v} with parallelism.pp_schedule=zbv: zbv runs exactly 2 stages per rank"
+        )
+    elif p.pp_schedule == PipelineSchedule.interleaved_1f1b and v == 1:
+        errors.append(
+            "parallelism.pp_virtual_stages=1 with parallelism.pp_schedule=interleaved_1f1b: interleaving needs "
+            "at least 2 stages per rank; choose pp_schedule=1f1b or pp_virtual_stages >= 2"
+        )
+    elif p.pp_schedule not in _MULTI_STAGE and v not in (-1, 1):
+        errors.append(
+            f"parallelism.pp_virtual_stages={v} with parallelism.pp_schedule={p.pp_schedule.value}: one stage per "
+            "rank; choose pp_schedule=interleaved_1f1b or zbv for more"
+        )
+    if any(n < 1 for n in p.pp_split):
+        errors.append(f"parallelism.pp_split={list(p.pp_split)}: every stage needs at least one layer")
+    if p.pp > 1 and p.pp_split and not errors:
+        stages = p.pp * virtual_stages(p.pp_schedule, v)
+        if len(p.pp_split) != stages:
+            errors.append(
+                f"parallelism.pp_split has {len(p.pp_split)} entries for {stages} stages (pp={p.pp} x "
+                f"{virtual_stages(p.pp_schedule, v)} per rank); give one layer count per stage"
+            )
+    return errors
+
+
+def microbatch_problems(p, samples_per_rank: int, accum_steps: int) -> List[str]:
+    """pp_microbatches against one data-parallel rank's samples per step and the schedule's needs."""
+    if p.pp == 1:
+        return []
+    m = accum_steps if p.pp_microbatches == -1 else p.pp_microbatches
+    errors = []
+    if samples_per_rank % m:
+        errors.append(
+            f"parallelism.pp_microbatches={m} does not divide the {samples_per_rank} samples each data-parallel "
+            "rank trains on per step (trainer.global_batch_size / dp); choose a divisor"
+        )
+    if p.pp_schedule != PipelineSchedule.gpipe and m < p.pp:
+        errors.append(
+            f"parallelism.pp_microbatches={m} with parallelism.pp={p.pp} and pp_schedule={p.pp_schedule.value}: "
+            "the schedule needs at least one microbatch per stage rank; raise pp_microbatches (or the "
+            "accumulation steps) to >= pp"
+        )
+    if p.pp_schedule in _MULTI_STAGE and m % p.pp:
+        errors.append(
+            f"parallelism.pp_microbatches={m} with parallelism.pp_schedule={p.pp_schedule.value}: must be a "
+            f"multiple of parallelism.pp={p.pp}"
+        )
+    return errors
+
+
+def even_split(n_layers: int, stages: int) -> List[int]:
+    """Layers per stage, as even as possible (the earlier stages take one more)."""
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def bubble_fraction(schedule: PipelineSchedule, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The fraction of a step each rank idles, for equal stage times (forward F, backward 2F).
+
+    gpipe and 1f1b: (p - 1) / (m + p - 1) (both fill and drain the pipeline once).
+    interleaved_1f1b with v stages per rank: (p - 1) / (v m + p - 1) (Narayanan et al. 2021: the
+    fill and drain shrink v-fold).
+    zbv: ZB-V's bubble is (p - 1)(F + B - 2W) (Qi et al. 2024, section 6); with the input- and
+    weight-gradient halves equal (B = W = F), zero. Here the weight half runs with the input half
+    (framework/distributed/pipeline.py, [Note: zero-bubble schedules on our engine]), so the
+    figure is its 2-stage interleaved one: (p - 1) / (2 m + p - 1).
+    """
+    if pp <= 1:
+        return 0.0
+    if schedule in (PipelineSchedule.gpipe, PipelineSchedule.one_f_one_b):
+        return (pp - 1) / (microbatches + pp - 1)
+    v = 2 if schedule == PipelineSchedule.zbv else virtual
+    return (pp - 1) / (v * microbatches + pp - 1)
