@@ -34,9 +34,11 @@ class DPOConfig:
     disable_dropout: bool = True  # dropout off in the policy and the reference (as TRL does)
 
     def __post_init__(self) -> None:
-        from framework.config.schema import _choice
-
-        self.loss = _choice("dpo", "loss", self.loss, PreferenceLoss)
+        try:
+            self.loss = PreferenceLoss(self.loss)
+        except ValueError:
+            choices = ", ".join(e.value for e in PreferenceLoss)
+            raise UserInputError(f"dpo.loss={self.loss!r}: unknown; choose one of {choices}") from None
         if not 0 < self.beta < math.inf:
             raise UserInputError(f"dpo.beta={self.beta}: must be > 0 and finite")
         if not 0 <= self.label_smoothing < 0.5:
@@ -54,11 +56,9 @@ class DPOConfig:
 
 def dpo_problems(cfg) -> List[str]:
     """What a stage=dpo job refuses before any rank starts: its data and the layouts it runs on."""
-    from framework.config.schema import DataName
-
     problems = []
     p, d = cfg.parallelism, cfg.data
-    if d.name != DataName.hf or not d.paths:
+    if d.name != "hf" or not d.paths:  # DataName.hf (schema.py imports this file)
         problems.append(
             "stage=dpo reads preference records through data=hf: set data=hf data.paths=[<JSONL or parquet "
             "files of prompt, chosen and rejected>]"
@@ -72,7 +72,7 @@ def dpo_problems(cfg) -> List[str]:
             f"stage=dpo with parallelism.cp={p.cp}: a pair's log-probabilities are summed over whole "
             "sequences; set parallelism.cp=1 (sharding and tensor parallelism are supported)"
         )
-    if getattr(p, "pp", 1) > 1:
+    if p.pp > 1:
         problems.append(
             f"stage=dpo with parallelism.pp={p.pp}: pipeline stages are not supported for preference "
             "optimization; set parallelism.pp=1 (sharding and tensor parallelism are supported)"
