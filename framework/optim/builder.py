@@ -1,90 +1,19 @@
-"""Optimizer and schedule construction.
-
-[Note: what weight decay leaves alone]
-Weight decay pulls weights towards zero; it is not applied to a norm's scale and shift, to an
-embedding table, to biases, or to any other parameter of fewer than 2 dimensions (a gain, a
-scalar), as most language-model recipes do. What a parameter *is* decides, not its name: a name
-marker ("norm", "bias", "embeddings") misses GPT-2's `ln_1`, BERT's `LayerNorm`, Llama's
-`embed_tokens` and NeoX's `embed_in`. So the decision reads the module tree: the parameters of a
-module that is a norm (torch's norm classes, or any class whose name ends in "Norm": RMSNorm,
-T5LayerNorm, GemmaRMSNorm ...) or an embedding (`nn.Embedding` and its subclasses), every
-parameter registered as `bias`, and every parameter whose shape has fewer than 2 dims. It is taken
-on the model as built, before parallelism: the engine shards a matrix into 1-D pieces (so `ndim`
-there says nothing) and tensor parallel turns parameters into DTensors, while names stay the same
-(`build_optimizer` checks that they did). A parameter shared by two modules (a head tied to the
-embedding) is left undecayed if either module says so.
+"""Optimizer and schedule construction. Which parameters weight decay leaves alone and which
+matrices Muon steps is decided in framework/param_roles.py ([Note: what weight decay leaves
+alone]), the rule the planner counts by too; `no_decay_names` and `hidden_matrix_names` are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from framework.config.schema import OptimizerConfig, OptimizerName, Schedule
-
-# torch's own norm layers (BatchNorm's and InstanceNorm's class names end in "Norm1d" etc.)
-_TORCH_NORMS = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-    nn.LocalResponseNorm,
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.SyncBatchNorm,
-    nn.InstanceNorm1d,
-    nn.InstanceNorm2d,
-    nn.InstanceNorm3d,
-)
-
-
-def _undecayed_module(module: nn.Module) -> bool:
-    """A norm or an embedding: see [Note: what weight decay leaves alone]."""
-    norm = isinstance(module, _TORCH_NORMS) or type(module).__name__.endswith("Norm")
-    return norm or isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-
-
-def no_decay_names(model: nn.Module) -> Set[str]:
-    """Every name (tied parameters have several) of the parameters of `model` that weight decay
-    leaves alone ([Note: what weight decay leaves alone]). Call it on the model as built, before
-    parallelism changes its parameters' shapes."""
-    names_of: dict = {}
-    undecayed: set = set()
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        by_module = _undecayed_module(module)
-        for short, param in module.named_parameters(recurse=False):
-            names_of.setdefault(id(param), set()).add(f"{prefix}.{short}" if prefix else short)
-            if by_module or short == "bias" or param.dim() < 2:
-                undecayed.add(id(param))
-    return {name for key in undecayed for name in names_of[key]}
-
-
-def hidden_matrix_names(model: nn.Module) -> Set[str]:
-    """The names of the matrices Muon steps ([Note: Muon on sharded matrices]): every parameter of
-    2 or more dimensions that weight decay does not leave alone (so no embedding, norm or bias:
-    [Note: what weight decay leaves alone]) and that is not an output head: a linear layer outside
-    the repeated blocks (no layer index in its name) with as many outputs as an embedding table
-    has rows (a head tied to the embedding is the embedding). Stacked experts (3-D) are each
-    expert's matrix. Call it on the model as built."""
-    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    heads = {
-        id(m.weight)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and m.out_features in vocab and not _BLOCK_INDEX.search(f".{name}.")
-    }
-    undecayed = no_decay_names(model)
-    return {
-        name
-        for name, p in model.named_parameters(remove_duplicate=False)
-        if p.dim() >= 2 and name not in undecayed and id(p) not in heads
-    }
-
-
-_BLOCK_INDEX = re.compile(r"\.\d+\.")  # a module inside a ModuleList of blocks: layers.3.mlp
+from framework.param_roles import hidden_matrix_names, no_decay_names  # noqa: F401  (re-exported)
 
 
 def _param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float, undecayed: Set[str]) -> List[dict]:
@@ -98,10 +27,18 @@ def _param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, undecayed: Optional[Set[str]] = None, hidden: Optional[Set[str]] = None
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    undecayed: Optional[Set[str]] = None,
+    hidden: Optional[Set[str]] = None,
+    seed: int = 0,
 ) -> torch.optim.Optimizer:
     """`undecayed` / `hidden`: `no_decay_names` / `hidden_matrix_names` of the model as built, when
-    `model` has been parallelized since; None: taken from `model` itself (a model as built)."""
+    `model` has been parallelized since; None: taken from `model` itself (a model as built).
+    `seed`: the job's, for bf16 state's rounding ([Note: bf16 optimizer state and its rounding])."""
+    from framework.optim.lowp import STATE_DTYPES, AdamWLowState
+
+    state_dtype = STATE_DTYPES[cfg.state_dtype]
     if undecayed is None:
         undecayed = no_decay_names(model)
     if hidden is None and cfg.name == OptimizerName.muon:
@@ -128,8 +65,13 @@ def build_optimizer(
             momentum=cfg.muon_momentum,
             ns_steps=cfg.muon_ns_steps,
             adjust_lr_fn=cfg.muon_adjust_lr,
+            state_dtype=state_dtype,
+            seed=seed,
         )
     groups = _param_groups(model.named_parameters(), cfg.weight_decay, undecayed)
+    if cfg.name == OptimizerName.adamw and state_dtype != torch.float32:  # moments in bfloat16: ours
+        betas = (cfg.beta1, cfg.beta2)
+        return AdamWLowState(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, state_dtype=state_dtype, seed=seed)
     if cfg.name == OptimizerName.adamw:
         # foreach=False on CPU: one kernel per parameter; the multi-tensor path groups tensors by
         # device and dtype and is no faster there. On a GPU, foreach=True: torch's own default

@@ -9,7 +9,9 @@ gathers a matrix to one owner only where it crosses ranks, [Note: whole matrices
 framework/distributed/fsdp/whole.py), so this file imports nothing of the engine. Groups with
 `muon=True` hold the 2-D hidden matrices; the others (embeddings, norms, biases, the output head)
 are stepped by torch's AdamW, which shares this optimizer's groups and state, so one scheduler,
-one state dict and one checkpoint cover both. Which matrix is which is decided by
+one state dict and one checkpoint cover both. With `state_dtype=torch.bfloat16` the momentum
+buffers and AdamW's moments are kept in bfloat16 ([Note: bf16 optimizer state and its rounding] in
+framework/optim/lowp.py; the AdamW part is then `AdamWLowState`). Which matrix is which is decided by
 `framework.optim.builder` from what the parameter is, never from a piece's own shape.
 """
 
@@ -19,6 +21,8 @@ import math
 from typing import Iterable, List, Tuple
 
 import torch
+
+from framework.optim.lowp import SALT_MOMENTUM, AdamWLowState, recast_state_, rounding_key, store_
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic iteration's published coefficients
 NS_STEPS = 5
@@ -78,11 +82,14 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: int = NS_STEPS,
         adjust_lr_fn: str = "original",
         ns_dtype: torch.dtype = torch.bfloat16,
+        state_dtype: torch.dtype = torch.float32,
+        seed: int = 0,
     ) -> None:
         muon_groups = [{**g, "muon": True} for g in muon_groups]
         adamw_groups = [{**g, "muon": False} for g in adamw_groups]
         self._adamw_defaults = dict(adamw_defaults)
         self.ns_dtype = ns_dtype  # the Newton-Schulz iteration's dtype (bfloat16, as torch's Muon)
+        self.state_dtype, self.seed = state_dtype, seed  # the state's dtype between steps; rounding's seed
         defaults = dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(muon_groups + adamw_groups, {**defaults, **adamw_defaults})
         for g in self.param_groups:
@@ -98,7 +105,11 @@ class MuonAdamW(torch.optim.Optimizer):
         groups = [g for g in self.param_groups if not g["muon"]]
         self._adamw = None
         if groups and any(g["params"] for g in groups):
-            adamw = torch.optim.AdamW([torch.zeros(1)], **self._adamw_defaults)
+            if self.state_dtype == torch.float32:
+                adamw = torch.optim.AdamW([torch.zeros(1)], **self._adamw_defaults)
+            else:  # moments in bfloat16: our AdamW (torch's keeps them in the parameter's dtype)
+                defaults = {k: v for k, v in self._adamw_defaults.items() if k != "foreach"}
+                adamw = AdamWLowState([torch.zeros(1)], **defaults, state_dtype=self.state_dtype, seed=self.seed)
             for g in groups:  # AdamW's own settings (amsgrad, maximize, ...) where a group lacks them
                 for k, v in adamw.defaults.items():
                     g.setdefault(k, v)
@@ -108,6 +119,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
+        if self.state_dtype != torch.float32:  # torch's load cast the state to the parameters' dtype
+            recast_state_(self, ("momentum_buffer", "exp_avg", "exp_avg_sq"), self.state_dtype)
         self._link_adamw()  # the groups are new dicts now
 
     @torch.no_grad()
@@ -129,12 +142,23 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         m, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         updates: List[torch.Tensor] = []
+        low = self.state_dtype != torch.float32
+        slots = {id(p): i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
+                state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=self.state_dtype if low else None)
+                if low:  # the step count that keys its rounding
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
             buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - m)
+            if low:  # [Note: bf16 optimizer state and its rounding]: updated in float32, stored rounded
+                state["step"] += 1
+                key = rounding_key(self.seed, int(state["step"].item()), slots[id(p)], SALT_MOMENTUM)
+                buf32 = buf.to(torch.float32).lerp_(p.grad, 1 - m)
+                store_(buf, buf32, key)
+                buf = buf32
+            else:
+                buf.lerp_(p.grad, 1 - m)
             updates.append(p.grad.lerp(buf, m) if group["nesterov"] else buf)
 
         def ns(matrix: torch.Tensor) -> torch.Tensor:  # stacked experts: each expert's matrix on its own
