@@ -47,7 +47,9 @@ class KVCache:
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row so far
         self.layers = [LayerCache(self, i) for i in range(n_layers)]
         self.positions: Optional[torch.Tensor] = None  # (batch, new): rotary positions of the new tokens
-        self.mask: Optional[torch.Tensor] = None  # (batch, 1, new, length + new): who attends to whom
+        # (batch, 1, new, length + new): who attends to whom; None: every new token sees every cached one
+        self.mask: Optional[torch.Tensor] = None
+        self.padded: Optional[bool] = None  # whether the prompts were padded (set by the first extend)
         self._new = 0
 
     def extend(self, valid: torch.Tensor) -> None:
@@ -60,12 +62,17 @@ class KVCache:
         self.valid[:, start:end] = valid
         self.positions = (self.seen[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)
         self.seen += valid.long().sum(1)
+        self._new = new
+        if new == 1 and self.padded is False:  # one real token per row and no padding: it sees everything
+            self.mask = None
+            return
+        if self.padded is None:  # the first extend: the prompts
+            self.padded = not bool(valid.all())
         queries = torch.arange(start, end, device=valid.device)[:, None]
         keys = torch.arange(end, device=valid.device)[None, :]
         mask = (keys <= queries)[None] & self.valid[:, None, :end]
         mask |= (keys == queries)[None]  # a padding query attends to itself alone ([Note: the Llama KV cache])
         self.mask = mask[:, None]
-        self._new = new
 
     def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write layer `index`'s keys and values of the new tokens (batch, new, heads, head_dim);

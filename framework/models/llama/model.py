@@ -110,6 +110,12 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)  # whole sequences (positions from 0)
         if cache is not None:  # decoding: the new tokens' keys join those of the earlier ones
             k, v = cache.update(k, v)
+            # mask: (batch, 1, new, cached) from the cache, or None where each new token (one per
+            # row, no padding) attends to every cached one; the KV heads are shared in place
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=n_rep > 1
+            ).transpose(1, 2)
+            return self.wo(out.reshape(bsz, seq, -1))
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
