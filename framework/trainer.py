@@ -123,6 +123,11 @@ class Trainer:
 
             self.ckpt = CheckpointManager(cfg, cfg.run_dir, rt)
             self.ckpt.tokenizer = self.data.tokenizer
+        self.memory = None  # in-memory snapshots (checkpoint.memory_interval): framework/checkpoint/memory.py
+        if c.memory_interval:
+            from framework.checkpoint.memory import MemorySnapshots
+
+            self.memory = MemorySnapshots(cfg, rt, self.engine)
         self.flops_per_token = family.flops_per_token(model, cfg.data.seq_len)
         self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
         # The step's loss, gradient norm and finite-loss check, on the device between reads
@@ -205,7 +210,9 @@ class Trainer:
         """Train to trainer.max_steps (or a stop); `started()` runs once the job is past its
         refusals (resume, trackers), before the first step: rank 0 records the config there."""
         cfg, t, rt = self.cfg, self.cfg.trainer, self.rt
-        if self.ckpt is not None:
+        if self.memory is not None:  # the newest snapshot every rank has, else the disk
+            self.state.step = self.memory.restore(self.state, self.ckpt)
+        elif self.ckpt is not None:
             self.state.step = self.ckpt.resume(self.state)
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         trackers = self.open_trackers()
@@ -292,8 +299,12 @@ class Trainer:
                 if self.ckpt is not None and self.ckpt.should_save(step):
                     self.ckpt.save(self.state)
                     logger.plot()
+                if self.memory is not None:
+                    self.memory.snapshot(self.state)
             if self.ckpt is not None:
                 self.ckpt.finish(self.state)
+            if self.memory is not None:
+                self.memory.close(finished=True)
             if self.task.end_of_run is not None and self.data.tokenizer is not None:
                 # the task's own showing of the trained model (a text sample, generated examples);
                 # every rank runs it: the sharded model's forwards are collective
@@ -307,6 +318,8 @@ class Trainer:
             logger.close()
             if self.ckpt is not None:
                 self.ckpt.close()
+            if self.memory is not None:
+                self.memory.wait()
             self.stop.close()
         return 0
 

@@ -7,6 +7,8 @@ of that rank, at its <call>-th call of cross_entropy in that process (the step, 
 computes the loss once and nothing else does), do <kind>:
   runtime  raise RuntimeError     oserror  raise OSError       kill  SIGKILL itself
   refuse   raise the framework's UserInputError (bad input found by that rank only)
+  corrupt  flip one byte of that rank's newest committed in-memory snapshot (in the directory
+           FRAMEWORK_TEST_SNAPSHOT_DIR), then SIGKILL itself
 <attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean).
 """
 
@@ -39,10 +41,30 @@ if _spec:
                     raise OSError(28, "No space left on device (injected)")
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "corrupt":
+                    _corrupt_newest_snapshot(rank)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if kind == "refuse":
                     from framework.errors import UserInputError
 
                     raise UserInputError(f"injected refusal on rank {rank}")
         return _original(*args, **kwargs)
+
+    def _corrupt_newest_snapshot(rank):
+        import glob
+        import time
+
+        pattern = os.path.join(os.environ["FRAMEWORK_TEST_SNAPSHOT_DIR"], f"fwsnap-*-r{int(rank):05d}-s*.data")
+        deadline = time.monotonic() + 20
+        while True:  # the newest one's manifest: written last, once the writer thread is done
+            newest = max(glob.glob(pattern), default=None)
+            if newest and os.path.exists(newest[: -len(".data")] + ".json") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        with open(newest, "r+b") as f:
+            f.seek(os.path.getsize(newest) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
 
     F.cross_entropy = _faulty_cross_entropy

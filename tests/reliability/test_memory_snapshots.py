@@ -1,0 +1,106 @@
+"""In-memory snapshots (checkpoint.memory_interval): a torchrun restart resumes from host memory
+before any disk, exactly; a corrupted snapshot is refused by its hash and the disk used; nothing is
+left in the snapshot directory once a job has finished or failed. Faults come from
+inject/sitecustomize.py, as in test_failures.py; each job's snapshots go to a directory of the
+test's own (checkpoint.memory_dir) instead of /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, TINY, read_metrics, run_main
+
+INJECT = Path(__file__).resolve().parent / "inject"
+ARGS = TINY + [
+    "trainer.eval_interval=0",
+    "optimizer.schedule=cosine",  # the LR schedule's state is part of what a restore brings back
+    "checkpoint.resume=auto",
+    "checkpoint.memory_interval=5",
+]
+
+
+def _env(fault: str, shm: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(
+        PYTHONPATH=f"{INJECT}{os.pathsep}{REPO}",
+        OMP_NUM_THREADS="1",
+        FRAMEWORK_TEST_FAULT=fault,
+        FRAMEWORK_TEST_SNAPSHOT_DIR=str(shm),
+    )
+    return env
+
+
+def _losses(run: Path) -> dict:
+    return {row["step"]: row["loss"] for row in read_metrics(run) if "loss" in row}
+
+
+def _left_in(shm: Path, within_s: float = 10.0) -> list:
+    """What is still in `shm` once the job's sweeper had `within_s` to see its creator end."""
+    deadline = time.monotonic() + within_s
+    while os.listdir(shm) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return sorted(os.listdir(shm))
+
+
+def test_torchrun_restart_resumes_from_memory_then_from_disk_when_the_snapshot_is_corrupted(tmp_path):
+    """torchrun --max-restarts=2, checkpoint.interval=13, memory_interval=5, 19 steps. Attempt 0:
+    rank 1 is SIGKILLed at step 12, before any disk checkpoint: the job restores step 10 from
+    memory. Attempt 1: at step 17 rank 1 flips a byte of its snapshot of step 15, then dies: the
+    hash refuses it, and the job restores the disk's step 13. Every step's loss equals the
+    uninterrupted run's, bit for bit; nothing is left in the snapshot directory."""
+    args = ARGS + ["trainer.max_steps=19", "checkpoint.interval=13"]
+    reference_shm = tmp_path / "reference_shm"
+    reference_shm.mkdir()
+    reference = run_main(
+        args + [f"checkpoint.memory_dir={reference_shm}", f"hydra.run.dir={tmp_path}/reference"], tmp_path
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = _losses(tmp_path / "reference")
+    assert sorted(expected) == list(range(1, 20))
+    assert _left_in(reference_shm) == []  # a finished job's snapshots are gone
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=2"]
+    cmd += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(REPO / "main.py"), *args]
+    cmd += [f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
+    out = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=_env("kill:1:12,corrupt:1:7:1", shm),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = out.stderr
+    assert out.returncode == 0, err[-4000:]
+    restores = [line for line in err.splitlines() if line.startswith("restored step")]
+    assert len(restores) == 2, err[-4000:]
+    assert restores[0].startswith(f"restored step 10 from memory (local, {shm}) in "), restores
+    assert restores[1].startswith("restored step 13 from disk: the memory snapshot of step 15 on rank 1 is refused: ")
+    assert "do not match its manifest's sha256 (torn or corrupted)" in restores[1], restores
+    got = _losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 20)), sorted(got)
+    differ = {step: (got[step], expected[step]) for step in got if got[step] != expected[step]}
+    assert not differ, differ  # fp32 on CPU: a restore gives back every bit, so the losses too
+    assert _left_in(shm) == []
+
+
+def test_a_failed_job_leaves_no_snapshot_behind(tmp_path):
+    """At step 7 rank 1 waits for its committed snapshot of step 5 (the `corrupt` fault needs one),
+    flips a byte of it and is killed, with no torchrun to restart it: the job fails, and its
+    sweeper removes both ranks' snapshots once `main.py` has ended."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    out = run_main(
+        ARGS + ["trainer.max_steps=9", f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"],
+        tmp_path,
+        env=_env("corrupt:1:7", shm),
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "error: rank 1 was killed by signal SIGKILL" in out.stderr, out.stderr[-3000:]
+    assert _left_in(shm) == []
