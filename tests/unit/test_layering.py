@@ -15,7 +15,7 @@ LAYERS = [
     {"config", "fileio", "offline", "task_files", "param_roles"},
     {"loss_plot"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
-    {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight"},
+    {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation"},
     {"trainer"},
     {"generate", "evaluate", "dpo"},
     {"entrypoint"},
