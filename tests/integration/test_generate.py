@@ -58,3 +58,11 @@ def test_generate_from_a_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, stdl
     )
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "error: stage=generate needs generate.prompts=[...]" in refused.stderr
+    # the prompt and its completion must fit the model's positions (model=debug: 1024), refused in one line
+    long = generate(1, "generate.max_new_tokens=1020")
+    assert long.returncode == 2, long.stderr[-3000:]
+    errors = [line for line in long.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: generate.max_new_tokens=1020: with the longest prompt ("
+    ), errors
+    assert "exceeds the model's 1024 positions" in errors[0], errors
