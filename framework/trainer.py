@@ -37,6 +37,9 @@ from framework.train_state import TrainState
 
 
 class Trainer:
+    # (cfg, dp_rank=, dp_size=) -> DataBundle: a stage's own data, in a subclass (None: the data section's)
+    data_builder = None
+
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
         t = cfg.trainer
@@ -59,7 +62,9 @@ class Trainer:
                 f"parallelism.cp={self.dims.cp} with model.task={self.task.name}: only causal language "
                 "modelling splits its sequences; set parallelism.cp=1"
             )
-        if cfg.stage == Stage.fine_tuning:  # JSONL records, response-only labels (framework/finetune/)
+        if self.data_builder is not None:  # a stage's own data (a subclass's: framework/dpo/trainer.py)
+            self.data = self.data_builder(cfg, dp_rank=self.dp_rank, dp_size=self.dims.dp)
+        elif cfg.stage == Stage.fine_tuning:  # JSONL records, response-only labels (framework/finetune/)
             from framework.finetune.build import build_finetune_data
 
             self.data = build_finetune_data(cfg, dp_rank=self.dp_rank, dp_size=self.dims.dp)
@@ -94,7 +99,21 @@ class Trainer:
         self.engine = engine_of(cfg.parallelism.engine)  # clipping, counters (framework/distributed/engines.py)
         undecayed = no_decay_names(model)  # from the model as built: [Note: what weight decay leaves alone]
         hidden = hidden_matrix_names(model)  # Muon's matrices, likewise: [Note: Muon on sharded matrices]
-        self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
+        self.pipeline = None
+        if self.dims.pp > 1:  # stages under torch's schedules (framework/distributed/pipeline.py)
+            from framework.distributed.pipeline import Pipeline
+
+            accum = self.data.train.accum_steps
+            from framework.models.tasks import cross_entropy
+
+            self.pipeline = Pipeline(
+                model, self.dims, self.mesh, cfg, family, rt.device, accum, self.task, cross_entropy
+            )
+            self.model = self.pipeline.model
+            kept = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}  # this rank's stages'
+            undecayed, hidden = undecayed & kept, hidden & kept
+        else:
+            self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
         if meta:
             self.model.to_empty(device=rt.device)
             torch.manual_seed(t.seed + rt.rank)  # each rank draws its own shards' values
@@ -106,7 +125,7 @@ class Trainer:
             torch.manual_seed(t.seed)
         elif rt.device.type != "cpu":
             self.model.to(rt.device)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, undecayed, hidden)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, undecayed, hidden, seed=t.seed)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.max_steps)
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data.train)
         self.ckpt = None
@@ -141,6 +160,9 @@ class Trainer:
         model = self.model
         accum = self.data.train.accum_steps
         total = torch.zeros((), device=self.rt.device)
+        if self.pipeline is not None:  # every microbatch through the stages: one schedule step
+            batches = [to_device(self.data.train.next_batch(), self.rt.device) for _ in range(accum)]
+            total, accum = self.pipeline.train_batches(batches), 0
         for micro in range(accum):
             model.set_requires_gradient_sync(micro == accum - 1)
             batch = to_device(self.data.train.next_batch(), self.rt.device)
@@ -188,11 +210,14 @@ class Trainer:
         valid.load_state_dict({"consumed_samples": 0})
         batches = [valid.next_batch() for _ in range(self.cfg.trainer.eval_iters * valid.accum_steps)]
         total = torch.zeros((), device=self.rt.device)
+        if self.pipeline is not None:  # forward-only passes of the schedule, a step's batches each
+            total = self.pipeline.eval_total([to_device(b, self.rt.device) for b in batches], valid.accum_steps)
+            batches = []
         for batch in batches:
             with loss_context(self.model), self._sequences_split():  # tensor / context parallel
                 total += full(self._loss(to_device(batch, self.rt.device)))
-        out = {"val_loss": float(_world_mean(total)) / len(batches)}
-        if self.task.metrics is not None:
+        out = {"val_loss": float(_world_mean(total)) / (self.cfg.trainer.eval_iters * valid.accum_steps)}
+        if self.task.metrics is not None and self.pipeline is None:
             if hasattr(valid, "whole_split"):
                 batches = valid.whole_split()
             sums: dict[str, torch.Tensor] = {}
@@ -238,7 +263,9 @@ class Trainer:
         d = self.dims
         logger.write(
             f"model={cfg.model.name} ({self.num_params / 1e6:.1f}M parameters) on {rt.world_size} "
-            f"rank(s) of {rt.device.type}: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
+            f"rank(s) of {rt.device.type}: "
+            f"{f'pp={d.pp} ({cfg.parallelism.pp_schedule.value}) ' if d.pp > 1 else ''}"
+            f"dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
             f"tp={d.tp}{f' ep={d.ep}' if d.ep > 1 else ''}{f' cp={d.cp}' if d.cp > 1 else ''}, "
             f"engine={cfg.parallelism.engine.value}, "
             f"strategy={cfg.parallelism.strategy.value}, "
@@ -305,10 +332,16 @@ class Trainer:
                 self.ckpt.finish(self.state)
             if self.memory is not None:
                 self.memory.close(finished=True)
-            if self.task.end_of_run is not None and self.data.tokenizer is not None:
+            if self.task.end_of_run is not None and self.data.tokenizer is not None and self.pipeline is None:
                 # the task's own showing of the trained model (a text sample, generated examples);
                 # every rank runs it: the sharded model's forwards are collective
-                view = RunView(self.model, self.data, rt.device, t.seed, cfg.data.seq_len, t.sample_tokens, full)
+                from framework.generation import generate
+
+                # decoding feeds one token at a time, which sequence parallelism cannot split: no sample
+                sampler = None if cfg.parallelism.sequence_parallel and self.dims.tp > 1 else generate
+                view = RunView(
+                    self.model, self.data, rt.device, t.seed, cfg.data.seq_len, t.sample_tokens, full, sampler
+                )
                 text = self.task.end_of_run(view)
                 if text and rt.is_main:
                     logger.write(text)
@@ -382,15 +415,16 @@ def _world_mean(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size()
 
 
-def _train(cfg: Config, rt: Runtime, body=None, record=None) -> int:
-    """`Trainer(cfg, rt).fit()`, or `body(trainer)` (another stage on the same build: generate),
+def _train(cfg: Config, rt: Runtime, body=None, record=None, trainer_class=Trainer) -> int:
+    """`trainer_class(cfg, rt).fit()` (a subclass: stage=dpo's), or `body(trainer)` (another stage on the same
+    build: generate),
     with every failure turned into its exit status. `record` (rank 0 calls it): writes the job's
     config, before training's first step or once another stage has finished ([Note: one
     config.yaml per run] in framework/entrypoint.py)."""
     record = record if rt.rank == 0 else None
     try:
         if body is None:
-            return Trainer(cfg, rt).fit(started=record)
+            return trainer_class(cfg, rt).fit(started=record)
         code = body(Trainer(cfg, rt))
         if code == 0 and record is not None:
             record()
@@ -415,7 +449,7 @@ def _train(cfg: Config, rt: Runtime, body=None, record=None) -> int:
         return EXIT_CRASH
 
 
-def run(cfg: Config, claim=None, body=None, record=None) -> int:
+def run(cfg: Config, claim=None, body=None, record=None, trainer_class=Trainer) -> int:
     """One rank's whole job: join the process group, train (or `body(trainer)`), leave. Returns
     the exit status. `claim` (under torchrun, where rank 0 is not a parent of the others): rank 0
     takes the run directory once the ranks can talk, and a refusal there ends every rank with 2.
@@ -429,7 +463,7 @@ def run(cfg: Config, claim=None, body=None, record=None) -> int:
                 print(f"error: {problem[0]}", file=sys.stderr, flush=True)
             shutdown()
             return EXIT_BAD_INPUT
-    code = _train(cfg, rt, body, record)
+    code = _train(cfg, rt, body, record, trainer_class)
     # [Note: nothing outlives the process group]
     # The trainer (model, optimizer, the engine's buffers and pending work) must be gone before the
     # process group is destroyed: an exception's traceback keeps its frames alive, and objects freed

@@ -68,6 +68,11 @@ def pipeline_problems(p) -> List[str]:
             f"parallelism.pp_virtual_stages={v} with parallelism.pp_schedule={p.pp_schedule.value}: one stage per "
             "rank; choose pp_schedule=interleaved_1f1b or zbv for more"
         )
+    if p.pp > 1 and p.sequence_parallel:
+        errors.append(
+            f"parallelism.pp={p.pp} with parallelism.sequence_parallel=true: the activations between stages are "
+            "whole sequences for now; set parallelism.sequence_parallel=false"
+        )
     if any(n < 1 for n in p.pp_split):
         errors.append(f"parallelism.pp_split={list(p.pp_split)}: every stage needs at least one layer")
     if p.pp > 1 and p.pp_split and not errors:
@@ -78,6 +83,17 @@ def pipeline_problems(p) -> List[str]:
                 f"{virtual_stages(p.pp_schedule, v)} per rank); give one layer count per stage"
             )
     return errors
+
+
+def evaluation_problems(p, eval_interval: int) -> List[str]:
+    """Validation under a pipeline runs the schedule forward only (`schedule.eval`), which torch's
+    ZBV schedule cannot do (its V passes a backward between a rank's two stages even then)."""
+    if p.pp > 1 and p.pp_schedule == PipelineSchedule.zbv and eval_interval:
+        return [
+            f"parallelism.pp_schedule=zbv with trainer.eval_interval={eval_interval}: torch's ZBV schedule has no "
+            "forward-only pass for validation; set trainer.eval_interval=0 or pp_schedule=interleaved_1f1b"
+        ]
+    return []
 
 
 def microbatch_problems(p, samples_per_rank: int, accum_steps: int) -> List[str]:

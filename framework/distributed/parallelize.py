@@ -37,6 +37,27 @@ def apply_activation_checkpointing(blocks, mode: ActivationCheckpointing) -> Non
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
+def shard_kwargs(mesh, dims: ParallelDims, cfg: ParallelismConfig) -> tuple:
+    """(fully_shard, its keyword arguments) of `parallelism.engine`, configured, for every unit."""
+    engine = engine_of(cfg.engine)
+    engine.configure(cfg)
+    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine.api()
+    precision = {"param_dtype": _DTYPES[cfg.param_dtype], "reduce_dtype": _DTYPES[cfg.reduce_dtype]}
+    if cfg.quantized_comm:  # our engine only; the config refuses it with engine=torch
+        precision["quantized_comm"] = True
+    kwargs = {"mesh": dp_mesh_of(mesh, dims), "mp_policy": MixedPrecisionPolicy(**precision)}
+    if cfg.shard_boundary.value != "anywhere":  # our engine only; the config refuses it with engine=torch
+        kwargs["shard_boundary"] = cfg.shard_boundary.value
+    if cfg.float8:
+        from framework.distributed.float8 import all_gather_in_float8, is_float8_linear
+
+        if all_gather_in_float8(cfg):
+            kwargs.update(engine.float8_gather_kwargs(is_float8_linear))
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return fully_shard, kwargs
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConfig, family) -> nn.Module:
     """`family` is the model's registry record (`framework/models/registry.py`): its `blocks`
     (the sharding units), `tp_plan` and activation-checkpoint targets; this module knows no model."""
@@ -65,21 +86,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         for block in blocks:
             block.compile()
 
-    engine.configure(cfg)
-    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = engine.api()
-    precision = {"param_dtype": _DTYPES[cfg.param_dtype], "reduce_dtype": _DTYPES[cfg.reduce_dtype]}
-    if cfg.quantized_comm:  # our engine only; the config refuses it with engine=torch
-        precision["quantized_comm"] = True
-    kwargs = {"mesh": dp_mesh_of(mesh, dims), "mp_policy": MixedPrecisionPolicy(**precision)}
-    if cfg.shard_boundary.value != "anywhere":  # our engine only; the config refuses it with engine=torch
-        kwargs["shard_boundary"] = cfg.shard_boundary.value
-    if cfg.float8:
-        from framework.distributed.float8 import all_gather_in_float8, is_float8_linear
-
-        if all_gather_in_float8(cfg):
-            kwargs.update(engine.float8_gather_kwargs(is_float8_linear))
-    if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    fully_shard, kwargs = shard_kwargs(mesh, dims, cfg)
     reshard = cfg.strategy != Strategy.grad_op
     for block in blocks:
         if expert_mesh is not None:

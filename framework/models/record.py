@@ -85,6 +85,12 @@ class ModelFamily:
     # the data's tokenizer decides it, and `with_vocab_size` gives the config the model is built with.
     vocab_size: Callable[[ModelConfig], int] = lambda cfg: 0
     with_vocab_size: Callable[[ModelConfig, int], ModelConfig] = lambda cfg, vocab_size: cfg
+    # Pipeline parallelism (framework/distributed/pipeline.py): (model, start, end, first, last) ->
+    # the module running blocks [start, end) (with the embedding if first, the head if last) under
+    # the model's own names, and (model, pp) -> None refusing what a pipeline of it cannot do.
+    # None: parallelism.pp > 1 is refused.
+    pipeline_stage: Callable[[nn.Module, int, int, bool, bool], nn.Module] | None = None
+    check_pipeline: Callable[[nn.Module, int], None] = lambda model, pp: None
     # Refuses (UserInputError) a configuration this family cannot build; run before any rank starts.
     check: Callable[[ModelConfig], None] = lambda cfg: None
     # A directory whose weights initialise the model at the start (model=hf model.path); "" none.

@@ -13,6 +13,7 @@ from framework.models.hf.model import (
     task_of,
     weights_dir,
 )
+from framework.models.hf.pipeline import check_pipeline, pipeline_stage
 from framework.models.record import ModelFamily
 from framework.models.tasks import get_task
 
@@ -37,4 +38,6 @@ FAMILY = ModelFamily(
     weights_dir=weights_dir,
     args_type=HFArgs,
     tp_plan=lambda model, sequence_parallel: _plan(model, sequence_parallel),
+    pipeline_stage=pipeline_stage,
+    check_pipeline=check_pipeline,
 )

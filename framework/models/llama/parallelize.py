@@ -43,7 +43,10 @@ def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyl
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
-    for index in range(len(model.layers)):
+    # A pipeline stage (framework/models/llama/pipeline.py) holds some of the blocks, under their
+    # indices in the whole model, and the embedding or the head only where it runs them.
+    plan = {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
+    for index, _ in model.layers.named_children():
         prefix = f"layers.{index}"
         block = {
             # The rotary table (second argument) is a plain tensor every rank holds whole.

@@ -1,0 +1,78 @@
+"""Hugging Face decoders cut into pipeline stages by layers (`model=hf`, parallelism.pp).
+
+Decoders laid out as transformers' Llama family is (`model.embed_tokens`, `model.layers`,
+`model.norm`, `model.rotary_emb`, `lm_head`: Llama, Mistral, Qwen2/3 and their kin) are cut like
+our Llama (framework/models/llama/pipeline.py): the embedding on the first stage, the final norm
+and `lm_head` on the last, a contiguous run of decoder layers on each, under the whole model's
+own names, so checkpoints and exports move between pipeline degrees. Each stage computes the
+positions, the rotary table and the causal mask as the whole model's forward does (transformers'
+`create_causal_mask`), so a stage's layers see what they would see in the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.errors import UserInputError
+
+_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+class HFDecoderStage(nn.Module):
+    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        base = model.model
+        self.model = nn.Module()  # the whole model's `model.` prefix
+        if first:
+            self.model.embed_tokens = base.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(start, end)})
+        if last:
+            self.model.norm = base.norm
+            self.lm_head = model.lm_head
+        self.model.rotary_emb = base.rotary_emb  # a buffer only (inv_freq): shared by the stages
+        self.first, self.last = first, last
+        self.__dict__["_config"] = model.config
+        self.dim, self.vocab_size = int(model.config.hidden_size), int(model.config.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.model.embed_tokens(x) if self.first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions
+        )
+        rotary = self.model.rotary_emb(h, position_ids=positions)
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.lm_head(self.model.norm(h)) if self.last else h
+
+    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
+        x = (
+            torch.empty(batch, seq, dtype=torch.long, device="meta")
+            if self.first
+            else torch.empty(batch, seq, self.dim, dtype=dtype, device="meta")
+        )
+        width = self.vocab_size // tp if self.last else self.dim
+        return x, torch.empty(batch, seq, width, dtype=dtype, device="meta")
+
+
+def check_pipeline(model: nn.Module, pp: int) -> None:
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, p) for p in _PARTS) or not hasattr(model, "lm_head"):
+        raise UserInputError(
+            f"parallelism.pp={pp} with model=hf ({type(model).__name__}): stages are cut from decoders laid out "
+            "as transformers' Llama (model.embed_tokens, model.layers, model.norm, lm_head) only; set "
+            "parallelism.pp=1"
+        )
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise UserInputError(
+            f"parallelism.pp={pp} with model=hf and tie_word_embeddings=true: the embedding (first stage) and "
+            "lm_head (last stage) live on different ranks; set tie_word_embeddings: false in the config"
+        )
+
+
+def pipeline_stage(model: nn.Module, start: int, end: int, first: bool, last: bool) -> HFDecoderStage:
+    return HFDecoderStage(model, start, end, first, last)

@@ -1,0 +1,76 @@
+"""Our Llama cut into pipeline stages by layers: the embedding on the first stage, the final norm
+and the output head on the last, a contiguous run of blocks on each.
+
+A stage holds the model's own submodules under the model's own names (`tok_embeddings`,
+`layers.<index in the whole model>`, `norm`, `output`), so a stage's parameter names are the
+whole model's and checkpoints move between pipeline degrees. The generic side (which rank runs
+which stage, the schedule, the engine) is framework/distributed/pipeline.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.errors import UserInputError
+from framework.models.llama.model import Transformer
+
+
+class _Rotary(nn.Module):
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.register_buffer("table", table, persistent=False)
+
+
+class LlamaStage(nn.Module):
+    """Layers [start, end) of `model`, with the embedding if `first` and the norm and head if `last`.
+    Its input is the tokens (first) or the previous stage's hidden states (batch, seq, dim); its
+    output the logits (last) or its hidden states."""
+
+    def __init__(self, model: Transformer, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        if first:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
+        if last:
+            self.norm, self.output = model.norm, model.output
+        # The rotary table, one module shared by the stages (moved with them, never saved).
+        self.rotary = model.__dict__.setdefault("_pipeline_rotary", _Rotary(model.rope))
+        self.first, self.last = first, last
+        self.dim, self.vocab_size = model.cfg.dim, model.cfg.vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.first else x
+        rope = self.rotary.table
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        return self.output(self.norm(h)) if self.last else h
+
+    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
+        """(input, output) tensors on the meta device with this stage's shapes and dtypes: the
+        pipeline's static description of what travels between stages."""
+        x = (
+            torch.empty(batch, seq, dtype=torch.long, device="meta")
+            if self.first
+            else torch.empty(batch, seq, self.dim, dtype=dtype, device="meta")
+        )
+        width = self.vocab_size // tp if self.last else self.dim  # tensor parallel: the local logits
+        return x, torch.empty(batch, seq, width, dtype=dtype, device="meta")
+
+
+def check_pipeline(model: Transformer, pp: int) -> None:
+    """What a pipeline of this model cannot do yet, refused in one line naming both features."""
+    if model.cfg.tie_embeddings:
+        raise UserInputError(
+            f"model.args.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and the "
+            "head (last stage) live on different ranks; set model.args.tie_embeddings=false"
+        )
+    if model.cfg.n_experts:
+        raise UserInputError(
+            f"model.args.n_experts={model.cfg.n_experts} with parallelism.pp={pp}: the experts' load-balancing "
+            "loss is not carried between stages yet; set parallelism.pp=1"
+        )
+
+
+def pipeline_stage(model: Transformer, start: int, end: int, first: bool, last: bool) -> LlamaStage:
+    return LlamaStage(model, start, end, first, last)
