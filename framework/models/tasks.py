@@ -135,6 +135,8 @@ class RunView:
     seq_len: int
     sample_tokens: int  # trainer.sample_tokens
     gather: Callable[[torch.Tensor], torch.Tensor]  # a tensor-parallel shard -> the full tensor
+    # framework.generation.generate, which the trainer passes (a layer above the models)
+    generate: Optional[Callable[..., list]] = None
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
@@ -157,23 +159,53 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     return int(indices[torch.multinomial(probs, 1, generator=gen)])
 
 
+PROMPT_TOKENS = 16  # the end-of-run sample's prompt: at most this many tokens of the data
+
+
+def data_prompt(data, eod: Optional[int], tokens: int = PROMPT_TOKENS) -> Optional[list]:
+    """A prompt from the data's own text: the first sample of the validation split (else the
+    training split's), the same on every rank. Of a fine-tuning record, its prompt (the tokens
+    before the first labelled one); of pre-training text, at most `tokens` tokens of one document
+    (after an end-of-text in the sample's first half, so it starts a document). None: no sample."""
+    for loader in (data.valid, data.train):
+        try:
+            sample = loader.source[0]
+        except (AttributeError, IndexError, KeyError, TypeError):  # no indexable source, or an empty one
+            continue
+        if isinstance(sample, dict):
+            ids, labels = [int(t) for t in sample["input_ids"]], sample.get("labels")
+            if labels is not None:
+                learnt = [i for i, label in enumerate(labels.tolist()) if label != IGNORE_INDEX]
+                ids = ids[: learnt[0] + 1] if learnt else ids
+        else:
+            ids = [int(t) for t in sample]
+        if eod is not None and eod in ids[: len(ids) // 2]:
+            ids = ids[ids.index(eod) + 1 :]
+        if eod is not None and eod in ids:
+            ids = ids[: ids.index(eod)]
+        if ids:
+            return ids[-tokens:] if isinstance(sample, dict) else ids[:tokens]
+    return None
+
+
 @torch.no_grad()
-def _causal_lm_sample(run: RunView, prompt: str = "def ") -> Optional[str]:
-    """Text generated from `prompt` by top-k sampling. Every rank runs the same forwards (the
-    sharded model needs them all) with the same seeded generator, so all agree on each token."""
-    if not run.sample_tokens:
+def _causal_lm_sample(run: RunView) -> Optional[str]:
+    """Text generated from a prompt of the data's own text (`data_prompt`) by top-k sampling
+    (framework/generation: KV cache, stop at end-of-text). Every rank generates from the same
+    prompt with the same seed, so tensor-parallel ranks agree on each token; rank 0 shows it."""
+    tok = run.data.tokenizer
+    eod = getattr(tok, "eod", None)
+    prompt = data_prompt(run.data, eod)
+    if not run.sample_tokens or run.generate is None or prompt is None:
         return None
-    model, tok = run.model, run.data.tokenizer
-    model.eval()
-    ids = tok.encode(prompt)
-    gen = torch.Generator().manual_seed(run.seed)
-    for _ in range(run.sample_tokens):
-        out = model(torch.tensor([ids[-run.seq_len :]], device=run.device))
-        out = getattr(out, "logits", out)  # a Hugging Face model returns an output object
-        logits = run.gather(out)[0, -1].float().cpu()
-        ids.append(next_token(logits, temperature=0.8, top_k=20, top_p=1.0, gen=gen))
-    model.train()
-    return "--- sample ---\n" + tok.decode(ids) + "\n--------------"
+    new = min(run.sample_tokens, run.seq_len - len(prompt))  # within the positions the model trained on
+    if new < 1:
+        return None
+    done = run.generate(
+        run.model, [prompt], new, eos_ids=[eod] if eod is not None else [], temperature=0.8, top_k=20, seed=[run.seed]
+    )[0]
+    ids = done.token_ids[:-1] if done.finish_reason == "eos" else done.token_ids
+    return "--- sample ---\n" + tok.decode(prompt + ids) + "\n--------------"
 
 
 @torch.no_grad()
