@@ -344,6 +344,15 @@ class CheckpointManager:
                 f"does not fit optimizer.{name}={_plain(now[name])}: resume with optimizer={_plain(saved[name])}, "
                 "or start afresh from its weights with checkpoint.resume=none and checkpoint.init_from"
             )
+        # The state's dtype is the one it was saved in ([Note: bf16 optimizer state and its rounding]
+        # in framework/optim/lowp.py; checkpoints from before the setting held float32 state).
+        saved_dtype, dtype = _plain(saved.get("state_dtype", "fp32")), _plain(now.get("state_dtype", "fp32"))
+        if saved and saved_dtype != dtype:
+            raise layout.CheckpointError(
+                f"checkpoint.resume: {path} was saved with optimizer.state_dtype={saved_dtype}; resume with "
+                f"optimizer.state_dtype={saved_dtype}, or start afresh from its weights with "
+                "checkpoint.resume=none and checkpoint.init_from"
+            )
         # The optimizer's param groups (lr, betas, weight decay, ...) and the LR schedule's state
         # come from the checkpoint, so these values given now do not take effect.
         keys = ("lr", "weight_decay", "beta1", "beta2", "eps")

@@ -115,7 +115,11 @@ class AdamWLowState(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
     ) -> None:
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # torch's AdamW's settings, so that the param groups (which a resume compares with the
+        # checkpoint's) have the same keys with either state dtype; amsgrad, maximize and the
+        # fused/foreach/capturable forms stay off (the builder sets none of them)
+        like = torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, like.defaults)
         self.state_dtype = state_dtype
         self.seed = seed
 
@@ -133,6 +137,8 @@ class AdamWLowState(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             b1, b2 = group["betas"]
+            if group.get("amsgrad") or group.get("maximize"):
+                raise NotImplementedError("AdamWLowState: amsgrad and maximize are not implemented")
             for p in group["params"]:
                 slot += 1  # the parameter's place in the groups: the same on every rank
                 if p.grad is None:

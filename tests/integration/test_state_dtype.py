@@ -125,3 +125,19 @@ def test_bf16_state_under_torchs_engine_resumes_exactly(tmp_path):
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     moments = {str(v.properties.dtype) for k, v in meta.items() if k.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq")}
     assert moments == {"torch.bfloat16"}
+
+
+def test_resume_with_another_state_dtype_is_refused(runs, tmp_path):
+    """A checkpoint resumes with the state dtype it was saved in: another is refused in one line
+    naming the field, before any step (Muon's matrices have a step counter in bf16 only)."""
+    ckpt = runs["muon"]["checkpoint"]
+    args = JOB + ["optimizer=muon", "cluster.nproc_per_node=2", f"checkpoint.resume={ckpt}"]
+    out = run_main(args + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = (
+        f"checkpoint.resume: {ckpt} was saved with optimizer.state_dtype=bf16; resume with "
+        "optimizer.state_dtype=bf16, or start afresh from its weights with checkpoint.resume=none and "
+        "checkpoint.init_from"
+    )
+    assert line in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _losses(tmp_path / "run")
