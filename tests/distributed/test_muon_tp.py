@@ -193,6 +193,7 @@ def test_muon_on_dp2_tp2_equals_one_process(dp2_tp2, boundary):
     for rank, records in enumerate(dp2_tp2):
         r = records[boundary]
         theory = r["theory"]
+        print(f"{boundary}, rank {rank}: optimizer step bytes each way, over dp {theory['dp']}, over tp {theory['tp']}")
         assert r["gathered"] == r["scattered"] == theory["dp"] + theory["tp"], (rank, r)
         if boundary == "params":
             assert theory["dp"] == 0, (rank, r)  # every tp-local matrix in one dp shard: no dp traffic
