@@ -157,6 +157,13 @@ class MemorySnapshots:
         self.last_copy_s = 0.0  # the step's share of the last snapshot: the copy to host buffers
         self.last_write_s = 0.0  # the writer thread's time for it (beside training)
         self.restore_source, self.restore_s = None, 0.0
+        # [Note: the peer copy] nodes: blocks of LOCAL_WORLD_SIZE consecutive ranks (torchrun's order)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+        self.nodes = rt.world_size // local if local and rt.world_size % local == 0 else 1
+        self._local = rt.world_size // self.nodes  # ranks per node
+        self._to = (rt.rank + local) % rt.world_size  # holds this rank's copy
+        self._from = (rt.rank - local) % rt.world_size  # whose copy this rank holds
+        self._peer_group = dist.new_group(backend="gloo") if self.nodes > 1 else None
 
     # ---- names ----
 
@@ -264,6 +271,7 @@ class MemorySnapshots:
 
     def _write(self, step: int, items, meta: dict) -> None:
         tic = time.perf_counter()
+        mine = None
         try:
             self._prune(keep=1)  # every rank committed the newest: see [Note: a snapshot counts once committed]
             name = self._name("r", self.rt.rank, step)
@@ -279,9 +287,42 @@ class MemorySnapshots:
             with os.fdopen(_create_private(name + ".json.tmp"), "w") as f:
                 json.dump(manifest, f)
             os.rename(name + ".json.tmp", name + ".json")
+            mine = name
         except OSError as exc:
             self._error = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+        if self._peer_group is not None:
+            self._exchange(step, mine)
         self.last_write_s = time.perf_counter() - tic
+
+    # [Note: the peer copy]
+    # With more than one node, every snapshot is also kept on the next node: the rank of the same
+    # local rank there (ring order over nodes) receives it over a gloo group of its own, in the
+    # writer thread, once the owner committed it locally, and keeps it in its own memory_dir as a
+    # `p<owner>` segment (committed as its own are: data, then the manifest renamed). A restore
+    # takes each rank's shard from its local segment when present and whole, else from the copy
+    # its peer holds (sent back over the same group, hash checked by the receiver), else the whole
+    # job falls back to the disk. A rank whose own write failed still sends (an empty copy), so
+    # the ring never waits on it; the failure is then said at the next snapshot.
+
+    def _exchange(self, step: int, mine: Optional[str]) -> None:
+        """Send this rank's committed segment to its peer, keep the one of the rank before."""
+        try:
+            payload = _read_pair(mine + ".json")[:2] if mine else (b"", b"")
+        except (OSError, SnapshotRefused):
+            payload = (b"", b"")
+        got = _swap(payload, self._to, self._from, self._peer_group)
+        if not got[0]:
+            return
+        try:
+            self._prune(keep=1, kind="p", rank=self._from)
+            name = self._name("p", self._from, step)
+            with os.fdopen(_create_private(name + ".data"), "wb") as f:
+                f.write(got[1])
+            with os.fdopen(_create_private(name + ".json.tmp"), "wb") as f:
+                f.write(got[0])
+            os.rename(name + ".json.tmp", name + ".json")
+        except OSError as exc:
+            self._error = f"the peer copy of rank {self._from}: {exc.strerror or exc}"
 
     def _prune(self, keep: int, kind: str = "r", rank: Optional[int] = None) -> None:
         """Remove this rank's segments of `kind` but the `keep` newest committed (and torn ones)."""
@@ -296,13 +337,29 @@ class MemorySnapshots:
 
     # ---- restoring ----
 
+    def _held(self) -> Dict[int, Dict[int, str]]:
+        """owner rank -> step -> manifest path: every committed segment of this job on this node
+        (the rank's own and the copies it holds for peers; after a restart that gave the ranks to
+        other nodes, any of them)."""
+        out: Dict[int, Dict[int, str]] = {}
+        for name in os.listdir(self.dir):
+            f = shm_names.parse(name)
+            if f and f.get("ext") == "json" and name.startswith(self.prefix + "-"):
+                out.setdefault(int(f["rank"]), {})[int(f["step"])] = os.path.join(self.dir, name)
+        return out
+
     def restore(self, state, ckpt) -> int:
-        """Every rank: continue from the newest snapshot every rank has whole, or else from the disk
-        checkpoint as `ckpt.resume` would (0 without one). Rank 0 says which step and from where."""
-        mine = self._mine("r", self.rt.rank)
-        shares = [None] * self.rt.world_size
-        dist.all_gather_object(shares, sorted(mine))
-        common = set(shares[0]).intersection(*map(set, shares[1:]))
+        """Every rank: continue from the newest snapshot every rank has whole (in its own node's
+        memory, or a copy on another node's), or else from the disk checkpoint as `ckpt.resume`
+        would (0 without one). Rank 0 says which step and from where. See [Note: the peer copy]."""
+        world, me = self.rt.world_size, self.rt.rank
+        held = self._held()
+        shares = [None] * world
+        dist.all_gather_object(shares, {owner: sorted(steps) for owner, steps in held.items()})
+        common = None
+        for r in range(world):
+            steps = {step for share in shares for step in share.get(r, ())}
+            common = steps if common is None else common & steps
         newest = max(common) if common else None
         disk = self._disk_step(ckpt)
         if newest is None or (disk is not None and disk > newest):
@@ -315,25 +372,81 @@ class MemorySnapshots:
         templates = self.engine.get_state_dicts(state.model, state.optimizer)
         problem, loaded = None, None
         try:
-            loaded = self._read(mine[newest], *templates)
+            if newest not in held.get(me, {}):
+                raise SnapshotRefused(f"no snapshot of step {newest} on this rank's node")
+            raw, data, path = _read_pair(held[me][newest])
+            loaded = self._parse(raw, data, path, *templates)
         except SnapshotRefused as exc:
             problem = str(exc)
-        problems = [None] * self.rt.world_size
+        local_problems = [None] * world
+        dist.all_gather_object(local_problems, problem)
+        sources = {}  # rank whose own is missing or not whole -> the rank on another node sending its copy
+        for r, p in enumerate(local_problems):
+            if p:
+                sources[r] = next(
+                    (s for s in range(world) if self._node(s) != self._node(r) and newest in shares[s].get(r, ())),
+                    None,
+                )
+        if any(s is not None for s in sources.values()):
+            got = self._fetch(sources, held, newest)
+            if problem and sources[me] is not None:
+                try:
+                    loaded, problem = self._parse(*got, f"the copy rank {sources[me]} holds", *templates), None
+                except SnapshotRefused as exc:
+                    problem = f"{problem}; its copy on rank {sources[me]}: {exc}"
+        problems = [None] * world
         dist.all_gather_object(problems, problem)
         bad = next(((r, p) for r, p in enumerate(problems) if p), None)
         if bad:
-            return self._from_disk(
-                state, ckpt, f"the memory snapshot of step {newest} on rank {bad[0]} is refused: {bad[1]}"
-            )
+            why = f"the memory snapshot of step {newest} on rank {bad[0]} is refused: {bad[1]}"
+            return self._from_disk(state, ckpt, why)
         self._apply(state, *loaded)
-        self.restore_source, self.restore_s = "memory", time.perf_counter() - tic
+        self.restore_source = "memory (peer)" if sources else "memory"
+        self.restore_s = time.perf_counter() - tic
         if self.rt.is_main:
+            where = f"local, {self.dir}"
+            if sources:
+                where += "; for rank(s) " + ", ".join(f"{r} the copy on rank {s}" for r, s in sorted(sources.items()))
             print(
-                f"restored step {newest} from memory (local, {self.dir}) in {self.restore_s:.3f} s",
-                file=sys.stderr,
-                flush=True,
+                f"restored step {newest} from memory ({where}) in {self.restore_s:.3f} s", file=sys.stderr, flush=True
             )
         return newest
+
+    def _node(self, rank: int) -> int:
+        return rank // self._local
+
+    def _fetch(self, sources: Dict[int, Optional[int]], held, step: int) -> Tuple[bytes, bytearray]:
+        """Every rank: send the copies this rank was chosen for, receive this rank's own if it
+        needs one (over the peer group, sizes first); (manifest, data) received, or empty."""
+        me, group = self.rt.rank, self._peer_group or dist.group.WORLD
+        outgoing = [r for r, s in sorted(sources.items()) if s == me]
+        payloads = {}
+        for r in outgoing:
+            try:
+                payloads[r] = _read_pair(held[r][step])[:2]
+            except (OSError, SnapshotRefused, KeyError):
+                payloads[r] = (b"", b"")
+        ops, sizes = [], torch.zeros(2, dtype=torch.int64)
+        for r in outgoing:
+            ops.append(dist.isend(torch.tensor([len(payloads[r][0]), len(payloads[r][1])]), r, group=group))
+        if sources.get(me) is not None:
+            ops.append(dist.irecv(sizes, sources[me], group=group))
+        for op in ops:
+            op.wait()
+        ops, buf = [], None
+        for r in outgoing:
+            if payloads[r][0]:
+                whole = torch.frombuffer(bytearray(payloads[r][0]) + payloads[r][1], dtype=torch.uint8)
+                ops.append(dist.isend(whole, r, group=group))
+        if sources.get(me) is not None and int(sizes[0]):
+            buf = torch.empty(int(sizes[0] + sizes[1]), dtype=torch.uint8)
+            ops.append(dist.irecv(buf, sources[me], group=group))
+        for op in ops:
+            op.wait()
+        if buf is None:
+            return b"", bytearray()
+        raw = buf.numpy().tobytes()
+        return raw[: int(sizes[0])], bytearray(raw[int(sizes[0]) :])
 
     def _disk_step(self, ckpt) -> Optional[int]:
         if ckpt is None or self.cfg.checkpoint.resume != "auto":
@@ -355,12 +468,11 @@ class MemorySnapshots:
             print(f"restored step {step} from {where}: {why}", file=sys.stderr, flush=True)
         return step
 
-    def _read(self, manifest_path: str, model_sd: dict, optim_sd: dict):
-        """(manifest, the template state dicts filled from the segment); SnapshotRefused if it is
-        not whole or not of this job's layout. No collectives: a refusal is this rank's alone."""
-        fd = _open_ours(manifest_path)
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(_MANIFEST_LIMIT + 1)
+    def _parse(self, raw: bytes, data: bytearray, where: str, model_sd: dict, optim_sd: dict):
+        """(manifest, the template state dicts filled from a segment's manifest and data bytes);
+        SnapshotRefused if it is not whole or not this rank's of this job's layout. No
+        collectives: a refusal is this rank's alone, and it comes before any tensor is written."""
+        manifest = None
         try:
             manifest = json.loads(raw)
             ok = (
@@ -373,24 +485,30 @@ class MemorySnapshots:
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
-            raise SnapshotRefused(f"{manifest_path}: not a snapshot manifest of this job and rank")
-        data_path = manifest_path[: -len(".json")] + ".data"
-        fd = _open_ours(data_path)
-        with os.fdopen(fd, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            got = f.readinto(data)
-        if got != manifest["bytes"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+            raise SnapshotRefused(
+                f"step {manifest.get('step') if isinstance(manifest, dict) else '?'}: not a "
+                f"snapshot manifest of this job and rank {self.rt.rank}"
+            )
+        data_path = where
+        if len(data) != manifest["bytes"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
             raise SnapshotRefused(f"{data_path}: its bytes do not match its manifest's sha256 (torn or corrupted)")
         optim_tensors, _ = split_optim(optim_sd)
         tensors, _ = _flatten(model_sd, optim_tensors["state"])
         index = manifest["tensors"]
         if [p for p, *_ in index] != [p for p, _ in tensors]:
             raise SnapshotRefused(f"{data_path}: holds other tensors than this job's model and optimizer")
+        locals_ = [_local(target) for _, target in tensors]
+        for (path, dtype, shape, offset, nbytes), local in zip(index, locals_):
+            if (
+                _dtype(dtype) != local.dtype
+                or list(local.shape) != shape
+                or nbytes != local.numel() * local.element_size()
+            ):
+                raise SnapshotRefused(f"{data_path}: {'/'.join(path)} is {dtype}{shape}, this job's {local.dtype}")
+            if offset < 0 or offset + nbytes > len(data):
+                raise SnapshotRefused(f"{data_path}: {'/'.join(path)} lies outside the data")
         with torch.no_grad():
-            for (path, dtype, shape, offset, nbytes), (_, target) in zip(index, tensors):
-                local = _local(target)
-                if _dtype(dtype) != local.dtype or list(local.shape) != shape:
-                    raise SnapshotRefused(f"{data_path}: {'/'.join(path)} is {dtype}{shape}, this job's {local.dtype}")
+            for (*_, offset, nbytes), local in zip(index, locals_):
                 if nbytes:
                     src = torch.frombuffer(data, dtype=torch.uint8, offset=offset, count=nbytes)
                     local.copy_(src.view(local.dtype).view(local.shape))
@@ -415,6 +533,47 @@ class MemorySnapshots:
         self.wait()
         if finished:
             self._prune(keep=0)
+
+
+def _read_pair(manifest_path: str) -> Tuple[bytes, bytearray, str]:
+    """(manifest bytes, data bytes, the data file's path) of a committed segment, through
+    `_open_ours`; `MemorySnapshots._parse` checks them."""
+    fd = _open_ours(manifest_path)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(_MANIFEST_LIMIT + 1)
+    if len(raw) > _MANIFEST_LIMIT:
+        raise SnapshotRefused(f"{manifest_path}: larger than a snapshot manifest")
+    data_path = manifest_path[: -len(".json")] + ".data"
+    fd = _open_ours(data_path)
+    with os.fdopen(fd, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)
+    return raw, data, data_path
+
+
+def _swap(payload, to: int, source: int, group, send_it: bool = True, receive_it: bool = True):
+    """Send `payload` (manifest bytes, data bytes) to rank `to` and receive one from `source` over
+    `group` (sizes first, then the bytes); (b"", b"") when nothing came."""
+    ops, sizes = [], torch.zeros(2, dtype=torch.int64)
+    if send_it:
+        mine = torch.tensor([len(payload[0]), len(payload[1])], dtype=torch.int64)
+        ops.append(dist.isend(mine, to, group=group))
+    if receive_it:
+        ops.append(dist.irecv(sizes, source, group=group))
+    for op in ops:
+        op.wait()
+    ops, buf = [], None
+    if send_it and len(payload[0]):
+        ops.append(dist.isend(torch.frombuffer(bytearray(payload[0]) + payload[1], dtype=torch.uint8), to, group=group))
+    if receive_it and int(sizes[0]):
+        buf = torch.empty(int(sizes[0] + sizes[1]), dtype=torch.uint8)
+        ops.append(dist.irecv(buf, source, group=group))
+    for op in ops:
+        op.wait()
+    if buf is None:
+        return b"", b""
+    raw = buf.numpy().tobytes()
+    return raw[: int(sizes[0])], bytearray(raw[int(sizes[0]) :])
 
 
 def memory_snapshots(cfg, rt, engine) -> Optional[MemorySnapshots]:

@@ -104,3 +104,45 @@ def test_a_failed_job_leaves_no_snapshot_behind(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     assert "error: rank 1 was killed by signal SIGKILL" in out.stderr, out.stderr[-3000:]
     assert _left_in(shm) == []
+
+
+def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node(tmp_path):
+    """Two torchrun agents stand for two nodes (one rank each), each with its own snapshot
+    directory. At step 12 node 1 loses its memory (its directory wiped: its own snapshots and the
+    copies it held for node 0) and its rank is killed; torchrun restarts both: rank 1 takes its
+    step-10 shard from the copy node 0 holds. At step 17 rank 1 flips a byte of its own snapshot
+    of step 15 and dies: the hash refuses it and rank 1 takes node 0's copy again. Every loss
+    equals the uninterrupted run's."""
+    from conftest import free_port
+
+    args = ARGS + ["trainer.max_steps=19", "trainer.collective_timeout_s=60"]
+    reference = run_main(args + [f"hydra.run.dir={tmp_path}/reference"], tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = _losses(tmp_path / "reference")
+
+    port, agents, dirs = free_port(), [], []
+    for node in (0, 1):
+        cwd, shm = tmp_path / f"node{node}", tmp_path / f"node{node}_shm"
+        cwd.mkdir()
+        shm.mkdir()
+        dirs.append(shm)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
+        cmd += ["--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=peer"]
+        cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
+        env = _env("wipe:1:12,corrupt:1:7:1", shm)
+        agents.append(
+            subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    errs = [a.communicate(timeout=300)[1] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], [e[-3000:] for e in errs]
+    restores = [line for line in errs[0].splitlines() if line.startswith("restored step")]
+    assert len(restores) == 2, errs[0][-3000:]
+    for restore, step in zip(restores, (10, 15)):
+        assert restore.startswith(
+            f"restored step {step} from memory (local, {dirs[0]}; for rank(s) 1 the copy on rank 0) in "
+        ), restores
+    got = _losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 20)), sorted(got)
+    differ = {step: (got[step], expected[step]) for step in got if got[step] != expected[step]}
+    assert not differ, differ
+    assert [_left_in(d) for d in dirs] == [[], []]

@@ -7,6 +7,7 @@ of that rank, at its <call>-th call of cross_entropy in that process (the step, 
 computes the loss once and nothing else does), do <kind>:
   runtime  raise RuntimeError     oserror  raise OSError       kill  SIGKILL itself
   refuse   raise the framework's UserInputError (bad input found by that rank only)
+  wipe     remove every file in FRAMEWORK_TEST_SNAPSHOT_DIR (the node's snapshots), then SIGKILL itself
   corrupt  flip one byte of that rank's newest committed in-memory snapshot (in the directory
            FRAMEWORK_TEST_SNAPSHOT_DIR), then SIGKILL itself
 <attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean).
@@ -40,6 +41,11 @@ if _spec:
                 if kind == "oserror":
                     raise OSError(28, "No space left on device (injected)")
                 if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "wipe":  # the node's memory is lost with it
+                    d = os.environ["FRAMEWORK_TEST_SNAPSHOT_DIR"]
+                    for name in os.listdir(d):
+                        os.unlink(os.path.join(d, name))
                     os.kill(os.getpid(), signal.SIGKILL)
                 if kind == "corrupt":
                     _corrupt_newest_snapshot(rank)
