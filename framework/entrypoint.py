@@ -64,7 +64,7 @@ def claim_run_dir(run_dir: str) -> Optional[str]:
 
 def config_name(stage: Stage) -> str:
     """The file a job of `stage` records its resolved config in: see [Note: one config.yaml per run]."""
-    return "config.yaml" if stage in (Stage.training, Stage.fine_tuning) else f"config.{stage.value}.yaml"
+    return "config.yaml" if stage in (Stage.training, Stage.fine_tuning, Stage.dpo) else f"config.{stage.value}.yaml"
 
 
 def record_config(run_dir: str, name: str, config_yaml: str) -> None:
@@ -84,6 +84,17 @@ def _recorded(code: int, record) -> int:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
     return code
+
+
+def _training_run(cfg):
+    """The per-rank entry of a stage that trains: the trainer's, with stage=dpo's trainer class."""
+    from framework.trainer import run
+
+    if cfg.stage == Stage.dpo:
+        from framework.dpo.trainer import DPOTrainer
+
+        return functools.partial(run, trainer_class=DPOTrainer)
+    return run
 
 
 def start(dict_cfg: DictConfig, run_dir: str) -> int:
@@ -116,8 +127,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     if under_torchrun() and cfg.stage not in (Stage.plan, Stage.data_preparation, Stage.generate, Stage.evaluate):
         # Every rank is its own process: rank 0 claims the run directory once the ranks can talk,
         # and a refusal there ends every rank with the same status (trainer.run).
-        from framework.trainer import run
-
+        run = _training_run(cfg)
         return run_rank(functools.partial(run, claim=lambda: claim_run_dir(cfg.run_dir), record=record), cfg)
     if os.environ.get("RANK", "0") == "0":
         problem = claim_run_dir(cfg.run_dir)
@@ -133,8 +143,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
 
         return _recorded(prepare_data(cfg), record)
 
-    from framework.trainer import run
-
+    run = _training_run(cfg)
     if cfg.stage == Stage.generate:
         from framework.generate import run_generate
 

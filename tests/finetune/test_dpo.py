@@ -1,0 +1,145 @@
+"""stage=dpo through main.py: the first loss is ln 2, 1 rank, 2 sharded ranks and tensor parallelism
+agree, a resume is exact, the reference is the starting model (imported, or LoRA's base), refusals
+(the losses and the records in one process: tests/finetune/test_dpo_loss.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+# ---- jobs through main.py -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """A tokenizer.json and a JSONL file of 40 plain preference records (4 held out)."""
+    from framework.data.tokenizer import EOD, train_bpe
+
+    root = tmp_path_factory.mktemp("dpo")
+    texts = [f"Q: what is {i} plus {j}? A: {i + j}{EOD}" for i in range(10) for j in range(10)]
+    train_bpe(texts, 300, str(root / "tok.json"))
+    with open(root / "pairs.jsonl", "w") as f:
+        for i in range(10):
+            for j in range(4):
+                record = {"prompt": f"Q: what is {i} plus {j}? A:", "chosen": f" {i + j}", "rejected": f" {i + j + 1}"}
+                f.write(json.dumps(record) + "\n")
+    return root
+
+
+def _dpo(pairs, run_dir, *extra):
+    from conftest import TINY
+
+    args = [a for a in TINY if not a.startswith("data=")] + ["data=hf", "stage=dpo"]
+    args += [f"data.paths=[{pairs / 'pairs.jsonl'}]", f"finetune.tokenizer={pairs / 'tok.json'}"]
+    args += ["data.seq_len=24", "data.hf.valid_documents=4", "trainer.global_batch_size=4", "trainer.max_steps=5"]
+    return args + ["trainer.log_interval=1", "trainer.eval_interval=0", f"hydra.run.dir={run_dir}", *extra]
+
+
+def _records(run_dir) -> list:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(pairs):
+    """5 steps on 2 ranks, a checkpoint after step 3, the export at the end."""
+    from conftest import run_main
+
+    run = pairs / "two"
+    out = run_main(_dpo(pairs, run, "checkpoint.interval=3", "checkpoint.export_safetensors=true"), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, _records(run)
+
+
+def test_the_first_loss_is_ln2_with_metrics_named_as_trls_and_the_export_written(two_ranks):
+    run, records = two_ranks
+    first = records[0]
+    assert first["step"] == 1 and abs(first["loss"] - math.log(2)) < 1e-6, first  # policy == reference
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logratios/chosen", "logratios/rejected"):
+        assert first[name] == 0.0, (name, first)
+    later = records[-1]
+    assert later["step"] == 5 and later["loss"] != first["loss"]
+    assert later["rewards/margins"] == pytest.approx(later["rewards/chosen"] - later["rewards/rejected"], abs=1e-6)
+    assert 0.0 <= later["rewards/accuracies"] <= 1.0 and later["logps/chosen"] < 0
+    assert (run / "checkpoints" / "export" / "model.safetensors").is_file()
+    assert (run / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("layout", ["one_rank", "tensor_parallel"])
+def test_five_steps_equal_those_on_two_sharded_ranks(two_ranks, pairs, layout):
+    from conftest import run_main
+
+    extra = ["cluster.nproc_per_node=1"] if layout == "one_rank" else ["parallelism.tp=2"]
+    run = pairs / layout
+    out = run_main(_dpo(pairs, run, *extra), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ours, sharded = _records(run), two_ranks[1]
+    assert [r["step"] for r in ours] == [1, 2, 3, 4, 5]
+    # 1e-5: the same fp32 sums, reduced over ranks in another order (measured differences ~1e-7).
+    for mine, theirs in zip(ours, sharded):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), (mine, theirs)
+        assert mine["rewards/margins"] == pytest.approx(theirs["rewards/margins"], abs=1e-5)
+
+
+def test_a_resume_after_three_of_five_steps_is_exact(two_ranks, pairs):
+    from conftest import run_main
+
+    run, straight = two_ranks
+    resumed = pairs / "resumed"
+    out = run_main(_dpo(pairs, resumed, f"checkpoint.resume={run / 'checkpoints' / 'step_00000003'}"), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records] == [4, 5]
+    for mine, theirs in zip(records, straight[3:]):
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+            assert mine[name] == theirs[name], (name, mine, theirs)
+
+
+def test_from_an_export_the_reference_is_the_imported_model(two_ranks, pairs):
+    from conftest import run_main
+
+    run, straight = two_ranks
+    imported = pairs / "imported"
+    export = run / "checkpoints" / "export"
+    out = run_main(_dpo(pairs, imported, f"checkpoint.init_from={export}", "trainer.max_steps=2"), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = _records(imported)[0]
+    assert abs(first["loss"] - math.log(2)) < 1e-6, first  # the reference holds the imported weights too
+    assert abs(first["logps/chosen"] - straight[0]["logps/chosen"]) > 1e-3  # which are not the seeded ones
+
+
+def test_with_lora_the_reference_is_the_policy_without_its_adapters(pairs):
+    from conftest import run_main
+
+    run = pairs / "lora"
+    out = run_main(_dpo(pairs, run, "peft.lora.enabled=true", "optimizer.lr=0.01"), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(run)
+    assert abs(records[0]["loss"] - math.log(2)) < 1e-6, records[0]  # B = 0: the adapted model is the base
+    assert records[-1]["logratios/chosen"] != 0.0  # the adapters moved the policy away from the base
+
+
+def test_unsupported_layouts_and_bad_records_are_one_line_refusals(pairs):
+    from conftest import run_main
+
+    # refused before any rank starts, naming the layout (2 microbatches: the schedule's own minimum)
+    for degree in ("cp", "pp"):
+        out = run_main(_dpo(pairs, pairs / degree, f"parallelism.{degree}=2", "trainer.micro_batch_size=2"), pairs)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+        assert errors[0].startswith(f"error: stage=dpo with parallelism.{degree}=2: "), errors
+        assert f"set parallelism.{degree}=1" in errors[0] and not (pairs / degree).exists()
+    bad = pairs / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
+        + "\n"
+        + json.dumps({"prompt": "a", "chosen": "b", "rejected": 3})
+        + "\n"
+    )
+    args = [a.replace(str(pairs / "pairs.jsonl"), str(bad)) for a in _dpo(pairs, pairs / "bad")]
+    out = run_main(args, pairs)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith(f"error: {bad}: record 2: a preference record needs strings"), errors
+    assert "Traceback" not in out.stderr and not (pairs / "bad" / "metrics.jsonl").exists()
