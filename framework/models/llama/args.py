@@ -23,6 +23,7 @@ NAMES = (
     "llama_70b",
     "llama3_1_8b",
     "llama3_1_70b",
+    "llama3_1_405b",
     "mistral_7b",
     "moe_debug",
     "mixtral_8x7b",

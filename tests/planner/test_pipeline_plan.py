@@ -1,0 +1,71 @@
+"""The planner's pipeline figures: the bubble against its formula, memory per stage against the
+whole model's, and the proposal of pp for Llama 3.1 405B on 64 nodes x 8 GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from framework.config import compose_config, to_config
+from framework.config.pipeline import PipelineSchedule, bubble_fraction
+from framework.planner.estimate import memory
+from framework.planner.pipeline import propose_pipeline, stage_plans
+from framework.planner.plan import job_from_config
+
+ONE_F_ONE_B = PipelineSchedule.one_f_one_b
+
+
+def _job(*overrides):
+    return job_from_config(to_config(compose_config(["stage=plan", *overrides])))
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 64), (16, 16)])
+def test_bubble_is_the_formula(p, m):
+    assert bubble_fraction(ONE_F_ONE_B, p, m) == (p - 1) / (m + p - 1)
+    assert bubble_fraction(PipelineSchedule.gpipe, p, m) == (p - 1) / (m + p - 1)
+    # interleaving v stages per rank shrinks the fill and drain v-fold (Narayanan et al. 2021)
+    assert bubble_fraction(PipelineSchedule.interleaved_1f1b, p, m, virtual=4) == (p - 1) / (4 * m + p - 1)
+    assert bubble_fraction(PipelineSchedule.zbv, p, m) == (p - 1) / (2 * m + p - 1)
+
+
+def test_stages_hold_the_whole_model_once_and_1f1b_loads_the_first_rank_most():
+    job = _job("model=llama3_1_8b", "cluster.nodes=2", "cluster.nproc_per_node=8", "data.seq_len=2048")
+    job = replace(job, dp_shard=4, micro_batch=1, global_batch=32 * 4)  # one stage's mesh: 4 ranks
+    plan = stage_plans(job, 4, ONE_F_ONE_B, 32)
+    assert [s.layers for s in plan.stages] == [8, 8, 8, 8]
+    assert plan.bubble == 3 / 35
+    whole = memory(job)
+    stage_params = []
+    for s in plan.stages:
+        from framework.planner.pipeline import stage_job
+
+        start = 8 * s.index
+        stage_params.append(memory(stage_job(job, start, start + 8, s.first, s.last, 1)).params)
+    # fp32 shards: every parameter in exactly one stage (padding: one element per unit and rank)
+    assert abs(sum(stage_params) - whole.params) <= 4 * 4 * (job.model.n_layers + 4)
+    # the first rank holds p microbatches' activations in 1F1B, the last one; the same blocks
+    assert plan.rank_peaks[0] > plan.rank_peaks[1] > plan.rank_peaks[2]
+    assert plan.stages[0].peak_bytes == plan.rank_peaks[0]
+
+
+def test_405b_on_64_nodes_of_8_gets_a_pipeline_proposal_with_its_reason():
+    job = _job(
+        "model=llama3_1_405b",
+        "cluster.nodes=64",
+        "cluster.nproc_per_node=8",
+        "cluster.gpus_per_node=8",
+        "parallelism.tp=8",
+        "parallelism.param_dtype=bfloat16",
+        "data=synthetic",
+        "data.seq_len=4096",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=512",
+    )
+    proposal = propose_pipeline(job)
+    assert (proposal.pp, proposal.tp, proposal.dp_shard, proposal.microbatches) == (8, 8, 8, 64)
+    assert proposal.checkpointing == "full"
+    assert proposal.plan.bubble == 7 / 71  # (p-1)/(m+p-1)
+    assert proposal.plan.peak_bytes <= job.budget_bytes
+    assert proposal.reason.startswith("sharding alone needs 423.7 GiB per rank of 80.0; pp=8 with ")
+    assert "9.9% bubble ((p-1)/(m+p-1) at m=64)" in proposal.reason
