@@ -4,6 +4,7 @@ values computed by hand, and how preference records become rows (the jobs: tests
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -180,3 +181,27 @@ def test_adapters_disabled_gives_the_base_model_and_only_within_the_block():
         again = model(ids)
     assert (adapted - base).abs().max() > 1e-3
     assert torch.equal(off, base) and torch.equal(again, adapted)
+
+
+def test_parquet_with_renamed_columns_reads_as_jsonl_with_the_default_names(tmp_path):
+    from datasets import Dataset
+
+    from framework.config.schema import Config
+    from framework.dpo.data import read_pairs
+
+    fast = _hf_tokenizer()
+    tok = SFTTokenizer(None, fast.eos_token_id, hf=fast)
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in CHAT)
+    renamed = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in CHAT]
+    Dataset.from_list(renamed).to_parquet(str(tmp_path / "pairs.parquet"))
+    cfg = Config()
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    cfg.data.paths = [str(tmp_path / "pairs.jsonl")]
+    from_jsonl = read_pairs(cfg, tok)
+    cfg.data.paths = [str(tmp_path / "pairs.parquet")]
+    cfg.data.hf.prompt_field, cfg.dpo.chosen_field, cfg.dpo.rejected_field = "question", "good", "bad"
+    assert read_pairs(cfg, tok) == from_jsonl and len(from_jsonl) == len(CHAT)
+    cfg.dpo.rejected_field = "worse"  # a column the file does not have: named, with the settings to fix it
+    with pytest.raises(UserInputError, match=r"has columns \['question', 'good', 'bad'\], not 'worse'; name its"):
+        read_pairs(cfg, tok)
