@@ -304,6 +304,8 @@ class Trainer:
                     )
                     metrics["peak_memory_gib"] = peak_memory_gib(rt.device)
                     metrics.update(self.engine.step_counters(self.model))  # synchronizes on CUDA
+                    if self.memory is not None:  # the snapshots' cost, the restore's source and time
+                        metrics.update(self.memory.metrics())
                     shown = {
                         "loss": metrics["loss"],
                         "tok/s": round(metrics["tokens_per_s"]),

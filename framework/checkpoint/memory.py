@@ -135,20 +135,29 @@ class MemorySnapshots:
         self.cfg, self.rt, self.engine = cfg, rt, engine
         self.interval = c.memory_interval
         self.dir = os.path.abspath(c.memory_dir or DEFAULT_DIR)
-        problem = None if os.path.isdir(self.dir) else f"{self.dir} is not a directory on this node"
-        problems = [None] * rt.world_size
-        dist.all_gather_object(problems, problem)
-        bad = next(((r, p) for r, p in enumerate(problems) if p), None)
-        if bad:
-            raise UserInputError(
-                f"checkpoint.memory_dir={c.memory_dir or DEFAULT_DIR}: {bad[1]} (rank {bad[0]}); give an existing "
-                "directory in host memory (a tmpfs such as /dev/shm), or set checkpoint.memory_interval=0"
-            )
+        # [Note: the peer copy] nodes: blocks of LOCAL_WORLD_SIZE consecutive ranks (torchrun's order)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+        self.nodes = rt.world_size // local if local and rt.world_size % local == 0 else 1
+        self._local = rt.world_size // self.nodes  # ranks per node
         self.uid = os.getuid()
         self.job = _job_of(cfg.run_dir)
         pid = _creator_pid()
         self.creator = f"{pid}.{shm_names.start_time(pid)}"
         self.prefix = shm_names.job_prefix(self.uid, self.job, self.creator)
+        problem = None
+        if not os.path.isdir(self.dir):
+            problem = (
+                f"checkpoint.memory_dir={c.memory_dir or DEFAULT_DIR}: {self.dir} is not a directory on this node; "
+                "give an existing directory in host memory (a tmpfs such as /dev/shm), or set "
+                "checkpoint.memory_interval=0"
+            )
+        elif rt.rank % self._local == 0:  # once per node
+            problem = self._fit_problem()
+        problems = [None] * rt.world_size
+        dist.all_gather_object(problems, problem)
+        bad = next(((r, p) for r, p in enumerate(problems) if p), None)
+        if bad:
+            raise UserInputError(f"{bad[1]} (rank {bad[0]})" if rt.world_size > 1 else bad[1])
         shm_names.sweep_orphans(self.dir, self.uid)
         self._start_sweeper()
         self._buffers: Dict[str, torch.Tensor] = {}  # host copies, reused snapshot after snapshot
@@ -156,14 +165,40 @@ class MemorySnapshots:
         self._error: Optional[str] = None
         self.last_copy_s = 0.0  # the step's share of the last snapshot: the copy to host buffers
         self.last_write_s = 0.0  # the writer thread's time for it (beside training)
-        self.restore_source, self.restore_s = None, 0.0
-        # [Note: the peer copy] nodes: blocks of LOCAL_WORLD_SIZE consecutive ranks (torchrun's order)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
-        self.nodes = rt.world_size // local if local and rt.world_size % local == 0 else 1
-        self._local = rt.world_size // self.nodes  # ranks per node
+        self.restore_source, self.restore_s, self._restore_logged = None, 0.0, False
         self._to = (rt.rank + local) % rt.world_size  # holds this rank's copy
         self._from = (rt.rank - local) % rt.world_size  # whose copy this rank holds
         self._peer_group = dist.new_group(backend="gloo") if self.nodes > 1 else None
+
+    def _fit_problem(self) -> Optional[str]:
+        """A line when this node's snapshots would not fit: the planner's host memory per node, or
+        the free space of memory_dir (with what this job's segments already hold there)."""
+        from framework.planner.snapshots import GENERATIONS, snapshot_problem
+
+        try:
+            from framework.planner.plan import make_plan
+
+            est = make_plan(self.cfg, self.rt.world_size).estimate
+        except Exception:  # noqa: BLE001 - a job the planner cannot model is not refused for it
+            return None
+        problem = snapshot_problem(self.interval, est)
+        if problem:
+            return problem
+        per_rank = est.memory.params + est.memory.optimizer
+        need = GENERATIONS * per_rank * self._local * (2 if self.nodes > 1 else 1)
+        return fit_problem(self.interval, need, self.dir, self.prefix)
+
+    # ---- metrics ----
+
+    def metrics(self) -> Dict[str, float]:
+        """For the step's record: the last snapshot's cost on the step (its copy to host buffers,
+        spread over the interval) and its write beside training; once, the restore's time and
+        whether it came from memory (1) or the disk (0)."""
+        out = {"snapshot_s_per_step": self.last_copy_s / self.interval, "snapshot_write_s": self.last_write_s}
+        if self.restore_source and not self._restore_logged:
+            out.update(restore_s=self.restore_s, restore_from_memory=float(self.restore_source.startswith("memory")))
+            self._restore_logged = True
+        return out
 
     # ---- names ----
 
@@ -574,6 +609,27 @@ def _swap(payload, to: int, source: int, group, send_it: bool = True, receive_it
         return b"", b""
     raw = buf.numpy().tobytes()
     return raw[: int(sizes[0])], bytearray(raw[int(sizes[0]) :])
+
+
+def fit_problem(interval: int, need: int, directory: str, prefix: str) -> Optional[str]:
+    """A line when `need` bytes per node do not fit the free space of `directory`, counting the
+    space this job's segments (`prefix`) already take there as free (a restart reuses it)."""
+    fs = os.statvfs(directory)
+    free = fs.f_bavail * fs.f_frsize
+    for name in os.listdir(directory):
+        if name.startswith(prefix + "-"):
+            try:
+                free += os.lstat(os.path.join(directory, name)).st_size
+            except OSError:
+                pass
+    if need <= free:
+        return None
+    gib = 1 << 30
+    return (
+        f"checkpoint.memory_interval={interval}: the snapshots need {need / gib:.2f} GiB per node in {directory} "
+        f"(own and peer copies, two generations), which has {free / gib:.2f} GiB free; give checkpoint.memory_dir "
+        "a larger tmpfs, or set checkpoint.memory_interval=0"
+    )
 
 
 def memory_snapshots(cfg, rt, engine) -> Optional[MemorySnapshots]:

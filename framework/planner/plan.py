@@ -296,6 +296,11 @@ def make_plan(cfg: Config, world_size: int | None = None) -> PlanResult:
             "parallelism.engine=torch: planned with our engine's buffers; torch's "
             "fully_shard keeps per-parameter buffers of the same sizes"
         )
+    from framework.planner.snapshots import snapshot_note  # checkpoint.memory_interval's host memory
+
+    snapshots = snapshot_note(cfg.checkpoint.memory_interval, est)
+    if snapshots:
+        result.notes.append(snapshots)
     return result
 
 
@@ -433,15 +438,18 @@ def plan_json(result: PlanResult) -> dict:
 def fit_problems(cfg: Config, world_size: int | None = None) -> list[str]:
     """For the launcher: one line per reason the job will not fit, with the advice (empty: fits)."""
     result = make_plan(cfg, world_size)
+    from framework.planner.snapshots import snapshot_problem
+
+    snapshots = [p for p in [snapshot_problem(cfg.checkpoint.memory_interval, result.estimate)] if p]
     if result.estimate.fits:
-        return []
+        return snapshots
     advice = "; ".join(" ".join(c.overrides) for c in result.changes) or "no single change fits"
     return [
         (
             f"{cfg.model.name}: {_verdict(result.estimate)}. Changes that fit: {advice} "
             "(or set cluster.force=true to submit anyway)"
         )
-    ]
+    ] + snapshots
 
 
 def run_plan(cfg: Config, problems: list[str]) -> int:

@@ -87,6 +87,10 @@ def test_torchrun_restart_resumes_from_memory_then_from_disk_when_the_snapshot_i
     assert sorted(got) == list(range(1, 20)), sorted(got)
     differ = {step: (got[step], expected[step]) for step in got if got[step] != expected[step]}
     assert not differ, differ  # fp32 on CPU: a restore gives back every bit, so the losses too
+    rows = read_metrics(tmp_path / "run")
+    # the first record after each restore says where from; every record, the snapshots' cost
+    assert [r["restore_from_memory"] for r in rows if "restore_from_memory" in r] == [1.0, 0.0]
+    assert all(r["snapshot_s_per_step"] >= 0 and r["snapshot_write_s"] >= 0 for r in rows if "loss" in r)
     assert _left_in(shm) == []
 
 
