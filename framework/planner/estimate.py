@@ -60,6 +60,7 @@ class Job:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"  # adamw | sgd
+    state_dtype: str = "fp32"  # fp32 | bf16: Adam's moments and Muon's momentum (optimizer.state_dtype)
     momentum: float = 0.9
     offload: bool = False
     quantized: bool = False
@@ -145,15 +146,19 @@ def muon_tensors(lay: UnitLayout) -> list[bool]:
 
 
 def optimizer_bytes(job: Job, lay: UnitLayout) -> int:
-    """torch AdamW: exp_avg + exp_avg_sq (fp32) on the real elements, a 4-byte `step` per tensor;
-    SGD with momentum: one buffer; Muon: one momentum buffer on the blocks' matrices (AdamW on the
-    rest: the root's embeddings and head, norms, biases; framework/optim/builder.py)."""
+    """AdamW: exp_avg + exp_avg_sq on the real elements, a 4-byte `step` per tensor; SGD with
+    momentum: one buffer; Muon: one momentum buffer on the blocks' matrices (AdamW on the rest: the
+    root's embeddings and head, norms, biases; framework/optim/builder.py). The moments and the
+    momentum are 4 bytes an element, 2 with state_dtype=bf16, which also gives Muon's matrices a
+    4-byte `step` (the count that keys their rounding: framework/optim/lowp.py)."""
+    sb = 2 if job.state_dtype == "bf16" else 4
     if job.optimizer == "adamw":
-        return 2 * 4 * lay.real + 4 * len(lay.unit.tensors)
+        return 2 * sb * lay.real + 4 * len(lay.unit.tensors)
     if job.optimizer == "muon":
         hidden = muon_tensors(lay)
         muon = sum(r for r, h in zip(lay.real_per_tensor, hidden) if h)
-        return 4 * muon + 2 * 4 * (lay.real - muon) + 4 * hidden.count(False)
+        steps = len(hidden) if job.state_dtype == "bf16" else hidden.count(False)
+        return sb * muon + 2 * sb * (lay.real - muon) + 4 * steps
     return 4 * lay.real if job.momentum > 0 else 0
 
 
@@ -370,9 +375,14 @@ class Traffic:
 
     rows: list[dict] = field(default_factory=list)  # {collective, dim, link, bytes, calls}
 
-    def add(self, collective: str, dim: str, link: str, nbytes: int, calls: int) -> None:
+    def add(self, collective: str, dim: str, link: str, nbytes: int, calls: int, engine: bool | None = None) -> None:
+        """`engine`: the sharding engine issues it and counts it in `comm_stats()` (default: the dp
+        dims' rows; tensor parallel's activation all-reduces are torch's)."""
+        if engine is None:
+            engine = dim in ("dp_shard", "dp_replicate")
         if nbytes or calls:
-            self.rows.append({"collective": collective, "dim": dim, "link": link, "bytes": int(nbytes), "calls": calls})
+            row = {"collective": collective, "dim": dim, "link": link, "bytes": int(nbytes), "calls": calls}
+            self.rows.append({**row, "engine": engine})
 
     def total(self, **match) -> int:
         return sum(r["bytes"] for r in self.rows if all(r[k] == v for k, v in match.items()))
@@ -388,7 +398,7 @@ class Traffic:
         out = {v: 0 for v in names.values()}
         out["num_collectives"] = 0
         for r in self.rows:
-            if r["dim"] in ("dp_shard", "dp_replicate"):
+            if r["engine"]:
                 out[names[r["collective"]]] += r["bytes"]
                 out["num_collectives"] += r["calls"]
         return out
@@ -432,7 +442,24 @@ def _link(job: Job, span: int) -> str:
     return "intra" if span <= job.nproc_per_node else "inter"
 
 
-def traffic(job: Job) -> Traffic:
+def muon_tp_numel(job: Job, lay: UnitLayout, rank: int) -> int:
+    """Elements of the tp-local slices of the unit's tp-split Muon matrices that dp index `rank`
+    owns ([Note: whole matrices from pieces] in framework/distributed/fsdp/whole.py): the ones
+    its shard holds whole, and every N-th of those crossing ranks, in layout order (k % N)."""
+    align = job.block_size if job.quantized else 1
+    sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in lay.unit.tensors]
+    offsets, S = pack(sizes, lay.N, align)
+    hidden = muon_tensors(lay)
+    muon = sorted((o, t) for o, t, h in zip(offsets, lay.unit.tensors, hidden) if h and t.numel)
+    crossing = [o for o, t in muon if o // S != (o + t.numel - 1) // S]
+    owner = {o: k % lay.N for k, o in enumerate(crossing)}
+    return sum(t.numel for o, t in muon if t.tp_split and owner.get(o, o // S) == rank)
+
+
+def traffic(job: Job, rank: int | None = None) -> Traffic:
+    """Per rank per step; `rank` (the dp_shard index) matters to optimizer=muon with tp > 1 only,
+    whose tp exchange of whole matrices depends on the matrices that index owns (None: the index
+    owning the most)."""
     tr = Traffic()
     lays = layouts(job)
     pb, rb = BYTES[job.param_dtype], BYTES[job.reduce_dtype]
@@ -471,6 +498,15 @@ def traffic(job: Job) -> Traffic:
     else:
         tr.add("reduce_scatter", "dp_shard", shard_link, rs_bytes, reduces)
     tr.add("all_reduce", "dp_replicate", repl_link, ar_bytes, len(lays) if R > 1 else 0)
+    if job.optimizer == "muon" and t > 1:
+        # tp-split matrices made whole over tp as well: per unit, one fp32 all-gather of the
+        # tp-local slices this dp index owns ((t-1) x M x 4 received) and one reduce-scatter back
+        # ((t-1) x M x 4 sent), in the optimizer step ([Note: whole matrices from pieces])
+        owned = [[muon_tp_numel(job, lay, r) for lay in lays] for r in range(N)]
+        mine = owned[rank] if rank is not None else max(owned, key=sum)
+        tp_link = _link(job, t)
+        tr.add("all_gather", "tp", tp_link, (t - 1) * sum(mine) * 4, sum(1 for m in mine if m), engine=True)
+        tr.add("reduce_scatter", "tp", tp_link, (t - 1) * sum(mine) * 4, sum(1 for m in mine if m), engine=True)
     if job.ep > 1 and job.model.n_experts:
         bytes_, calls = expert_all_to_all(job)
         tr.add("all_to_all", "ep", _link(job, job.ep * t), bytes_, calls)
