@@ -102,10 +102,9 @@ class Trainer:
         self.pipeline = None
         if self.dims.pp > 1:  # stages under torch's schedules (framework/distributed/pipeline.py)
             from framework.distributed.pipeline import Pipeline
-
-            accum = self.data.train.accum_steps
             from framework.models.tasks import cross_entropy
 
+            accum = self.data.train.accum_steps
             self.pipeline = Pipeline(
                 model, self.dims, self.mesh, cfg, family, rt.device, accum, self.task, cross_entropy
             )
@@ -115,9 +114,11 @@ class Trainer:
         else:
             self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, family)
         if meta:
-            self.model.to_empty(device=rt.device)
+            if self.pipeline is None:  # a pipeline materialised its stages itself
+                self.model.to_empty(device=rt.device)
             torch.manual_seed(t.seed + rt.rank)  # each rank draws its own shards' values
-            family.init_weights(self.model, None)
+            # a pipeline: the whole model's init, which reaches this rank's stages (the rest stays meta)
+            family.init_weights(self.model if self.pipeline is None else model, None)
             if cfg.peft.lora.enabled:
                 from framework.peft import reset_lora
 

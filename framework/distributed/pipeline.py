@@ -179,11 +179,12 @@ class Pipeline:
                 f"parallelism.pp={dims.pp} with stage={cfg.stage.value} and model.task={task.name}: pipelines train "
                 "causal language models on (inputs, labels) batches only for now; set parallelism.pp=1"
             )
-        if any(param.is_meta for param in model.parameters()):
+        if cfg.peft.lora.enabled:
             raise UserInputError(
-                f"parallelism.pp={dims.pp} with model.meta_init: stages are cut from a model built whole for now; "
-                "set model.meta_init=false or parallelism.pp=1"
+                f"parallelism.pp={dims.pp} with peft.lora.enabled=true: adapters are not cut into stages yet; "
+                "set parallelism.pp=1"
             )
+        meta = any(param.is_meta for param in model.parameters())
         if family.pipeline_stage is None:
             raise UserInputError(
                 f"parallelism.pp={dims.pp} with model.name={cfg.model.name}: its family cannot be cut into "
@@ -200,9 +201,19 @@ class Pipeline:
         self.pp_group = mesh["pp"].get_group()
         mine = stages_of_rank(self.pp_rank, dims.pp, v, self.schedule_name)
         modules = [family.pipeline_stage(model, *ranges[s], s == 0, s == n_stages - 1) for s in mine]
+        if meta and not all(hasattr(m, "materialize") for m in modules):
+            raise UserInputError(
+                f"parallelism.pp={dims.pp} with model.meta_init (the model built on the meta device) and "
+                f"model.name={cfg.model.name}: its stages cannot be materialised yet; set model.meta_init=false "
+                "or parallelism.pp=1"
+            )
         self.model = PipelinePart(modules)
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
         self._shard(dims, mesh, p, family)
+        if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
+            self.model.to_empty(device=device)
+            for module in modules:
+                module.materialize()  # what the model's init does not fill (the rotary table)
         dtype = _DTYPES[p.param_dtype]
         mb = self.samples // self.microbatches
         self.stages = []

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from framework.errors import UserInputError
-from framework.models.llama.model import Transformer
+from framework.models.llama.model import Transformer, rotary_table
 
 
 class _Rotary(nn.Module):
@@ -38,6 +38,15 @@ class LlamaStage(nn.Module):
         self.rotary = model.__dict__.setdefault("_pipeline_rotary", _Rotary(model.rope))
         self.first, self.last = first, last
         self.dim, self.vocab_size = model.cfg.dim, model.cfg.vocab_size
+        self.__dict__["_cfg"] = model.cfg
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        """After `to_empty` of a model built on the meta device: the rotary table, which the
+        whole model's `init_weights` fills in its own (meta) buffer, not in the stages'."""
+        c = self.__dict__["_cfg"]
+        table = self.rotary.table
+        table.copy_(rotary_table(c.dim // c.n_heads, c.max_seq_len, c.rope_theta, table.device, c.rope_scaling))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x
