@@ -59,7 +59,8 @@ class Plan:
 
 
 def derive_mesh(cfg: DictConfig, user_keys: Sequence[str]) -> List[str]:
-    """cluster.derive_mesh: dp_replicate = nodes, dp_shard = ranks per node / tp (hybrid across nodes)."""
+    """cluster.derive_mesh: dp_replicate = nodes (/ pp), dp_shard = ranks per node / tp (hybrid across
+    nodes); pipeline stages, the outermost dimension, take whole nodes."""
     c, p = cfg.cluster, cfg.parallelism
     clash = [k for k in MESH_KEYS[:2] if k in user_keys]
     if clash:
@@ -77,8 +78,17 @@ def derive_mesh(cfg: DictConfig, user_keys: Sequence[str]) -> List[str]:
                 f"parallelism.tp={tp}; choose a tp that divides the ranks per node"
             ]
         )
-    derived = [f"parallelism.dp_replicate={c.nodes}", f"parallelism.dp_shard={c.nproc_per_node // tp}"]
-    if c.nodes > 1:
+    pp = int(p.get("pp", 1))  # pipeline stages span nodes (the outermost mesh dimension)
+    if pp > 1 and c.nodes % pp:
+        raise Refused(
+            [
+                f"cluster.derive_mesh: parallelism.pp={pp} does not divide cluster.nodes={c.nodes}; the stages "
+                "are whole nodes' worth of ranks: choose a pp that divides the nodes"
+            ]
+        )
+    replicas = c.nodes // pp if pp > 1 else c.nodes
+    derived = [f"parallelism.dp_replicate={replicas}", f"parallelism.dp_shard={c.nproc_per_node // tp}"]
+    if replicas > 1:
         derived.append("parallelism.strategy=hybrid")  # shard within a node, replicate across nodes
     return derived
 

@@ -61,6 +61,7 @@ def job_from_config(cfg: Config, world_size: int | None = None) -> Job:
         param_dtype=p.param_dtype,
         reduce_dtype=p.reduce_dtype,
         optimizer=cfg.optimizer.name.value,
+        state_dtype=cfg.optimizer.state_dtype,
         momentum=cfg.optimizer.momentum,
         offload=p.cpu_offload,
         quantized=p.quantized_comm,
@@ -288,7 +289,10 @@ def advise(job: Job, limit: int = 4) -> list[Change]:
 def make_plan(cfg: Config, world_size: int | None = None) -> PlanResult:
     job = job_from_config(cfg, world_size)
     est = estimate(job)
-    result = PlanResult(est)
+    from framework.planner.pipeline import pipeline_view  # pp: the heaviest stage; else a pp proposal
+
+    est, pipeline_notes = pipeline_view(cfg, job, est)
+    result = PlanResult(est, notes=pipeline_notes)
     if not est.fits:
         result.changes = advise(job)
     if cfg.parallelism.engine.value == "torch":
@@ -343,7 +347,8 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
         f"{f' x cp={job.cp}' if job.cp > 1 else ''} x tp={job.tp}"
         f"{f' (experts: ep={job.ep} x efsdp={job.dp_shard // job.ep})' if job.ep > 1 else ''}; "
         f"strategy={job.strategy}, param {job.param_dtype}, reduce {job.reduce_dtype}, "
-        f"optimizer {job.optimizer}, checkpointing {job.activation_checkpointing}"
+        f"optimizer {job.optimizer}{' (bf16 state)' if job.state_dtype == 'bf16' else ''}, "
+        f"checkpointing {job.activation_checkpointing}"
         + (", offload" if job.offload else "")
         + (", int8 comm" if job.quantized else ""),
         (

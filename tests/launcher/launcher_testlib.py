@@ -66,6 +66,27 @@ CASES: Dict[str, List[str]] = {
         "+cluster.secret_env.WANDB_API_KEY=WANDB_API_KEY",
         INJECTION,
     ],
+    # A pipeline of 8 stages over 64 nodes (Llama 3.1 405B as stage=plan proposes it): each stage
+    # 8 nodes, tp=8 inside a node, sharded over the stage's 8 nodes.
+    "slurm_pp": [
+        "cluster=slurm",
+        "cluster.nodes=64",
+        "cluster.gpus_per_node=8",
+        "model=llama3_1_405b",
+        "parallelism.tp=8",
+        "parallelism.pp=8",
+        "parallelism.dp_shard=8",
+        "parallelism.pp_microbatches=64",
+        "parallelism.activation_checkpointing=full",
+        "parallelism.param_dtype=bfloat16",
+        "container.runtime=pyxis",
+        "container.image=registry.example/org/train:1.0",
+        "data=indexed",
+        "data.paths=[/lustre/corpus/text_document]",
+        "data.seq_len=4096",
+        "trainer.global_batch_size=512",
+        "trainer.micro_batch_size=1",
+    ],
     "slurm_apptainer": [
         "cluster=slurm",
         "cluster.nodes=2",

@@ -69,3 +69,22 @@ def test_405b_on_64_nodes_of_8_gets_a_pipeline_proposal_with_its_reason():
     assert proposal.plan.peak_bytes <= job.budget_bytes
     assert proposal.reason.startswith("sharding alone needs 423.7 GiB per rank of 80.0; pp=8 with ")
     assert "9.9% bubble ((p-1)/(m+p-1) at m=64)" in proposal.reason
+
+
+def test_a_pipeline_job_is_planned_per_stage():
+    from framework.planner.plan import make_plan
+
+    cfg = to_config(
+        compose_config(
+            "stage=plan model=llama3_1_405b cluster.nodes=64 cluster.nproc_per_node=8 cluster.gpus_per_node=8 "
+            "parallelism.tp=8 parallelism.pp=8 parallelism.pp_microbatches=64 "
+            "parallelism.activation_checkpointing=full "
+            "parallelism.param_dtype=bfloat16 data=synthetic data.seq_len=4096 trainer.micro_batch_size=1 "
+            "trainer.global_batch_size=512".split()
+        )
+    )
+    result = make_plan(cfg)
+    assert result.estimate.fits and result.estimate.job.dp_shard == 8
+    note = result.notes[0]
+    assert note.startswith("pipeline: pp=8 1f1b, 64 microbatches, 1 stage(s) per rank: bubble 9.9%")
+    assert "the figures above are stage 0's (16 layers, the heaviest, on its 64 of the 512 ranks)" in note
