@@ -90,9 +90,12 @@ def _same_as_reference(run: Path, reference: Path, validated: bool = True) -> No
     [("gpipe", "[3,1]"), ("1f1b", "[]"), ("interleaved_1f1b", "[]"), ("zbv", "[1,1,1,1]")],
 )
 def test_pp2_equals_one_process(reference, tmp_path, schedule, split):
-    """Each schedule; gpipe with an uneven split (3 blocks, then 1 and the head), zbv with its V
-    (rank 0 runs stages 0 and 3: the embedding and the head on one rank)."""
+    """Each schedule; gpipe with an uneven split (3 blocks, then 1 and the head), 1f1b with 2
+    microbatches of 4 samples (the reference accumulates 4 of 2), zbv with its V (rank 0 runs
+    stages 0 and 3: the embedding and the head on one rank)."""
     overrides = ["parallelism.pp=2", f"parallelism.pp_schedule={schedule}", f"parallelism.pp_split={split}"]
+    if schedule == "1f1b":
+        overrides.append("parallelism.pp_microbatches=2")
     if schedule == "zbv":  # no forward-only pass: validation is refused (tests/unit/test_pipeline_config.py)
         overrides.append("trainer.eval_interval=0")
     _same_as_reference(_run(tmp_path, schedule, overrides), reference, validated=schedule != "zbv")
