@@ -85,15 +85,32 @@ def pipeline_problems(p) -> List[str]:
     return errors
 
 
-def evaluation_problems(p, eval_interval: int) -> List[str]:
-    """Validation under a pipeline runs the schedule forward only (`schedule.eval`), which torch's
-    ZBV schedule cannot do (its V passes a backward between a rank's two stages even then)."""
-    if p.pp > 1 and p.pp_schedule == PipelineSchedule.zbv and eval_interval:
-        return [
-            f"parallelism.pp_schedule=zbv with trainer.eval_interval={eval_interval}: torch's ZBV schedule has no "
-            "forward-only pass for validation; set trainer.eval_interval=0 or pp_schedule=interleaved_1f1b"
-        ]
-    return []
+def job_problems(cfg) -> List[str]:
+    """What a pipeline job cannot do beside training, one line each. Validation runs the schedule
+    forward only (`schedule.eval`), which torch's ZBV schedule cannot do (its V passes a backward
+    between a rank's two stages even then); lm-eval tasks and the safetensors export need the whole
+    model on every rank's side (a rank holds its stages only)."""
+    p, t = cfg.parallelism, cfg.trainer
+    if p.pp == 1:
+        return []
+    errors = []
+    if p.pp_schedule == PipelineSchedule.zbv and t.eval_interval:
+        errors.append(
+            f"parallelism.pp_schedule=zbv with trainer.eval_interval={t.eval_interval}: torch's ZBV schedule has "
+            "no forward-only pass for validation; set trainer.eval_interval=0 or pp_schedule=interleaved_1f1b"
+        )
+    if t.eval_tasks:
+        errors.append(
+            f"trainer.eval_tasks with parallelism.pp={p.pp}: lm-eval runs the whole model, which no rank of a "
+            "pipeline holds; run stage=evaluate on the checkpoint at parallelism.pp=1"
+        )
+    if cfg.checkpoint.export_safetensors:
+        errors.append(
+            f"checkpoint.export_safetensors=true with parallelism.pp={p.pp}: each rank holds its stages only; "
+            "resume the checkpoint at parallelism.pp=1 with checkpoint.export_safetensors=true (checkpoints "
+            "move between pp degrees)"
+        )
+    return errors
 
 
 def microbatch_problems(p, samples_per_rank: int, accum_steps: int) -> List[str]:

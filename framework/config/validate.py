@@ -12,7 +12,8 @@ import os
 from typing import List, Optional
 
 from framework.config.degrees import ParallelDims, resolve_parallel_dims
-from framework.config.pipeline import evaluation_problems, microbatch_problems, pipeline_problems
+from framework.config.pipeline import job_problems as pipeline_job_problems
+from framework.config.pipeline import microbatch_problems, pipeline_problems
 from framework.config.schema import Config, DataName, Stage
 from framework.errors import UserInputError
 
@@ -46,7 +47,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
                 "tensor-parallel groups span nodes, and their per-layer all-reduces over the "
                 "inter-node network are slow; keep tp <= nproc_per_node (and dividing it)"
             )
-    errors += pipeline_problems(p) + evaluation_problems(p, t.eval_interval)
+    errors += pipeline_problems(p) + pipeline_job_problems(cfg)
     if p.pp > 1 and p.engine.value != "native":
         errors.append(
             f"parallelism.pp={p.pp} with parallelism.engine={p.engine.value}: pipeline stages are sharded by our "
