@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from framework.checkpoint import shm_names
-from framework.checkpoint.contents import join_optim, rng_state, set_rng_state, split_optim
+from framework.checkpoint.contents import rng_state, set_rng_state
 from framework.errors import UserInputError
 
 FORMAT = 1
@@ -62,29 +62,51 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _flatten(model_sd: dict, optim_state: dict) -> Tuple[List[Tuple[list, torch.Tensor]], List[list]]:
-    """([(path, tensor)], [[path, plain value]]) in a fixed order: the model's, then the optimizer's."""
+def _own_tensors(model, optimizer) -> Tuple[List[Tuple[list, torch.Tensor]], List[list]]:
+    """([(path, tensor)], [[path, plain value]]): this rank's parameters, buffers and optimizer
+    state as the engine holds them (its local shards: no copies, no collectives), in a fixed order.
+    See [Note: a snapshot is the engine's own shards]."""
     tensors, leaves = [], []
-
-    def walk(prefix, tree):
-        for key in sorted(tree, key=str):
-            value, path = tree[key], prefix + [str(key)]
-            if isinstance(value, dict):
-                walk(path, value)
-            elif isinstance(value, torch.Tensor):
-                tensors.append((path, value))
+    for name, p in model.named_parameters():
+        tensors.append((["param", name], p))
+        st = optimizer.state.get(p, {})
+        for key in sorted(st, key=str):
+            value = st[key]
+            if isinstance(value, torch.Tensor):
+                tensors.append((["optim", name, str(key)], value))
             else:
-                leaves.append([path, value])
-
-    walk(["model"], model_sd)
-    walk(["optim"], optim_state)
+                leaves.append([["optim", name, str(key)], value])
+    for name, b in model.named_buffers():
+        tensors.append((["buffer", name], b))
     return tensors, leaves
 
 
-def _set(tree: dict, path: list, value) -> None:
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
+def _plain(value) -> bool:
+    return (
+        value is None
+        or isinstance(value, (bool, int, float, str))
+        or (isinstance(value, (list, tuple)) and all(_plain(v) for v in value))
+    )
+
+
+def _groups(optimizer) -> list:
+    """The optimizer's hyper-parameters per group (lr, betas, ...: what the LR schedule and the
+    optimizer change between steps), as JSON."""
+    return [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and _plain(v)}
+        for g in optimizer.param_groups
+    ]
+
+
+# [Note: a snapshot is the engine's own shards]
+# A disk checkpoint goes through the engine's state dicts (get_state_dicts / set_state_dicts): a
+# layout any world size and either engine can load, built with collectives (0.5 s a call for the
+# benchmark GPT on 2 CPU ranks, more than a step's tenth). A snapshot is restored only into the
+# same job (same world size, engine and model: the manifest and the tensor index are checked), so
+# it holds each rank's tensors as the engine itself keeps them: every parameter's local shard, its
+# optimizer state and the module buffers, copied as they are. A restarted process has no optimizer
+# state yet: the engine's get_state_dicts makes it (a zero-lr step, as for a disk load), and the
+# snapshot's bytes are then copied over it, in place, once every rank has found its own whole.
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -253,9 +275,8 @@ class MemorySnapshots:
             return
         self._agree_previous_written()
         tic = time.perf_counter()
-        model_sd, optim_sd = self.engine.get_state_dicts(state.model, state.optimizer)
-        optim_tensors, groups = split_optim(optim_sd)
-        tensors, leaves = _flatten(model_sd, optim_tensors["state"])
+        tensors, leaves = _own_tensors(state.model, state.optimizer)
+        groups = _groups(state.optimizer)
         items = []
         for path, t in tensors:
             local = _local(t).detach()
@@ -389,8 +410,11 @@ class MemorySnapshots:
         would (0 without one). Rank 0 says which step and from where. See [Note: the peer copy]."""
         world, me = self.rt.world_size, self.rt.rank
         held = self._held()
+        missing = any(not state.optimizer.state.get(p) for p in state.model.parameters() if p.requires_grad)
         shares = [None] * world
-        dist.all_gather_object(shares, {owner: sorted(steps) for owner, steps in held.items()})
+        dist.all_gather_object(shares, ({owner: sorted(steps) for owner, steps in held.items()}, missing))
+        missing = any(m for _, m in shares)
+        shares = [h for h, _ in shares]
         common = None
         for r in range(world):
             steps = {step for share in shares for step in share.get(r, ())}
@@ -403,14 +427,17 @@ class MemorySnapshots:
                 return self._from_disk(state, ckpt, f"memory snapshots: {why}")
             return ckpt.resume(state) if ckpt is not None else 0
         tic = time.perf_counter()
-        # the templates first, on every rank: the engine's state dicts are collective
-        templates = self.engine.get_state_dicts(state.model, state.optimizer)
+        # a restarted process has no optimizer state: the engine makes it, on every rank (its state
+        # dicts are collective), before the snapshot's bytes go over it
+        if missing:
+            self.engine.get_state_dicts(state.model, state.optimizer)
+        targets = _own_tensors(state.model, state.optimizer)[0]
         problem, loaded = None, None
         try:
             if newest not in held.get(me, {}):
                 raise SnapshotRefused(f"no snapshot of step {newest} on this rank's node")
             raw, data, path = _read_pair(held[me][newest])
-            loaded = self._parse(raw, data, path, *templates)
+            loaded = self._parse(raw, data, path, targets)
         except SnapshotRefused as exc:
             problem = str(exc)
         local_problems = [None] * world
@@ -426,7 +453,7 @@ class MemorySnapshots:
             got = self._fetch(sources, held, newest)
             if problem and sources[me] is not None:
                 try:
-                    loaded, problem = self._parse(*got, f"the copy rank {sources[me]} holds", *templates), None
+                    loaded, problem = self._parse(*got, f"the copy rank {sources[me]} holds", targets), None
                 except SnapshotRefused as exc:
                     problem = f"{problem}; its copy on rank {sources[me]}: {exc}"
         problems = [None] * world
@@ -503,10 +530,11 @@ class MemorySnapshots:
             print(f"restored step {step} from {where}: {why}", file=sys.stderr, flush=True)
         return step
 
-    def _parse(self, raw: bytes, data: bytearray, where: str, model_sd: dict, optim_sd: dict):
-        """(manifest, the template state dicts filled from a segment's manifest and data bytes);
-        SnapshotRefused if it is not whole or not this rank's of this job's layout. No
-        collectives: a refusal is this rank's alone, and it comes before any tensor is written."""
+    def _parse(self, raw: bytes, data: bytearray, where: str, targets: list):
+        """(manifest, [(target tensor, offset, bytes)], data) of a segment's manifest and data
+        bytes, checked against this rank's tensors; SnapshotRefused if it is not whole or not this
+        rank's of this job's layout. Nothing is written yet (see `_apply`), and no collectives: a
+        refusal is this rank's alone."""
         manifest = None
         try:
             manifest = json.loads(raw)
@@ -524,38 +552,39 @@ class MemorySnapshots:
                 f"step {manifest.get('step') if isinstance(manifest, dict) else '?'}: not a "
                 f"snapshot manifest of this job and rank {self.rt.rank}"
             )
-        data_path = where
         if len(data) != manifest["bytes"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
-            raise SnapshotRefused(f"{data_path}: its bytes do not match its manifest's sha256 (torn or corrupted)")
-        optim_tensors, _ = split_optim(optim_sd)
-        tensors, _ = _flatten(model_sd, optim_tensors["state"])
+            raise SnapshotRefused(f"{where}: its bytes do not match its manifest's sha256 (torn or corrupted)")
         index = manifest["tensors"]
-        if [p for p, *_ in index] != [p for p, _ in tensors]:
-            raise SnapshotRefused(f"{data_path}: holds other tensors than this job's model and optimizer")
-        locals_ = [_local(target) for _, target in tensors]
-        for (path, dtype, shape, offset, nbytes), local in zip(index, locals_):
+        if [p for p, *_ in index] != [p for p, _ in targets]:
+            raise SnapshotRefused(f"{where}: holds other tensors than this job's model and optimizer")
+        copies = []
+        for (path, dtype, shape, offset, nbytes), (_, target) in zip(index, targets):
+            local = _local(target)
             if (
                 _dtype(dtype) != local.dtype
                 or list(local.shape) != shape
                 or nbytes != local.numel() * local.element_size()
             ):
-                raise SnapshotRefused(f"{data_path}: {'/'.join(path)} is {dtype}{shape}, this job's {local.dtype}")
+                raise SnapshotRefused(f"{where}: {'/'.join(path)} is {dtype}{shape}, this job's {local.dtype}")
             if offset < 0 or offset + nbytes > len(data):
-                raise SnapshotRefused(f"{data_path}: {'/'.join(path)} lies outside the data")
+                raise SnapshotRefused(f"{where}: {'/'.join(path)} lies outside the data")
+            copies.append((local, offset, nbytes))
+        return manifest, copies, data
+
+    def _apply(self, state, manifest: dict, copies: list, data: bytearray) -> None:
+        """Every rank found its own whole: the bytes go over the live tensors, then the rest."""
         with torch.no_grad():
-            for (*_, offset, nbytes), local in zip(index, locals_):
+            for local, offset, nbytes in copies:
                 if nbytes:
                     src = torch.frombuffer(data, dtype=torch.uint8, offset=offset, count=nbytes)
                     local.copy_(src.view(local.dtype).view(local.shape))
+        params = dict(state.model.named_parameters())
         for path, value in manifest["leaves"]:
-            _set(optim_tensors["state"] if path[0] == "optim" else model_sd, path[1:], value)
-        return manifest, model_sd, optim_tensors
-
-    def _apply(self, state, manifest: dict, model_sd: dict, optim_tensors: dict) -> None:
+            if path[0] == "optim":
+                state.optimizer.state[params[path[1]]][path[2]] = value
         saved = manifest["train_state"]
-        self.engine.set_state_dicts(
-            state.model, state.optimizer, model_sd, join_optim(optim_tensors, saved["optimizer_param_groups"])
-        )
+        for group, hyper in zip(state.optimizer.param_groups, saved["optimizer_param_groups"]):
+            group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in hyper.items()})
         state.scheduler.load_state_dict(saved["scheduler"])
         state.train_loader.load_state_dict(saved["train_loader"])
         set_rng_state(manifest["rng"])
