@@ -256,9 +256,12 @@ def import_safetensors(
     model_sd: dict[str, torch.Tensor],
     adapter,
     where: str,
+    used_elsewhere=None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """A state dict shaped like `model_sd` (sharded) with values read from `directory`; every
-    tensor of the files must be used. `where` names the config field in messages."""
+    tensor of the files must be used. `where` names the config field in messages.
+    `used_elsewhere(keys) -> keys`: a pipeline's (parallelism.pp) file keys used by any rank, given
+    this rank's (collective): a rank holds its stages only, the job the whole model."""
     files = weight_files(directory, where)
     renamed, merged = adapter.converted_names(sorted(files), where) if hasattr(adapter, "converted_names") else ({}, {})
     plan: dict[str, str] = {}  # our name -> hf name
@@ -283,6 +286,8 @@ def import_safetensors(
         plan[name] = key
     ignorable = getattr(adapter, "ignorable", lambda key: False)
     used = set(plan.values()) | {k for _, groups in merges.values() for group in groups for k in group}
+    if used_elsewhere is not None:
+        used = used_elsewhere(used)
     unused = sorted(k for k in set(files) - used if not ignorable(k))
     if unused:
         raise UserInputError(

@@ -433,7 +433,9 @@ class CheckpointManager:
         hf_config = read_config(directory) if os.path.isdir(directory) else None
         if hf_config is not None:
             adapter.check_hf_config(hf_config, model_cfg, where)
-        loaded, count = import_safetensors(directory, model_sd, adapter, where)
+        # parallelism.pp: each rank reads its stages' tensors; every tensor is used by some rank
+        elsewhere = _used_by_any_rank if self.cfg.parallelism.pp > 1 else None
+        loaded, count = import_safetensors(directory, model_sd, adapter, where, elsewhere)
         self._sharded.set_state_dicts(state.model, state.optimizer, {**loaded, **adapters}, optim_sd)
         # Getting the state dicts made optimizer state (a zero-lr step, so a load has a template);
         # imported weights start training as in a plain loop: no moments, step counter 0 (a
@@ -545,3 +547,10 @@ def _cpu_snapshot(tree):
     if isinstance(tree, torch.Tensor) and tree.device.type == "cpu":
         return tree.detach().clone()
     return tree
+
+
+def _used_by_any_rank(keys: set) -> set:
+    """The union of every rank's `keys` (a collective): what a pipeline's stages use together."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(keys))
+    return set().union(*map(set, gathered))

@@ -62,3 +62,16 @@ def test_resume_at_another_pipeline_degree(source, tmp_path, layout):
     assert sorted(got) == [4, 5, 6]
     for step in got:
         assert abs(got[step] - want[step]) <= TOLERANCE, (step, got[step], want[step])
+
+
+def test_an_export_initialises_a_pipeline_as_one_process(tmp_path):
+    """checkpoint.init_from at pp=2: each rank reads its own stages' tensors from the safetensors
+    export, and every tensor of it is used by some rank (else the import is refused, as at pp=1);
+    the first step's loss is the one-process import's (1e-5: the order of sums, as above)."""
+    one_rank = ["cluster.nproc_per_node=1", "trainer.max_steps=1"]
+    export = _run(tmp_path, "export", one_rank + ["checkpoint.save_final=true", "checkpoint.export_safetensors=true"])
+    init = [f"checkpoint.init_from={export / 'checkpoints' / 'export'}", "trainer.max_steps=1"]
+    one = _run(tmp_path, "one", init + ["cluster.nproc_per_node=1"])
+    pp = _run(tmp_path, "pp", init + ["cluster.nproc_per_node=2", "parallelism.pp=2"])
+    assert abs(_losses(pp)[1] - _losses(one)[1]) <= TOLERANCE
+    assert _losses(one)[1] != _losses(export)[1]  # the imported weights, one step on
