@@ -24,9 +24,10 @@ synchronisation on for the last one only: microbatches 1..m-1 accumulate unshard
 without communication, and the m-th backward reduce-scatters once (and all-reduces over the
 replicas under hybrid), as gradient accumulation does without a pipeline. Each stage is a root
 of its own (`fully_shard(stage)`, with no parameters of its own), so its backward ends in the
-engine's final callback, which waits for the reductions. Every unit (block, embedding, norm,
-head) is gathered per microbatch forward and backward under ZeRO-3 (parallelism.strategy=full),
-as FSDP2 under torch's schedules without `set_reshard_after_backward(False)`; grad_op keeps them.
+engine's final callback, which waits for the reductions. As torch does for FSDP2, a unit stays
+gathered after every backward but the last (`set_reshard_after_backward(False)`), so a forward
+that follows a backward finds it gathered; under ZeRO-3 (parallelism.strategy=full) each forward
+still frees it after, and a backward after a forward gathers it again (grad_op keeps everything).
 
 [Note: zero-bubble schedules on our engine]
 Zero-bubble schedules split each backward into the input gradient (I, sent upstream at once)
@@ -158,7 +159,9 @@ class EngineStage(PipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         # dw_builder makes every backward of ours "full" ([Note: zero-bubble schedules on our engine])
         self.backwards += 1
-        self.submod.set_requires_gradient_sync(self.backwards == self.n_microbatches)
+        last = self.backwards == self.n_microbatches
+        self.submod.set_requires_gradient_sync(last)
+        self.submod.set_reshard_after_backward(last)  # the next microbatch's forward finds them gathered
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
