@@ -8,7 +8,7 @@
                          accumulation steps (global batch / (micro batch x dp))
     pp_virtual_stages    stages per rank; -1: 1 for gpipe/1f1b, 2 for interleaved_1f1b and zbv
     pp_split             layers per stage, in stage order (pp x virtual stages entries summing to
-                         the model's layers); empty: as even as the layers allow
+                         the model's layers); empty: balanced by work (`balanced_split`)
 
 The planner (framework/planner) and the config validation read the bubble fraction and the
 resolved numbers from here; the trainer builds the schedule from them
@@ -142,6 +142,45 @@ def even_split(n_layers: int, stages: int) -> List[int]:
     """Layers per stage, as even as possible (the earlier stages take one more)."""
     base, extra = divmod(n_layers, stages)
     return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def balanced_split(block_costs: List[float], stages: int, head_cost: float = 0.0) -> List[int]:
+    """Layers per stage for `stages` contiguous stages of blocks costing `block_costs` each, the
+    last stage also running the head (`head_cost`; the embedding, a lookup, costs nothing): the
+    least cost of the busiest stage, every stage at least one block. The even split when it is
+    as good (it is the usual answer: a head narrower than a block changes nothing)."""
+    n = len(block_costs)
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(a: int, b: int, last: bool) -> float:
+        return prefix[b] - prefix[a] + (head_cost if last else 0.0)
+
+    def busiest(counts: List[int]) -> float:
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        return max(cost(a, a + c, s == len(counts) - 1) for s, (a, c) in enumerate(zip(starts, counts)))
+
+    even = even_split(n, stages)
+    # best[s][i]: the least busiest cost of blocks [0, i) in s stages (not the last), and its cut
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    best[0] = [inf] + [cost(0, i, stages == 1 and i == n) for i in range(1, n + 1)]
+    for s in range(1, stages):
+        for i in range(s + 1, n + 1):
+            for j in range(s, i):
+                value = max(best[s - 1][j], cost(j, i, s == stages - 1 and i == n))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    counts, i = [], n
+    for s in range(stages - 1, 0, -1):
+        j = cut[s][i]
+        counts.append(i - j)
+        i = j
+    counts.append(i)
+    counts.reverse()
+    return even if busiest(even) <= busiest(counts) + 1e-9 * prefix[-1] else counts
 
 
 def bubble_fraction(schedule: PipelineSchedule, pp: int, microbatches: int, virtual: int = 1) -> float:

@@ -164,7 +164,7 @@ class ParallelismConfig:
     pp_schedule: str = PipelineSchedule.one_f_one_b.value
     pp_microbatches: int = -1  # per data-parallel rank and step; -1: the gradient accumulation steps
     pp_virtual_stages: int = -1  # stages per rank; -1: 1 (gpipe, 1f1b) or 2 (interleaved_1f1b, zbv)
-    pp_split: List[int] = field(default_factory=list)  # layers per stage; empty: even
+    pp_split: List[int] = field(default_factory=list)  # layers per stage; empty: balanced by work
 
     def __post_init__(self) -> None:
         self.engine = _choice("parallelism", "engine", self.engine, Engine)

@@ -62,7 +62,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from framework.config.pipeline import PipelineSchedule, even_split, virtual_stages
+from framework.config.pipeline import PipelineSchedule, balanced_split, even_split, virtual_stages
 from framework.distributed.parallel_dims import ParallelDims
 from framework.errors import UserInputError
 
@@ -81,9 +81,15 @@ def stages_of_rank(rank: int, pp: int, v: int, schedule: PipelineSchedule) -> Li
     return [rank + k * pp for k in range(v)]
 
 
-def layer_ranges(n_layers: int, n_stages: int, split: List[int], pp: int) -> List[tuple]:
-    """[start, end) of every stage's blocks; refuses a split that does not cover the model."""
-    counts = list(split) or even_split(n_layers, n_stages)
+def layer_ranges(n_layers: int, n_stages: int, split: List[int], pp: int, costs=None) -> List[tuple]:
+    """[start, end) of every stage's blocks; refuses a split that does not cover the model.
+    No split: `costs` = (each block's, the head's) balanced (`balanced_split`), else even."""
+    if split:
+        counts = list(split)
+    elif costs is not None and n_layers >= n_stages:
+        counts = balanced_split(costs[0], n_stages, costs[1])
+    else:
+        counts = even_split(n_layers, n_stages)
     if sum(counts) != n_layers or len(counts) != n_stages or min(counts) < 1:
         given = f"parallelism.pp_split={list(split)}" if split else f"parallelism.pp={pp}"
         raise UserInputError(
@@ -92,6 +98,17 @@ def layer_ranges(n_layers: int, n_stages: int, split: List[int], pp: int) -> Lis
         )
     starts = [sum(counts[:s]) for s in range(n_stages)]
     return [(a, a + c) for a, c in zip(starts, counts)]
+
+
+def _costs(model: nn.Module, blocks: List[nn.Module], family) -> tuple:
+    """(each block's parameters, the head's): a token's matmul work in each, the measure stages
+    are balanced by. The head is what the last stage holds besides its block (the final norm and
+    the output projection); the embedding, a lookup, counts nothing."""
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    per_block = [float(count(b)) for b in blocks]
+    n = len(blocks)
+    last = family.pipeline_stage(model, n - 1, n, False, True)
+    return per_block, float(count(last) - per_block[-1])
 
 
 class PipelinePart(nn.Module):
@@ -199,7 +216,8 @@ class Pipeline:
         n_stages = dims.pp * v
         self.microbatches = accum_steps if p.pp_microbatches == -1 else p.pp_microbatches
         self.samples = t.micro_batch_size * accum_steps  # per data-parallel rank and step
-        ranges = layer_ranges(len(family.blocks(model)), n_stages, list(p.pp_split), dims.pp)
+        blocks = family.blocks(model)
+        ranges = layer_ranges(len(blocks), n_stages, list(p.pp_split), dims.pp, _costs(model, blocks, family))
         self.pp_rank = mesh.get_local_rank("pp")
         self.pp_group = mesh["pp"].get_group()
         mine = stages_of_rank(self.pp_rank, dims.pp, v, self.schedule_name)

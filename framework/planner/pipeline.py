@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from framework.config.pipeline import PipelineSchedule, bubble_fraction, even_split
+from framework.config.pipeline import PipelineSchedule, balanced_split, bubble_fraction, even_split
 from framework.models.shapes import Unit
 from framework.planner.estimate import BYTES, GIB, Job, memory, timing
 
@@ -97,7 +97,13 @@ def stage_plans(
     """Memory and time of every stage of `job`'s model cut into pp x virtual stages."""
     v = 2 if schedule == PipelineSchedule.zbv else virtual
     n = pp * v
-    counts = list(split) if split else even_split(job.model.n_layers, n)
+    if split:
+        counts = list(split)
+    else:  # as the trainer balances them: each block's and the head's parameters (framework/distributed/pipeline.py)
+        whole = job.model.layout(job.model, job.tp)
+        head = sum(t.numel for t in whole[0].tensors[1:])
+        counts = balanced_split([float(u.numel) for u in whole[1:]], n, float(head)) if len(whole) > n else None
+        counts = counts or even_split(job.model.n_layers, n)
     samples = job.micro_batch * job.accum  # one data-parallel rank's samples per step
     mb = max(1, samples // microbatches)
     stages = []

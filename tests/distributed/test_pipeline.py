@@ -163,3 +163,21 @@ def test_materialize_fills_the_rotary_table():
     c = model.cfg
     expected = rotary_table(c.dim // c.n_heads, c.max_seq_len, c.rope_theta, scaling=c.rope_scaling)
     assert torch.equal(stage.rotary.table, expected)
+
+
+def test_stages_are_balanced_by_their_work():
+    """No pp_split: the head's matmul counts on the last stage (a 4096-word vocabulary on a
+    64-wide model: 5.7 blocks' parameters), so 4 blocks over 2 stages go 3 + 1 (evenly: 2 and
+    2 + 5.7)."""
+    from framework.config.schema import ModelConfig
+    from framework.distributed.pipeline import _costs, layer_ranges
+    from framework.models import family_of
+
+    cfg = ModelConfig(name="debug", args={"vocab_size": 4096, "n_layers": 4})
+    family = family_of(cfg)
+    model = family.build(cfg, "meta")
+    blocks = family.blocks(model)
+    per_block, head = _costs(model, blocks, family)
+    assert head == 4096 * 64 + 64 and head / per_block[0] > 5
+    assert layer_ranges(4, 2, [], 2, (per_block, head)) == [(0, 3), (3, 4)]
+    assert layer_ranges(4, 2, [2, 2], 2, (per_block, head)) == [(0, 2), (2, 4)]  # pp_split wins

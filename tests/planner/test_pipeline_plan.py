@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from framework.config import compose_config, to_config
-from framework.config.pipeline import PipelineSchedule, bubble_fraction
+from framework.config.pipeline import PipelineSchedule, balanced_split, bubble_fraction
 from framework.planner.estimate import memory
-from framework.planner.pipeline import propose_pipeline, stage_plans
+from framework.planner.pipeline import propose_pipeline, stage_job, stage_plans
 from framework.planner.plan import job_from_config
 
 ONE_F_ONE_B = PipelineSchedule.one_f_one_b
@@ -33,20 +33,27 @@ def test_stages_hold_the_whole_model_once_and_1f1b_loads_the_first_rank_most():
     job = _job("model=llama3_1_8b", "cluster.nodes=2", "cluster.nproc_per_node=8", "data.seq_len=2048")
     job = replace(job, dp_shard=4, micro_batch=1, global_batch=32 * 4)  # one stage's mesh: 4 ranks
     plan = stage_plans(job, 4, ONE_F_ONE_B, 32)
-    assert [s.layers for s in plan.stages] == [8, 8, 8, 8]
+    # Balanced as the trainer cuts it: the head (128256 x 4096, 2.4 blocks' parameters) on the last
+    # stage, so 8, 9, 9 and 6 + 2.4 blocks' work (the busiest 9; evenly 8 + 2.4 = 10.4)
+    assert [s.layers for s in plan.stages] == [8, 9, 9, 6]
+    assert [s.layers for s in plan.stages] == balanced_split([1.0] * 32, 4, 525_340_672 / 218_112_000)
     assert plan.bubble == 3 / 35
     whole = memory(job)
-    stage_params = []
+    stage_params, start = [], 0
     for s in plan.stages:
-        from framework.planner.pipeline import stage_job
-
-        start = 8 * s.index
-        stage_params.append(memory(stage_job(job, start, start + 8, s.first, s.last, 1)).params)
+        stage_params.append(memory(stage_job(job, start, start + s.layers, s.first, s.last, 1)).params)
+        start += s.layers
     # fp32 shards: every parameter in exactly one stage (padding: one element per unit and rank)
     assert abs(sum(stage_params) - whole.params) <= 4 * 4 * (job.model.n_layers + 4)
-    # the first rank holds p microbatches' activations in 1F1B, the last one; the same blocks
-    assert plan.rank_peaks[0] > plan.rank_peaks[1] > plan.rank_peaks[2]
+    # 1F1B: rank r holds p - r microbatches' activations: the first rank the most
+    assert plan.rank_peaks[0] > plan.rank_peaks[1]
     assert plan.stages[0].peak_bytes == plan.rank_peaks[0]
+
+
+def test_the_split_balances_the_head():
+    assert balanced_split([1.0] * 4, 2, 0.35) == [2, 2]  # a head narrower than a block: even
+    assert balanced_split([1.0] * 16, 4, 4.4) == [5, 5, 5, 1]  # Llama 3.2 1B's vocabulary at pp=4
+    assert balanced_split([1.0] * 126, 8, 0.65) == [16, 16, 16, 16, 16, 16, 15, 15]  # 405B: even
 
 
 def test_405b_on_64_nodes_of_8_gets_a_pipeline_proposal_with_its_reason():
