@@ -1,7 +1,8 @@
 """The planner's arithmetic against the ZeRO paper, the model's own tensors and the running engine.
 
-One 4-rank gloo spawn runs eight layouts of a small Llama (full, grad_op, hybrid 2x2, tp=2 x dp=2,
-int8 communication, whole-row and whole-parameter shard boundaries) for a few steps and compares,
+One 4-rank gloo spawn runs the layouts of CASES on a small Llama (full, grad_op, hybrid 2x2, tp=2 x
+dp=2, int8 communication, whole-row and whole-parameter shard boundaries, optimizer=muon, bf16
+optimizer state) for a few steps and compares,
 per rank, the planner's predictions with what
 the engine holds and counts: model-state bytes and the gradient pool exactly, bytes per step
 exactly, peak memory within 10% (measured with torch.profiler's allocation events).
@@ -128,6 +129,12 @@ CASES = {  # name: parallelism overrides (4 ranks)
     # optimizer=muon (a momentum buffer on the blocks' matrices, AdamW's two on the rest), with its
     # whole-matrix gathers in the step's traffic
     "muon": {"strategy": "full", "dp_shard": 4},
+    # and with tensor parallel: each tp-split matrix also made whole over tp (its bytes depend on
+    # the matrices a dp index owns: compared rank by rank)
+    "muon_tp2": {"strategy": "full", "dp_shard": 2, "tp": 2},
+    # optimizer.state_dtype=bf16: Adam's moments and Muon's momentum at 2 bytes an element
+    "adamw_bf16": {"strategy": "full", "dp_shard": 4},
+    "muon_bf16": {"strategy": "full", "dp_shard": 4},
 }
 
 
@@ -137,7 +144,10 @@ def _config(name: str) -> Config:
     return Config(
         model=ModelConfig(args=MODEL),
         parallelism=p,
-        optimizer=OptimizerConfig(name="muon" if name == "muon" else "adamw"),
+        optimizer=OptimizerConfig(
+            name="muon" if name.startswith("muon") else "adamw",
+            state_dtype="bf16" if name.endswith("_bf16") else "fp32",
+        ),
         data=DataConfig(name="synthetic", seq_len=SEQ),
         trainer=TrainerConfig(micro_batch_size=MICRO, global_batch_size=MICRO * dp),
         cluster=ClusterConfig(nodes=1, nproc_per_node=4),
@@ -197,7 +207,7 @@ def _engine_worker(rank: int, world: int, names):
         model.init_weights(0)
         hidden = hidden_matrix_names(model)
         model = parallelize(model, dims, mesh, p, family_of(cfg.model))
-        if name == "muon":
+        if name.startswith("muon") or name.endswith("_bf16"):
             opt = build_optimizer(model, cfg.optimizer, hidden=hidden)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -256,7 +266,7 @@ def test_planner_matches_engine(engine_results, name):
         assert mem.params + mem.grads == tb["shard"] + tb["grad_shard"], (name, rank)
         assert mem.optimizer == got["optimizer"], (name, rank)
         assert mem.grad_pool == tb["grad_pool"], (name, rank)
-        assert traffic(job).engine_counters() == got["comm"], (name, rank)
+        assert traffic(job, rank=got["shard_rank"]).engine_counters() == got["comm"], (name, rank)
         # 10%: the activation and logits terms are per-tensor counts; what they leave out are
         # transient temporaries inside single ops (matmul outputs, softmax workspaces).
         assert abs(mem.peak - got["peak"]) <= 0.10 * got["peak"], (name, rank, mem.peak, got["peak"])
