@@ -146,8 +146,9 @@ class Trainer:
         self.memory = None  # in-memory snapshots (checkpoint.memory_interval): framework/checkpoint/memory.py
         if c.memory_interval:
             from framework.checkpoint.memory import MemorySnapshots
+            from framework.planner.snapshot_fit import planned_snapshots  # their host memory, planned
 
-            self.memory = MemorySnapshots(cfg, rt, self.engine)
+            self.memory = MemorySnapshots(cfg, rt, self.engine, planned_snapshots(cfg, rt.world_size))
         self.flops_per_token = family.flops_per_token(model, cfg.data.seq_len)
         self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
         # The step's loss, gradient norm and finite-loss check, on the device between reads

@@ -152,9 +152,11 @@ class MemorySnapshots:
     """One rank's snapshots: `snapshot(state)` after each step, `restore(state, ckpt)` at the start,
     `close(finished)` at the end. Every rank calls each (they hold collectives)."""
 
-    def __init__(self, cfg, rt, engine):
+    def __init__(self, cfg, rt, engine, planned: Tuple[Optional[str], Optional[int]] = (None, None)):
+        """`planned`: the planner's refusal line (None: fits) and one rank's snapshot bytes, every
+        generation (None: not planned), from framework/planner/snapshots.py's `planned_snapshots`."""
         c = cfg.checkpoint
-        self.cfg, self.rt, self.engine = cfg, rt, engine
+        self.cfg, self.rt, self.engine, self._planned = cfg, rt, engine, planned
         self.interval = c.memory_interval
         self.dir = os.path.abspath(c.memory_dir or DEFAULT_DIR)
         # [Note: the peer copy] nodes: blocks of LOCAL_WORLD_SIZE consecutive ranks (torchrun's order)
@@ -195,19 +197,10 @@ class MemorySnapshots:
     def _fit_problem(self) -> Optional[str]:
         """A line when this node's snapshots would not fit: the planner's host memory per node, or
         the free space of memory_dir (with what this job's segments already hold there)."""
-        from framework.planner.snapshots import GENERATIONS, snapshot_problem
-
-        try:
-            from framework.planner.plan import make_plan
-
-            est = make_plan(self.cfg, self.rt.world_size).estimate
-        except Exception:  # noqa: BLE001 - a job the planner cannot model is not refused for it
-            return None
-        problem = snapshot_problem(self.interval, est)
-        if problem:
+        problem, rank_bytes = self._planned
+        if problem or rank_bytes is None:
             return problem
-        per_rank = est.memory.params + est.memory.optimizer
-        need = GENERATIONS * per_rank * self._local * (2 if self.nodes > 1 else 1)
+        need = rank_bytes * self._local * (2 if self.nodes > 1 else 1)  # own, and the copies held
         return fit_problem(self.interval, need, self.dir, self.prefix)
 
     # ---- metrics ----
@@ -659,8 +652,3 @@ def fit_problem(interval: int, need: int, directory: str, prefix: str) -> Option
         f"(own and peer copies, two generations), which has {free / gib:.2f} GiB free; give checkpoint.memory_dir "
         "a larger tmpfs, or set checkpoint.memory_interval=0"
     )
-
-
-def memory_snapshots(cfg, rt, engine) -> Optional[MemorySnapshots]:
-    """The job's snapshots when checkpoint.memory_interval is set, else None."""
-    return MemorySnapshots(cfg, rt, engine) if cfg.checkpoint.memory_interval else None

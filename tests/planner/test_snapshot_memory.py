@@ -8,6 +8,7 @@ import os
 from framework.checkpoint.memory import fit_problem
 from framework.config import compose_config, to_config
 from framework.planner.plan import fit_problems, make_plan
+from framework.planner.snapshot_fit import planned_snapshots
 from framework.planner.snapshots import snapshot_memory, snapshot_problem
 
 
@@ -47,6 +48,9 @@ def test_a_memory_interval_that_does_not_fit_host_memory_is_refused():
     assert fit_problems(_cfg(*args, "cluster.nodes=2")) == [problem]  # the launcher refuses it
     big = make_plan(_cfg(*args, "cluster.nodes=4")).estimate
     assert snapshot_problem(10, big) is None and fit_problems(_cfg(*args, "cluster.nodes=4")) == []
+    # what a starting job gets (framework/checkpoint/memory.py refuses with the line)
+    assert planned_snapshots(_cfg(*args, "cluster.nodes=2"), 4) == (problem, 2 * snapshot_memory(small).per_rank)
+    assert planned_snapshots(_cfg(*args, "cluster.nodes=4"), 8)[0] is None
 
 
 def test_snapshots_larger_than_the_free_space_of_memory_dir_are_refused(tmp_path):

@@ -131,7 +131,12 @@ def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node(tmp_path
         shm.mkdir()
         dirs.append(shm)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
-        cmd += ["--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=peer"]
+        # A static rendezvous: the two agents' restart counts (which name each attempt's keys:
+        # [Note: one store, many attempts]) then move together. Under c10d, one run in four of
+        # this test ended with the ranks of the last attempt waiting 60 s for each other's
+        # attempt_2 keys, as if the agents' counts had drifted apart.
+        cmd += ["--max-restarts=2", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        cmd += [f"--node-rank={node}"]
         cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
         env = _env("wipe:1:12,corrupt:1:7:1", shm)
         agents.append(
