@@ -115,11 +115,12 @@ def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node(tmp_path
     directory. At step 12 node 1 loses its memory (its directory wiped: its own snapshots and the
     copies it held for node 0) and its rank is killed; torchrun restarts both: rank 1 takes its
     step-10 shard from the copy node 0 holds. At step 17 rank 1 flips a byte of its own snapshot
-    of step 15 and dies: the hash refuses it and rank 1 takes node 0's copy again. Every loss
-    equals the uninterrupted run's."""
+    of step 15 and dies: the hash refuses it and rank 1 takes node 0's copy again. At step 22
+    node 1 loses its memory again and node 0's copy of rank 1's step 20 is corrupted too: both
+    gone, the job restores the disk's step 18. Every loss equals the uninterrupted run's."""
     from conftest import free_port
 
-    args = ARGS + ["trainer.max_steps=19", "trainer.collective_timeout_s=60"]
+    args = ARGS + ["trainer.max_steps=24", "trainer.collective_timeout_s=60", "checkpoint.interval=18"]
     reference = run_main(args + [f"hydra.run.dir={tmp_path}/reference"], tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = _losses(tmp_path / "reference")
@@ -135,23 +136,28 @@ def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node(tmp_path
         # [Note: one store, many attempts]) then move together. Under c10d, one run in four of
         # this test ended with the ranks of the last attempt waiting 60 s for each other's
         # attempt_2 keys, as if the agents' counts had drifted apart.
-        cmd += ["--max-restarts=2", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        cmd += ["--max-restarts=3", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
         cmd += [f"--node-rank={node}"]
         cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
-        env = _env("wipe:1:12,corrupt:1:7:1", shm)
+        env = _env("wipe:1:12,corrupt:1:7:1,corruptheld:0:7:2,wipe:1:7:2", shm)
         agents.append(
             subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     errs = [a.communicate(timeout=300)[1] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], [e[-3000:] for e in errs]
     restores = [line for line in errs[0].splitlines() if line.startswith("restored step")]
-    assert len(restores) == 2, errs[0][-3000:]
+    assert len(restores) == 3, errs[0][-3000:]
     for restore, step in zip(restores, (10, 15)):
         assert restore.startswith(
             f"restored step {step} from memory (local, {dirs[0]}; for rank(s) 1 the copy on rank 0) in "
         ), restores
+    assert restores[2].startswith(
+        "restored step 18 from disk: the memory snapshot of step 20 on rank 1 is refused: no snapshot of step 20 "
+        "on this rank's node; its copy on rank 0: the copy rank 0 holds: its bytes do not match its manifest's "
+        "sha256 (torn or corrupted)"
+    ), restores
     got = _losses(tmp_path / "run")
-    assert sorted(got) == list(range(1, 20)), sorted(got)
+    assert sorted(got) == list(range(1, 25)), sorted(got)
     differ = {step: (got[step], expected[step]) for step in got if got[step] != expected[step]}
     assert not differ, differ
     assert [_left_in(d) for d in dirs] == [[], []]

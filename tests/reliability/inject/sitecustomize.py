@@ -10,6 +10,7 @@ computes the loss once and nothing else does), do <kind>:
   wipe     remove every file in FRAMEWORK_TEST_SNAPSHOT_DIR (the node's snapshots), then SIGKILL itself
   corrupt  flip one byte of that rank's newest committed in-memory snapshot (in the directory
            FRAMEWORK_TEST_SNAPSHOT_DIR), then SIGKILL itself
+  corruptheld  flip one byte of the newest copy that rank holds for another node's rank (and go on)
 <attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean).
 """
 
@@ -50,17 +51,20 @@ if _spec:
                 if kind == "corrupt":
                     _corrupt_newest_snapshot(rank)
                     os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "corruptheld":  # the copy this rank holds for another node's rank
+                    _corrupt_newest_snapshot(rank, kind="p", owner="*")
                 if kind == "refuse":
                     from framework.errors import UserInputError
 
                     raise UserInputError(f"injected refusal on rank {rank}")
         return _original(*args, **kwargs)
 
-    def _corrupt_newest_snapshot(rank):
+    def _corrupt_newest_snapshot(rank, kind="r", owner=None):
         import glob
         import time
 
-        pattern = os.path.join(os.environ["FRAMEWORK_TEST_SNAPSHOT_DIR"], f"fwsnap-*-r{int(rank):05d}-s*.data")
+        who = owner or f"{int(rank):05d}"
+        pattern = os.path.join(os.environ["FRAMEWORK_TEST_SNAPSHOT_DIR"], f"fwsnap-*-{kind}{who}-s*.data")
         deadline = time.monotonic() + 20
         while True:  # the newest one's manifest: written last, once the writer thread is done
             newest = max(glob.glob(pattern), default=None)
