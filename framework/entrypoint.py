@@ -64,7 +64,8 @@ def claim_run_dir(run_dir: str) -> Optional[str]:
 
 def config_name(stage: Stage) -> str:
     """The file a job of `stage` records its resolved config in: see [Note: one config.yaml per run]."""
-    return "config.yaml" if stage in (Stage.training, Stage.fine_tuning, Stage.dpo) else f"config.{stage.value}.yaml"
+    trains = (Stage.training, Stage.fine_tuning, Stage.dpo, Stage.grpo)
+    return "config.yaml" if stage in trains else f"config.{stage.value}.yaml"
 
 
 def record_config(run_dir: str, name: str, config_yaml: str) -> None:
@@ -87,13 +88,17 @@ def _recorded(code: int, record) -> int:
 
 
 def _training_run(cfg):
-    """The per-rank entry of a stage that trains: the trainer's, with stage=dpo's trainer class."""
+    """The per-rank entry of a stage that trains: the trainer's, with stage=dpo's or stage=grpo's class."""
     from framework.trainer import run
 
     if cfg.stage == Stage.dpo:
         from framework.dpo.trainer import DPOTrainer
 
         return functools.partial(run, trainer_class=DPOTrainer)
+    if cfg.stage == Stage.grpo:
+        from framework.grpo.trainer import GRPOTrainer
+
+        return functools.partial(run, trainer_class=GRPOTrainer)
     return run
 
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from framework.config.degrees import check_degrees
 from framework.config.dpo import DPOConfig
+from framework.config.grpo import GRPOConfig
 from framework.config.pipeline import PipelineSchedule
 from framework.errors import UserInputError
 
@@ -81,6 +82,7 @@ class Stage(str, Enum):
     generate = "generate"  # text from a checkpoint or an export (the `generate` section, framework/generate.py)
     evaluate = "evaluate"  # lm-eval tasks on a checkpoint or an export (the `evaluate` section, framework/evaluate.py)
     dpo = "dpo"  # preference optimization on data=hf pairs (the `dpo` section, framework/dpo/)
+    grpo = "grpo"  # reinforcement learning from rewards on data=hf prompts (the `grpo` section, framework/grpo/)
 
 
 # The shortest trainer.collective_timeout_s accepted. The job's key-value store waits this long for
@@ -654,6 +656,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     stage: Stage = Stage.training
     run_dir: str = ""  # filled in by main.py from hydra.run.dir; never set by hand
 

@@ -112,6 +112,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         from framework.config.dpo import dpo_problems
 
         errors += dpo_problems(cfg)
+    if cfg.stage == Stage.grpo:
+        from framework.config.grpo import grpo_problems
+
+        errors += grpo_problems(cfg)
     if cfg.peft.lora.enabled and p.float8:
         errors.append(
             "peft.lora.enabled=true with parallelism.float8=true: the adapters wrap the linears float8 "

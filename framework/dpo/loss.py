@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from framework.config.dpo import DPOConfig, PreferenceLoss
-from framework.models.tasks import IGNORE_INDEX, logits_of
+from framework.finetune.reference import token_logps
+from framework.models.tasks import IGNORE_INDEX
 
 # The per-pair numbers a step sums over its pairs and logs as their mean (names as TRL's).
 STAT_NAMES = (
@@ -54,15 +55,7 @@ def pair_logps(model, input_ids: torch.Tensor, labels: torch.Tensor, gather=lamb
     pairs = input_ids.shape[0]
     ids = torch.cat([input_ids[:, 0], input_ids[:, 1]])
     targets = torch.cat([labels[:, 0], labels[:, 1]])
-    logits = logits_of(model(ids))
-    logits = logits.flatten(0, -2)  # at least fp32 (a float64 model's stay float64)
-    per_token = -F.cross_entropy(
-        logits.to(torch.promote_types(logits.dtype, torch.float32)),
-        targets.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    per_token = gather(per_token).view(targets.shape)
+    per_token = token_logps(model, ids, targets, gather)
     mask = targets != IGNORE_INDEX
     sums, counts = (per_token * mask).sum(-1), mask.sum(-1)
     return PairLogps(sums[:pairs], sums[pairs:], counts[:pairs], counts[pairs:])

@@ -26,13 +26,12 @@ from typing import Dict
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from framework.config.dpo import PreferenceLoss
-from framework.distributed.parallelize import parallelize
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.dpo.data import build_dpo_data
 from framework.dpo.loss import STAT_NAMES, pair_logps, preference_loss
+from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, import_starting_weights
 from framework.models.tasks import to_device
 from framework.trainer import Trainer
 
@@ -60,12 +59,6 @@ def _on_chosen(end_of_run, run):
     return end_of_run(dataclasses.replace(run, data=_chosen_only(run.data)))
 
 
-def disable_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-
-
 class DPOTrainer(Trainer):
     data_builder = staticmethod(build_dpo_data)  # preference pairs through data=hf
 
@@ -76,45 +69,15 @@ class DPOTrainer(Trainer):
             disable_dropout(self.model)
         self.reference = None
         if d.loss != PreferenceLoss.simpo and not cfg.peft.lora.enabled:
-            self.reference = self._build_reference()
+            self.reference = build_reference(self)  # weights in `fit`
         self._sums = None  # the step's per-pair statistics summed, then the pair count
         if self.task.end_of_run is not None:  # the end-of-run sample reads the chosen sequences
             self.task = dataclasses.replace(self.task, end_of_run=functools.partial(_on_chosen, self.task.end_of_run))
 
-    def _build_reference(self) -> nn.Module:
-        """A frozen copy of the policy's layout ([Note: the reference model]); weights in `fit`."""
-        cfg, family = self.cfg, self.family
-        model_cfg = family.with_vocab_size(cfg.model, self.data.vocab_size)
-        meta = cfg.model.meta_init if cfg.model.meta_init is not None else 4 * self.num_params > 4 * 2**30
-        reference = family.build(model_cfg, "meta" if meta else "cpu")
-        for param in reference.parameters():
-            param.requires_grad_(False)
-        reference = parallelize(reference, self.dims, self.mesh, cfg.parallelism, family)
-        if meta:
-            reference.to_empty(device=self.rt.device)
-        elif self.rt.device.type != "cpu":
-            reference.to(self.rt.device)
-        disable_dropout(reference)
-        return reference.eval()
-
-    @torch.no_grad()
-    def _copy_policy_into_reference(self) -> None:
-        mine = dict(self.model.named_parameters())
-        theirs = dict(self.reference.named_parameters())
-        assert mine.keys() == theirs.keys(), f"dpo: the reference's parameters differ: {sorted(mine ^ theirs)}"
-        for name, param in mine.items():
-            theirs[name].detach().copy_(param.detach())
-        ref_buffers = dict(self.reference.named_buffers())
-        for name, buffer in self.model.named_buffers():
-            ref_buffers[name].copy_(buffer)
-
     def fit(self, started=None) -> int:
         if self.reference is not None:
-            # The starting weights, before any resume (which on a fresh start reads them again).
-            source = self.cfg.checkpoint.init_from or self.family.weights_dir(self.cfg.model)
-            if source:
-                self.ckpt.import_weights(self.state, source)
-            self._copy_policy_into_reference()
+            import_starting_weights(self)  # before any resume (which on a fresh start reads them again)
+            copy_policy_into(self.model, self.reference)
         return super().fit(started)
 
     def _reference_logps(self, ids, labels):

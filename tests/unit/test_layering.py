@@ -17,7 +17,7 @@ LAYERS = [
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
     {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation"},
     {"trainer"},
-    {"generate", "evaluate", "dpo"},
+    {"generate", "evaluate", "dpo", "grpo"},
     {"entrypoint"},
 ]
 

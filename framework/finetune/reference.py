@@ -1,0 +1,73 @@
+"""What the stages that compare a policy with a frozen reference share (stage=dpo, stage=grpo):
+per-token log-probabilities of labelled tokens, and the reference copy of the policy.
+
+See [Note: the reference model] in framework/dpo/trainer.py for what the reference is and when
+none is built (LoRA's base with the adapters switched off; SimPO; GRPO's beta=0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.distributed.parallelize import parallelize
+from framework.models.tasks import IGNORE_INDEX, logits_of
+
+
+def token_logps(model, ids: torch.Tensor, targets: torch.Tensor, gather=lambda t: t, temperature: float = 1.0):
+    """(rows, seq) log-probabilities of `targets` given `ids` (0 where a target is IGNORE_INDEX),
+    from the logits divided by `temperature`, in at least fp32. `gather` makes a tensor-parallel
+    (vocabulary-sharded) result whole."""
+    logits = logits_of(model(ids)).flatten(0, -2)  # a float64 model's stay float64
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature
+    per_token = -F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return gather(per_token).view(targets.shape)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def build_reference(trainer) -> nn.Module:
+    """A frozen copy of `trainer`'s policy layout (the same family, tensor-parallel plan and engine
+    over the same mesh), in eval mode, dropout off; its weights come from `copy_policy_into`."""
+    cfg, family = trainer.cfg, trainer.family
+    model_cfg = family.with_vocab_size(cfg.model, trainer.data.vocab_size)
+    meta = cfg.model.meta_init if cfg.model.meta_init is not None else 4 * trainer.num_params > 4 * 2**30
+    reference = family.build(model_cfg, "meta" if meta else "cpu")
+    for param in reference.parameters():
+        param.requires_grad_(False)
+    reference = parallelize(reference, trainer.dims, trainer.mesh, cfg.parallelism, family)
+    if meta:
+        reference.to_empty(device=trainer.rt.device)
+    elif trainer.rt.device.type != "cpu":
+        reference.to(trainer.rt.device)
+    disable_dropout(reference)
+    return reference.eval()
+
+
+@torch.no_grad()
+def copy_policy_into(policy: nn.Module, reference: nn.Module) -> None:
+    """Every parameter and buffer of `policy` copied into `reference` (the same layout: each rank
+    copies its own pieces)."""
+    mine = dict(policy.named_parameters())
+    theirs = dict(reference.named_parameters())
+    assert mine.keys() == theirs.keys(), f"the reference's parameters differ: {sorted(mine ^ theirs)}"
+    for name, param in mine.items():
+        theirs[name].detach().copy_(param.detach())
+    ref_buffers = dict(reference.named_buffers())
+    for name, buffer in policy.named_buffers():
+        ref_buffers[name].copy_(buffer)
+
+
+def import_starting_weights(trainer) -> None:
+    """The starting weights (checkpoint.init_from, model.path) read into the policy before any
+    resume, so a reference copied now is the starting model, not the resumed policy."""
+    source = trainer.cfg.checkpoint.init_from or trainer.family.weights_dir(trainer.cfg.model)
+    if source:
+        trainer.ckpt.import_weights(trainer.state, source)

@@ -1,0 +1,1 @@
+"""Reinforcement learning from rewards (`stage=grpo`): GRPO on data=hf prompts (docs/fine_tuning.md)."""

@@ -1,0 +1,113 @@
+"""The rewards of `stage=grpo`: built-in functions of a completion, and a function of the user's own.
+
+[Note: the GRPO rewards]
+A completion's reward is the weighted sum (grpo.reward_weights, default 1 each) of
+- exact_match: 1 when the answer extracted from the completion's text (the first group of
+  grpo.answer_regex, or its whole match when it has no group) equals the record's answer
+  (grpo.answer_field) as text, both stripped of surrounding spaces; else 0 (no match: 0);
+- format: 1 when grpo.format_regex matches the completion's text (re.search), else 0;
+- length: 1 - |n - grpo.length_target| / grpo.length_target, at least 0, n the completion's tokens
+  (its end-of-text included);
+- the user's function (grpo.reward_module="pkg.module:fn" or "path/file.py:fn"), loaded only with
+  grpo.trust_reward_code=true: fn(prompts, completions, answers) -> one number per completion,
+  given the batch's prompt texts, completion texts and answers as lists of strings. It runs the
+  user's code in every rank. A function that raises, or returns anything but one finite number per
+  completion, ends the job in one `error:` line (status 2) on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import re
+from typing import Callable, List, Optional, Sequence
+
+from framework.config.grpo import GRPOConfig
+from framework.errors import UserInputError
+
+
+def extract_answer(text: str, regex: str) -> Optional[str]:
+    found = re.search(regex, text)
+    if found is None:
+        return None
+    return found.group(1) if found.re.groups else found.group(0)
+
+
+def exact_match(text: str, answer: str, regex: str) -> float:
+    got = extract_answer(text, regex)
+    return float(got is not None and got.strip() == answer.strip())
+
+
+def format_reward(text: str, regex: str) -> float:
+    return float(re.search(regex, text) is not None)
+
+
+def length_reward(tokens: int, target: int) -> float:
+    return max(0.0, 1.0 - abs(tokens - target) / target)
+
+
+def load_reward_function(spec: str) -> Callable:
+    """The user's function named by grpo.reward_module (its code runs: only with trust_reward_code)."""
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise UserInputError(f"grpo.reward_module={spec!r}: no such file {where}")
+            loaded = importlib.util.spec_from_file_location("grpo_user_reward", where)
+            module = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except UserInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's module failed to load: their input
+        raise UserInputError(f"grpo.reward_module={spec!r}: loading it raised {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserInputError(f"grpo.reward_module={spec!r}: {where} has no function {name!r}")
+    return fn
+
+
+class Rewards:
+    """Scores completions by [Note: the GRPO rewards]."""
+
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+        self.user = load_reward_function(cfg.reward_module) if cfg.reward_module else None
+        count = len(cfg.rewards) + (self.user is not None)
+        self.weights = cfg.reward_weights or [1.0] * count
+
+    def __call__(
+        self, prompts: Sequence[str], texts: Sequence[str], lengths: Sequence[int], answers: Sequence[str]
+    ) -> List[float]:
+        c = self.cfg
+        columns = []
+        for name in c.rewards:
+            if name == "exact_match":
+                columns.append([exact_match(t, a, c.answer_regex) for t, a in zip(texts, answers)])
+            elif name == "format":
+                columns.append([format_reward(t, c.format_regex) for t in texts])
+            else:
+                columns.append([length_reward(n, c.length_target) for n in lengths])
+        if self.user is not None:
+            columns.append(self._user(list(prompts), list(texts), list(answers)))
+        return [sum(w * col[i] for w, col in zip(self.weights, columns)) for i in range(len(texts))]
+
+    def _user(self, prompts: list, texts: list, answers: list) -> List[float]:
+        spec = self.cfg.reward_module
+        try:
+            out = self.user(prompts, texts, answers)
+        except Exception as exc:  # noqa: BLE001 - the user's code failed: their input, said in one line
+            raise UserInputError(f"grpo.reward_module={spec!r} raised {type(exc).__name__}: {exc}") from None
+        try:
+            values = [float(v) for v in out]
+        except (TypeError, ValueError):
+            values = []
+        if len(values) != len(texts) or not all(math.isfinite(v) for v in values):
+            raise UserInputError(
+                f"grpo.reward_module={spec!r} returned {str(out)[:80]!r}; return one finite number per completion "
+                f"({len(texts)})"
+            )
+        return values

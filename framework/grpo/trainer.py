@@ -1,0 +1,245 @@
+"""`stage=grpo`: rollouts from the policy, rewards, and the clipped-ratio objective.
+
+One trainer step is one batch of rollouts and grpo.iterations optimizer steps on it:
+1. this rank's prompts of the global batch (trainer.global_batch_size prompts over the
+   data-parallel ranks, read as training reads its rows, so a resume reads the same ones);
+2. grpo.num_generations completions per prompt from the policy (framework/generation on the
+   sharded model), each sampled from a generator seeded by [Note: the rollout seeds];
+3. their rewards ([Note: the GRPO rewards] in framework/grpo/rewards.py) and group advantages;
+4. the rollout policy's log-probabilities (once, only when grpo.iterations > 1: with one iteration
+   they equal the policy's own, detached) and the reference's (grpo.beta > 0);
+5. grpo.iterations times: the loss of [Note: the GRPO objective] (framework/grpo/loss.py) over the
+   trainer.micro_batch_size-prompt micro-batches, gradients accumulated, clipped, one optimizer
+   step. The learning-rate schedule advances once per trainer step.
+The reference is the one of [Note: the reference model] (framework/dpo/trainer.py): LoRA's base
+with its adapters off, else a frozen sharded copy of the starting model; grpo.beta=0 builds none.
+
+[Note: the rollout seeds]
+Completion k of the prompt at position i of the (shuffled) training prompts, on trainer step s,
+is sampled with seed hash(trainer.seed, s, i, k): it depends neither on the rank nor on the batch
+it ran in, so 1 rank and 2 ranks draw the same completions, and a resumed job redraws exactly
+those of the run it continues. Tensor-parallel ranks of one group pass the same prompts and seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from framework.distributed.tensor_parallel import full, loss_context
+from framework.errors import UserInputError
+from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, import_starting_weights
+from framework.finetune.reference import token_logps as _token_logps
+from framework.generation import generate
+from framework.grpo.data import build_grpo_data
+from framework.grpo.loss import group_advantages, grpo_loss
+from framework.grpo.rewards import Rewards
+from framework.models.tasks import IGNORE_INDEX
+from framework.trainer import Trainer
+
+
+def rollout_seed(seed: int, step: int, index: int, k: int) -> int:
+    """[Note: the rollout seeds]: a 63-bit mix of the four numbers (splitmix64's finaliser)."""
+    x = 0
+    for part in (seed, step, index, k):
+        x = (x ^ (part & 0xFFFFFFFFFFFFFFFF)) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+def sequences(prompts: List[List[int]], completions: List[List[int]], pad_id: int):
+    """(ids, targets) of shape (rows, longest - 1): each row its prompt then its completion, padded
+    at the end; a target is IGNORE_INDEX everywhere but on the completion's tokens."""
+    rows = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(r) for r in rows) - 1
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for j, (p, c) in enumerate(zip(prompts, completions)):
+        row = p + c
+        ids[j, : len(row) - 1] = torch.tensor(row[:-1])
+        targets[j, len(p) - 1 : len(row) - 1] = torch.tensor(c)
+    return ids, targets
+
+
+class GRPOTrainer(Trainer):
+    data_builder = staticmethod(build_grpo_data)  # prompts through data=hf
+
+    def __init__(self, cfg, rt):
+        super().__init__(cfg, rt)
+        g = cfg.grpo
+        if g.disable_dropout:
+            disable_dropout(self.model)
+        self.train_prompts, self.valid_prompts = self.data.prompts
+        self.rewards = Rewards(g)  # the user's module is imported here, before anything is written
+        self._check_positions()
+        self.reference = None
+        if g.beta != 0 and not cfg.peft.lora.enabled:
+            self.reference = build_reference(self)  # weights in `fit`
+        self.task = dataclasses.replace(self.task, end_of_run=None)  # the rewards show how it does
+
+    def _check_positions(self) -> None:
+        from framework.generation.decoders import max_tokens
+
+        limit = max_tokens(self.model)
+        longest = max(len(p.ids) for p in self.train_prompts + self.valid_prompts)
+        if limit is not None and longest + self.cfg.grpo.max_new_tokens > limit:
+            raise UserInputError(
+                f"stage=grpo: a prompt of {longest} tokens + grpo.max_new_tokens={self.cfg.grpo.max_new_tokens} "
+                f"exceed the model's {limit} positions; lower grpo.max_new_tokens or shorten the prompts"
+            )
+        vocab = self.data.vocab_size
+        largest = max(max(p.ids) for p in self.train_prompts + self.valid_prompts)
+        if largest >= vocab:
+            raise UserInputError(f"stage=grpo: a prompt has token id {largest}, past the model's {vocab} ids")
+
+    def fit(self, started=None) -> int:
+        if self.reference is not None:
+            import_starting_weights(self)  # before any resume (which on a fresh start reads them again)
+            copy_policy_into(self.model, self.reference)
+        return super().fit(started)
+
+    def _logps(self, model, ids, targets):
+        return _token_logps(model, ids, targets, full, self.cfg.grpo.temperature)
+
+    def _reference_logps(self, ids, targets):
+        with torch.no_grad():
+            if self.reference is not None:
+                return self._logps(self.reference, ids, targets)
+            from framework.peft.lora import adapters_disabled
+
+            with adapters_disabled(self.model):
+                return self._logps(self.model, ids, targets)
+
+    def _scores(self, prompts, done, group: int) -> List[float]:
+        """The completions' rewards (`group` per prompt, adjacent); a reward that fails on any rank
+        ends every rank in one line."""
+        problem, scores = None, []
+        try:
+            scores = (
+                []
+                if not done
+                else self.rewards(
+                    [p.text for p in prompts for _ in range(group)],
+                    [c.text for c in done],
+                    [len(c.token_ids) for c in done],
+                    [p.answer for p in prompts for _ in range(group)],
+                )
+            )
+        except UserInputError as exc:
+            problem, scores = str(exc), []
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise UserInputError(first)
+        return scores
+
+    def rollouts(self, step: int, indices: List[int]):
+        """This rank's completions of the prompts at `indices` (grpo.num_generations each, adjacent)."""
+        g, tok = self.cfg.grpo, self.data.tokenizer
+        prompts = [self.train_prompts[i] for i in indices]
+        seeds = [rollout_seed(self.cfg.trainer.seed, step, i, k) for i in indices for k in range(g.num_generations)]
+        done = generate(
+            self.model,
+            [p.ids for p in prompts for _ in range(g.num_generations)],
+            g.max_new_tokens,
+            eos_ids=[tok.eod],
+            decode=tok.decode,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            seed=seeds,
+        )
+        return prompts, done
+
+    def train_step(self, read: bool = True) -> Dict[str, float]:
+        g, model, device = self.cfg.grpo, self.model, self.rt.device
+        group, loader = g.num_generations, self.data.train
+        accum = loader.accum_steps
+        step = self.state.step + 1
+        indices = [int(i) for _ in range(accum) for i in loader.next_batch()["index"]]
+        prompts, done = self.rollouts(step, indices)
+        rewards = torch.tensor(self._scores(prompts, done, group), dtype=torch.float32)
+        advantages = group_advantages(rewards, group).to(device)
+        per_micro = len(done) // accum
+        micro = []  # (ids, targets, old log-probs, reference log-probs, advantages) per micro-batch
+        for m in range(accum):
+            part = slice(m * per_micro, (m + 1) * per_micro)
+            prompt_ids = [p.ids for p in prompts for _ in range(group)][part]
+            ids, targets = sequences(prompt_ids, [c.token_ids for c in done[part]], self.data.tokenizer.eod)
+            ids, targets = ids.to(device), targets.to(device)
+            with loss_context(model):
+                old = None
+                if g.iterations > 1:
+                    with torch.no_grad():
+                        old = self._logps(model, ids, targets)
+                ref = self._reference_logps(ids, targets) if g.beta != 0 else None
+            micro.append((ids, targets, old, ref, advantages[part]))
+        out = {"lr": self.scheduler.get_last_lr()[0]}
+        stats = torch.zeros(3, device=device, dtype=torch.float64)  # kl, clipped, tokens (first iteration)
+        for iteration in range(g.iterations):
+            total = torch.zeros((), device=device)
+            for m, (ids, targets, old, ref, adv) in enumerate(micro):
+                model.set_requires_gradient_sync(m == accum - 1)
+                with loss_context(model):
+                    logps = self._logps(model, ids, targets)
+                    mask = targets != IGNORE_INDEX
+                    old = logps.detach() if old is None else old
+                    loss, sums = grpo_loss(logps, old, ref, adv, mask, g.epsilon, g.beta, g.kl_bias_correction)
+                    (loss / accum).backward()
+                total += full(loss.detach()) / accum
+                if iteration == 0:
+                    stats += torch.stack([sums["kl"], sums["clipped"], sums["tokens"]]).double()
+            grad_norm = self.engine.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
+            if iteration == 0:  # the loss and gradient norm logged: the rollout policy's own
+                self.watch.observe(step, _world_mean(total), grad_norm)
+                if read:  # raises TrainingDiverged, before the optimizer step, if the loss was not finite
+                    out["loss"], out["grad_norm"] = self.watch.read(step)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if read:
+            out.update(self._rollout_metrics(rewards, done, stats))
+        return out
+
+    def _rollout_metrics(self, rewards: torch.Tensor, done, stats: torch.Tensor) -> Dict[str, float]:
+        """The global batch's reward mean, the mean of its groups' reward spread, kl and the clipped
+        fraction over completion tokens, and the mean completion length (tensor-parallel ranks count
+        everything as often, so the ratios hold)."""
+        group = self.cfg.grpo.num_generations
+        grouped = rewards.view(-1, group).double()
+        lengths = float(sum(len(c.token_ids) for c in done))
+        sums = torch.tensor(
+            [float(grouped.sum()), float(grouped.std(dim=1).sum()), grouped.numel(), grouped.shape[0], lengths],
+            dtype=torch.float64,
+        ).to(stats.device)
+        sums = torch.cat([sums, stats])
+        dist.all_reduce(sums)
+        reward, spread, count, groups, length, kl, clipped, tokens = sums.tolist()
+        out = {"reward": reward / count, "reward_std": spread / groups, "completion_length": length / count}
+        if self.cfg.grpo.beta != 0:
+            out["kl"] = kl / max(tokens, 1.0)
+        out["clip_fraction"] = clipped / max(tokens, 1.0)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """`val_reward`: the mean reward of one greedy completion of each validation prompt (each
+        data-parallel rank takes every dp-th prompt)."""
+        g, tok = self.cfg.grpo, self.data.tokenizer
+        mine = self.valid_prompts[self.dp_rank :: self.dims.dp]
+        done = []
+        if mine:
+            done = generate(self.model, [p.ids for p in mine], g.max_new_tokens, eos_ids=[tok.eod], decode=tok.decode)
+        scores = self._scores(mine, done, 1)
+        sums = torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64, device=self.rt.device)
+        dist.all_reduce(sums)
+        return {"val_reward": float(sums[0] / sums[1].clamp(min=1))}
+
+
+def _world_mean(value: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(value)
+    return value / dist.get_world_size()
