@@ -1,0 +1,139 @@
+"""stage=grpo through main.py: 1 rank equals 2 sharded ranks, a resume is exact (the rollouts
+included), refusals of bad prompt files and reward code (the objective against TRL and the rewards
+in one process: tests/finetune/test_grpo_loss.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """A tokenizer.json and a JSONL file of 100 one-digit sums with their answers (4 held out)."""
+    from framework.data.tokenizer import EOD, train_bpe
+
+    root = tmp_path_factory.mktemp("grpo")
+    texts = [f"Q: {i}+{j}= A: {i + j}{EOD}" for i in range(10) for j in range(10)]
+    train_bpe(texts, 300, str(root / "tok.json"))
+    with open(root / "sums.jsonl", "w") as f:
+        for i in range(10):
+            for j in range(10):
+                f.write(json.dumps({"prompt": f"Q: {i}+{j}= A:", "answer": i + j}) + "\n")
+    return root
+
+
+def _grpo(prompts, run_dir, *extra):
+    from conftest import TINY
+
+    # SGD with momentum, unclipped: a gradient of the wrong scale shows in the next steps' numbers.
+    # The format reward (a digit anywhere) varies between a group's completions from the first step,
+    # so the advantages (and the gradients) are not all 0; two iterations and beta > 0 use every term.
+    args = [a for a in TINY if not a.startswith("data=")] + ["data=hf", "stage=grpo", "optimizer=sgd"]
+    args += ["optimizer.clip_grad_norm=0", "optimizer.lr=0.05"]
+    args += [f"data.paths=[{prompts / 'sums.jsonl'}]", f"finetune.tokenizer={prompts / 'tok.json'}"]
+    args += ["data.seq_len=32", "data.hf.valid_documents=4", "trainer.global_batch_size=4", "trainer.max_steps=4"]
+    args += ["grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.1"]
+    args += ["grpo.rewards=[exact_match,format]", "grpo.format_regex='[0-9]'", "grpo.iterations=2"]
+    return args + ["trainer.log_interval=1", "trainer.eval_interval=0", f"hydra.run.dir={run_dir}", *extra]
+
+
+def _records(run_dir) -> list:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _one_error(out) -> str:
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(prompts):
+    """4 steps on 2 ranks, a checkpoint after step 2."""
+    from conftest import run_main
+
+    run = prompts / "two"
+    out = run_main(_grpo(prompts, run, "checkpoint.interval=2"), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, _records(run)
+
+
+def test_metrics_of_the_rollouts(two_ranks):
+    _, records = two_ranks
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert 0 <= r["reward"] <= 2 and r["reward_std"] >= 0 and 1 <= r["completion_length"] <= 6
+        assert 0 <= r["clip_fraction"] <= 1 and r["kl"] >= 0
+    assert records[0]["kl"] == 0.0  # the policy is the reference before its first update
+    assert records[0]["reward_std"] > 0 and records[0]["grad_norm"] > 0  # advantages that are not 0
+    assert records[-1]["kl"] > 0
+
+
+def test_one_rank_equals_two_sharded_ranks(two_ranks, prompts):
+    from conftest import run_main
+
+    run = prompts / "one"
+    out = run_main(_grpo(prompts, run, "cluster.nproc_per_node=1"), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The same completions (seeded per prompt, not per rank), so the same rewards exactly; the losses
+    # to 1e-5: the same fp32 sums reduced over ranks in another order.
+    for mine, theirs in zip(_records(run), two_ranks[1], strict=True):
+        assert mine["reward"] == theirs["reward"] and mine["completion_length"] == theirs["completion_length"]
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), (mine, theirs)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert mine["kl"] == pytest.approx(theirs["kl"], abs=1e-6)
+
+
+def test_a_resume_after_two_of_four_steps_is_exact(two_ranks, prompts):
+    from conftest import run_main
+
+    run, straight = two_ranks
+    resumed = prompts / "resumed"
+    out = run_main(_grpo(prompts, resumed, f"checkpoint.resume={run / 'checkpoints' / 'step_00000002'}"), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records] == [3, 4]
+    for mine, theirs in zip(records, straight[2:]):
+        for name in ("loss", "reward", "reward_std", "kl", "completion_length", "grad_norm"):
+            assert mine[name] == theirs[name], (name, mine, theirs)
+
+
+def test_a_bad_prompt_file_is_refused_in_one_line_with_nothing_written(prompts):
+    from conftest import run_main
+
+    bad = prompts / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Q: 1+1= A:", "answer": 2}) + "\n" + json.dumps({"answer": 3}) + "\n")
+    run = prompts / "bad"
+    args = [a.replace(str(prompts / "sums.jsonl"), str(bad)) for a in _grpo(prompts, run)]
+    error = _one_error(run_main(args, prompts))
+    assert error.startswith(f"error: {bad}: record 2: 'prompt' must be a non-empty string or chat turns"), error
+    assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
+
+
+def test_reward_code_runs_only_when_trusted_and_a_raising_one_ends_the_job_in_one_line(prompts):
+    from conftest import run_main
+
+    module = prompts / "my_rewards.py"
+    marker = prompts / "imported"
+    module.write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text('imported')\n"
+        "def broken(prompts, completions, answers):\n"
+        "    raise RuntimeError('no score for ' + repr(completions[0][:0]))\n"
+    )
+    run = prompts / "untrusted"
+    error = _one_error(run_main(_grpo(prompts, run, f"grpo.reward_module={module}:broken"), prompts))
+    assert error == (
+        f"error: grpo.reward_module='{module}:broken' runs your own code in every rank: set "
+        "grpo.trust_reward_code=true to allow it"
+    )
+    assert not marker.exists() and not run.exists()  # never imported, no run directory
+    run = prompts / "raising"
+    out = run_main(_grpo(prompts, run, f"grpo.reward_module={module}:broken", "grpo.trust_reward_code=true"), prompts)
+    error = _one_error(out)
+    assert error == f"error: grpo.reward_module='{module}:broken' raised RuntimeError: no score for ''", error
+    assert marker.exists()  # trusted: imported
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").read_text().strip()
