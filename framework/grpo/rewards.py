@@ -78,6 +78,8 @@ class Rewards:
         self.user = load_reward_function(cfg.reward_module) if cfg.reward_module else None
         count = len(cfg.rewards) + (self.user is not None)
         self.weights = cfg.reward_weights or [1.0] * count
+        self.names = list(cfg.rewards) + (["user"] if self.user is not None else [])
+        self.last: dict = {}
 
     def __call__(
         self, prompts: Sequence[str], texts: Sequence[str], lengths: Sequence[int], answers: Sequence[str]
@@ -93,6 +95,7 @@ class Rewards:
                 columns.append([length_reward(n, c.length_target) for n in lengths])
         if self.user is not None:
             columns.append(self._user(list(prompts), list(texts), list(answers)))
+        self.last = dict(zip(self.names, columns))  # each reward's own scores, unweighted (for the metrics)
         return [sum(w * col[i] for w, col in zip(self.weights, columns)) for i in range(len(texts))]
 
     def _user(self, prompts: list, texts: list, answers: list) -> List[float]:

@@ -163,6 +163,7 @@ class GRPOTrainer(Trainer):
         indices = [int(i) for _ in range(accum) for i in loader.next_batch()["index"]]
         prompts, done = self.rollouts(step, indices)
         rewards = torch.tensor(self._scores(prompts, done, group), dtype=torch.float32)
+        parts = [sum(self.rewards.last.get(name, [])) for name in self.rewards.names]
         advantages = group_advantages(rewards, group).to(device)
         per_micro = len(done) // accum
         micro = []  # (ids, targets, old log-probs, reference log-probs, advantages) per micro-batch
@@ -202,13 +203,13 @@ class GRPOTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if read:
-            out.update(self._rollout_metrics(rewards, done, stats))
+            out.update(self._rollout_metrics(rewards, done, stats, parts))
         return out
 
-    def _rollout_metrics(self, rewards: torch.Tensor, done, stats: torch.Tensor) -> Dict[str, float]:
-        """The global batch's reward mean, the mean of its groups' reward spread, kl and the clipped
-        fraction over completion tokens, and the mean completion length (tensor-parallel ranks count
-        everything as often, so the ratios hold)."""
+    def _rollout_metrics(self, rewards: torch.Tensor, done, stats: torch.Tensor, parts: list) -> Dict[str, float]:
+        """The global batch's reward mean (and each reward's, unweighted: `rewards/<name>`), the mean
+        of its groups' reward spread, kl and the clipped fraction over completion tokens, and the
+        mean completion length (tensor-parallel ranks count everything as often, so ratios hold)."""
         group = self.cfg.grpo.num_generations
         grouped = rewards.view(-1, group).double()
         lengths = float(sum(len(c.token_ids) for c in done))
@@ -216,10 +217,12 @@ class GRPOTrainer(Trainer):
             [float(grouped.sum()), float(grouped.std(dim=1).sum()), grouped.numel(), grouped.shape[0], lengths],
             dtype=torch.float64,
         ).to(stats.device)
-        sums = torch.cat([sums, stats])
+        sums = torch.cat([sums, stats, torch.tensor(parts, dtype=torch.float64, device=stats.device)])
         dist.all_reduce(sums)
-        reward, spread, count, groups, length, kl, clipped, tokens = sums.tolist()
+        reward, spread, count, groups, length, kl, clipped, tokens = sums.tolist()[:8]
         out = {"reward": reward / count, "reward_std": spread / groups, "completion_length": length / count}
+        for name, total in zip(self.rewards.names, sums.tolist()[8:]):
+            out[f"rewards/{name}"] = total / count
         if self.cfg.grpo.beta != 0:
             out["kl"] = kl / max(tokens, 1.0)
         out["clip_fraction"] = clipped / max(tokens, 1.0)

@@ -67,6 +67,7 @@ def test_metrics_of_the_rollouts(two_ranks):
     for r in records:
         assert 0 <= r["reward"] <= 2 and r["reward_std"] >= 0 and 1 <= r["completion_length"] <= 6
         assert 0 <= r["clip_fraction"] <= 1 and r["kl"] >= 0
+        assert r["reward"] == pytest.approx(r["rewards/exact_match"] + r["rewards/format"], abs=1e-9)
     assert records[0]["kl"] == 0.0  # the policy is the reference before its first update
     assert records[0]["reward_std"] > 0 and records[0]["grad_norm"] > 0  # advantages that are not 0
     assert records[-1]["kl"] > 0
