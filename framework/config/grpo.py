@@ -37,7 +37,7 @@ class GRPOConfig:
     answer_regex: str = r"(-?\d+)"
     format_regex: str = r"^ ?-?\d+$"  # format: 1 when the completion's text matches (re.search), else 0
     length_target: int = 8  # length: 1 - |tokens - target| / target, at least 0
-    # A reward function of the user's own: "module.path:function" or "file.py:function", called as
+    # A reward function of the user's own: "module.path:function" or "<path>.py:function", called as
     # fn(prompts, completions, answers) -> list of floats. It runs the user's code in every rank, so it
     # is loaded only with trust_reward_code=true.
     reward_module: str = ""
@@ -78,7 +78,7 @@ class GRPOConfig:
             raise UserInputError(f"grpo.length_target={self.length_target}: give 1 or more")
         if self.reward_module and ":" not in self.reward_module:
             raise UserInputError(
-                f"grpo.reward_module={self.reward_module!r}: give 'module.path:function' or 'file.py:function'"
+                f"grpo.reward_module={self.reward_module!r}: give 'module.path:function' or '<path>.py:function'"
             )
 
 

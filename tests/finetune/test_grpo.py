@@ -1,4 +1,4 @@
-"""stage=grpo through main.py: 1 rank equals 2 sharded ranks, a resume is exact (the rollouts
+"""stage=grpo through main.py: 1 rank and tensor parallelism equal 2 sharded ranks, a resume is exact (the rollouts
 included), refusals of bad prompt files and reward code (the objective against TRL and the rewards
 in one process: tests/finetune/test_grpo_loss.py)."""
 
@@ -73,11 +73,13 @@ def test_metrics_of_the_rollouts(two_ranks):
     assert records[-1]["kl"] > 0
 
 
-def test_one_rank_equals_two_sharded_ranks(two_ranks, prompts):
+@pytest.mark.parametrize("layout", ["one_rank", "tensor_parallel"])
+def test_one_rank_and_tensor_parallel_equal_two_sharded_ranks(two_ranks, prompts, layout):
     from conftest import run_main
 
-    run = prompts / "one"
-    out = run_main(_grpo(prompts, run, "cluster.nproc_per_node=1"), prompts)
+    run = prompts / layout
+    extra = ["cluster.nproc_per_node=1"] if layout == "one_rank" else ["parallelism.tp=2"]
+    out = run_main(_grpo(prompts, run, *extra), prompts)
     assert out.returncode == 0, out.stderr[-3000:]
     # The same completions (seeded per prompt, not per rank), so the same rewards exactly; the losses
     # to 1e-5: the same fp32 sums reduced over ranks in another order.
@@ -117,7 +119,7 @@ def test_a_bad_prompt_file_is_refused_in_one_line_with_nothing_written(prompts):
 def test_reward_code_runs_only_when_trusted_and_a_raising_one_ends_the_job_in_one_line(prompts):
     from conftest import run_main
 
-    module = prompts / "my_rewards.py"
+    module = (prompts / "user_rewards").with_suffix(".py")
     marker = prompts / "imported"
     module.write_text(
         "import pathlib\n"

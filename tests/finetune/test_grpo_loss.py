@@ -147,7 +147,7 @@ def test_builtin_rewards_and_weights():
 
 
 def test_a_user_reward_needs_its_module_and_function(tmp_path):
-    module = tmp_path / "my_reward.py"
+    module = (tmp_path / "user_reward").with_suffix(".py")
     module.write_text("def score(prompts, completions, answers):\n    return [len(c) for c in completions]\n")
     cfg = GRPOConfig(rewards=[], reward_module=f"{module}:score", trust_reward_code=True)
     assert Rewards(cfg)(["p"], ["abc"], [2], [""]) == [3.0]
