@@ -73,13 +73,19 @@ def test_metrics_of_the_rollouts(two_ranks):
     assert records[-1]["kl"] > 0
 
 
-@pytest.mark.parametrize("layout", ["one_rank", "tensor_parallel"])
+LAYOUTS = {
+    "one_rank": ["cluster.nproc_per_node=1"],
+    "accumulation": ["cluster.nproc_per_node=1", "trainer.micro_batch_size=1"],  # 4 micro-batches of 1 prompt
+    "tensor_parallel": ["parallelism.tp=2"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_one_rank_and_tensor_parallel_equal_two_sharded_ranks(two_ranks, prompts, layout):
     from conftest import run_main
 
     run = prompts / layout
-    extra = ["cluster.nproc_per_node=1"] if layout == "one_rank" else ["parallelism.tp=2"]
-    out = run_main(_grpo(prompts, run, *extra), prompts)
+    out = run_main(_grpo(prompts, run, *LAYOUTS[layout]), prompts)
     assert out.returncode == 0, out.stderr[-3000:]
     # The same completions (seeded per prompt, not per rank), so the same rewards exactly; the losses
     # to 1e-5: the same fp32 sums reduced over ranks in another order.
@@ -102,6 +108,17 @@ def test_a_resume_after_two_of_four_steps_is_exact(two_ranks, prompts):
     for mine, theirs in zip(records, straight[2:]):
         for name in ("loss", "reward", "reward_std", "kl", "completion_length", "grad_norm"):
             assert mine[name] == theirs[name], (name, mine, theirs)
+
+
+def test_with_lora_the_reference_is_the_policy_without_its_adapters(prompts):
+    from conftest import run_main
+
+    run = prompts / "lora"
+    out = run_main(_grpo(prompts, run, "peft.lora.enabled=true", "trainer.max_steps=3"), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(run)
+    assert records[0]["kl"] == 0.0  # B = 0: the adapted model is the base
+    assert records[-1]["kl"] > 0  # the adapters moved the policy away from the base
 
 
 def test_a_bad_prompt_file_is_refused_in_one_line_with_nothing_written(prompts):

@@ -155,6 +155,21 @@ def test_a_user_reward_needs_its_module_and_function(tmp_path):
         Rewards(GRPOConfig(rewards=[], reward_module=f"{module}:nothing", trust_reward_code=True))
 
 
+def test_chat_prompts_need_a_chat_template():
+    from framework.data.tokenizer import SFTTokenizer
+    from framework.grpo.data import encode_prompt
+
+    fast = _tokenizer()  # no chat template
+    record = {"prompt": [{"role": "user", "content": "1 plus 2?"}], "answer": 3}
+    with pytest.raises(UserInputError, match="'prompt' holds chat turns but the tokenizer .* has no chat template"):
+        encode_prompt(record, SFTTokenizer(None, fast.eos_token_id, hf=fast), "prompt", "answer", True, "f: record 1")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} is{% endif %}"
+    )
+    prompt = encode_prompt(record, SFTTokenizer(None, fast.eos_token_id, hf=fast), "prompt", "answer", True, "f")
+    assert prompt.text == "1 plus 2? is" and prompt.answer == "3"
+
+
 def test_rollout_seeds_differ_by_each_of_their_parts():
     seeds = {rollout_seed(s, step, i, k) for s in (0, 1) for step in (1, 2) for i in (0, 1) for k in (0, 1)}
     assert len(seeds) == 16 and all(0 <= s < 2**63 for s in seeds)
