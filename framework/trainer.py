@@ -419,7 +419,7 @@ def _world_mean(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size()
 
 
-def _train(cfg: Config, rt: Runtime, body=None, record=None, trainer_class=Trainer) -> int:
+def _train(cfg: Config, rt: Runtime, body=None, record=None, trainer_class=None) -> int:
     """`trainer_class(cfg, rt).fit()` (a subclass: stage=dpo's), or `body(trainer)` (another stage on the same
     build: generate),
     with every failure turned into its exit status. `record` (rank 0 calls it): writes the job's
@@ -428,7 +428,7 @@ def _train(cfg: Config, rt: Runtime, body=None, record=None, trainer_class=Train
     record = record if rt.rank == 0 else None
     try:
         if body is None:
-            return trainer_class(cfg, rt).fit(started=record)
+            return (trainer_class or Trainer)(cfg, rt).fit(started=record)
         code = body(Trainer(cfg, rt))
         if code == 0 and record is not None:
             record()
@@ -453,7 +453,7 @@ def _train(cfg: Config, rt: Runtime, body=None, record=None, trainer_class=Train
         return EXIT_CRASH
 
 
-def run(cfg: Config, claim=None, body=None, record=None, trainer_class=Trainer) -> int:
+def run(cfg: Config, claim=None, body=None, record=None, trainer_class=None) -> int:
     """One rank's whole job: join the process group, train (or `body(trainer)`), leave. Returns
     the exit status. `claim` (under torchrun, where rank 0 is not a parent of the others): rank 0
     takes the run directory once the ranks can talk, and a refusal there ends every rank with 2.
