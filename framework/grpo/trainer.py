@@ -180,7 +180,9 @@ class GRPOTrainer(Trainer):
                 ref = self._reference_logps(ids, targets) if g.beta != 0 else None
             micro.append((ids, targets, old, ref, advantages[part]))
         out = {"lr": self.scheduler.get_last_lr()[0]}
-        stats = torch.zeros(3, device=device, dtype=torch.float64)  # kl, clipped, tokens (first iteration)
+        # kl and its tokens over the first iteration (the rollout policy against the reference);
+        # clipped tokens and tokens over every iteration (the first clips nothing: its ratios are 1)
+        stats = torch.zeros(4, device=device, dtype=torch.float64)
         for iteration in range(g.iterations):
             total = torch.zeros((), device=device)
             for m, (ids, targets, old, ref, adv) in enumerate(micro):
@@ -192,8 +194,9 @@ class GRPOTrainer(Trainer):
                     loss, sums = grpo_loss(logps, old, ref, adv, mask, g.epsilon, g.beta, g.kl_bias_correction)
                     (loss / accum).backward()
                 total += full(loss.detach()) / accum
-                if iteration == 0:
-                    stats += torch.stack([sums["kl"], sums["clipped"], sums["tokens"]]).double()
+                first = float(iteration == 0)
+                kl_part = [sums["kl"] * first, sums["tokens"] * first]
+                stats += torch.stack([*kl_part, sums["clipped"], sums["tokens"]]).double()
             grad_norm = self.engine.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
             if iteration == 0:  # the loss and gradient norm logged: the rollout policy's own
                 self.watch.observe(step, _world_mean(total), grad_norm)
@@ -208,8 +211,9 @@ class GRPOTrainer(Trainer):
 
     def _rollout_metrics(self, rewards: torch.Tensor, done, stats: torch.Tensor, parts: list) -> Dict[str, float]:
         """The global batch's reward mean (and each reward's, unweighted: `rewards/<name>`), the mean
-        of its groups' reward spread, kl and the clipped fraction over completion tokens, and the
-        mean completion length (tensor-parallel ranks count everything as often, so ratios hold)."""
+        of its groups' reward spread, kl over the first iteration's completion tokens, the clipped
+        fraction over every iteration's, and the mean completion length (tensor-parallel ranks
+        count everything as often, so the ratios hold)."""
         group = self.cfg.grpo.num_generations
         grouped = rewards.view(-1, group).double()
         lengths = float(sum(len(c.token_ids) for c in done))
@@ -219,12 +223,12 @@ class GRPOTrainer(Trainer):
         ).to(stats.device)
         sums = torch.cat([sums, stats, torch.tensor(parts, dtype=torch.float64, device=stats.device)])
         dist.all_reduce(sums)
-        reward, spread, count, groups, length, kl, clipped, tokens = sums.tolist()[:8]
+        reward, spread, count, groups, length, kl, kl_tokens, clipped, tokens = sums.tolist()[:9]
         out = {"reward": reward / count, "reward_std": spread / groups, "completion_length": length / count}
-        for name, total in zip(self.rewards.names, sums.tolist()[8:]):
+        for name, total in zip(self.rewards.names, sums.tolist()[9:]):
             out[f"rewards/{name}"] = total / count
         if self.cfg.grpo.beta != 0:
-            out["kl"] = kl / max(tokens, 1.0)
+            out["kl"] = kl / max(kl_tokens, 1.0)
         out["clip_fraction"] = clipped / max(tokens, 1.0)
         return out
 

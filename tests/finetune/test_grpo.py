@@ -71,6 +71,9 @@ def test_metrics_of_the_rollouts(two_ranks):
     assert records[0]["kl"] == 0.0  # the policy is the reference before its first update
     assert records[0]["reward_std"] > 0 and records[0]["grad_norm"] > 0  # advantages that are not 0
     assert records[-1]["kl"] > 0
+    # The second iteration's ratios are to the rollout policy's log-probabilities, taken once before
+    # the first: the update between them moves some past 1 +- epsilon (recomputing them would clip none).
+    assert any(r["clip_fraction"] > 0 for r in records)
 
 
 LAYOUTS = {
