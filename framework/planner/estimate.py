@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from framework.distributed.shard_layout import elements_on, granule, pack
+from framework.distributed.shard_layout import busiest_rank, elements_on, granule, pack
 from framework.models.shapes import (
     ModelShape,
     Unit,
@@ -122,8 +122,10 @@ def layouts(job: Job, rank: int | None = None) -> list[UnitLayout]:
         N = job.dp_shard // job.ep if u.shard == "efsdp" else job.dp_shard * job.cp
         sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in u.tensors]
         offsets, S = pack(sizes, N, align)
-        ranks = [rank] if rank is not None else range(N)
-        at = max(ranks, key=lambda r: elements_on(r, offsets, sizes, S), default=0)
+        if rank is not None:
+            at = rank
+        else:  # the busiest rank (the first of equals)
+            at = busiest_rank(offsets, sizes, S, N)
         per = tuple(elements_on(at, [o], [sz], S) for o, sz in zip(offsets, sizes))
         crossing = tuple(n > 0 and o // S != (o + n - 1) // S for o, (n, _) in zip(offsets, sizes))
         out.append(UnitLayout(u, u.numel, S, N, sum(per), per, crossing))
