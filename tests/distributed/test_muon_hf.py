@@ -8,7 +8,10 @@ Tolerances as tests/distributed/test_muon.py says, for the same reason: torch's 
 Newton-Schulz iteration in bfloat16, where the sharded gradients' fp32 summation order flips
 roundings (here already on 2 ranks: 6.0e-5 in the loss, 5.4e-3 in a weight after 10 steps). So one
 rank is compared with torch's `torch.optim.Muon` + `torch.optim.AdamW` in bfloat16 (bit for bit
-there), and 2 and 4 ranks run the float32 iteration against the same optimizer on one process.
+there), and 2 and 4 ranks run the float32 iteration against the same optimizer on one process;
+so does dp_shard 2 x tp 2 (transformers' own tp plan, as `main.py` applies it: each q/k/v/o and
+gate/up/down matrix split over tp and made whole over dp and tp by [Note: whole matrices from
+pieces] in framework/distributed/fsdp/whole.py), under each shard-boundary policy.
 
 One 4-rank spawn runs every case (importing transformers in a rank is the slow part): a case on
 n ranks runs on each group of n consecutive ranks (the shard dim of a (4/n, n) mesh) at once:
@@ -141,9 +144,61 @@ def _run(n: int, boundary: str, ns_dtype, initial, ref) -> dict:
     }
 
 
+def _tp_split(piece) -> bool:
+    """Whether the unit entry behind a shard piece is a tensor-parallel slice of its matrix."""
+    unit, index = piece.piece_spec.owner()
+    tp = unit.entries[index].tp
+    return tp is not None and any(pl.is_shard() for pl in tp.placements)
+
+
+def _run_tp(boundary: str, initial, ref) -> dict:
+    """dp_shard 2 x tp 2 over the 4 ranks, as `main.py` builds it (`parallelize` with the model=hf
+    family: transformers' own tp plan, then our sharding per decoder layer and at the root); each dp
+    rank takes its half of the batch, the Newton-Schulz iteration in float32."""
+    import torch.distributed as dist
+
+    from framework.config.schema import ParallelismConfig, ShardBoundary, Strategy
+    from framework.distributed.parallel_dims import ParallelDims, build_mesh
+    from framework.distributed.parallelize import parallelize
+    from framework.distributed.tensor_parallel import full, loss_context
+    from framework.models.hf.family import FAMILY as HF
+    from framework.optim import build_optimizer, hidden_matrix_names, no_decay_names
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, world_size=4)
+    mesh = build_mesh(dims, "cpu")
+    model = copy.deepcopy(initial)
+    hidden, undecayed = hidden_matrix_names(model), no_decay_names(model)
+    cfg = ParallelismConfig(strategy=Strategy.full, dp_shard=2, tp=2, shard_boundary=ShardBoundary(boundary))
+    model = parallelize(model, dims, mesh, cfg, HF)
+    opt = build_optimizer(model, _optimizer_cfg(), undecayed=undecayed, hidden=hidden)
+    opt.ns_dtype = torch.float32
+    dp_rank, dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
+    losses = []
+    for step in range(STEPS):
+        with loss_context(model):  # the logits stay sharded on the vocabulary
+            loss = _loss(model, _batch(step, dp_rank, 2))
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = full(loss.detach()).clone()
+        dist.all_reduce(total, group=dp_group)
+        losses.append(total.item() / 2)
+    ref_losses, want = ref
+    got = {k: full(v).detach() for k, v in model.state_dict().items()}
+    start = initial.state_dict()
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+        "weight_diff": max((want[k] - got[k]).abs().max().item() for k in want),
+        "moved": max((want[k] - start[k]).abs().max().item() for k in hidden),
+        "muon": len(hidden),
+        "tp_split": sum(1 for k, p in model.named_parameters() if k in hidden and _tp_split(p)),
+    }
+
+
 # Every policy on 4 ranks (one rank holds every matrix whole whatever the policy; test_muon.py
-# covers each policy on 2 ranks too)
+# covers each policy on 2 ranks too), and on dp_shard 2 x tp 2
 CASES = [(1, "anywhere"), (2, "anywhere")] + [(4, b) for b in BOUNDARIES]
+TP_CASES = BOUNDARIES
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -153,6 +208,8 @@ def _cases(rank: int, world: int) -> dict:
     for n, b in CASES:
         dtype = torch.bfloat16 if n == 1 else torch.float32
         out[f"{n}-{b}"] = recorded(_run, n, b, dtype, initial, refs[dtype])
+    for b in TP_CASES:
+        out[f"dp2xtp2-{b}"] = recorded(_run_tp, b, initial, refs[torch.float32])
     return out
 
 
@@ -169,3 +226,15 @@ def test_muon_on_a_hugging_face_llama_equals_one_process(hf_llama, n, boundary):
     assert r["muon"] == 2 * 7, r  # q, k, v, o, gate, up, down of each layer
     assert r["loss_diff"] < TOL and r["weight_diff"] < TOL, r
     assert r["moved"] > 0.01, r  # Muon moved the matrices: the comparison means something
+
+
+@pytest.mark.parametrize("boundary", TP_CASES)
+def test_muon_on_a_hugging_face_llama_on_dp2_tp2_equals_one_process(hf_llama, boundary):
+    """dp_shard 2 x tp 2 (transformers' tp plan): every Muon matrix split over tp, made whole over
+    dp and tp; the same optimizer on one process (float32 iteration), 1e-5 in the losses and every
+    weight after 10 steps."""
+    r = passed(hf_llama[f"dp2xtp2-{boundary}"])
+    print(f"dp2xtp2 {boundary}: max loss diff {r['loss_diff']:.2g}, max weight diff {r['weight_diff']:.2g}")
+    assert r["muon"] == r["tp_split"] == 2 * 7, r  # each q, k, v, o, gate, up, down split over tp
+    assert r["loss_diff"] < TOL and r["weight_diff"] < TOL, r
+    assert r["moved"] > 0.01, r
