@@ -182,6 +182,25 @@ class EngineStage(PipelineStage):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
+def _stage_plans(plan_fn):
+    """The family's tensor-parallel plan asked of each of the part's stages (each a module of the
+    model's own family, which its plan reads: a Hugging Face stage answers `config` and the
+    embeddings as a transformers model does), merged; a stage's module names are the part's."""
+    if plan_fn is None:
+        return None  # apply_tensor_parallel refuses it by name
+
+    def plan(part: "PipelinePart", sequence_parallel: bool) -> dict:
+        from framework.distributed.tensor_parallel import _TP_ATTR
+
+        out: dict = {}
+        for stage in part.stages:
+            setattr(stage, _TP_ATTR, getattr(part, _TP_ATTR))  # the degree, for the plan's width checks
+            out.update(plan_fn(stage, sequence_parallel))
+        return out
+
+    return plan
+
+
 def _no_weight_pass():
     return lambda: None
 
@@ -270,7 +289,7 @@ class Pipeline:
         if dims.tp_enabled:
             from framework.distributed.tensor_parallel import apply_tensor_parallel
 
-            apply_tensor_parallel(part, mesh["tp"], p, family.tp_plan)
+            apply_tensor_parallel(part, mesh["tp"], p, _stage_plans(family.tp_plan))
         fully_shard, kwargs = shard_kwargs(mesh, dims, p)
         reshard = p.strategy.value != "grad_op"
         for stage in part.stages:

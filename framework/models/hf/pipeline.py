@@ -35,6 +35,21 @@ class HFDecoderStage(nn.Module):
         self.__dict__["_config"] = model.config
         self.dim, self.vocab_size = int(model.config.hidden_size), int(model.config.vocab_size)
 
+    # What the tensor-parallel plan (framework/models/hf/parallelize.py) reads of a transformers
+    # model, answered for this stage: its config, the base model's prefix, and the embedding and
+    # head where this stage holds them.
+    base_model_prefix = "model"
+
+    @property
+    def config(self):
+        return self._config
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens if self.first else None
+
+    def get_output_embeddings(self):
+        return self.lm_head if self.last else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
