@@ -162,8 +162,22 @@ def _job_store(rank: int, world: int, timeout: datetime.timedelta):
     the same server serves every restart). The process group publishes each rank's address there
     under fixed keys, so after a restart the new ranks could read the dead ranks' addresses: gloo's
     connectFullMesh then fails with "Connection refused" on every attempt, or a barrier counter left
-    over hangs. Every key is therefore prefixed with torchrun's restart count. The store waits up
-    to `timeout` for ranks that start late (slow, uneven start-up after a restart).
+    over hangs. Every key is therefore prefixed with the attempt's generation, a number every rank
+    of the attempt agrees on and no earlier attempt used (`_generation`). torchrun's restart count
+    is not one under the c10d rendezvous: an agent whose own ranks were healthy restarts them for
+    another node's failure as a membership change, which it does not count, so after one node's
+    rank dies the two nodes' counts differ (node 0 at 0, node 1 at 1): the restarted rank 0 read
+    the dead rank 1's address under the old prefix and failed, or the ranks waited for each
+    other's keys under different prefixes. (The c10d rendezvous's round would do, but the ranks
+    cannot see it: it lives in the rendezvous store, not in the one the agent shares with them.)
+    So rank 0 draws a new generation from a counter in the store and names it the leader's; every
+    other rank reads the leader's generation and joins it (a counter per generation). A rank that
+    read an old leader's generation finds it already full (more joins than the world has other
+    ranks), or never acknowledged (rank 0 marks its generation once every other rank joined, and
+    an old leader died before it could), and reads the leader again until the new rank 0 names
+    its own.
+    The store waits up to `timeout` for ranks that start late (slow, uneven start-up after a
+    restart).
     A world of one process needs no sockets: an in-process store (so the jobs of a sweep, run one
     after the other in one process, never compete for a port)."""
     if world == 1 and "MASTER_PORT" not in os.environ:
@@ -171,8 +185,38 @@ def _job_store(rank: int, world: int, timeout: datetime.timedelta):
     addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     is_master = rank == 0 and not _store_hosted_outside()
     store = dist.TCPStore(addr, port, world_size=world, is_master=is_master, timeout=timeout, wait_for_workers=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"framework/attempt_{attempt}/", store)
+    global _attempt
+    _attempt = f"generation_{_generation(store, rank, world, timeout)}"
+    return dist.PrefixStore(f"framework/{_attempt}/", store)
+
+
+_attempt = "generation_0"  # this process's attempt, set when it joins: see [Note: one store, many attempts]
+_POLL_S = 0.02
+
+
+def _generation(store, rank: int, world: int, timeout: datetime.timedelta) -> int:
+    """The generation of the attempt this rank belongs to: see [Note: one store, many attempts]."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        generation = store.add("framework/generation", 1)
+        store.set("framework/leader", str(generation))
+        while store.add(f"framework/generation_{generation}/joined", 0) < world - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0: the other ranks did not join generation {generation} in {timeout}")
+            time.sleep(_POLL_S)
+        store.set(f"framework/generation_{generation}/acknowledged", "1")
+        return generation
+    tried = joined = None
+    while time.monotonic() <= deadline:
+        leader = int(store.get("framework/leader")) if store.check(["framework/leader"]) else None
+        if leader is not None and leader != tried:
+            tried = leader
+            if store.add(f"framework/generation_{leader}/joined", 1) <= world - 1:
+                joined = leader  # a place in it; an old leader's full generation is skipped
+        if joined is not None and store.check([f"framework/generation_{joined}/acknowledged"]):
+            return joined
+        time.sleep(_POLL_S)
+    raise TimeoutError(f"rank {rank}: rank 0 did not start a generation this rank could join in {timeout}")
 
 
 def shutdown() -> None:
@@ -221,7 +265,7 @@ class _Heartbeat:
         cls._world = world
         cls._stop.clear()
         store = cls._client()
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = _attempt
 
         def beat() -> None:
             while not cls._stop.is_set():
@@ -250,7 +294,7 @@ class _Heartbeat:
         """Which ranks did not arrive: stopped/dead ones (no heartbeat), else those at an earlier step."""
         if not cls._world:
             return ""
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = _attempt
         try:
             store = cls._client()
 

@@ -132,10 +132,9 @@ def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node(tmp_path
         shm.mkdir()
         dirs.append(shm)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
-        # A static rendezvous: the two agents' restart counts (which name each attempt's keys:
-        # [Note: one store, many attempts]) then move together. Under c10d, one run in four of
-        # this test ended with the ranks of the last attempt waiting 60 s for each other's
-        # attempt_2 keys, as if the agents' counts had drifted apart.
+        # A static rendezvous: the injected faults are chosen by torchrun's restart count, which
+        # under c10d differs between the nodes (an agent restarts its healthy rank for the other
+        # node's failure without counting it: [Note: one store, many attempts]).
         cmd += ["--max-restarts=3", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
         cmd += [f"--node-rank={node}"]
         cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
