@@ -15,7 +15,7 @@ The memory model follows our engine (`framework/distributed/fsdp/`) buffer by bu
                   (measured per token: `activation_bytes_per_token`), the logits and the loss;
                   the fp32 grad shard per unit, allocated by its reduction in backward and freed
                   by zero_grad(set_to_none=True) ([Note: gradient shards live from backward to
-                  zero_grad] in unit.py); the send buffer of a gather in flight (the shard cast
+                  zero_grad] in reduce.py); the send buffer of a gather in flight (the shard cast
                   to 16 bits, or copied to the device), freed when the gather is waited on.
 
 Traffic follows the engine's byte counters (`framework/distributed/fsdp/collectives.py`): an all-gather counts

@@ -190,7 +190,7 @@ def _compare(make, steps, batch, rank, ws, *, shard_kw=None, **kw):
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "param_diff": max((fp[k].float() - ref_params[k]).abs().max().item() for k in ref_params),
         # forward uses a unit counts for its post-backward reshard: per step, never accumulating
-        "max_fwd_uses": max(u._fwd_uses for u in sharded_units(model)),
+        "max_fwd_uses": max(u.reduction.fwd_uses for u in sharded_units(model)),
     }
 
 

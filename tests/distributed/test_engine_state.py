@@ -56,16 +56,35 @@ def test_a_new_world_closes_the_old_worlds_transports(tmp_path):
         assert counts == (0, 2, 2), (rank, counts)  # a shard group and its reduction twin
 
 
-def _note_names() -> tuple:
-    """The attributes [Note: the buffers of a unit] names: (of the unit, of its context)."""
+# the objects a unit holds whose tensors the note names too (unit.reduction.accum, ...)
+_PARTS = ("reduction", "codec")
+
+
+def _note_names() -> set:
+    """The attribute paths [Note: the buffers of a unit] names, below `unit.`: "shard",
+    "reduction.accum", "ctx._pool", ..."""
     import re
 
     import framework.distributed.fsdp as fsdp
 
     note = fsdp.__doc__.split("[Note: the buffers of a unit]", 1)[1]
-    of_ctx = set(re.findall(r"\bunit\.ctx\.(\w+)", note))
-    of_unit = set(re.findall(r"\bunit\.(?!py\b)(\w+)", note)) - {"ctx"}  # unit.py is a file
-    return of_unit, of_ctx
+    return set(re.findall(r"\bunit\.(?!py\b)(\w+(?:\.\w+)*)", note))  # unit.py is a file
+
+
+def _has_path(obj, path: str) -> bool:
+    for name in path.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+def _tensor_paths(unit) -> set:
+    """The attribute paths of `unit`, its reduction and its codec that hold tensors now."""
+    held = {name for name, value in vars(unit).items() if _holds_tensors(value)}
+    for part in _PARTS:
+        held.update(f"{part}.{n}" for n, v in vars(getattr(unit, part)).items() if _holds_tensors(v))
+    return held
 
 
 def _holds_tensors(value) -> bool:
@@ -87,12 +106,12 @@ def _unit_attributes(rank, world):
     fully_shard(model[2])
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    of_unit, of_ctx = _note_names()
+    named = _note_names()
     held = set()
 
     def look(*_):
         for u in sharded_units(model):
-            held.update(name for name, value in vars(u).items() if _holds_tensors(value))
+            held.update(_tensor_paths(u))
 
     for block in (model[2], model):
         block.register_forward_hook(look)
@@ -104,20 +123,18 @@ def _unit_attributes(rank, world):
     opt.step()
     look()
     units = sharded_units(model)
-    missing = sorted(
-        [f"unit.{n}" for n in of_unit for u in units if not hasattr(u, n)]
-        + [f"unit.ctx.{n}" for n in of_ctx for u in units if not hasattr(u.ctx, n)]
-    )
-    return missing, sorted(held - of_unit), sorted(of_unit), sorted(of_ctx)
+    missing = sorted({f"unit.{n}" for n in named for u in units if not _has_path(u, n)})
+    return missing, sorted(held - named), sorted(named)
 
 
 def test_the_buffer_glossary_names_real_attributes_and_every_tensor_a_unit_holds():
     """[Note: the buffers of a unit] (framework/distributed/fsdp/__init__.py) stays true: each
     attribute it names exists on a built unit (or its context), and each attribute of a unit that
     held a tensor during forward, backward (with and without gradient sync) and the optimizer step
-    is named in it."""
-    for rank, (missing, unnamed, of_unit, of_ctx) in enumerate(run_ranks(_unit_attributes, world_size=2)):
+    is named in it (the unit's own attributes and those of its reduction and codec)."""
+    for rank, (missing, unnamed, named) in enumerate(run_ranks(_unit_attributes, world_size=2)):
         assert missing == [], (rank, missing)
         assert unnamed == [], (rank, unnamed)
-        assert {"shard", "grad_shard", "full_flat", "_send", "_secondary", "_accum"} <= set(of_unit), of_unit
-        assert "_pool" in of_ctx, of_ctx
+        expected = {"shard", "reduction.grad_shard", "full_flat", "codec.send", "codec.secondary", "reduction.accum"}
+        assert expected <= set(named), named
+        assert "ctx._pool" in named, named

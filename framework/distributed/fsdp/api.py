@@ -123,7 +123,7 @@ class TrainingPhase(enum.Enum):
 
 
 class UnitContext(Protocol):
-    """What a unit (unit.py, with its GradReduction and ZeroPlusPlus parts) asks of the shared
+    """What a unit (unit.py, with the reduction and the codec it holds) asks of the shared
     state of the model it belongs to: `ShardContext` (context.py), which is built over units and
     imports unit.py, never the reverse."""
 

@@ -108,7 +108,7 @@ class ShardContext:
             self.step += 1
             self.backward_done = False
         if unit._used_step != self.step:  # its first forward of this step
-            unit._fwd_uses = 0
+            unit.reduction.fwd_uses = 0
         unit._used_step = self.step
 
     # ------------------------------------------------------------ reductions in order
@@ -117,8 +117,8 @@ class ShardContext:
         order = self.reduce_order
         while self.next_reduce < len(order):
             u = order[self.next_reduce]
-            if u._ready:
-                u.reduce_grads()
+            if u.reduction.ready:
+                u.reduction.reduce_grads()
             elif u.used_this_step():
                 return  # an earlier unit in the order still waits for gradients
             self.next_reduce += 1
@@ -143,7 +143,7 @@ class ShardContext:
                 del free[next(i for i, b in enumerate(free) if b is buf)]
                 return buf[:numel] if buf.numel() != numel else buf
             if len(self.pending_units) >= MAX_IN_FLIGHT:
-                self.pending_units.pop(0).finish_reduce()
+                self.pending_units.pop(0).reduction.finish_reduce()
                 continue
             for small in free:  # a request above the cap (units added later): replace, never keep both
                 self._owned.pop(id(small), None)
@@ -156,7 +156,7 @@ class ShardContext:
         """Track an issued reduction; finish the oldest ones so at most MAX_IN_FLIGHT hold memory."""
         self.pending_units.append(unit)
         while len(self.pending_units) > MAX_IN_FLIGHT:
-            self.pending_units.pop(0).finish_reduce()
+            self.pending_units.pop(0).reduction.finish_reduce()
 
     def release_buffer(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base
@@ -179,12 +179,12 @@ class ShardContext:
             # What the fixed order still holds (units waiting for an earlier one, units with
             # parameters unused on this rank): issue it now, in that order, on every rank alike.
             for u in self.reduce_order[self.next_reduce :]:
-                if u._ready or (u.used_this_step() and (self.root_reached or u.bwd_reached)):
-                    u.reduce_grads()
+                if u.reduction.ready or (u.used_this_step() and (self.root_reached or u.reduction.bwd_reached)):
+                    u.reduction.reduce_grads()
             self.next_reduce = 0
             self.root_reached = False
             while self.pending_units:
-                self.pending_units.pop(0).finish_reduce()
+                self.pending_units.pop(0).reduction.finish_reduce()
             for dev in {u.compute_device for u in self.units if u.offload and u.compute_device.type == "cuda"}:
                 torch.cuda.current_stream(dev).synchronize()  # offloaded grad shards were copied non-blocking
             for u in self.units:
@@ -209,12 +209,12 @@ class ShardContext:
             if u._gather is not None:
                 u.wait_unshard()
         while self.pending_units:
-            self.pending_units.pop(0).finish_reduce()
+            self.pending_units.pop(0).reduction.finish_reduce()
         for u in self.units:
             u.reshard()
             u.reset_backward()
-            u._fwd_uses = 0
-            u._reached.clear()
+            u.reduction.fwd_uses = 0
+            u.reduction.reached.clear()
         self.in_root_forward = self.root_reached = False
         self.next_reduce = 0
         self.callback_queued = False

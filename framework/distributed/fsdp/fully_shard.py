@@ -195,7 +195,7 @@ def fully_shard(
         shard_dtype=shard_dtype,
     )
     if hpz is not None:
-        unit.set_secondary(*hpz)
+        unit.codec.set_secondary(*hpz)
     if tp_mesh is not None:
         unit.tp_size = tp_mesh.size()
         if any(e.tp is not None for e in entries):

@@ -79,7 +79,7 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         with record_function("fsdp::post_backward"):
-            ctx.unit.post_backward()
+            ctx.unit.reduction.post_backward()
         return (None, *grads)
 
 
@@ -91,7 +91,7 @@ def _hook_post_backward(unit: ShardUnit, args: tuple, kwargs: dict):
         return None
     outs = _PostBackward.apply(unit, *needs)
     swap = {id(t): o for t, o in zip(needs, outs)}
-    unit.note_forward_use()
+    unit.reduction.note_forward_use()
     return _map_tensors((args, kwargs), lambda t: swap.get(id(t), t))
 
 
@@ -134,7 +134,7 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
     elif unit is ctx.root:
         ctx.in_root_forward = True
         if ctx.phase == TrainingPhase.IDLE:  # a step starts: see [Note: requires_grad is read at every step]
-            if [u for u in ctx.units if u.sync_requires_grad()]:  # every unit, no short-circuit
+            if [u for u in ctx.units if u.reduction.sync_requires_grad()]:  # every unit, no short-circuit
                 for u in ctx.units:
                     register_param_hooks(u)
                 ctx.trainable_changed()
@@ -228,22 +228,22 @@ def _complete_groups(ctx: ShardContext) -> None:
 @_labelled("fsdp::pre_backward")
 def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Module] = None) -> None:
     ctx = unit.ctx
-    unit.bwd_reached = True
+    unit.reduction.bwd_reached = True
     ctx.root_reached = ctx.root_reached or unit is ctx.root
     if member is not None:
-        unit.reached_member(member)
+        unit.reduction.reached_member(member)
     if ctx.phase in (TrainingPhase.FORWARD, TrainingPhase.IDLE):  # IDLE: forward ran through a non-root unit only
         ctx.set_phase(TrainingPhase.PRE_BACKWARD)
     if not ctx.callback_queued:
         ctx.callback_queued = True
         Variable._execution_engine.queue_callback(ctx.finish_backward)
-    if unit._reduce_issued or unit._ready:
+    if unit.reduction.reduce_issued or unit.reduction.ready:
         return  # a late hook on an output whose unit already finished its backward
     if unit.unshard_in_backward:
         unit.unshard()
     if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch replaces the implicit order
         for other in unit.backward_prefetch:
-            if other.state == UnitState.SHARDED and not other._reduce_issued and other.unshard_in_backward:
+            if other.state == UnitState.SHARDED and not other.reduction.reduce_issued and other.unshard_in_backward:
                 other.unshard()
     elif not unit.standalone:
         i = ctx.order.index(unit) if unit in ctx.order else -1
@@ -252,7 +252,11 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Modul
             # backward starts at the root's outputs (e.g. the loss head) and reaches the unit that
             # ran forward last next: gather it now, under the root's own backward compute
             prev = ctx.order[-1]
-        waiting = prev is not None and prev.state == UnitState.SHARDED and not (prev._ready or prev._bwd_done)
+        waiting = (
+            prev is not None
+            and prev.state == UnitState.SHARDED
+            and not (prev.reduction.ready or prev.reduction.bwd_done)
+        )
         if waiting and prev.unshard_in_backward:
             prev.unshard()
     if unit.unshard_in_backward:
@@ -263,7 +267,7 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Modul
 def post_accumulate_grad(unit: ShardUnit, full: torch.Tensor) -> None:
     if unit.unshard_in_backward:
         unit.assert_state(UnitState.UNSHARDED, what="post-accumulate-grad")
-    unit.on_grad()
+    unit.reduction.on_grad()
 
 
 def register(unit: ShardUnit, module: nn.Module) -> None:
@@ -279,6 +283,6 @@ def register_param_hooks(unit: ShardUnit) -> None:
     none yet (a parameter unfrozen after sharding gets its hooks here, at its first step)."""
     for i, (e, full) in enumerate(zip(unit.entries, unit.full_params)):
         if e.requires_grad and i not in unit.hooked:
-            full.register_hook(lambda g, u=unit, i=i: u.pre_accumulate(i, g))
+            full.register_hook(lambda g, u=unit, i=i: u.reduction.pre_accumulate(i, g))
             full.register_post_accumulate_grad_hook(lambda t, u=unit: post_accumulate_grad(u, t))
             unit.hooked.add(i)

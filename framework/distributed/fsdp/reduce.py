@@ -1,10 +1,13 @@
 """A unit's gradients: written into one flat buffer, reduce-scattered (async), averaged, and handed
 to the sharded parameters' `.grad` views.
 
-`GradReduction` is the part of `ShardUnit` (unit.py) that runs backward's side of the step:
+`GradReduction` is the object a `ShardUnit` (unit.py) holds as `unit.reduction` for backward's
+side of the step: it owns the gradient state (the grad shard in flight, the no-sync accumulation,
+the hybrid partial sum, the reduction in flight and this backward's progress) and runs
 `pre_accumulate` and `on_grad` (leaf hooks), `reduce_grads` (issued by the context in the fixed
 order of [Note: reductions in a fixed order on their own group] in context.py) and
-`finish_reduce` (drained by the context).
+`finish_reduce` (drained by the context). It reads the unit's storage (entries, layout, gathered
+buffer) and never writes the unit's attributes.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch.profiler import record_function
 from . import collectives as C
 from .api import UnitState
 from .views import ShardPiece
-from .zeropp import dequantize_into, packed_nbytes
+from .zeropp import dequantize_into, issue_quantized_reduce, packed_nbytes
 
 
 class _Reduction(NamedTuple):
@@ -79,7 +82,48 @@ def grad_divide_factors(dp: float, reduce_dtype: torch.dtype) -> Tuple[float, fl
 
 
 class GradReduction:
-    """Backward's side of a unit (mixed into `ShardUnit`)."""
+    """Backward's side of a unit, held by it as `unit.reduction`."""
+
+    def __init__(self, unit) -> None:
+        self.unit = unit
+        self.requires_grad_sync = True
+        # FSDP2's per-module settings (sharded_module.py): the all-reduce over replicas (hybrid;
+        # False keeps the reduce-scattered gradient as a partial sum, `partial`) and the factor the
+        # summed gradients are divided by (None: the data-parallel size)
+        self.requires_all_reduce = True
+        self.partial: Optional[torch.Tensor] = None
+        self.divide_factor: Optional[float] = None
+        # entry indices of a group's parameters that get a gradient ([Note: a group of modules is
+        # one unit] in unit.py)
+        self.reached: set = set()
+        # [Note: gradient shards live from backward to zero_grad]
+        # The fp32 gradient shard is allocated when a backward's reduction needs it and handed
+        # over to the sharded parameters' `.grad` views; nothing keeps a reference between
+        # steps, so `zero_grad(set_to_none=True)` frees it (as FSDP2's per-parameter gradients
+        # are freed) and forward and the early backward run without it. `grad_shard` is set
+        # only while a reduction is in flight.
+        self.grad_shard: Optional[torch.Tensor] = None
+        self.accum: Optional[torch.Tensor] = None  # unsharded grads kept across no-sync micro-steps
+        self._accum_valid = False
+        self.pending: Optional[_Reduction] = None
+        # Per step (see [Note: reductions in a fixed order on their own group], and [Note: frozen
+        # parameters reshard after the unit's whole backward]):
+        self.fwd_uses = 0  # forward calls of this step whose inputs carry the post-backward hook
+        self.reset_backward()
+
+    def reset_backward(self) -> None:
+        """Forget this backward's progress (the context calls it when backward ends)."""
+        self.bwd_reached = False  # this backward reached the unit (its outputs, or a gradient)
+        self._grads_seen = 0
+        self.reduce_issued = False
+        self.ready = False  # every trainable gradient of this backward has arrived
+        self.bwd_done = 0  # of the forward uses, how many have finished their backward
+        self._written = [False] * len(self.unit.entries)  # grad already written in place this backward
+
+    def drop_accumulated(self) -> None:
+        """Forget the gradients kept across no-sync micro-steps (the unit moved)."""
+        self.grad_shard = self.accum = None
+        self._accum_valid = False
 
     # [Note: requires_grad is read at every step]
     # Users freeze and unfreeze the sharded parameters they see (`p.requires_grad_(False)` on the
@@ -95,14 +139,13 @@ class GradReduction:
         """Take each sharded parameter's `requires_grad` (see the note above); True if one changed.
         Call between steps only."""
         changed = False
-        for e, sp, full in zip(self.entries, self.sharded_params, self.full_params):
+        for e, sp, full in zip(self.unit.entries, self.unit.sharded_params, self.unit.full_params):
             if sp.requires_grad != e.requires_grad:
                 e.requires_grad = sp.requires_grad
                 full.requires_grad_(e.requires_grad)
                 changed = True
         if changed:
-            self.trainable = [e for e in self.entries if e.requires_grad]
-            self.has_frozen = len(self.trainable) < len(self.entries)
+            self.unit.refresh_trainable()
         return changed
 
     # [Note: frozen parameters reshard after the unit's whole backward]
@@ -116,21 +159,21 @@ class GradReduction:
     # inputs need no gradient never come back; the final callback reshards those units.
     def note_forward_use(self) -> None:
         """A forward under grad mode whose inputs carry the post-backward hook (frozen units)."""
-        self._fwd_uses += 1
+        self.fwd_uses += 1
 
     def post_backward(self) -> None:
         """The backward of one forward use is complete (see the note above)."""
-        self._bwd_done += 1
-        if self._bwd_done >= self._fwd_uses and self.state != UnitState.SHARDED and self._pending_reshard_ok():
+        self.bwd_done += 1
+        if self.bwd_done >= self.fwd_uses and self.unit.state != UnitState.SHARDED and self._pending_reshard_ok():
             with record_function("fsdp::post_backward_reshard"):
-                self.reshard_after_backward_step()
+                self.unit.reshard_after_backward_step()
 
     def _pending_reshard_ok(self) -> bool:
         # an in-place reduction still reads the gathered storage; it reshards when it finishes
-        return self._pending is None or not self._pending.in_place
+        return self.pending is None or not self.pending.in_place
 
     def _backward_done(self) -> bool:
-        return not self.has_frozen or (self._fwd_uses > 0 and self._bwd_done >= self._fwd_uses)
+        return not self.unit.has_frozen or (self.fwd_uses > 0 and self.bwd_done >= self.fwd_uses)
 
     def _in_place_this_backward(self) -> bool:
         return self.requires_grad_sync and not self._accum_valid and self._can_reduce_in_place()
@@ -143,12 +186,14 @@ class GradReduction:
         handed to autograd to store: one copy, which also fixes the layout of transposed weight
         gradients (which autograd would otherwise clone into the parameter's layout first).
         """
-        if self.members is not None:  # a group: this parameter gets a gradient ([Note: a group of modules is one unit])
-            self._reached.add(idx)
+        if (
+            self.unit.members is not None
+        ):  # a group: this parameter gets a gradient ([Note: a group of modules is one unit])
+            self.reached.add(idx)
         if not self._in_place_this_backward() or self._written[idx]:
             return None
-        e = self.entries[idx]
-        dst = self.full_flat[e.offset : e.offset + e.numel].view(e.shape)
+        e = self.unit.entries[idx]
+        dst = self.unit.full_flat[e.offset : e.offset + e.numel].view(e.shape)
         with torch.no_grad():
             dst.copy_(grad)
         self._written[idx] = True
@@ -159,70 +204,82 @@ class GradReduction:
         ready, and the context issues its reduction in the model's fixed order."""
         self._grads_seen += 1
         self.bwd_reached = True
-        if self._grads_seen == len(self.trainable):
-            self._ready = True
-            self.ctx.on_unit_ready(self)
+        if self._grads_seen == len(self.unit.trainable):
+            self.ready = True
+            self.unit.ctx.on_unit_ready(self.unit)
 
     def reduce_grads(self) -> None:
         """Put the unit's full grads in one flat buffer and issue the reduce-scatter (async).
 
         Called by the context only (in the fixed order of [Note: reductions in a fixed order on
         their own group]); a parameter without a gradient on this rank contributes zeros."""
-        if self._reduce_issued or not self.trainable:
+        if self.reduce_issued or not self.unit.trainable:
             return
-        self._reduce_issued = True
-        L = self.layout
+        self.reduce_issued = True
+        L = self.unit.layout
         if not self.requires_grad_sync:
-            if self._accum is None:
-                self._accum = torch.zeros(L.padded_total, dtype=self.reduce_dtype, device=self.compute_device)
-            self._write_grads(self._accum, accumulate=self._accum_valid)
+            if self.accum is None:
+                self.accum = torch.zeros(L.padded_total, dtype=self.unit.reduce_dtype, device=self.unit.compute_device)
+            self._write_grads(self.accum, accumulate=self._accum_valid)
             self._accum_valid = True
             if self._backward_done():
-                self.reshard_after_backward_step()
+                self.unit.reshard_after_backward_step()
             return
         in_place = False
         with record_function("fsdp::copy_grads"):
             if self._accum_valid:
-                self._write_grads(self._accum, accumulate=True)
-                buf, pooled = self._accum, False
+                self._write_grads(self.accum, accumulate=True)
+                buf, pooled = self.accum, False
             elif self._can_reduce_in_place():
-                buf, pooled, in_place = self.full_flat, False, True
+                buf, pooled, in_place = self.unit.full_flat, False, True
                 self._write_grads(buf, accumulate=False)
             else:
-                buf = self.ctx.acquire_buffer(self, L.padded_total, self.reduce_dtype, self.compute_device, "in")
+                buf = self.unit.ctx.acquire_buffer(
+                    self.unit, L.padded_total, self.unit.reduce_dtype, self.unit.compute_device, "in"
+                )
                 self._write_grads(buf, accumulate=False)
                 pooled = True
-        pre, post = grad_divide_factors(self.divide_factor or self.dp, self.reduce_dtype)
+        pre, post = grad_divide_factors(self.divide_factor or self.unit.dp, self.unit.reduce_dtype)
         if pre != 1.0:
             buf.div_(pre)  # see grad_divide_factors: fp16 sums must not overflow
         fresh = all(p.grad is None for p in self._trainable_sharded())
-        direct = fresh and buf.dtype == self.shard_dtype and self._grad_device() == buf.device
-        quant = self.comm is not None and self.comm.grads and self.N > 1
+        direct = fresh and buf.dtype == self.unit.shard_dtype and self._grad_device() == buf.device
+        quant = self.unit.comm is not None and self.unit.comm.grads and self.unit.N > 1
         scratch = q_recv = None
         q_pooled = False
         if quant:  # the chunks are summed in fp32: straight into the grad shard when it is fp32 and fresh
-            direct = fresh and self.shard_dtype == torch.float32 and self._grad_device() == buf.device
+            direct = fresh and self.unit.shard_dtype == torch.float32 and self._grad_device() == buf.device
             if direct:
                 self.grad_shard = self._new_grad_shard()
             out = (
                 self.grad_shard
                 if direct
-                else self.ctx.acquire_buffer(self, L.shard_numel, torch.float32, self.compute_device, "q")
+                else self.unit.ctx.acquire_buffer(
+                    self.unit, L.shard_numel, torch.float32, self.unit.compute_device, "q"
+                )
             )
-            pending, q_recv, q_pooled = self._issue_quantized_reduce(buf)
+            u = self.unit
+            acquire = lambda n: u.ctx.acquire_buffer(u, n, torch.uint8, u.compute_device, "qrecv")
+            pending, q_recv, q_pooled = issue_quantized_reduce(
+                buf, u.N, u.layout.shard_numel, u.comm.block_size, u.reduce_group, u.stats, u.name, acquire
+            )
         else:
             if direct:
                 self.grad_shard = self._new_grad_shard()
             out = (
                 self.grad_shard
                 if direct
-                else self.ctx.acquire_buffer(self, L.shard_numel, self.reduce_dtype, self.compute_device, "out")
+                else self.unit.ctx.acquire_buffer(
+                    self.unit, L.shard_numel, self.unit.reduce_dtype, self.unit.compute_device, "out"
+                )
             )
-            transport = self.transports()[1]
+            transport = self.unit.transports()[1]
             k = transport.scratch_numel(L.shard_numel)
-            scratch = self.ctx.acquire_buffer(self, k, buf.dtype, self.compute_device, "rs") if k else None
-            pending = C.reduce_scatter(out, buf, transport, self.stats, self.name, scratch)
-        self._pending = _Reduction(
+            scratch = (
+                self.unit.ctx.acquire_buffer(self.unit, k, buf.dtype, self.unit.compute_device, "rs") if k else None
+            )
+            pending = C.reduce_scatter(out, buf, transport, self.unit.stats, self.unit.name, scratch)
+        self.pending = _Reduction(
             pending=pending,
             pooled_input=buf if pooled else None,
             direct=direct,
@@ -235,26 +292,26 @@ class GradReduction:
             quantized_pooled=q_pooled,
         )
         if in_place:
-            self._hide()  # the storage now holds gradients; resharded when the reduction finishes
+            self.unit._hide()  # the storage now holds gradients; resharded when the reduction finishes
         elif self._backward_done():
-            self.reshard_after_backward_step()
-        self.ctx.add_pending(self)
+            self.unit.reshard_after_backward_step()
+        self.unit.ctx.add_pending(self.unit)
 
     def _can_reduce_in_place(self) -> bool:
         """All params trainable and same dtype: once the last grad arrived, backward no longer reads
         the gathered params, so the gathered storage can be the reduce-scatter input."""
         return (
-            self.storage is not None
-            and self.reduce_dtype == self.param_dtype
-            and len(self.trainable) == len(self.entries)
-            and self.state == UnitState.UNSHARDED
-            and self.reshard_after_backward  # else the gathered parameters must survive backward
+            self.unit.storage is not None
+            and self.unit.reduce_dtype == self.unit.param_dtype
+            and len(self.unit.trainable) == len(self.unit.entries)
+            and self.unit.state == UnitState.UNSHARDED
+            and self.unit.reshard_after_backward  # else the gathered parameters must survive backward
         )
 
     def _write_grads(self, buf: torch.Tensor, accumulate: bool) -> None:
-        L = self.layout
+        L = self.unit.layout
         with torch.no_grad():
-            for i, (e, full) in enumerate(zip(self.entries, self.full_params)):
+            for i, (e, full) in enumerate(zip(self.unit.entries, self.unit.full_params)):
                 g = full.grad if e.requires_grad else None
                 if self._written[i]:  # already in place (pre_accumulate)
                     full.grad = None
@@ -272,44 +329,44 @@ class GradReduction:
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, all-reduce over replicas, average, expose `.grad` views."""
-        if self._pending is None:
+        if self.pending is None:
             return
-        red = self._pending
-        self._pending = None
+        red = self.pending
+        self.pending = None
         C.wait(red.pending)
         out = red.out
         if red.quantized is not None:  # sum the dequantized chunks before their buffer goes back
-            b, S = self.comm.block_size, self.layout.shard_numel
+            b, S = self.unit.comm.block_size, self.unit.layout.shard_numel
             nb = packed_nbytes(S, b)
             total = self.grad_shard if red.direct else out
             with record_function("fsdp::dequantize"):
-                for r in range(self.N):
+                for r in range(self.unit.N):
                     dequantize_into(red.quantized[r * nb : (r + 1) * nb], total, b, accumulate=r > 0)
             if red.quantized_pooled:
-                self.ctx.release_buffer(red.quantized)
+                self.unit.ctx.release_buffer(red.quantized)
         if red.in_place:
-            self.reshard()
+            self.unit.reshard()
         if red.scratch is not None:
-            self.ctx.release_buffer(red.scratch)
+            self.unit.ctx.release_buffer(red.scratch)
         if red.pooled_input is not None:
-            self.ctx.release_buffer(red.pooled_input)
+            self.unit.ctx.release_buffer(red.pooled_input)
         if self._accum_valid:
             # the accumulated grads went into this reduction: free them until the next no-sync step
             self._accum_valid = False
-            self._accum = None
+            self.accum = None
         reduced = self.grad_shard if red.direct else out
-        if self.R > 1:
-            if self._partial is not None:  # reduce-scattered without the all-reduce before (set_requires_all_reduce)
-                reduced.add_(self._partial.to(reduced.dtype))
-                self._partial = None
+        if self.unit.R > 1:
+            if self.partial is not None:  # reduce-scattered without the all-reduce before (set_requires_all_reduce)
+                reduced.add_(self.partial.to(reduced.dtype))
+                self.partial = None
             if not self.requires_all_reduce:
-                self._partial = reduced.clone()
+                self.partial = reduced.clone()
                 if red.direct:
                     self.grad_shard = None
                 if out is not None:
-                    self.ctx.release_buffer(out)
+                    self.unit.ctx.release_buffer(out)
                 return
-            C.wait(C.all_reduce(reduced, self.replicate_group, self.stats, self.name))
+            C.wait(C.all_reduce(reduced, self.unit.replicate_group, self.unit.stats, self.unit.name))
         if red.post_divide != 1.0:
             reduced.div_(red.post_divide)
         receiving = self._receiving()
@@ -320,7 +377,7 @@ class GradReduction:
                     self.grad_shard = self._new_grad_shard()
                     self.grad_shard.copy_(reduced, non_blocking=True)
                 for p, e in receiving:
-                    p.grad = ShardPiece(self.grad_shard[self.layout.shard_slice(e)], p.piece_spec)
+                    p.grad = ShardPiece(self.grad_shard[self.unit.layout.shard_slice(e)], p.piece_spec)
                 self.grad_shard = None  # the .grad views own it now (see the note in __init__)
             else:
                 # gradients persist (zero_grad(set_to_none=False), or a second synced backward):
@@ -328,13 +385,13 @@ class GradReduction:
                 # keeps them on the host, the reduction ran on the compute device)
                 host = reduced.to(self._grad_device())
                 for p, e in receiving:
-                    piece = host[self.layout.shard_slice(e)].to(p.dtype)
+                    piece = host[self.unit.layout.shard_slice(e)].to(p.dtype)
                     if p.grad is None:
                         p.grad = ShardPiece(piece.clone(), p.piece_spec)
                     else:
                         p.grad.add_(piece)
         if out is not None:
-            self.ctx.release_buffer(out)
+            self.unit.ctx.release_buffer(out)
         # Autograd never accumulates into the sharded parameters (the modules compute with the
         # unsharded ones), so their post-accumulate-grad hooks run here, once the reduced gradient
         # is in place (as in FSDP2): e.g. an optimizer stepped per parameter inside backward.
@@ -346,24 +403,26 @@ class GradReduction:
         """(sharded parameter, entry) of each trainable parameter this reduction hands a gradient
         to: all of them, or in a group those of the members the backward reached ([Note: a group of
         modules is one unit]); the group's record of them starts again."""
-        pairs = zip(self.sharded_params, self.entries)
-        if self.members is None:
+        pairs = zip(self.unit.sharded_params, self.unit.entries)
+        if self.unit.members is None:
             return [(p, e) for p, e in pairs if e.requires_grad]
-        reached, self._reached = self._reached, set()
+        reached, self.reached = self.reached, set()
         return [(p, e) for i, (p, e) in enumerate(pairs) if e.requires_grad and i in reached]
 
     def reached_member(self, module: nn.Module) -> None:
         """The backward reached an output of `module`, a member of this group: its parameters get
         gradients from the next synced reduction."""
-        k = next(k for k, m in enumerate(self.members) if m is module)
-        self._reached.update(i for i, e in enumerate(self.entries) if k in e.members)
+        k = next(k for k, m in enumerate(self.unit.members) if m is module)
+        self.reached.update(i for i, e in enumerate(self.unit.entries) if k in e.members)
 
     def _grad_device(self) -> torch.device:
-        return self.shard.device
+        return self.unit.shard.device
 
     def _new_grad_shard(self) -> torch.Tensor:
-        pin = self.offload and self.compute_device.type == "cuda"
-        return torch.empty(self.layout.shard_numel, dtype=self.shard_dtype, device=self._grad_device(), pin_memory=pin)
+        pin = self.unit.offload and self.unit.compute_device.type == "cuda"
+        return torch.empty(
+            self.unit.layout.shard_numel, dtype=self.unit.shard_dtype, device=self._grad_device(), pin_memory=pin
+        )
 
     def grad_bytes(self) -> int:
         """Bytes of the gradients this unit's sharded parameters hold now (each storage once)."""
@@ -377,4 +436,4 @@ class GradReduction:
         return sum(seen.values())
 
     def _trainable_sharded(self) -> List[nn.Parameter]:
-        return [p for p, e in zip(self.sharded_params, self.entries) if e.requires_grad]
+        return [p for p, e in zip(self.unit.sharded_params, self.unit.entries) if e.requires_grad]

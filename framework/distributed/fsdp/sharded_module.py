@@ -44,13 +44,13 @@ class ShardedModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False for gradient-accumulation micro-steps: gradients accumulate unsharded, no communication."""
         for u in self._chosen(recurse):
-            u.requires_grad_sync = requires_gradient_sync
+            u.reduction.requires_grad_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Hybrid sharding: False skips the all-reduce over the replicas after the reduce-scatter
         (the reduce-scattered gradients accumulate on each replica until a backward with True)."""
         for u in self._chosen(recurse):
-            u.requires_all_reduce = requires_all_reduce
+            u.reduction.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility, with no effect: every backward of ours waits for its
@@ -63,7 +63,7 @@ class ShardedModule:
         if factor <= 0:
             raise ValueError(f"set_gradient_divide_factor: factor={factor}; give a positive number")
         for u in self._units():
-            u.divide_factor = float(factor)
+            u.reduction.divide_factor = float(factor)
 
     # ---------------------------------------------------------------- when parameters are gathered
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:

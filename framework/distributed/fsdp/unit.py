@@ -20,11 +20,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as C
 from .api import MixedPrecisionPolicy, QuantizedCommPolicy, UnitContext, UnitState
+from .codec import GatherCodec
 from .flat import FlatEntry, FlatLayout, contiguous_stride
-from .reduce import GradReduction, _Reduction
+from .reduce import GradReduction
 from .transport import Transport
 from .views import PieceSpec, ShardPiece
-from .zeropp import ZeroPlusPlus, float8_plan, packed_nbytes
+from .zeropp import packed_nbytes
 
 # [Note: records of sharded parameters]
 # What the engine knows about a sharded parameter (its unit, its entry) is part of the parameter:
@@ -76,9 +77,10 @@ def sharded_units(module: nn.Module) -> List["ShardUnit"]:
 # the shard buffer: no gather, no copy, never released.
 
 
-class ShardUnit(GradReduction, ZeroPlusPlus):
-    """One `fully_shard` call's parameters: storage, state machine and gather here; backward's
-    reduction in reduce.py (`GradReduction`), ZeRO++ in zeropp.py (`ZeroPlusPlus`)."""
+class ShardUnit:
+    """One `fully_shard` call's parameters: storage, state machine and gather here; it holds
+    backward's reduction (`reduction`, reduce.py's `GradReduction`) and the gather's encoding
+    (`codec`, codec.py's `GatherCodec`: plain, int8, float8, hpZ), each owning its own state."""
 
     def __init__(
         self,
@@ -124,15 +126,10 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         self.tp_size = 1
         self.ctx: Optional[UnitContext] = None
         self.stats = C.CommStats()
-        self.requires_grad_sync = True
-        # FSDP2's per-module settings (sharded_module.py): the all-reduce over replicas (hybrid;
-        # False keeps the reduce-scattered gradient as a partial sum, `_partial`), the factor the
-        # summed gradients are divided by (None: the data-parallel size), freeing the gathered
-        # parameters after backward, whether the user set reshard_after_forward (then the root
-        # keeps it), and a forward method running (register_fsdp_forward_method)
-        self.requires_all_reduce = True
-        self._partial: Optional[torch.Tensor] = None
-        self.divide_factor: Optional[float] = None
+        # FSDP2's per-module settings (sharded_module.py; the gradient ones are `reduction`'s):
+        # freeing the gathered parameters after backward, whether the user set
+        # reshard_after_forward (then the root keeps it), and a forward method running
+        # (register_fsdp_forward_method)
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # False: not gathered again in backward (set_unshard_in_backward)
         self.reshard_after_forward_set = False
@@ -148,72 +145,36 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         # and a member called on its own later gathers the unit again and keeps it until the end
         # of its backward. The unit's reduction covers all its parameters, but a parameter gets a
         # gradient only if the backward reached a member that uses it (a hook on that member's
-        # outputs) or its own gradient arrived (`_reached`, entry indices, kept until a synced
+        # outputs) or its own gradient arrived (`reduction.reached`, entry indices, kept until a synced
         # reduction hands the gradients over): a member that did not run, or whose outputs this
         # backward did not reach, leaves its parameters' `.grad` as it was (None, as FSDP2 does)
         # instead of adding zeros. Which members a backward reaches must be the same on every rank
         # (as FSDP2 requires of the parameters that get gradients).
         self.members: Optional[List[nn.Module]] = None
         self.members_run: set = set()
-        self._reached: set = set()
         self.standalone = False  # its last forward ran outside the root's: no implicit prefetch (hooks.py)
         # units gathered ahead of this one's forward / backward when set explicitly; None = the
         # recorded forward order (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch)
         self.forward_prefetch: Optional[List["ShardUnit"]] = None
         self.backward_prefetch: Optional[List["ShardUnit"]] = None
-        self.trainable = [e for e in entries if e.requires_grad]
-        self.has_frozen = len(self.trainable) < len(entries)
+        self.refresh_trainable()
         shard_device = torch.device("cpu") if offload else compute_device
         pin = offload and compute_device.type == "cuda"
-        S = layout.shard_numel
-        self.shard = torch.zeros(S, dtype=shard_dtype, device=shard_device, pin_memory=pin)
-        # [Note: gradient shards live from backward to zero_grad]
-        # The fp32 gradient shard is allocated when a backward's reduction needs it and handed
-        # over to the sharded parameters' `.grad` views; the unit keeps no reference between
-        # steps, so `zero_grad(set_to_none=True)` frees it (as FSDP2's per-parameter gradients
-        # are freed) and forward and the early backward run without it. `grad_shard` is set
-        # only while a reduction is in flight.
-        self.grad_shard: Optional[torch.Tensor] = None
+        self.shard = torch.zeros(layout.shard_numel, dtype=shard_dtype, device=shard_device, pin_memory=pin)
         self.sharded_params: List[nn.Parameter] = []
         self.full_params: List[torch.Tensor] = []
-        self._accum: Optional[torch.Tensor] = None  # unsharded grads kept across no-sync micro-steps
-        self._accum_valid = False
-        self._grads_seen = 0
-        self._reduce_issued = False
-        self._written = [False] * len(entries)  # grad already written in place this backward
-        self._pending: Optional[_Reduction] = None
-        # The shard cast to param_dtype / moved to the compute device, for one gather: freed when the
-        # gather is waited on (FSDP2 allocates its all-gather input per call too). Kept between
-        # gathers it would hold param_dtype bytes for every parameter of this rank's shards.
-        self._send: Optional[torch.Tensor] = None
         self._gather: Optional[C.Pending] = None
-        # Per step (see [Note: reductions in a fixed order on their own group], and [Note: frozen
-        # parameters reshard after the unit's whole backward]):
         self._used_step = -1  # ctx.step of this unit's last forward under grad mode
-        self._ready = False  # every trainable gradient of this backward has arrived
-        self.bwd_reached = False  # this backward reached the unit (its outputs, or a gradient)
-        self._fwd_uses = 0  # forward calls of this step whose inputs carry the post-backward hook
-        self._bwd_done = 0  # of those, how many have finished their backward
-        self._gather_quantized = False
-        self._hpz: Optional[tuple] = None  # (group, k, index) for hpZ, see [Note: hpZ secondary shards]
-        self._secondary: Optional[torch.Tensor] = None
-        self._secondary_valid = False
         self._transports: Optional[Tuple[Transport, Transport, Optional[Transport]]] = None
-        # float8 gather ([Note: float8 all-gather] in zeropp.py): which pieces go as float8, and the
-        # per-weight scales of the last forward gather; None when the unit has no float8 weight
-        self._f8 = None
-        self._f8_scale: Optional[torch.Tensor] = None
-        self._plan_float8()
+        self.reduction = GradReduction(self)
+        self.codec = GatherCodec(self)
         self._build_full_storage()
 
-    def _plan_float8(self) -> None:
-        self._f8, self._f8_scale = None, None
-        comm = self.comm
-        if comm is not None and comm.dtype == "float8":
-            is_f8 = [e.tp is None and comm.float8_weight(e.users[0][0], e.users[0][1]) for e in self.entries]
-            if any(is_f8):
-                esize = torch.empty(0, dtype=self.param_dtype).element_size()
-                self._f8 = float8_plan(self.layout, is_f8, esize)
+    def refresh_trainable(self) -> None:
+        """Re-derive the trainable entries from each entry's `requires_grad` ([Note: requires_grad
+        is read at every step] in reduce.py)."""
+        self.trainable = [e for e in self.entries if e.requires_grad]
+        self.has_frozen = len(self.trainable) < len(self.entries)
 
     # ---------------------------------------------------------------- construction
     def _zero_copy(self) -> bool:
@@ -267,7 +228,8 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         unit's at lazy init, so no collective of the step ever has to choose one."""
         if self._transports is None:
             dev = self.compute_device
-            secondary = C.transport_for(self._hpz[0], dev) if self._hpz is not None else None
+            hpz = self.codec.hpz
+            secondary = C.transport_for(hpz[0], dev) if hpz is not None else None
             self._transports = (
                 C.transport_for(self.shard_group, dev),
                 C.transport_for(self.reduce_group, dev),
@@ -299,7 +261,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
 
         Call between steps only (no gather or reduction in flight).
         """
-        assert self.state == UnitState.SHARDED and self._pending is None, (
+        assert self.state == UnitState.SHARDED and self.reduction.pending is None, (
             f"[rank {self.rank}] unit {self.name}: moved while {self.state.value}; move the model between steps"
         )
         params = [e.users[0][0]._parameters[e.users[0][1]] for e in self.entries]
@@ -320,7 +282,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         self.shard_dtype = dtype
         S = self.layout.shard_numel
         self.shard = torch.zeros(S, dtype=dtype, device=shard_device, pin_memory=pin)
-        self.grad_shard = None
+        self.reduction.drop_accumulated()
         with torch.no_grad():
             for i, (e, sp) in enumerate(zip(self.entries, params)):
                 view = self.shard[self.layout.shard_slice(e)]
@@ -330,10 +292,8 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
                 for mod, name, _ in e.users:
                     mod._parameters[name] = sp
                 self.set_sharded_param(i, sp)
-        self._send = self._secondary = self._accum = None
-        self._accum_valid = self._secondary_valid = False
         self._transports = None  # chosen again for the new device on first use
-        self._plan_float8()  # the param dtype's size places the packed pieces
+        self.codec.reset()  # the param dtype's size places the packed pieces
         self._build_full_storage()  # new unsharded params: the caller re-registers their hooks
 
     def assert_state(self, *allowed: UnitState, what: str) -> None:
@@ -364,33 +324,7 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
             return
         L = self.layout
         self.storage.resize_(L.padded_total * self.full_flat.element_size())
-        if self._secondary_valid:  # hpZ: backward gathers from the secondary shards, within k ranks
-            self._gather_quantized = False
-            self._gather = C.all_gather(self.full_flat, self._secondary, self.transports()[2], self.stats, self.name)
-            self.set_state(UnitState.UNSHARDING)
-            return
-        qp = self.comm is not None and self.comm.params and self.N > 1
-        if qp and self.comm.dtype == "float8":
-            qp = self._f8 is not None  # a unit without float8 weights gathers in the param dtype
-        self._gather_quantized = qp
-        if qp:
-            # [Note: int8 buffers live inside the unit's own storage] the packed chunks are received
-            # into the tail of the storage just resized for the full parameters (1 + 4/block bytes
-            # per value fit in the 2 or 4 of the param dtype), this rank's own chunk is quantized
-            # straight into its slot, and wait_unshard dequantizes front to back, each chunk ending
-            # before the next packed one starts. No int8 buffer outlives the gather.
-            packed = self._packed_tail()
-            nb = self._packed_chunk_nbytes()
-            own = packed[L.rank * nb : (L.rank + 1) * nb]
-            self._quantize_own(own)
-            self._gather = C.all_gather(packed, own, self.transports()[0], self.stats, self.name)
-        else:
-            src = self.shard
-            if self.param_dtype != self.shard_dtype or self.shard.device != self.compute_device:
-                self._send = torch.empty(L.shard_numel, dtype=self.param_dtype, device=self.compute_device)
-                self._send.copy_(self.shard, non_blocking=True)
-                src = self._send
-            self._gather = C.all_gather(self.full_flat, src, self.transports()[0], self.stats, self.name)
+        self._gather = self.codec.issue()
         self.set_state(UnitState.UNSHARDING)
 
     def wait_unshard(self) -> None:
@@ -399,9 +333,8 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         if self.state == UnitState.UNSHARDED:
             return
         C.wait(self._gather)
-        self._gather = self._send = None
-        if self._gather_quantized:
-            self._dequantize_gathered()
+        self._gather = None
+        self.codec.finish()
         self.set_state(UnitState.UNSHARDED)
         self._expose()
 
@@ -448,6 +381,14 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
             self.storage.resize_(0)
         self.set_state(UnitState.SHARDED)
 
+    def reshard_after_forward_step(self) -> None:
+        """Forward is done with the gathered parameters: free them, keeping hpZ's secondary shard
+        ([Note: hpZ secondary shards] in codec.py), not for a unit that backward does not gather
+        (set_unshard_in_backward(False))."""
+        if self.state == UnitState.UNSHARDED and self.unshard_in_backward:
+            self.codec.keep_secondary()
+        self.reshard()
+
     def reshard_after_backward_step(self) -> None:
         """Backward is done with the gathered parameters: free them, unless
         `set_reshard_after_backward(False)` keeps them for the next forward."""
@@ -458,13 +399,8 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         return self.ctx is not None and self._used_step == self.ctx.step
 
     def reset_backward(self) -> None:
-        self.drop_secondary()
-        self.bwd_reached = False
-        self._grads_seen = 0
-        self._reduce_issued = False
-        self._ready = False
-        self._bwd_done = 0
-        self._written = [False] * len(self.entries)
+        self.codec.drop_secondary()
+        self.reduction.reset_backward()
 
     # ---------------------------------------------------------------- accounting
     def tensor_bytes(self) -> dict:
@@ -473,9 +409,9 @@ class ShardUnit(GradReduction, ZeroPlusPlus):
         nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()
         return {
             "shard": nbytes(self.shard),
-            "grad_shard": self.grad_bytes(),
+            "grad_shard": self.reduction.grad_bytes(),
             "unsharded": 0 if self.storage is None else self.storage.nbytes(),
-            "accum": nbytes(self._accum),
-            "secondary": nbytes(self._secondary),
-            "send": nbytes(self._send),
+            "accum": nbytes(self.reduction.accum),
+            "secondary": nbytes(self.codec.secondary),
+            "send": nbytes(self.codec.send),
         }

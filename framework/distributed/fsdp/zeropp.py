@@ -1,10 +1,11 @@
 """Low-precision communication on the engine: ZeRO++ int8 (qwZ, qgZ) with its block-quantization
 kernels, the float8 gather of float8 training, and hpZ secondary shards.
 
-`ZeroPlusPlus` is the part of `ShardUnit` (unit.py) for these: the quantized gather's packing and
-unpacking inside the unit's own storage (int8 blocks or float8 per parameter, one design), the
-quantized gradient all-to-all, and the secondary shard kept after forward. See
-`QuantizedCommPolicy` in api.py and `reshard_after_forward=<int>` in fully_shard.py.
+The kernels and plans live here; codec.py's `GatherCodec` (what a unit holds as `unit.codec`)
+packs and unpacks the quantized gather inside the unit's own storage (int8 blocks or float8 per
+parameter, one design) and keeps hpZ's secondary shard; reduce.py calls `issue_quantized_reduce`
+for the quantized gradient all-to-all. See `QuantizedCommPolicy` in api.py and
+`reshard_after_forward=<int>` in fully_shard.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import collectives as C
-from .api import TrainingPhase, UnitState
 from .flat import FlatLayout
 
 # ---- int8 block quantization (ZeRO++ qwZ/qgZ) -------------------------------------------------
@@ -31,7 +31,7 @@ def packed_nbytes(n: int, block: int) -> int:
 
 # Quantization works through a unit in pieces of _PIECE blocks, so its temporaries (fp32 copies,
 # the int8 values) stay a few MB whatever the unit's size; see also [Note: int8 buffers live
-# inside the unit's own storage] in unit.py, which relies on the write order below.
+# inside the unit's own storage] in codec.py, which relies on the write order below.
 _PIECE = 4096
 
 
@@ -86,7 +86,7 @@ def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int, accumul
 # float8 pieces, then, aligned to the param dtype, its other pieces; every chunk padded to the
 # largest (P bytes), since all-gather moves equal chunks. P <= S x element size, so the chunks fit
 # in the tail of the unit's storage exactly as int8 ones do ([Note: int8 buffers live inside the
-# unit's own storage] in unit.py) and are unpacked front to back the same way.
+# unit's own storage] in codec.py) and are unpacked front to back the same way.
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -129,119 +129,23 @@ def float8_scale(amax: torch.Tensor) -> torch.Tensor:
     return (FLOAT8_MAX / amax.double().clamp(min=1e-12)).float()
 
 
-class ZeroPlusPlus:
-    """Quantized gathers and reductions, and hpZ secondary shards (mixed into `ShardUnit`)."""
+def issue_quantized_reduce(
+    buf: torch.Tensor, N: int, S: int, b: int, group: dist.ProcessGroup, stats: C.CommStats, name: str, acquire
+) -> Tuple[C.Pending, torch.Tensor, bool]:
+    """qgZ: quantize all N chunks of `buf` (S values each, blocks of `b`), all-to-all them over
+    `group`; the reduction sums the dequantized chunks. `acquire(nbytes)` gives a pooled buffer.
 
-    def _packed_chunk_nbytes(self) -> int:
-        if self._f8 is not None:
-            return self._f8.nbytes
-        return packed_nbytes(self.layout.shard_numel, self.comm.block_size)
-
-    def _packed_tail(self) -> torch.Tensor:
-        """The last N x packed-shard bytes of the (resized) unsharded storage, as uint8."""
-        nb = self._packed_chunk_nbytes() * self.N
-        total = self.storage.nbytes()
-        t = torch.empty(0, dtype=torch.uint8, device=self.compute_device)
-        return t.set_(self.storage, total - nb, (nb,), (1,))
-
-    def _quantize_own(self, own: torch.Tensor) -> None:
-        """Pack this rank's shard into its slot `own` of the gather (int8 blocks or float8)."""
-        if self._f8 is None:
-            quantize_into(self.shard, own, self.comm.block_size)
-            return
-        self._float8_scales()
-        base, dt, esize = self.layout.shard_start, self.param_dtype, self.full_flat.element_size()
-        with record_function("fsdp::float8_cast"):
-            for a, b, k, pos in self._f8.pieces[self.layout.rank]:
-                x = self.shard[a - base : b - base]
-                if k >= 0:
-                    q = x.float() * self._f8_scale[k]  # never in place: x is the fp32 master
-                    q = q.clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8)
-                    own[pos : pos + b - a].copy_(q.view(torch.uint8))
-                else:
-                    own[pos : pos + (b - a) * esize].view(dt).copy_(x)
-
-    def _float8_scales(self) -> None:
-        """One scale per float8 weight from its absmax over every shard; see [Note: float8 all-gather]."""
-        phase = self.ctx.phase if self.ctx is not None else TrainingPhase.IDLE
-        if self._f8_scale is not None and phase in (TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD):
-            return  # backward's re-gather: the weights are the forward's
-        amax = torch.zeros(len(self._f8.weights), dtype=torch.float32, device=self.compute_device)
-        base = self.layout.shard_start
-        for a, b, k, _ in self._f8.pieces[self.layout.rank]:
-            if k >= 0:
-                amax[k] = self.shard[a - base : b - base].abs().max()  # one piece per weight and rank
-        C.wait(C.all_reduce(amax, self.shard_group, self.stats, f"{self.name}.amax", op=dist.ReduceOp.MAX))
-        self._f8_scale = float8_scale(amax)
-
-    def _dequantize_gathered(self) -> None:
-        """See [Note: int8 buffers live inside the unit's own storage] and [Note: float8 all-gather]."""
-        S = self.layout.shard_numel
-        nb = self._packed_chunk_nbytes()
-        packed = self._packed_tail()
-        start = packed.storage_offset()  # byte offset of chunk 0 in the storage
-        esize = self.full_flat.element_size()
-        with record_function("fsdp::dequantize"):
-            for r in range(self.N):
-                src = packed[r * nb : (r + 1) * nb]
-                if esize * (r + 1) * S > start + r * nb:  # would overwrite its own packed chunk:
-                    src = src.clone()  # a transient copy of the packed chunk (1/4 of an fp32 shard)
-                if self._f8 is None:
-                    dequantize_into(src, self.full_flat[r * S : (r + 1) * S], self.comm.block_size)
-                    continue
-                for a, b, k, pos in self._f8.pieces[r]:
-                    if k >= 0:
-                        vals = src[pos : pos + b - a].view(FLOAT8).float().div_(self._f8_scale[k])
-                    else:
-                        vals = src[pos : pos + (b - a) * esize].view(self.param_dtype)
-                    self.full_flat[a:b].copy_(vals)
-
-    def _issue_quantized_reduce(self, buf: torch.Tensor) -> Tuple[C.Pending, torch.Tensor, bool]:
-        """qgZ: quantize all N chunks, all-to-all them; finish_reduce sums the dequantized chunks.
-
-        See [Note: int8 buffers live inside the unit's own storage]: the chunks are packed in place
-        at the front of `buf` (chunk r's packed bytes end before chunk r+1's values start, and
-        `quantize_into` reads a chunk whole before writing), and with a 4-byte reduce dtype the
-        received chunks land behind them in `buf` too; a 2-byte one receives into a pooled buffer.
-        """
-        b, S = self.comm.block_size, self.layout.shard_numel
-        nb = packed_nbytes(S, b)
-        raw = buf.view(torch.uint8)
-        send = raw[: self.N * nb]
-        with record_function("fsdp::quantize"):
-            for r in range(self.N):
-                quantize_into(buf[r * S : (r + 1) * S], send[r * nb : (r + 1) * nb], b)
-        pooled = raw.numel() < 2 * self.N * nb
-        if pooled:
-            recv = self.ctx.acquire_buffer(self, self.N * nb, torch.uint8, self.compute_device, "qrecv")
-        else:
-            recv = raw[self.N * nb : 2 * self.N * nb]
-        return C.all_to_all(recv, send, self.reduce_group, self.stats, self.name), recv, pooled
-
-    # [Note: hpZ secondary shards]
-    # With reshard_after_forward=k (1 < k < N), resharding after forward keeps a secondary shard:
-    # this rank's 1/k of the gathered flat buffer (N S / k elements), so the backward re-gather is an
-    # all-gather over k ranks (intra-node in ZeRO++) instead of N. The secondary shard is dropped
-    # when backward ends; the next forward gathers from the primary (updated) shards again.
-    def set_secondary(self, group: dist.ProcessGroup, k: int, index: int) -> None:
-        self._hpz = (group, k, index)
-
-    def reshard_after_forward_step(self) -> None:
-        # no secondary shard for a unit that backward does not gather (set_unshard_in_backward(False))
-        if self._hpz is None or self.state != UnitState.UNSHARDED or not self.unshard_in_backward:
-            self.reshard()
-            return
-        group, k, idx = self._hpz
-        M = self.layout.padded_total // k
-        if self._secondary is None:
-            self._secondary = torch.empty(M, dtype=self.param_dtype, device=self.compute_device)
-        elif self._secondary.untyped_storage().nbytes() == 0:
-            self._secondary.untyped_storage().resize_(M * self._secondary.element_size())
-        self._secondary.copy_(self.full_flat[idx * M : (idx + 1) * M])
-        self.reshard()
-        self._secondary_valid = True
-
-    def drop_secondary(self) -> None:
-        self._secondary_valid = False
-        if self._secondary is not None:
-            self._secondary.untyped_storage().resize_(0)
+    See [Note: int8 buffers live inside the unit's own storage]: the chunks are packed in place
+    at the front of `buf` (chunk r's packed bytes end before chunk r+1's values start, and
+    `quantize_into` reads a chunk whole before writing), and with a 4-byte reduce dtype the
+    received chunks land behind them in `buf` too; a 2-byte one receives into a pooled buffer.
+    """
+    nb = packed_nbytes(S, b)
+    raw = buf.view(torch.uint8)
+    send = raw[: N * nb]
+    with record_function("fsdp::quantize"):
+        for r in range(N):
+            quantize_into(buf[r * S : (r + 1) * S], send[r * nb : (r + 1) * nb], b)
+    pooled = raw.numel() < 2 * N * nb
+    recv = acquire(N * nb) if pooled else raw[N * nb : 2 * N * nb]
+    return C.all_to_all(recv, send, group, stats, name), recv, pooled
