@@ -7,10 +7,12 @@ drains before `optimizer.step()` may run.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
 from torch.profiler import record_function
 
 from .api import TrainingPhase
@@ -81,7 +83,7 @@ class ShardContext:
 
     def trainable_changed(self) -> None:
         """A unit's trainable parameters changed between steps ([Note: requires_grad is read at
-        every step] in reduce.py): the reduction order and the pool's buffer sizes follow."""
+        every step] in unit.py): the reduction order and the pool's buffer sizes follow."""
         self.reduce_order = [u for u in reversed(self.units) if u.trainable]
         self.next_reduce = 0
         self._caps.clear()
@@ -102,14 +104,57 @@ class ShardContext:
         )
         self.phase = new
 
+    # ------------------------------------------------------------ step progress
+    # [Note: one writer of step progress]
+    # The model's progress through a step (the phase, the step count, the forward order while it
+    # is recorded, whether the root's forward is running, whether this backward passed through
+    # the root, the final callback queued, which units run on their own) is written by this
+    # object's methods only; the hooks (hooks.py) call them and read the flags. A unit's gradient
+    # progress (its forward uses, the gradients arrived, its reduction issued) is its reduction's
+    # (reduce.py's GradReduction), moved on by the hooks' calls and by this object, and the hooks
+    # read it through `backward_finished` and `awaiting_backward` here.
+    def begin_forward(self, unit: ShardUnit) -> None:
+        """A unit's forward pre-hook (not a recomputation). A unit run on its own after the
+        root's forward (a chunked loss's head, `model.block(x)`) prefetches nothing, in forward
+        or backward: the order recorded around it is not this call's."""
+        unit.standalone = unit is not self.root and not self.in_root_forward
+        if unit is self.root:
+            self.in_root_forward = True
+
+    def record_order(self, unit: ShardUnit) -> None:
+        """Record the forward order on the first step under grad mode."""
+        if not self.order_frozen and torch.is_grad_enabled():
+            self.order.append(unit)
+
+    def end_root_forward(self, grad: bool) -> None:
+        self.order_frozen = self.order_frozen or grad
+        self.in_root_forward = False
+
+    def backward_reached(self, unit: ShardUnit, member: Optional[nn.Module]) -> None:
+        """Backward reached an output of `unit` (of `member`, in a group): note it, enter the
+        backward phase and queue the final callback once."""
+        unit.reduction.note_reached(member)
+        self.root_reached = self.root_reached or unit is self.root
+        if self.phase in (TrainingPhase.FORWARD, TrainingPhase.IDLE):  # IDLE: forward ran through a non-root unit only
+            self.set_phase(TrainingPhase.PRE_BACKWARD)
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def backward_finished(self, unit: ShardUnit) -> bool:
+        """The unit's backward is over (every gradient in, or its reduction issued)."""
+        return unit.reduction.reduce_issued or unit.reduction.ready
+
+    def awaiting_backward(self, unit: ShardUnit) -> bool:
+        """Backward has not yet reached the unit's gradients (none arrived, no use came back)."""
+        return not (unit.reduction.ready or unit.reduction.bwd_done)
+
     def note_forward(self, unit: ShardUnit) -> None:
         """A unit's forward under grad mode (not a recomputation): count it in this step."""
         if self.backward_done:
             self.step += 1
             self.backward_done = False
-        if unit._used_step != self.step:  # its first forward of this step
-            unit.reduction.fwd_uses = 0
-        unit._used_step = self.step
+        unit.reduction.note_forward(self.step)
 
     # ------------------------------------------------------------ reductions in order
     def on_unit_ready(self, unit: ShardUnit) -> None:
@@ -213,8 +258,7 @@ class ShardContext:
         for u in self.units:
             u.reshard()
             u.reset_backward()
-            u.reduction.fwd_uses = 0
-            u.reduction.reached.clear()
+            u.reduction.forget_step()
         self.in_root_forward = self.root_reached = False
         self.next_reduce = 0
         self.callback_queued = False

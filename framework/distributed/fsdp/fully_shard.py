@@ -24,6 +24,14 @@ from .state_dict import register_state_dict_hooks
 from .unit import ShardUnit, claim, claimed_by, owner_of, piece_spec
 from .views import ShardPiece
 
+# [Note: one sharded class per module class, for the process]
+# `fully_shard` swaps a module's class for `Sharded<Class>` (ShardedModule first in the MRO). The
+# table below is process-wide on purpose, as FSDP2's own class cache is: every instance of a
+# class, whichever model or world it belongs to, must get the *same* sharded class, so that
+# `type(a) is type(b)`, isinstance checks and pickling by qualified name agree across models
+# and across `fully_shard` calls. The value is a pure function of the key (a class made from
+# it, holding no state), so there is nothing per model to own, and an entry lives as long as
+# the class it was made from would anyway (classes are rarely collected).
 _CLASS_CACHE: Dict[type, type] = {}
 
 

@@ -18,7 +18,6 @@ from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.profiler import record_function
 
 from .api import TrainingPhase, UnitState
@@ -126,15 +125,12 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
     later_member = unit.members is not None and bool(unit.members_run)
     if unit.members is not None:
         unit.members_run.add(id(module))
-    # A unit run on its own after the root's forward (a chunked loss's head, `model.block(x)`)
-    # prefetches nothing, in forward or backward: the order recorded around it is not this call's.
-    unit.standalone = unit is not ctx.root and not ctx.in_root_forward
+    ctx.begin_forward(unit)  # decides whether it runs on its own (no prefetch)
     if later_member:
         unit.wait_unshard()
     elif unit is ctx.root:
-        ctx.in_root_forward = True
         if ctx.phase == TrainingPhase.IDLE:  # a step starts: see [Note: requires_grad is read at every step]
-            if [u for u in ctx.units if u.reduction.sync_requires_grad()]:  # every unit, no short-circuit
+            if [u for u in ctx.units if u.sync_requires_grad()]:  # every unit, no short-circuit
                 for u in ctx.units:
                     register_param_hooks(u)
                 ctx.trainable_changed()
@@ -162,8 +158,7 @@ def pre_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict):
 
 
 def _gather_and_prefetch(unit: ShardUnit, ctx: ShardContext) -> None:
-    if not ctx.order_frozen and torch.is_grad_enabled():
-        ctx.order.append(unit)
+    ctx.record_order(unit)
     # Issue this unit's gather (if no prefetch did), then the next unit's, and only then wait:
     # the next gather overlaps this unit's wait and compute.
     unit.unshard()
@@ -188,8 +183,7 @@ def post_forward(unit: ShardUnit, module: nn.Module, args: tuple, kwargs: dict, 
     if unit.members is not None and len(unit.members_run) < len(unit.members):
         pass  # a group frees its parameters once every member has run forward
     elif unit is ctx.root:
-        ctx.order_frozen = ctx.order_frozen or grad
-        ctx.in_root_forward = False
+        ctx.end_root_forward(grad)
         if not grad:
             ctx.reshard_all()
             ctx.set_phase(TrainingPhase.IDLE)
@@ -228,16 +222,8 @@ def _complete_groups(ctx: ShardContext) -> None:
 @_labelled("fsdp::pre_backward")
 def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Module] = None) -> None:
     ctx = unit.ctx
-    unit.reduction.bwd_reached = True
-    ctx.root_reached = ctx.root_reached or unit is ctx.root
-    if member is not None:
-        unit.reduction.reached_member(member)
-    if ctx.phase in (TrainingPhase.FORWARD, TrainingPhase.IDLE):  # IDLE: forward ran through a non-root unit only
-        ctx.set_phase(TrainingPhase.PRE_BACKWARD)
-    if not ctx.callback_queued:
-        ctx.callback_queued = True
-        Variable._execution_engine.queue_callback(ctx.finish_backward)
-    if unit.reduction.reduce_issued or unit.reduction.ready:
+    ctx.backward_reached(unit, member)
+    if ctx.backward_finished(unit):
         return  # a late hook on an output whose unit already finished its backward
     if unit.unshard_in_backward:
         unit.unshard()
@@ -252,11 +238,7 @@ def _pre_backward(unit: ShardUnit, grad: torch.Tensor, member: Optional[nn.Modul
             # backward starts at the root's outputs (e.g. the loss head) and reaches the unit that
             # ran forward last next: gather it now, under the root's own backward compute
             prev = ctx.order[-1]
-        waiting = (
-            prev is not None
-            and prev.state == UnitState.SHARDED
-            and not (prev.reduction.ready or prev.reduction.bwd_done)
-        )
+        waiting = prev is not None and prev.state == UnitState.SHARDED and ctx.awaiting_backward(prev)
         if waiting and prev.unshard_in_backward:
             prev.unshard()
     if unit.unshard_in_backward:

@@ -109,7 +109,25 @@ class GradReduction:
         # Per step (see [Note: reductions in a fixed order on their own group], and [Note: frozen
         # parameters reshard after the unit's whole backward]):
         self.fwd_uses = 0  # forward calls of this step whose inputs carry the post-backward hook
+        self.used_step = -1  # ctx.step of the unit's last forward under grad mode
         self.reset_backward()
+
+    def note_forward(self, step: int) -> None:
+        """The unit's forward under grad mode in step `step` (ShardContext.note_forward)."""
+        if self.used_step != step:  # its first forward of this step
+            self.fwd_uses = 0
+        self.used_step = step
+
+    def note_reached(self, member: Optional[nn.Module]) -> None:
+        """Backward reached an output of the unit (of `member`, in a group)."""
+        self.bwd_reached = True
+        if member is not None:
+            self.reached_member(member)
+
+    def forget_step(self) -> None:
+        """Back to the start of a step after an exception mid-step (ShardContext.reset_iter_state)."""
+        self.fwd_uses = 0
+        self.reached.clear()
 
     def reset_backward(self) -> None:
         """Forget this backward's progress (the context calls it when backward ends)."""
@@ -124,29 +142,6 @@ class GradReduction:
         """Forget the gradients kept across no-sync micro-steps (the unit moved)."""
         self.grad_shard = self.accum = None
         self._accum_valid = False
-
-    # [Note: requires_grad is read at every step]
-    # Users freeze and unfreeze the sharded parameters they see (`p.requires_grad_(False)` on the
-    # wrapped model, the usual order when fine-tuning), at any time between steps. The engine works
-    # from each entry's `requires_grad` (which gradients to wait for, what to reduce, which
-    # unsharded parameters autograd tracks), so the root's forward first copies the sharded
-    # parameters' flags onto the entries and the unsharded parameters (`sync_requires_grad`); a
-    # change re-derives the unit's trainable set, hooks newly trainable parameters and rebuilds the
-    # model's reduction order and buffer sizes (ShardContext.trainable_changed). As in FSDP2, a
-    # parameter frozen after sharding gets no gradient and is not moved by the optimizer, and one
-    # unfrozen after sharding trains.
-    def sync_requires_grad(self) -> bool:
-        """Take each sharded parameter's `requires_grad` (see the note above); True if one changed.
-        Call between steps only."""
-        changed = False
-        for e, sp, full in zip(self.unit.entries, self.unit.sharded_params, self.unit.full_params):
-            if sp.requires_grad != e.requires_grad:
-                e.requires_grad = sp.requires_grad
-                full.requires_grad_(e.requires_grad)
-                changed = True
-        if changed:
-            self.unit.refresh_trainable()
-        return changed
 
     # [Note: frozen parameters reshard after the unit's whole backward]
     # A unit whose parameters are all trainable is done with them once its last gradient is in

@@ -32,7 +32,11 @@ from .zeropp import packed_nbytes
 # a `ShardPiece` carries its `piece_spec` (views.py, [Note: pieces that describe themselves]), and
 # every elementwise result of it (`.to()`, `to_empty()`'s `empty_like`, `zeros_like`) carries it
 # on, so `module.to()` and `torch.utils.swap_tensors` keep it with no table to update. Only the
-# original (pre-sharding) parameters are recorded, weakly, to refuse sharding one twice.
+# original (pre-sharding) parameters are recorded, weakly, to refuse sharding one twice. That
+# record is process-wide on purpose: the mistake it catches (a tied or shared parameter passed to
+# two `fully_shard` calls, on modules of one model or of two) spans calls that share no object of
+# ours, and the key is the user's tensor, not ours. Its keys are weak: it holds nothing alive and
+# forgets a parameter when the user drops it, so no owner has anything to free.
 _CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original (pre-sharding) parameter -> owning unit's name
 
 
@@ -164,15 +168,36 @@ class ShardUnit:
         self.sharded_params: List[nn.Parameter] = []
         self.full_params: List[torch.Tensor] = []
         self._gather: Optional[C.Pending] = None
-        self._used_step = -1  # ctx.step of this unit's last forward under grad mode
         self._transports: Optional[Tuple[Transport, Transport, Optional[Transport]]] = None
         self.reduction = GradReduction(self)
         self.codec = GatherCodec(self)
         self._build_full_storage()
 
+    # [Note: requires_grad is read at every step]
+    # Users freeze and unfreeze the sharded parameters they see (`p.requires_grad_(False)` on the
+    # wrapped model, the usual order when fine-tuning), at any time between steps. The engine works
+    # from each entry's `requires_grad` (which gradients to wait for, what to reduce, which
+    # unsharded parameters autograd tracks), so the root's forward first copies the sharded
+    # parameters' flags onto the entries and the unsharded parameters (`sync_requires_grad`); a
+    # change re-derives the unit's trainable set, hooks newly trainable parameters and rebuilds the
+    # model's reduction order and buffer sizes (ShardContext.trainable_changed). As in FSDP2, a
+    # parameter frozen after sharding gets no gradient and is not moved by the optimizer, and one
+    # unfrozen after sharding trains.
+    def sync_requires_grad(self) -> bool:
+        """Take each sharded parameter's `requires_grad` (see the note above); True if one changed.
+        Call between steps only."""
+        changed = False
+        for e, sp, full in zip(self.entries, self.sharded_params, self.full_params):
+            if sp.requires_grad != e.requires_grad:
+                e.requires_grad = sp.requires_grad
+                full.requires_grad_(e.requires_grad)
+                changed = True
+        if changed:
+            self.refresh_trainable()
+        return changed
+
     def refresh_trainable(self) -> None:
-        """Re-derive the trainable entries from each entry's `requires_grad` ([Note: requires_grad
-        is read at every step] in reduce.py)."""
+        """Re-derive the trainable entries from each entry's `requires_grad` (see the note above)."""
         self.trainable = [e for e in self.entries if e.requires_grad]
         self.has_frozen = len(self.trainable) < len(self.entries)
 
@@ -396,7 +421,7 @@ class ShardUnit:
             self.reshard()
 
     def used_this_step(self) -> bool:
-        return self.ctx is not None and self._used_step == self.ctx.step
+        return self.ctx is not None and self.reduction.used_step == self.ctx.step
 
     def reset_backward(self) -> None:
         self.codec.drop_secondary()
