@@ -414,6 +414,11 @@ def _local_rank_entry(
     local_rank: int, fn: Callable[[Any], int], arg: Any, nprocs: int, port: int | tuple, report_dir: str
 ) -> None:
     _die_with_parent()
+    # This process's own crash state: a forked rank inherits the parent's, and a parent that reported
+    # a crash in-process (a test calling the trainer, a benchmark's earlier job) would otherwise end
+    # every rank it forks with EXIT_CRASH after the rank's work succeeded, with no report to say why.
+    global _crashed
+    _crashed = False
     if isinstance(port, tuple):  # forked: the parent's signal forwarder came along; the port comes by pipe
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)

@@ -2,9 +2,9 @@
 returning each rank's result; the benchmarks start their ranks with it.
 
 Each case runs `run_local` in a fresh interpreter, as `main.py` and the benchmarks do: on a CPU
-build it forks its ranks, which is safe from a parent that has not run torch's threads yet (a
-pytest worker that already ran other files' gloo groups and autograd is not such a parent; there
-the forked ranks failed with status 1).
+build it forks its ranks, so the ranks start from a parent whose state is known (forked from a
+pytest worker, they inherited the crash flag of an earlier in-process failure and ended with
+status 1: the last test here).
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ def _rank_one_sleeps(rank: int, world: int) -> int:
     return rank
 
 
-def _run_local(fn: str, *args, **kwargs):
-    """`run_local(<this module's fn>, 2, ...)` in a fresh interpreter: (result, RanksFailed's message)."""
+def _run_local(fn: str, *args, before: str = "", **kwargs):
+    """`run_local(<this module's fn>, 2, ...)` in a fresh interpreter, after the statement `before`
+    there: (result, RanksFailed's message)."""
     code = (
         "import json, sys\n"
         "from framework.runtime import RanksFailed, run_local\n"
         f"from tests.unit.test_run_local import {fn}\n"
+        f"{before}\n"
         "try:\n"
         f"    print(json.dumps([run_local({fn}, 2, args={args!r}, **{kwargs!r}), None]))\n"
         "except RanksFailed as exc:\n"
@@ -71,3 +73,19 @@ def test_a_rank_past_the_time_limit_is_killed_and_named():
     result, message = _run_local("_rank_one_sleeps", timeout_s=3)
     assert result is None and message == "error: rank(s) 1 did not finish within 3 s", message
     assert time.monotonic() - started < 30
+
+
+def test_ranks_succeed_after_their_parent_reported_a_crash_in_process():
+    # A process that ran a failing job in-process (the trainer's report_crash: a test, a benchmark)
+    # then starts ranks: each forked rank used to inherit the crash flag and end with status 1 and
+    # no report after its work succeeded (CI's tests/bench/test_memory_snapshots_bench.py did, in a
+    # pytest worker after another file's failing job).
+    before = (
+        "from framework import runtime\n"
+        "try:\n"
+        "    raise RuntimeError('an earlier job of this process failed')\n"
+        "except RuntimeError as exc:\n"
+        "    runtime.report_crash(exc)"
+    )
+    result, failure = _run_local("_sum_of_ranks", 10, before=before)
+    assert failure is None and result == [[0, 2, 30.0, "gloo"], [1, 2, 30.0, "gloo"]], (result, failure)
