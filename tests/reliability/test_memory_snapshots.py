@@ -132,13 +132,12 @@ def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node(tmp_path
         shm.mkdir()
         dirs.append(shm)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
-        # A static rendezvous: the injected faults are chosen by torchrun's restart count, which
-        # under c10d differs between the nodes (an agent restarts its healthy rank for the other
-        # node's failure without counting it: [Note: one store, many attempts]).
-        cmd += ["--max-restarts=3", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
-        cmd += [f"--node-rank={node}"]
+        # A c10d rendezvous, whose agents count restarts differently (an agent restarts its healthy
+        # rank for the other node's failure without counting it): the faults name their attempt by
+        # its generation ([Note: one store, many attempts]).
+        cmd += ["--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=peer"]
         cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
-        env = _env("wipe:1:12,corrupt:1:7:1,corruptheld:0:7:2,wipe:1:7:2", shm)
+        env = _env("wipe:1:12:g1,corrupt:1:7:g2,corruptheld:0:7:g3,wipe:1:7:g3", shm)
         agents.append(
             subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )

@@ -11,7 +11,9 @@ computes the loss once and nothing else does), do <kind>:
   corrupt  flip one byte of that rank's newest committed in-memory snapshot (in the directory
            FRAMEWORK_TEST_SNAPSHOT_DIR), then SIGKILL itself
   corruptheld  flip one byte of the newest copy that rank holds for another node's rank (and go on)
-<attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean).
+<attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean);
+g<n> names the attempt by the generation its ranks meet in instead (framework/runtime.py: under a
+c10d rendezvous the nodes' restart counts differ, see [Note: one store, many attempts]).
 """
 
 import os
@@ -32,11 +34,13 @@ if _spec:
     def _faulty_cross_entropy(*args, **kwargs):
         _calls[0] += 1
         for kind, rank, call, attempt in _faults:
-            if (
-                os.environ.get("RANK") == rank
-                and _calls[0] == call
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt
-            ):
+            if attempt.startswith("g"):
+                from framework import runtime
+
+                now = runtime._attempt == f"generation_{attempt[1:]}"
+            else:
+                now = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt
+            if os.environ.get("RANK") == rank and _calls[0] == call and now:
                 if kind == "runtime":
                     raise RuntimeError(f"injected fault on rank {rank} at call {call}")
                 if kind == "oserror":
