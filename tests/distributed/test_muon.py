@@ -25,9 +25,13 @@ VOCAB, D = 32, 24
 # after 10 steps, for every shard-boundary policy alike (the whole-matrix path itself is exact:
 # "params" needs no communication and shows the same). So the distributed parity runs the
 # iteration in float32 against the same optimizer on one process, 1e-5 in losses and weights
-# after 10 steps; and torch's own Muon is matched on one process, and on 2 ranks (whose two-way
-# sums happen to agree here) at 1e-5 too.
+# after 10 steps; and torch's own Muon is matched on one process at 1e-5, and on 2 ranks within
+# TORCH_TOL: whether the two-way sums agree bit for bit with one process's depends on the CPU's
+# matmul kernels (they agreed on an Intel Xeon, 0 difference; on an AMD EPYC with avx512_bf16 they
+# do not: 1.7e-4 in the loss and 6.4e-4 in a weight, for every policy alike), so the bound is
+# about three times the measured, as in test_muon_tp.py.
 TOL = 1e-5
+TORCH_TOL = {"loss": 5e-4, "weights": 2e-3}
 HIDDEN = ("blocks.0.0.weight", "blocks.1.0.weight", "mix.weight")  # Muon's; the rest AdamW's
 
 
@@ -169,9 +173,10 @@ def whole_gather_bytes(model) -> int:
 @pytest.mark.parametrize("boundary", BOUNDARIES)
 def test_muon_equals_torch_muon_and_adamw(n, boundary):
     """10 steps on 1 and 2 ranks: the losses and every weight of torch's Muon + AdamW on one
-    process (bfloat16 Newton-Schulz, torch's arithmetic)."""
+    process (bfloat16 Newton-Schulz, torch's arithmetic): 1e-5 on one rank, TORCH_TOL on two."""
+    loss_tol, weight_tol = (TOL, TOL) if n == 1 else (TORCH_TOL["loss"], TORCH_TOL["weights"])
     for r in run_ranks(muon_ranks, n, args=(boundary, "bfloat16"), timeout_s=240):
-        assert r["loss_diff"] < TOL and r["weight_diff"] < TOL, r
+        assert r["loss_diff"] < loss_tol and r["weight_diff"] < weight_tol, r
         assert r["moved"] > 0.01, r  # Muon moved the matrices: the comparison means something
 
 
