@@ -7,10 +7,12 @@ The model, its sharding and the tokenizer are built as for training from the sam
 weights come from `checkpoint.resume` (a DCP step directory, resharded to this world size, so a
 checkpoint of 2 ranks loads on 1) or `checkpoint.init_from` / `model.path` (an export). Every rank
 generates for every prompt (tensor-parallel ranks need the same ones) through framework/generation:
-one prompt after another, with a KV cache; each stops at the tokenizer's end-of-text or after
-max_new_tokens. Rank 0 streams each prompt and its completion, a token at a time. Sampling:
-temperature (0: greedy), then top-k, then top-p, each prompt from its own generator (generate.seed
-+ its index).
+generate.batch_size prompts at a time (left-padded, one KV cache); each stops at the tokenizer's
+end-of-text, before the first of generate.stop_strings, or after max_new_tokens. Rank 0 prints each
+prompt and its completion, streamed a token at a time when a batch is one prompt, and writes them
+to generate.output_file (JSON lines) if named. Sampling: temperature (0: greedy), then top-k, then
+top-p, each prompt from its own generator (generate.seed + its index in the job), so a prompt's
+text does not depend on the batch size.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import List
 
 from framework.config.schema import Config
 from framework.errors import UserInputError
+from framework.preflight import generate_output_problem
 
 
 def prompts_of(cfg: Config) -> List[str]:
@@ -38,10 +41,42 @@ def prompts_of(cfg: Config) -> List[str]:
     return prompts
 
 
-def generate(trainer, prompts: List[str], is_main: bool) -> List[str]:
+class _Stream:
+    """Rank 0's terminal view of one completion while it decodes: the text so far, less any tail
+    that may yet turn out to begin a stop string (held back until it cannot), so what is printed is
+    always a prefix of the final text, which the stop strings cut."""
+
+    def __init__(self, decode, eod, stops: List[str], show: bool) -> None:
+        self.decode, self.eod, self.stops, self.show = decode, eod, stops, show
+        self.shown = ""
+
+    def _safe(self, text: str) -> str:
+        cut = [text.find(s) for s in self.stops if s in text]
+        if cut:
+            return text[: min(cut)]
+        for keep in range(max((len(s) for s in self.stops), default=1) - 1, 0, -1):
+            if any(s.startswith(text[-keep:]) for s in self.stops if len(s) > keep):
+                return text[:-keep]
+        return text
+
+    def _print(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            if self.show:
+                print(text[len(self.shown) :], end="", flush=True)
+            self.shown = text
+
+    def __call__(self, _index: int, out: List[int]) -> None:
+        self._print(self._safe(self.decode([t for t in out if t != self.eod])))
+
+    def end(self, final: str) -> None:
+        self._print(final)
+
+
+def generate(trainer, prompts: List[str], is_main: bool) -> List[dict]:
     """Every rank: the prompts' completions through framework/generation (KV cache, stop at the
-    tokenizer's end-of-text), one prompt after another; rank 0 streams each prompt with its
-    completion. Returns the texts (prompt and completion)."""
+    tokenizer's end-of-text or a stop string), `generate.batch_size` prompts at a time; rank 0
+    prints each prompt with its completion, streamed a token at a time when the batch is one
+    prompt. Returns one record per prompt: prompt, completion, finish_reason, new_tokens."""
     from framework.generation import generate as complete
     from framework.generation.decoders import max_tokens
 
@@ -60,34 +95,51 @@ def generate(trainer, prompts: List[str], is_main: bool) -> List[str]:
             f"model's {limit} positions; lower it to {max(limit - longest, 0)} or shorten the prompt"
         )
     eod = getattr(tok, "eod", None)
-    texts = []
-    for i, prompt_ids in enumerate(ids):
-        shown = [tok.decode(prompt_ids)]
-        if is_main:
-            print(shown[0], end="", flush=True)
-
-        def stream(_, out, prompt_ids=prompt_ids, shown=shown):
-            text = tok.decode(prompt_ids + [t for t in out if t != eod])
+    stops = list(g.stop_strings)
+    records = []
+    for start in range(0, len(ids), g.batch_size):
+        batch = ids[start : start + g.batch_size]
+        texts = [tok.decode(p) for p in batch]
+        stream = None
+        if len(batch) == 1:
+            stream = _Stream(tok.decode, eod, stops, is_main)
             if is_main:
-                print(text[len(shown[0]) :], end="", flush=True)  # what the new token added
-            shown[0] = text
-
-        complete(
+                print(texts[0], end="", flush=True)
+        done = complete(
             model,
-            [prompt_ids],
+            batch,
             g.max_new_tokens,
             eos_ids=[eod] if eod is not None else [],
+            stop_strings=stops,
             decode=tok.decode,
             temperature=g.temperature,
             top_k=g.top_k,
             top_p=g.top_p,
-            seed=[g.seed + i],
+            seed=[g.seed + start + j for j in range(len(batch))],  # a prompt's seed: its place in the job
             on_token=stream,
         )
-        if is_main:
-            print(flush=True)
-        texts.append(shown[0])
-    return texts
+        for text, c in zip(texts, done):
+            if stream is not None:
+                stream.end(c.text)
+            elif is_main:
+                print(text + c.text, end="", flush=True)
+            if is_main:
+                print(flush=True)
+            records.append(
+                {"prompt": text, "completion": c.text, "finish_reason": c.finish_reason, "new_tokens": len(c.token_ids)}
+            )
+    return records
+
+
+def write_records(path: str, records: List[dict]) -> None:
+    """The completions as JSON lines, written whole (framework/fileio.py: never through a link)."""
+    import json
+
+    from framework.fileio import replace_file
+
+    with replace_file(path) as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
 def _generate_stage(trainer) -> int:
@@ -104,10 +156,16 @@ def _generate_stage(trainer) -> int:
             "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "
             "or the model directory's"
         )
+    problem = generate_output_problem(cfg)  # found before the ranks started too; here for direct callers
+    if problem:
+        raise UserInputError(problem)
     step = trainer.load_weights("generate")
     if trainer.rt.is_main:
         print(f"generating from {'step ' + str(step) if step else 'the imported weights'}", file=sys.stderr)
-    generate(trainer, prompts, trainer.rt.is_main)
+    records = generate(trainer, prompts, trainer.rt.is_main)
+    if cfg.generate.output_file and trainer.rt.is_main:
+        write_records(cfg.generate.output_file, records)
+        print(f"wrote {len(records)} completions to {cfg.generate.output_file}", file=sys.stderr)
     trainer.ckpt.close()
     return 0
 

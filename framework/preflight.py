@@ -11,6 +11,7 @@ where nothing listens 17 s):
 - the MLflow server of an http(s) tracking URI accepts a connection (framework/trackers.py). Under
   torchrun this is left to rank 0's own tracker start, which the ranks agree on: a rank on another
   node may not reach the server rank 0 reaches, and the ranks must refuse together;
+- stage=generate's output file is a new one in an existing directory;
 - the tokenizer the data was prepared with against a Hugging Face model's own (model.path), by
   their token tables ([Note: the data's tokenizer against the model's] in framework/data/tokenizer.py).
 """
@@ -28,6 +29,10 @@ from framework.trackers import TOOLS_LOCK, unreachable
 def preflight_problems(cfg, torchrun: bool) -> List[str]:
     """Every problem found, one line each, naming the field and the fix."""
     problems = task_problems(cfg)
+    if cfg.stage == Stage.generate:
+        problem = generate_output_problem(cfg)
+        if problem:
+            problems.append(problem)
     if cfg.stage != Stage.fine_tuning:  # which tokenizes its records itself, and checks their ids
         from framework.data.tokenizer import data_tokenizer_problem
 
@@ -72,3 +77,16 @@ def task_problems(cfg) -> List[str]:
         ]
     problem = code_problem(e.include_path) if e.include_path and not e.trust_task_code else None
     return [problem] if problem else []
+
+
+def generate_output_problem(cfg) -> str:
+    """generate.output_file's refusal ("" when none): a new file in an existing directory."""
+    path = cfg.generate.output_file
+    if not path:
+        return ""
+    if os.path.lexists(path):
+        return f"generate.output_file={path}: exists; name a new file (completions never replace a file)"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"generate.output_file={path}: no directory {parent}; create it or name a file in an existing one"
+    return ""

@@ -608,9 +608,18 @@ class GenerateConfig:
     top_k: int = 50  # 0: all
     top_p: float = 1.0  # nucleus sampling; 1: off
     seed: int = 0
+    # prompts decoded together (left-padded, one KV cache); 1 streams each completion a token at a
+    # time, more print each batch's completions when it ends. A prompt's text does not depend on it.
+    batch_size: int = 1
+    stop_strings: List[str] = field(default_factory=list)  # a completion ends before the first of these
+    # JSON lines, one per prompt (prompt, completion, finish_reason, new_tokens), written by rank 0
+    # when every prompt is done; a new file: an existing one is refused, never replaced
+    output_file: str = ""
 
     def __post_init__(self) -> None:
-        _positive("generate", max_new_tokens=self.max_new_tokens)
+        _positive("generate", max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
+        if any(not s for s in self.stop_strings):
+            raise UserInputError("generate.stop_strings: an empty stop string would end every completion at once")
         if not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise UserInputError(
                 f"generate: temperature={self.temperature} (>= 0), top_k={self.top_k} (>= 0) or "

@@ -1,10 +1,13 @@
 """`stage=generate`: text from a checkpoint made on 2 ranks, loaded on 1 (DCP reshards) and on 2:
 greedy decoding gives the same text on both (the sharded model computes the same logits), sampling
-is seeded, and a job without prompts or weights is one refusal."""
+is seeded, and a job without prompts or weights is one refusal; several prompts give the same
+texts in batches as one at a time, stop strings cut them, and generate.output_file keeps them."""
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 from conftest import TINY, run_main
 
@@ -66,3 +69,77 @@ def test_generate_from_a_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, stdl
         "error: generate.max_new_tokens=1020: with the longest prompt ("
     ), errors
     assert "exceeds the model's 1024 positions" in errors[0], errors
+
+
+def test_batches_stop_strings_and_the_output_file(tmp_path, stdlib_cache):
+    out = run_main(
+        QUIET
+        + [stdlib_cache, "trainer.max_steps=3", "trainer.eval_interval=0", "checkpoint.save_final=true"]
+        + [f"hydra.run.dir={tmp_path}/t"],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    step = tmp_path / "t" / "checkpoints" / "step_00000003"
+    prompts = ["def add(a, b):", "import os", "class Point:", "x = [", "for i in range(10):"]
+    job_number = itertools.count()
+
+    def generate(*extra: str):
+        return run_main(
+            QUIET
+            + [stdlib_cache, "stage=generate", "cluster.nproc_per_node=1", f"checkpoint.resume={step}"]
+            + [f"generate.prompts={json.dumps(prompts)}", "generate.max_new_tokens=16", *extra]
+            + [f"hydra.run.dir={tmp_path}/g{next(job_number)}"],
+            tmp_path,
+        )
+
+    def records(path):
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    # Sampled (seeded per prompt by its place in the job): batches of 2 and of all 5 give each
+    # prompt the text it gets alone, streamed; the file holds what the terminal shows.
+    alone, paired, all5 = (tmp_path / f"{n}.jsonl" for n in ("alone", "paired", "all5"))
+    for size, path in ((1, alone), (2, paired), (5, all5)):
+        result = generate("generate.seed=3", f"generate.batch_size={size}", f"generate.output_file={path}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"wrote 5 completions to {path}" in result.stderr
+        shown = "".join(r["prompt"] + r["completion"] + "\n" for r in records(path))
+        assert result.stdout == shown, (size, result.stdout, shown)
+    assert [r["prompt"] for r in records(alone)] == prompts
+    assert records(alone) == records(paired) == records(all5)
+    assert all(r["finish_reason"] in ("eos", "length") and r["new_tokens"] > 0 for r in records(alone))
+
+    # A stop string taken from the middle of the first completion ends it there (the text before
+    # it kept, the string not printed, streamed or batched); the others run as before or stop too.
+    first = records(alone)[0]["completion"]
+    assert len(first) >= 4, first
+    stop = next(first[i : i + 2] for i in range(len(first) // 2, len(first) - 1) if first[i : i + 2].strip())
+    for size in (1, 5):
+        path = tmp_path / f"stop{size}.jsonl"
+        result = generate(
+            "generate.seed=3", f"generate.batch_size={size}", f"generate.output_file={path}",
+            f"generate.stop_strings={json.dumps([stop])}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        got = records(path)
+        assert got[0]["completion"] == first[: first.index(stop)] and got[0]["finish_reason"] == "stop"
+        for new, old in zip(got[1:], records(alone)[1:]):
+            cut = old["completion"].find(stop)
+            assert new["completion"] == (old["completion"] if cut < 0 else old["completion"][:cut])
+        assert result.stdout == "".join(r["prompt"] + r["completion"] + "\n" for r in got), size
+
+    # An existing file is refused before any rank starts and left as it was, a link included.
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    os.symlink(target, tmp_path / "link.jsonl")
+    for name in ("link.jsonl", "precious.txt"):
+        refused = generate(f"generate.output_file={tmp_path / name}")
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [
+            f"error: generate.output_file={tmp_path / name}: exists; name a new file (completions never replace a file)"
+        ], refused.stderr[-3000:]
+        assert "generating from" not in refused.stderr  # no rank started
+    assert target.read_text() == "keep me"
+    refused = generate("generate.batch_size=0")
+    assert refused.returncode == 2 and "error: generate.batch_size=0: must be > 0 and finite" in refused.stderr
