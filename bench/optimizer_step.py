@@ -7,14 +7,16 @@ whole-matrix traffic) and torch's clip_grad_norm_, per shard-boundary policy.
 The optimizer's parameters are `ShardPiece`s ([Note: pieces that describe themselves] in
 framework/distributed/fsdp/views.py): every op on them goes through one Python
 `__torch_function__` call. This measures what that costs where it is paid, the optimizer step and
-the clipping, on the benchmark model: one forward and backward, then `--repeats` timed calls of
-each, gradients kept; medians of the slower rank. Run it at two commits to compare (the JSON
-names the commit). Writes a table to stdout and JSON to --out.
+the clipping, on the benchmark model, and the trainer's step (`optimizer_step`: an elementwise
+optimizer on the plain local data, [Note: the optimizer step on plain local data]): one forward
+and backward, then `--repeats` timed calls of each, gradients kept; medians of the slower rank.
+Run it at two commits to compare (the JSON names the commit). Writes a table to stdout and JSON to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -53,16 +55,35 @@ def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repea
         fully_shard(model, reshard_after_forward=False, **kw)
         idx = batch(size, 0, rank, torch.device("cpu"))
         loss_of(model(idx[:, :-1]), idx).backward()
+        try:  # [Note: the optimizer step on plain local data]: how the trainer steps
+            from framework.distributed.fsdp import optimizer_step
+        except ImportError:  # a commit before it
+            optimizer_step = None
+        # The same local data as plain tensors (same storage, plain gradients): the step the engine
+        # ran before its parameters described themselves, timed beside the pieces' in one run.
+        params = list(model.parameters())
+        local = [getattr(p, "to_local", p.detach)().detach() for p in params]
+        plain = [torch.nn.Parameter(t) for t in local]
+        for q, p in zip(plain, params):
+            q.grad = getattr(p.grad, "to_local", p.grad.detach)()
         for name, opt_kw in VARIANTS.items():
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **opt_kw)
+            opt = torch.optim.AdamW(params, lr=1e-6, **opt_kw)
+            opt_plain = torch.optim.AdamW(plain, lr=1e-6, **opt_kw)
             opt.step()  # state allocated outside the timing
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                t = time.perf_counter()
-                opt.step()
-                times.append(time.perf_counter() - t)
-            out[f"{boundary} {name}"] = times
+            opt_plain.step()
+            calls = {"": opt.step, " plain tensors": opt_plain.step}
+            if optimizer_step is not None:
+                calls[" optimizer_step"] = functools.partial(optimizer_step, opt)
+            times = {k: [] for k in calls}
+            keys = list(calls)
+            for i in range(repeats):  # interleaved, each first in turn
+                for k in keys[i % len(keys) :] + keys[: i % len(keys)]:
+                    dist.barrier()
+                    t = time.perf_counter()
+                    calls[k]()
+                    times[k].append(time.perf_counter() - t)
+            for k, v in times.items():
+                out[f"{boundary} {name}{k}"] = v
         try:
             from framework.optim import build_optimizer, hidden_matrix_names
         except ImportError:  # a commit before optimizer=muon
@@ -126,7 +147,7 @@ def main() -> None:
         f"GPT {args.model_size}, {args.ranks} gloo ranks, CPU fp32, commit {commit}: median of {args.repeats} calls, ms"
     )
     for key, ms in rows.items():
-        print(f"  {key:28} {ms:9.2f}")
+        print(f"  {key:36} {ms:9.2f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "commit": commit, "median_ms": rows, "raw": results}, f, indent=1)

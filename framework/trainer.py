@@ -178,7 +178,7 @@ class Trainer:
         out = {"lr": self.scheduler.get_last_lr()[0]}
         if read:  # raises TrainingDiverged, before the optimizer step, if a loss was not finite
             out["loss"], out["grad_norm"] = self.watch.read(step)
-        self.optimizer.step()
+        self.engine.optimizer_step(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return out

@@ -202,7 +202,7 @@ class GRPOTrainer(Trainer):
                 self.watch.observe(step, _world_mean(total), grad_norm)
                 if read:  # raises TrainingDiverged, before the optimizer step, if the loss was not finite
                     out["loss"], out["grad_norm"] = self.watch.read(step)
-            self.optimizer.step()
+            self.engine.optimizer_step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if read:

@@ -104,6 +104,10 @@ class AdamWLowState(torch.optim.Optimizer):
     as torch's; [Note: bf16 optimizer state and its rounding]. Steps whole tensors, and our
     engine's pieces alike (every operation is elementwise)."""
 
+    # Every operation is elementwise and takes no norm: our engine may step it on the plain local
+    # data ([Note: the optimizer step on plain local data] in framework/distributed/fsdp/optim_check.py).
+    elementwise_step = True
+
     def __init__(
         self,
         params,

@@ -12,7 +12,8 @@ group moves bytes), collectives.py, zeropp.py (quantization kernels), reduce.py 
 (one model's shared state), hooks.py, state_dict.py, views.py (what torch sees: pieces that
 describe themselves, so torch's own clip_grad_norm_ is global), clip.py (the engine's spelling of
 the global norm), optim_check.py (what the optimizer sees: original_shape; prepare_optimizer, the
-opt-in checks and state-dict format), sharded_module.py (FSDP2's FSDPModule methods),
+opt-in checks and state-dict format; optimizer_step, an elementwise step on the plain data),
+sharded_module.py (FSDP2's FSDPModule methods),
 fully_shard.py (the entry point). Where shard boundaries fall: framework/distributed/shard_layout.py
 (torch-free; the planner uses it too).
 
@@ -85,7 +86,7 @@ from .api import (
 from .clip import clip_grad_norm_
 from .fully_shard import fully_shard
 from .host import set_host_transport
-from .optim_check import original_shape, prepare_optimizer
+from .optim_check import optimizer_step, original_shape, prepare_optimizer
 from .sharded_module import FSDPModule, ShardedModule, UnshardHandle, register_fsdp_forward_method
 from .state_dict import get_state_dicts, set_state_dicts
 from .unit import sharded_units
@@ -109,6 +110,7 @@ __all__ = [
     "sharded_units",
     "original_shape",
     "prepare_optimizer",
+    "optimizer_step",
     "ShardPiece",
     "set_host_transport",
 ]

@@ -11,6 +11,22 @@ groups with weight decay are empty (or hold no sharded piece, one empty) while a
 decay holds sharded matrices; and it registers the optimizer's state-dict hooks ([Note: the
 optimizer's own state_dict holds DTensors] in state_dict.py), so that `optimizer.state_dict()`,
 torch's `get_optimizer_state_dict` and DCP see per-parameter Shard(0) DTensors.
+
+[Note: the optimizer step on plain local data]
+Every torch op on a `ShardPiece` costs one Python `__torch_function__` call (~2 us), and an
+out-of-place result is wrapped as a piece (~5 us more): for torch's for-loop AdamW, some fifteen
+calls per parameter, which made the step 1.12x slower than on plain tensors (bench/RESULTS.md).
+What the pieces buy inside a step is only their norms (a partial norm completed over the ranks)
+and the description of the state the step creates. An optimizer whose update is elementwise
+(torch's AdamW, Adam and SGD by exact type, or a class that says `elementwise_step = True`) takes
+no norm, so once every parameter that has a gradient has its state (made as pieces on the step
+that first saw it), `optimizer_step(opt)` runs `opt.step()` with the subclass's
+`__torch_function__` switched off for that call (`torch._C.DisableTorchFunctionSubclass`, a
+thread-local switch restored when the call ends, also by an exception): the same arithmetic on the
+same storage, bit for bit, with no Python per op; the parameters, gradients and state stay the
+pieces they were (in-place updates). Any other optimizer, a subclass of those (it may take a
+norm), or a step that will create state (a parameter's first gradient) runs as `opt.step()`. The
+trainer steps through it; a user's own loop may call it or `opt.step()`, with the same result.
 """
 
 from __future__ import annotations
@@ -70,3 +86,32 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
 
         hook_optimizer_state_dict(optimizer)
     return optimizer
+
+
+_ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+
+
+def _elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer) in _ELEMENTWISE or type(optimizer).__dict__.get("elementwise_step") is True
+
+
+def _state_made(optimizer: torch.optim.Optimizer) -> bool:
+    """Every parameter with a gradient has its optimizer state (called with the subclass's
+    `__torch_function__` off: `.grad` and hashing a piece are Python calls otherwise)."""
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not state.get(p):
+                return False
+    return True
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer.step()`, on the plain local data when that is the same computation: see
+    [Note: the optimizer step on plain local data]."""
+    if _elementwise(optimizer):
+        with torch._C.DisableTorchFunctionSubclass():
+            if _state_made(optimizer):
+                optimizer.step()
+                return
+    optimizer.step()
