@@ -148,10 +148,30 @@ def main() -> None:
     )
     for key, ms in rows.items():
         print(f"  {key:36} {ms:9.2f}")
+    _print_ratios(results, args.repeats)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "commit": commit, "median_ms": rows, "raw": results}, f, indent=1)
     print(f"wrote {args.out}")
+
+
+def _print_ratios(results: dict, repeats: int) -> None:
+    """Each call against the same data as plain tensors, call by call (the same repeat, interleaved):
+    the median ratio and its quartiles, which say whether a difference is more than the noise."""
+    keys = [k[: -len(" plain tensors")] for k in results[0] if k.endswith(" plain tensors")]
+    if not keys:
+        return
+    print("ratio to the plain tensors' step, call by call: median (quartiles)")
+    for key in keys:
+        slowest = lambda k: [max(results[r][k][i] for r in results) for i in range(repeats)]  # noqa: E731
+        plain = slowest(f"{key} plain tensors")
+        parts = []
+        for suffix in ("", " optimizer_step"):
+            if f"{key}{suffix}" in results[0]:
+                ratios = [a / b for a, b in zip(slowest(f"{key}{suffix}"), plain)]
+                q1, _, q3 = statistics.quantiles(ratios, n=4)
+                parts.append(f"{suffix.strip() or 'opt.step()'} {statistics.median(ratios):.3f} ({q1:.2f}-{q3:.2f})")
+        print(f"  {key:28} " + "   ".join(parts))
 
 
 if __name__ == "__main__":
