@@ -1,6 +1,6 @@
-"""stage=dpo through main.py: the first loss is ln 2, 1 rank, 2 sharded ranks and tensor parallelism
-agree, a resume is exact, the reference is the starting model (imported, or LoRA's base), refusals
-(the losses and the records in one process: tests/finetune/test_dpo_loss.py)."""
+"""stage=dpo through main.py: the first loss is ln 2, 1 rank, 2 sharded ranks, tensor parallelism and
+torch's FSDP2 agree, a resume is exact, the reference is the starting model (imported, or LoRA's base),
+refusals (the losses and the records in one process: tests/finetune/test_dpo_loss.py)."""
 
 from __future__ import annotations
 
@@ -69,11 +69,18 @@ def test_the_first_loss_is_ln2_with_metrics_named_as_trls_and_the_export_written
     assert (run / "config.yaml").is_file()
 
 
-@pytest.mark.parametrize("layout", ["one_rank", "tensor_parallel"])
+LAYOUTS = {
+    "one_rank": ["cluster.nproc_per_node=1"],
+    "tensor_parallel": ["parallelism.tp=2"],
+    "torch_fsdp2": ["parallelism.engine=torch"],  # torch's fully_shard on the same 2 ranks
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_five_steps_equal_those_on_two_sharded_ranks(two_ranks, pairs, layout):
     from conftest import run_main
 
-    extra = ["cluster.nproc_per_node=1"] if layout == "one_rank" else ["parallelism.tp=2"]
+    extra = LAYOUTS[layout]
     run = pairs / layout
     out = run_main(_dpo(pairs, run, *extra), pairs)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,6 +1,6 @@
-"""stage=grpo through main.py: 1 rank and tensor parallelism equal 2 sharded ranks, a resume is exact (the rollouts
-included), refusals of bad prompt files and reward code (the objective against TRL and the rewards
-in one process: tests/finetune/test_grpo_loss.py)."""
+"""stage=grpo through main.py: 1 rank, tensor parallelism and torch's FSDP2 equal 2 ranks sharded by
+our engine, a resume is exact (the rollouts included), refusals of bad prompt files and reward code
+(the objective against TRL and the rewards in one process: tests/finetune/test_grpo_loss.py)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ LAYOUTS = {
     "one_rank": ["cluster.nproc_per_node=1"],
     "accumulation": ["cluster.nproc_per_node=1", "trainer.micro_batch_size=1"],  # 4 micro-batches of 1 prompt
     "tensor_parallel": ["parallelism.tp=2"],
+    "torch_fsdp2": ["parallelism.engine=torch"],  # torch's fully_shard on the same 2 ranks
 }
 
 
