@@ -165,7 +165,7 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
     times, exposed = [], []
     for s in range(warmup + steps):
         idx = torch.randint(0, vocab, (mb, seq + 1), device=dev)
-        if engine == "ours":
+        if engine.startswith("ours"):
             model.reset_comm_stats()
         torch.cuda.synchronize()
         dist.barrier()
@@ -174,7 +174,7 @@ def gpu_worker(rank, ws, engine, size, steps, warmup, peak_tflops):
         torch.cuda.synchronize()
         if s >= warmup:
             times.append(time.perf_counter() - t0)
-            exposed.append(model.comm_stats()["exposed_comm_s"] if engine == "ours" else None)
+            exposed.append(model.comm_stats()["exposed_comm_s"] if engine.startswith("ours") else None)
     peak_all = torch.cuda.max_memory_allocated(dev) / 2**30
     # One more step, untimed, for where the peak is: the highest allocation within each phase.
     phases = {}
@@ -255,17 +255,18 @@ def run_gpu(args) -> None:
         mfu = "n/a (unknown GPU: pass --peak-tflops)" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
         exp = "n/a" if row["exposed_comm_s"] is None else f"{row['exposed_comm_s']:.4f} s/step"
         print(
-            f"{engine:6s} step {row['median_step_s']:.4f} s (min {row['min_step_s']:.4f}, max {row['max_step_s']:.4f})"
+            f"{engine:13s} step {row['median_step_s']:.4f} s (min {row['min_step_s']:.4f}, max {row['max_step_s']:.4f})"
             f"  tokens/s {row['tokens_per_s']:,.0f}  MFU {mfu}  peak memory {row['peak_mem_gib']:.2f} GiB/GPU"
             f"  exposed comm {exp}"
         )
         print("       peak within: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in row["phase_peak_gib"].items()))
-    if "ours" in rows and "fsdp2" in rows:
-        o, f = rows["ours"], rows["fsdp2"]
-        print(
-            f"ours / fsdp2: step time {o['median_step_s'] / f['median_step_s']:.3f}x, "
-            f"peak memory {o['peak_mem_gib'] / f['peak_mem_gib']:.3f}x"
-        )
+    for suffix in ("", "+compile"):
+        if f"ours{suffix}" in rows and f"fsdp2{suffix}" in rows:
+            o, f = rows[f"ours{suffix}"], rows[f"fsdp2{suffix}"]
+            print(
+                f"ours{suffix} / fsdp2{suffix}: step time {o['median_step_s'] / f['median_step_s']:.3f}x, "
+                f"peak memory {o['peak_mem_gib'] / f['peak_mem_gib']:.3f}x"
+            )
     out = "bench/engine_gpu.json" if args.out == "bench/engine_results.json" else args.out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -326,8 +327,9 @@ def main() -> None:
         "--gpu-engines",
         nargs="+",
         default=["ours", "fsdp2"],
-        choices=["ours", "fsdp2"],
-        help="--device cuda: the engines to run, in order (default: ours, then torch FSDP2)",
+        choices=["ours", "fsdp2", "ours+compile", "fsdp2+compile"],
+        help="--device cuda: the engines to run, in order (default: ours, then torch FSDP2); +compile: "
+        "torch.compile on each block (bench/gpu_check.sh runs all four)",
     )
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak for MFU; 0: look it up")
     args = ap.parse_args()

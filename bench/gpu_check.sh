@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# GPU readiness check of the sharded engine, in one command on a CUDA machine (8 minutes at most):
-#   1. the FSDP2-behaviour tests on NCCL, one rank per visible GPU (largest of 1/2/4/8 that fits)
-#   2. bench/engine.py --device cuda on the ~1B GPT in bf16, ours then torch FSDP2: tokens/s, MFU,
-#      peak memory, exposed comm
-#   3. the main job (python main.py) for 50 steps on every visible GPU, bf16
+# GPU readiness check of the sharded engine, in one command on a CUDA machine (~10 minutes for
+# every step; GPU_CHECK_STEPS picks some, to split it over two calls):
+#   engine_tests_nccl   the FSDP2-behaviour tests on NCCL, one rank per visible GPU (largest of 1/2/4/8 that fits)
+#   torch_contract_cuda torch's own clip_grad_norm_ and AdamW (for-loop, foreach, fused) on our
+#                       sharded model equal one process on the same GPU(s), each shard-boundary policy
+#   bench_1b_bf16       bench/engine.py --device cuda on the ~1B GPT in bf16: ours, ours with
+#                       torch.compile on each block, torch FSDP2, FSDP2 + compile: tokens/s, MFU,
+#                       peak memory, exposed comm
+#   main_llama_1b_bf16  the main job (python main.py), model=llama_1b, 20 steps on every visible GPU, bf16
+#   main_llama_1b_float8  the same with parallelism.float8=true (torchao's float8 matmuls)
 # and writes one report (default bench/gpu_report.txt; first argument to change it).
 #
 #   bash bench/gpu_check.sh [REPORT]        # PYTHON=... to use another interpreter than .venv/bin/python
 #                                           # GPU_CHECK_LOGS=DIR keeps each step's full log there
+#   GPU_CHECK_STEPS="torch_contract_cuda bench_1b_bf16" bash bench/gpu_check.sh   # some steps only
 #
 # Exit status: 0 all steps passed, 1 a step failed (the report says which), 2 no GPU visible.
 set -uo pipefail
@@ -40,7 +46,7 @@ FAILED=0
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')   commit: ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   echo "torch: $("$PY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)')"
   nvidia-smi -L
-  echo "GPUs visible: $NGPU; engine-test world size: $WORLD"
+  echo "GPUs visible: $NGPU; engine-test world size: $WORLD; steps: ${GPU_CHECK_STEPS:-all}"
 } >"$REPORT"
 
 # run_step NAME SECONDS COMMAND...: runs the command under a time limit, keeps its log, and puts
@@ -64,20 +70,42 @@ run_step() {
   } >>"$REPORT"
 }
 
-run_step engine_tests_nccl 90 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=cpu:gloo,cuda:nccl \
-  FSDP_TEST_WORLD="$WORLD" "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_fsdp2_behaviours.py
+STEPS=${GPU_CHECK_STEPS:-engine_tests_nccl torch_contract_cuda bench_1b_bf16 main_llama_1b_bf16 main_llama_1b_float8}
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
-run_step bench_1b_bf16 140 "$PY" bench/engine.py --device cuda --model-size 1b --ranks "$NGPU" --steps 8 \
-  --out "$LOG_DIR/engine_gpu.json"
-
-run_step main_job_50_steps 140 "$PY" main.py cluster.nproc_per_node="$NGPU" trainer.device=cuda \
-  trainer.max_steps=50 parallelism.param_dtype=bfloat16 trainer.progress_bar=false hydra.run.dir="$RUN_DIR"
-if [[ -f "$RUN_DIR/metrics.jsonl" ]]; then
-  {
-    echo "last metrics record of the main job:"
-    grep '"tokens_per_s"' "$RUN_DIR/metrics.jsonl" | tail -n 1
-  } >>"$REPORT"
+if wanted engine_tests_nccl; then
+  run_step engine_tests_nccl 90 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=cpu:gloo,cuda:nccl \
+    FSDP_TEST_WORLD="$WORLD" "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_fsdp2_behaviours.py
 fi
+
+if wanted torch_contract_cuda; then
+  run_step torch_contract_cuda 90 env FSDP_TEST_DEVICE=cuda TEST_DIST_BACKEND=cpu:gloo,cuda:nccl \
+    FSDP_TEST_WORLD="$WORLD" "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_torch_contract.py \
+    -k "not dcp"
+fi
+
+if wanted bench_1b_bf16; then
+  run_step bench_1b_bf16 300 "$PY" bench/engine.py --device cuda --model-size 1b --ranks "$NGPU" --steps 8 \
+    --gpu-engines ours ours+compile fsdp2 fsdp2+compile --out "$LOG_DIR/engine_gpu.json"
+fi
+
+# main_job NAME EXTRA...: the main job on llama_1b, 20 steps, bf16 compute; its last metrics record goes
+# into the report (tokens/s and MFU: float8 against bf16 on the same machine).
+main_job() {
+  local name=$1
+  shift
+  run_step "$name" 150 "$PY" main.py model=llama_1b data=synthetic cluster.nproc_per_node="$NGPU" \
+    trainer.device=cuda trainer.max_steps=20 trainer.log_interval=5 trainer.eval_interval=0 \
+    parallelism.param_dtype=bfloat16 trainer.progress_bar=false "hydra.run.dir=$RUN_DIR/$name" "$@"
+  if [[ -f "$RUN_DIR/$name/metrics.jsonl" ]]; then
+    {
+      echo "last metrics record of $name:"
+      grep '"tokens_per_s"' "$RUN_DIR/$name/metrics.jsonl" | tail -n 1
+    } >>"$REPORT"
+  fi
+}
+if wanted main_llama_1b_bf16; then main_job main_llama_1b_bf16; fi
+if wanted main_llama_1b_float8; then main_job main_llama_1b_float8 parallelism.float8=true; fi
 
 {
   echo

@@ -5,12 +5,18 @@ global optimizer hook, the `torch.__future__` flags as the user left them), and 
 `clip_grad_norm_` returns the single-process norm and clips alike, and `torch.optim.AdamW` in its
 for-loop, foreach and fused forms steps exactly as on one process. See [Note: pieces that
 describe themselves] in framework/distributed/fsdp/views.py.
+
+Device and world size are read at run time, as in test_fsdp2_behaviours.py: `FSDP_TEST_DEVICE=cuda`
+puts each rank (and its single-process reference) on its own GPU, `FSDP_TEST_WORLD` sets the
+world sizes of the contract cases (default 2 and 4); `bench/gpu_check.sh` runs the contract on
+the GPUs it has (one GPU: 1 rank), leaving out the DCP cases, which are CPU cases.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -43,6 +49,14 @@ class Net(nn.Module):
 
 
 BOUNDARIES = ["anywhere", "rows", "params"]
+WORLDS = [int(os.environ["FSDP_TEST_WORLD"])] if os.environ.get("FSDP_TEST_WORLD") else [2, 4]
+
+
+def _device() -> torch.device:
+    """This rank's device: its GPU under FSDP_TEST_DEVICE=cuda (the harness made it current), else the CPU."""
+    if os.environ.get("FSDP_TEST_DEVICE", "cpu") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _shard(model: nn.Module, boundary: str = "anywhere") -> nn.Module:
@@ -64,7 +78,7 @@ def _batch(step: int, rank: int, n: int, dtype=torch.float32):
     x = torch.randn(ROWS, 6, generator=g, dtype=dtype)
     y = torch.randn(ROWS, 3, generator=g, dtype=dtype)
     k = ROWS // n
-    return x[rank * k : (rank + 1) * k], y[rank * k : (rank + 1) * k]
+    return x[rank * k : (rank + 1) * k].to(_device()), y[rank * k : (rank + 1) * k].to(_device())
 
 
 def _train(model, opt, rank, n, clip: float, dtype=torch.float32, steps=range(STEPS)):
@@ -87,7 +101,8 @@ def _train(model, opt, rank, n, clip: float, dtype=torch.float32, steps=range(ST
 
 def _full(model) -> dict:
     return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+        for k, v in model.state_dict().items()
     }
 
 
@@ -115,10 +130,11 @@ def _torch_untouched() -> dict:
 
 def contract(rank: int, n: int, boundary: str) -> dict:
     before = _torch_untouched()
-    out = {"before": before, "pieces": _pieces(_shard(Net(), boundary))}
+    dev = _device()
+    out = {"before": before, "pieces": _pieces(_shard(Net().to(dev), boundary)), "device": str(dev)}
     variants = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
     for label, kw in variants.items():
-        ref = Net()
+        ref = Net().to(dev)
         ours = _shard(copy.deepcopy(ref), boundary)
         ref_l, ref_n = _train(ref, torch.optim.AdamW(ref.parameters(), lr=0.05, **kw), 0, 1, clip=0.3)
         our_l, our_n = _train(ours, torch.optim.AdamW(ours.parameters(), lr=0.05, **kw), rank, n, clip=0.3)
@@ -145,8 +161,8 @@ def contract(rank: int, n: int, boundary: str) -> dict:
     # module.to() with torch's swap flag on: the pieces keep their description through the swap
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        ref = Net().double()
-        ours = _shard(Net(), boundary).to(torch.float64)
+        ref = Net().to(dev).double()
+        ours = _shard(Net().to(dev), boundary).to(torch.float64)
         ref_l, ref_n = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), 0, 1, 0.3, torch.float64)
         our_l, our_n = _train(
             ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), rank, n, 0.3, torch.float64
@@ -166,7 +182,7 @@ def contract(rank: int, n: int, boundary: str) -> dict:
 
 
 @pytest.fixture(
-    scope="module", params=[(n, b) for n in (2, 4) for b in BOUNDARIES], ids=lambda p: f"{p[0]}ranks-{p[1]}"
+    scope="module", params=[(n, b) for n in WORLDS for b in BOUNDARIES], ids=lambda p: f"{p[0]}ranks-{p[1]}"
 )
 def results(request):
     n, boundary = request.param
