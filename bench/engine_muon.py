@@ -157,7 +157,7 @@ def _slowest(res: list, key: str, field: str) -> list:
 
 
 def run(size: str, ranks: int, steps: int, boundaries, out_path: str, warmup: int = 2) -> dict:
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     res = run_local(worker, ranks, args=(size, steps, warmup, list(boundaries)), timeout_s=1800)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
@@ -193,8 +193,9 @@ def run(size: str, ranks: int, steps: int, boundaries, out_path: str, warmup: in
         f"GPT {size} ({params / 1e6:.1f}M params), {ranks} gloo ranks, CPU fp32, commit {commit}"
         f"{' + uncommitted changes' if dirty.stdout.strip() else ''}: "
         f"{steps} interleaved steps after {warmup} warm-up, "
-        f"medians of the slower rank; total {time.time() - t0:.0f}s. Timings on a shared 2-core machine "
-        f"(others' jobs running): noisy, read the ratios. Bytes exact: measured == the planner's, asserted."
+        f"medians of the slower rank; total {time.time() - t0:.0f}s. {_machine()}, load average "
+        f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above ~2, others' work shares the "
+        f"cores: read the ratios). Bytes exact: measured == the planner's, asserted."
     )
     print(f"\n{head}")
     print(
@@ -217,6 +218,17 @@ def run(size: str, ranks: int, steps: int, boundaries, out_path: str, warmup: in
         )
     print(f"wrote {out_path}")
     return rows
+
+
+def _machine() -> str:
+    """The CPU this ran on: its model name and core count."""
+    name = "an unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def main() -> None:
