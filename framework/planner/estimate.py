@@ -74,6 +74,10 @@ class Job:
     cp: int = 1  # context parallelism: each sequence split over cp ranks, weights over dp_shard x cp
     memory_gib: float = 0.0  # per rank; 0: the device's
     peak_tflops: float = 0.0  # 0: the device's
+    # One pipeline stage (framework/planner/pipeline.py): its units stay gathered from a backward to
+    # the next forward, and every unit, the embedding and head included, is resharded after forward
+    # (the stage root holds no parameters): [Note: gathers of a pipeline stage]
+    pipeline_stage: bool = False
 
     @property
     def world(self) -> int:
@@ -458,6 +462,16 @@ def muon_tp_numel(job: Job, lay: UnitLayout, rank: int) -> int:
     return sum(t.numel for o, t in muon if t.tp_split and owner.get(o, o // S) == rank)
 
 
+# [Note: gathers of a pipeline stage]
+# Under a pipeline schedule each unit of a stage is resharded after every forward (ZeRO-3), and kept
+# gathered after every backward but the step's last (framework/distributed/pipeline.py, [Note: our
+# engine under torch's schedules]). So a forward or backward gathers exactly when the stage's
+# previous action was a forward (or it is the step's first): every forward is followed by some
+# action, so m microbatches cost m + 1 gathers per unit and step, whatever the schedule's order
+# (GPipe: m forwards, then the first backward; 1F1B: every forward's successor), against 2m with
+# plain accumulation; with grad_op (nothing resharded until the last backward) one. Measured: rank
+# 0's gather bytes of a pp=2 x dp_shard=2 job equal this count for each schedule
+# (tests/planner/test_pipeline_plan.py).
 def traffic(job: Job, rank: int | None = None) -> Traffic:
     """Per rank per step; `rank` (the dp_shard index) matters to optimizer=muon with tp > 1 only,
     whose tp exchange of whole matrices depends on the matrices that index owns (None: the index
@@ -471,8 +485,14 @@ def traffic(job: Job, rank: int | None = None) -> Traffic:
     gathers = ag_bytes = rs_bytes = a2a_bytes = ar_bytes = 0
     reduces = whole_calls = whole_bytes = 0
     for i, lay in enumerate(lays):
-        if lay.N > 1:
-            calls = 1 if (i == 0 or job.strategy == "grad_op") else 2
+        if lay.N > 1 and not (job.pipeline_stage and lay.T == 0):  # a middle stage's root holds nothing
+            # all-gathers per step: per micro-batch one (the root, kept gathered; grad_op) or two
+            # (forward and backward), with accumulation every micro-batch's; a pipeline stage's
+            # units: [Note: gathers of a pipeline stage]
+            if job.pipeline_stage:
+                calls = 1 if job.strategy == "grad_op" else job.accum + 1
+            else:
+                calls = (1 if (i == 0 or job.strategy == "grad_op") else 2) * job.accum
             gathers += calls
             n = lay.N
             if job.quantized:
@@ -493,8 +513,8 @@ def traffic(job: Job, rank: int | None = None) -> Traffic:
         if R > 1:
             esize = 4 if job.quantized else rb  # the int8 path reduces into an fp32 buffer
             ar_bytes += 2 * (R - 1) * lay.S * esize // R
-    # With accumulation, forward/backward of every micro-batch gathers; only the last reduces.
-    tr.add("all_gather", "dp_shard", shard_link, ag_bytes * job.accum + whole_bytes, gathers * job.accum + whole_calls)
+    # With accumulation, forward/backward of every micro-batch gathers (counted above); only the last reduces.
+    tr.add("all_gather", "dp_shard", shard_link, ag_bytes + whole_bytes, gathers + whole_calls)
     if job.quantized:
         tr.add("all_to_all", "dp_shard", shard_link, a2a_bytes, reduces)
     else:

@@ -72,7 +72,8 @@ def _in_flight(schedule: PipelineSchedule, pp: int, m: int, v: int, rank: int) -
 
 def stage_job(job: Job, start: int, end: int, first: bool, last: bool, microbatch: int) -> Job:
     """The planner's job for one stage: blocks [start, end), the embedding if first, the norm and
-    head if last, one microbatch of `microbatch` samples per forward."""
+    head if last, one microbatch of `microbatch` samples per forward, its units gathered as a
+    stage's are ([Note: gathers of a pipeline stage] in estimate.py)."""
     whole = job.model
 
     def layout(shape, tp: int) -> List[Unit]:
@@ -83,7 +84,40 @@ def stage_job(job: Job, start: int, end: int, first: bool, last: bool, microbatc
         return [Unit(root.name, kept)] + blocks[start:end]
 
     model = replace(whole, n_layers=end - start, layout=layout)
-    return replace(job, model=model, micro_batch=microbatch)
+    return replace(job, model=model, micro_batch=microbatch, pipeline_stage=True)
+
+
+def _layer_counts(job: Job, n: int, split: Optional[List[int]]) -> List[int]:
+    """Blocks per stage, as the trainer cuts them: `split`, else balanced on each block's and the
+    head's parameters (framework/distributed/pipeline.py)."""
+    if split:
+        return list(split)
+    whole = job.model.layout(job.model, job.tp)
+    head = sum(t.numel for t in whole[0].tensors[1:])
+    counts = balanced_split([float(u.numel) for u in whole[1:]], n, float(head)) if len(whole) > n else None
+    return counts or even_split(job.model.n_layers, n)
+
+
+def _stage_step_job(job: Job, start: int, layers: int, s: int, n: int, mb: int, microbatches: int) -> Job:
+    """Stage `s` of `n` as one optimizer step runs it: `microbatches` of `mb` samples."""
+    sj = stage_job(job, start, start + layers, s == 0, s == n - 1, mb)
+    return replace(sj, global_batch=mb * microbatches * job.dp)  # accum = the microbatches
+
+
+def stage_jobs(
+    job: Job, pp: int, schedule: PipelineSchedule, microbatches: int, virtual: int = 1, split=None
+) -> List[tuple]:
+    """(pipeline rank, the stage's Job for one optimizer step) for each of the pp x virtual
+    stages, in order: what `stage_plans` estimates, for a caller that wants a stage's traffic."""
+    v = 2 if schedule == PipelineSchedule.zbv else virtual
+    n = pp * v
+    counts = _layer_counts(job, n, split)
+    mb = max(1, job.micro_batch * job.accum // microbatches)
+    out = []
+    for s, layers in enumerate(counts):
+        rank = s % pp if schedule != PipelineSchedule.zbv else min(s, 2 * pp - 1 - s)
+        out.append((rank, _stage_step_job(job, sum(counts[:s]), layers, s, n, mb, microbatches)))
+    return out
 
 
 def stage_plans(
@@ -97,13 +131,7 @@ def stage_plans(
     """Memory and time of every stage of `job`'s model cut into pp x virtual stages."""
     v = 2 if schedule == PipelineSchedule.zbv else virtual
     n = pp * v
-    if split:
-        counts = list(split)
-    else:  # as the trainer balances them: each block's and the head's parameters (framework/distributed/pipeline.py)
-        whole = job.model.layout(job.model, job.tp)
-        head = sum(t.numel for t in whole[0].tensors[1:])
-        counts = balanced_split([float(u.numel) for u in whole[1:]], n, float(head)) if len(whole) > n else None
-        counts = counts or even_split(job.model.n_layers, n)
+    counts = _layer_counts(job, n, split)
     samples = job.micro_batch * job.accum  # one data-parallel rank's samples per step
     mb = max(1, samples // microbatches)
     stages = []
@@ -112,8 +140,7 @@ def stage_plans(
         start = sum(counts[:s])
         key = (layers, s == 0, s == n - 1)
         if key not in seen:
-            sj = stage_job(job, start, start + layers, s == 0, s == n - 1, mb)
-            sj = replace(sj, global_batch=mb * microbatches * job.dp)  # accum = the microbatches
+            sj = _stage_step_job(job, start, layers, s, n, mb, microbatches)
             seen[key] = (memory(sj), timing(sj))
         mem, t = replace(seen[key][0]), seen[key][1]
         rank = s % pp if schedule != PipelineSchedule.zbv else min(s, 2 * pp - 1 - s)
