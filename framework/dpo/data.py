@@ -26,9 +26,9 @@ import sys
 import torch
 
 from framework.config.schema import Config
-from framework.data.loader import DataBundle, GlobalBatchLoader
+from framework.data.loader import DataBundle
 from framework.errors import UserInputError
-from framework.finetune.data import Document, RowSource, pad_rows
+from framework.finetune.data import Document, pad_rows
 
 
 def _is_messages(value) -> bool:
@@ -133,31 +133,17 @@ def read_pairs(cfg: Config, tok) -> list:
 def build_dpo_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundle:
     """The two loaders of a DPO job: the first data.hf.valid_documents pairs are the validation
     set, the rest the training set in a seeded order (trainer.seed)."""
-    import torch.distributed as dist
+    from framework.finetune.build import _check_ids_fit, global_loaders, held_out_split, post_training_tokenizer
 
-    from framework.finetune.build import _check_ids_fit, resolve_tokenizer
-    from framework.models.registry import family_of
-
-    distributed = dist.is_available() and dist.is_initialized()
-    main = not distributed or dist.get_rank() == 0
-    task = family_of(cfg.model).task(cfg.model).name
-    if task != "causal_lm":
-        raise UserInputError(f"stage=dpo needs a causal language model; model={cfg.model.name} has model.task={task}")
-    tok = resolve_tokenizer(cfg, is_main=main, barrier=dist.barrier if distributed else (lambda: None))
+    tok, main = post_training_tokenizer(cfg, "dpo")
     rows = pair_rows(read_pairs(cfg, tok), cfg.data.seq_len, pad_id=tok.eod)
-    held_out = cfg.data.hf.valid_documents
-    if len(rows) <= held_out:
-        raise UserInputError(
-            f"stage=dpo: {len(rows)} pairs have reply tokens within data.seq_len={cfg.data.seq_len}, no more than "
-            f"data.hf.valid_documents={held_out} (the validation pairs); give more records, lower "
-            "data.hf.valid_documents or raise data.seq_len"
-        )
+    refusal = (
+        f"stage=dpo: {len(rows)} pairs have reply tokens within data.seq_len={cfg.data.seq_len}, no more than "
+        f"data.hf.valid_documents={cfg.data.hf.valid_documents} (the validation pairs); give more records, lower "
+        "data.hf.valid_documents or raise data.seq_len"
+    )
+    train, valid = held_out_split(rows, cfg, refusal)
     _check_ids_fit(cfg, tok, rows)
-    valid, train = rows[:held_out], rows[held_out:]
-    t = cfg.trainer
-    if cfg.data.hf.shuffle:
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(t.seed)).tolist()
-        train = [train[i] for i in order]
     if main:
         print(
             f"dpo: {len(train)} training and {len(valid)} validation pairs, tokenizer {tok.path or '(built in)'} "
@@ -165,11 +151,5 @@ def build_dpo_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundle:
             file=sys.stderr,
             flush=True,
         )
-    kw = {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size}
-    kw.update(dp_rank=dp_rank, dp_size=dp_size)
-    return DataBundle(
-        GlobalBatchLoader(RowSource(train), **kw),
-        GlobalBatchLoader(RowSource(valid), **kw),
-        vocab_size=tok.vocab_size,
-        tokenizer=tok,
-    )
+    loaders = global_loaders(cfg, train, valid, dp_rank=dp_rank, dp_size=dp_size)
+    return DataBundle(*loaders, vocab_size=tok.vocab_size, tokenizer=tok)

@@ -124,3 +124,43 @@ def _check_ids_fit(cfg: Config, tok: SFTTokenizer, rows: list) -> None:
             f"only {vocab} ids; use the model's own tokenizer (finetune.tokenizer=<its directory>) "
             "or a model whose vocabulary covers this one"
         )
+
+
+def post_training_tokenizer(cfg: Config, stage: str):
+    """(tokenizer, whether this rank prints) for a post-training stage (stage=dpo, stage=grpo): the
+    model must be a causal language model; the tokenizer as fine-tuning resolves it."""
+    import torch.distributed as dist
+
+    from framework.models.registry import family_of
+
+    distributed = dist.is_available() and dist.is_initialized()
+    main = not distributed or dist.get_rank() == 0
+    task = family_of(cfg.model).task(cfg.model).name
+    if task != "causal_lm":
+        raise UserInputError(
+            f"stage={stage} needs a causal language model; model={cfg.model.name} has model.task={task}"
+        )
+    return resolve_tokenizer(cfg, is_main=main, barrier=dist.barrier if distributed else (lambda: None)), main
+
+
+def held_out_split(items: list, cfg: Config, refusal: str) -> tuple:
+    """(train, valid): the first data.hf.valid_documents items validate, the rest train in a seeded
+    order (trainer.seed) when data.hf.shuffle. `refusal`: the error when nothing is left to train."""
+    held_out = cfg.data.hf.valid_documents
+    if len(items) <= held_out:
+        raise UserInputError(refusal)
+    valid, train = items[:held_out], items[held_out:]
+    if cfg.data.hf.shuffle:
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.trainer.seed)).tolist()
+        train = [train[i] for i in order]
+    return train, valid
+
+
+def global_loaders(cfg: Config, train_rows: list, valid_rows: list, *, dp_rank: int, dp_size: int) -> tuple:
+    """(train, validation) loaders of the trainer's global batch over row lists."""
+    t = cfg.trainer
+    kw = {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size}
+    return (
+        GlobalBatchLoader(RowSource(train_rows), dp_rank=dp_rank, dp_size=dp_size, **kw),
+        GlobalBatchLoader(RowSource(valid_rows), dp_rank=dp_rank, dp_size=dp_size, **kw),
+    )

@@ -16,9 +16,8 @@ from typing import List
 import torch
 
 from framework.config.schema import Config
-from framework.data.loader import DataBundle, GlobalBatchLoader
+from framework.data.loader import DataBundle
 from framework.errors import UserInputError
-from framework.finetune.data import RowSource
 
 
 @dataclass
@@ -87,29 +86,15 @@ def read_prompts(cfg: Config, tok) -> List[Prompt]:
 def build_grpo_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundle:
     """The loaders of a GRPO job: the first data.hf.valid_documents prompts are the validation set,
     the rest the training set in a seeded order (trainer.seed). `bundle.prompts`: (train, valid)."""
-    import torch.distributed as dist
+    from framework.finetune.build import global_loaders, held_out_split, post_training_tokenizer
 
-    from framework.finetune.build import resolve_tokenizer
-    from framework.models.registry import family_of
-
-    distributed = dist.is_available() and dist.is_initialized()
-    main = not distributed or dist.get_rank() == 0
-    task = family_of(cfg.model).task(cfg.model).name
-    if task != "causal_lm":
-        raise UserInputError(f"stage=grpo needs a causal language model; model={cfg.model.name} has model.task={task}")
-    tok = resolve_tokenizer(cfg, is_main=main, barrier=dist.barrier if distributed else (lambda: None))
+    tok, main = post_training_tokenizer(cfg, "grpo")
     prompts = read_prompts(cfg, tok)
-    held_out = cfg.data.hf.valid_documents
-    if len(prompts) <= held_out:
-        raise UserInputError(
-            f"stage=grpo: {len(prompts)} prompts, no more than data.hf.valid_documents={held_out} (the validation "
-            "prompts); give more records or lower data.hf.valid_documents"
-        )
-    valid, train = prompts[:held_out], prompts[held_out:]
-    t = cfg.trainer
-    if cfg.data.hf.shuffle:
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(t.seed)).tolist()
-        train = [train[i] for i in order]
+    refusal = (
+        f"stage=grpo: {len(prompts)} prompts, no more than data.hf.valid_documents={cfg.data.hf.valid_documents} "
+        "(the validation prompts); give more records or lower data.hf.valid_documents"
+    )
+    train, valid = held_out_split(prompts, cfg, refusal)
     if main:
         print(
             f"grpo: {len(train)} training and {len(valid)} validation prompts, tokenizer {tok.path or '(built in)'} "
@@ -117,14 +102,8 @@ def build_grpo_data(cfg: Config, *, dp_rank: int, dp_size: int) -> DataBundle:
             file=sys.stderr,
             flush=True,
         )
-    kw = {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size}
-    kw.update(dp_rank=dp_rank, dp_size=dp_size)
     rows = lambda n: [{"index": torch.tensor(i)} for i in range(n)]  # noqa: E731
-    bundle = DataBundle(
-        GlobalBatchLoader(RowSource(rows(len(train))), **kw),
-        GlobalBatchLoader(RowSource(rows(len(valid))), **kw),
-        vocab_size=tok.vocab_size,
-        tokenizer=tok,
-    )
+    loaders = global_loaders(cfg, rows(len(train)), rows(len(valid)), dp_rank=dp_rank, dp_size=dp_size)
+    bundle = DataBundle(*loaders, vocab_size=tok.vocab_size, tokenizer=tok)
     bundle.prompts = (train, valid)
     return bundle
