@@ -68,35 +68,10 @@ def _loss(model, idx):
 def _reference(model, ns_dtype):
     """Losses and final weights on one process: torch's Muon + AdamW over `build_optimizer`'s groups
     (bfloat16), or our optimizer with the iteration in float32."""
-    from framework.optim import build_optimizer, hidden_matrix_names, no_decay_names
+    from tests.distributed.muon_reference import reference_optimizers
 
     cfg = _optimizer_cfg()
-    if ns_dtype == torch.bfloat16:
-        hidden, undecayed = hidden_matrix_names(model), no_decay_names(model)
-        named = dict(model.named_parameters())
-        rest = [k for k in named if k not in hidden]
-        opts = [
-            torch.optim.Muon(
-                [named[k] for k in named if k in hidden],
-                lr=cfg.muon_lr,
-                weight_decay=cfg.weight_decay,
-                momentum=cfg.muon_momentum,
-                nesterov=True,
-            ),
-            torch.optim.AdamW(
-                [
-                    {"params": [named[k] for k in rest if k not in undecayed], "weight_decay": cfg.weight_decay},
-                    {"params": [named[k] for k in rest if k in undecayed], "weight_decay": 0.0},
-                ],
-                lr=cfg.lr,
-                betas=(cfg.beta1, cfg.beta2),
-                eps=cfg.eps,
-            ),
-        ]
-    else:
-        opt = build_optimizer(model, cfg)
-        opt.ns_dtype = ns_dtype
-        opts = [opt]
+    opts = reference_optimizers(model, cfg, ns_dtype)
     losses = []
     for step in range(STEPS):
         loss = _loss(model, _batch(step, 0, 1))

@@ -40,39 +40,14 @@ def _reference(ns_dtype: torch.dtype):
     `build_optimizer` makes (bfloat16), or our optimizer with the iteration in float32."""
     from framework.models.llama import build_llama
     from framework.models.tasks import cross_entropy as loss_fn
-    from framework.optim import build_optimizer, hidden_matrix_names, no_decay_names
+    from tests.distributed.muon_reference import reference_optimizers
     from tests.tp.tp_cases import MODEL, SEED, batches
 
     torch.manual_seed(SEED)
     model = build_llama(MODEL)
     model.init_weights(seed=SEED)
     cfg = _optimizer_cfg()
-    if ns_dtype == torch.bfloat16:
-        hidden, undecayed = hidden_matrix_names(model), no_decay_names(model)
-        named = dict(model.named_parameters())
-        rest = [k for k in named if k not in hidden]
-        opts = [
-            torch.optim.Muon(
-                [named[k] for k in named if k in hidden],
-                lr=cfg.muon_lr,
-                weight_decay=cfg.weight_decay,
-                momentum=cfg.muon_momentum,
-                nesterov=True,
-            ),
-            torch.optim.AdamW(
-                [
-                    {"params": [named[k] for k in rest if k not in undecayed], "weight_decay": cfg.weight_decay},
-                    {"params": [named[k] for k in rest if k in undecayed], "weight_decay": 0.0},
-                ],
-                lr=cfg.lr,
-                betas=(cfg.beta1, cfg.beta2),
-                eps=cfg.eps,
-            ),
-        ]
-    else:
-        opt = build_optimizer(model, cfg)
-        opt.ns_dtype = ns_dtype
-        opts = [opt]
+    opts = reference_optimizers(model, cfg, ns_dtype)
     losses = []
     for inputs, labels in batches(MODEL.args["vocab_size"])[:STEPS]:
         loss = loss_fn(model(inputs), labels)
