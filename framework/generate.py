@@ -137,9 +137,15 @@ def write_records(path: str, records: List[dict]) -> None:
 
     from framework.fileio import replace_file
 
-    with replace_file(path) as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    try:
+        with replace_file(path) as f:  # on failure the temporary is removed and `path` never made
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    except OSError as exc:  # a full disk, a directory made read-only or removed since the start
+        raise UserInputError(
+            f"generate.output_file={path}: cannot be written ({exc.strerror or exc}); the completions are "
+            "printed above, nothing was written"
+        ) from None
 
 
 def _generate_stage(trainer) -> int:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
 
+import pytest
 from conftest import TINY, run_main
 
 QUIET = [a for a in TINY if not a.startswith("data=")]
@@ -71,26 +73,38 @@ def test_generate_from_a_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, stdl
     assert "exceeds the model's 1024 positions" in errors[0], errors
 
 
-def test_batches_stop_strings_and_the_output_file(tmp_path, stdlib_cache):
+PROMPTS = ["def add(a, b):", "import os", "class Point:", "x = [", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def generate_from(tmp_path_factory, stdlib_cache):
+    """`generate(*overrides)`: stage=generate on 1 rank with PROMPTS, 16 new tokens, from a
+    3-step checkpoint trained once for the module."""
+    root = tmp_path_factory.mktemp("generate")
     out = run_main(
         QUIET
         + [stdlib_cache, "trainer.max_steps=3", "trainer.eval_interval=0", "checkpoint.save_final=true"]
-        + [f"hydra.run.dir={tmp_path}/t"],
-        tmp_path,
+        + [f"hydra.run.dir={root}/t"],
+        root,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    step = tmp_path / "t" / "checkpoints" / "step_00000003"
-    prompts = ["def add(a, b):", "import os", "class Point:", "x = [", "for i in range(10):"]
+    step = root / "t" / "checkpoints" / "step_00000003"
     job_number = itertools.count()
 
     def generate(*extra: str):
         return run_main(
             QUIET
             + [stdlib_cache, "stage=generate", "cluster.nproc_per_node=1", f"checkpoint.resume={step}"]
-            + [f"generate.prompts={json.dumps(prompts)}", "generate.max_new_tokens=16", *extra]
-            + [f"hydra.run.dir={tmp_path}/g{next(job_number)}"],
-            tmp_path,
+            + [f"generate.prompts={json.dumps(PROMPTS)}", "generate.max_new_tokens=16", *extra]
+            + [f"hydra.run.dir={root}/g{next(job_number)}"],
+            root,
         )
+
+    return generate
+
+
+def test_batches_stop_strings_and_the_output_file(tmp_path, generate_from):
+    generate, prompts = generate_from, PROMPTS
 
     def records(path):
         with open(path, encoding="utf-8") as f:
@@ -143,3 +157,32 @@ def test_batches_stop_strings_and_the_output_file(tmp_path, stdlib_cache):
     assert target.read_text() == "keep me"
     refused = generate("generate.batch_size=0")
     assert refused.returncode == 2 and "error: generate.batch_size=0: must be > 0 and finite" in refused.stderr
+
+
+def test_an_output_file_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, generate_from):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True, text=True
+    )
+    assert mounted.returncode == 0, mounted.stderr
+    try:
+        with open(full / "filler", "wb", buffering=0) as f:  # fill it: the completions' file finds no room
+            try:
+                while True:
+                    f.write(b"x" * 4096)
+            except OSError:
+                pass
+        out = generate_from("generate.temperature=0", f"generate.output_file={full}/completions.jsonl")
+        assert out.returncode == 2, out.stderr[-3000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: generate.output_file={full}/completions.jsonl: "), (
+            errors
+        )
+        assert "No space left on device" in errors[0] and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert all(p in out.stdout for p in PROMPTS), out.stdout  # the completions were printed
+        assert sorted(os.listdir(full)) == ["filler"]  # no partial file, no temporary
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
