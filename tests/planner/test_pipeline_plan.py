@@ -112,7 +112,11 @@ PP_CASES = {
     "gpipe": ["parallelism.pp_schedule=gpipe"],
     "grad_op": ["parallelism.strategy=grad_op"],
     # rank 0 holds stages 0 and 2 of 4 (one block each)
-    "interleaved": ["parallelism.pp_schedule=interleaved_1f1b", "parallelism.pp_virtual_stages=2", "model.args.n_layers=4"],
+    "interleaved": [
+        "parallelism.pp_schedule=interleaved_1f1b",
+        "parallelism.pp_virtual_stages=2",
+        "model.args.n_layers=4",
+    ],
 }
 
 
