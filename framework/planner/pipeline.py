@@ -98,25 +98,22 @@ def _layer_counts(job: Job, n: int, split: Optional[List[int]]) -> List[int]:
     return counts or even_split(job.model.n_layers, n)
 
 
-def _stage_step_job(job: Job, start: int, layers: int, s: int, n: int, mb: int, microbatches: int) -> Job:
-    """Stage `s` of `n` as one optimizer step runs it: `microbatches` of `mb` samples."""
-    sj = stage_job(job, start, start + layers, s == 0, s == n - 1, mb)
-    return replace(sj, global_batch=mb * microbatches * job.dp)  # accum = the microbatches
-
-
 def stage_jobs(
     job: Job, pp: int, schedule: PipelineSchedule, microbatches: int, virtual: int = 1, split=None
 ) -> List[tuple]:
-    """(pipeline rank, the stage's Job for one optimizer step) for each of the pp x virtual
-    stages, in order: what `stage_plans` estimates, for a caller that wants a stage's traffic."""
+    """(pipeline rank, the stage's Job for one optimizer step: `microbatches` of the data-parallel
+    rank's samples) for each of the pp x virtual stages, in order: what `stage_plans` estimates."""
     v = 2 if schedule == PipelineSchedule.zbv else virtual
     n = pp * v
     counts = _layer_counts(job, n, split)
     mb = max(1, job.micro_batch * job.accum // microbatches)
     out = []
     for s, layers in enumerate(counts):
-        rank = s % pp if schedule != PipelineSchedule.zbv else min(s, 2 * pp - 1 - s)
-        out.append((rank, _stage_step_job(job, sum(counts[:s]), layers, s, n, mb, microbatches)))
+        start = sum(counts[:s])
+        sj = stage_job(job, start, start + layers, s == 0, s == n - 1, mb)
+        sj = replace(sj, global_batch=mb * microbatches * job.dp)  # accum = the microbatches
+        rank = s % pp if schedule != PipelineSchedule.zbv else min(s, 2 * pp - 1 - s)  # zbv: a V
+        out.append((rank, sj))
     return out
 
 
@@ -130,20 +127,17 @@ def stage_plans(
 ) -> PipelinePlan:
     """Memory and time of every stage of `job`'s model cut into pp x virtual stages."""
     v = 2 if schedule == PipelineSchedule.zbv else virtual
-    n = pp * v
-    counts = _layer_counts(job, n, split)
-    samples = job.micro_batch * job.accum  # one data-parallel rank's samples per step
-    mb = max(1, samples // microbatches)
+    jobs = stage_jobs(job, pp, schedule, microbatches, virtual, split)
+    n = len(jobs)
+    mb = jobs[0][1].micro_batch
     stages = []
     seen: dict = {}  # stages of equal shape plan alike (the blocks of a decoder are identical)
-    for s, layers in enumerate(counts):
-        start = sum(counts[:s])
+    for s, (rank, sj) in enumerate(jobs):
+        layers = sj.model.n_layers
         key = (layers, s == 0, s == n - 1)
         if key not in seen:
-            sj = _stage_step_job(job, start, layers, s, n, mb, microbatches)
             seen[key] = (memory(sj), timing(sj))
         mem, t = replace(seen[key][0]), seen[key][1]
-        rank = s % pp if schedule != PipelineSchedule.zbv else min(s, 2 * pp - 1 - s)
         held = _in_flight(schedule, pp, microbatches, v, rank)
         # memory() counts one microbatch's activations of the stage's blocks; the rank holds `held`
         # microbatches of all its layers, each of its v stages its share
@@ -159,8 +153,7 @@ def stage_plans(
     link = job.device.inter_node_gbps if job.dp * job.tp >= job.nproc_per_node else job.device.intra_node_gbps
     by_rank: dict = {}
     peaks: dict = {}
-    for st in stages:
-        rank = st.index % pp if schedule != PipelineSchedule.zbv else min(st.index, 2 * pp - 1 - st.index)
+    for st, (rank, _) in zip(stages, jobs):
         by_rank[rank] = by_rank.get(rank, 0.0) + st.step_s
         peaks[rank] = peaks.get(rank, 0) + st.peak_bytes
     busiest = max(by_rank.values())
@@ -266,11 +259,8 @@ def pipeline_view(cfg, job: Job, est):
     m = job.accum if p.pp_microbatches == -1 else p.pp_microbatches
     plan = stage_plans(job, p.pp, schedule, m, v, list(p.pp_split) or None)
     heaviest = max(plan.stages, key=lambda s: s.peak_bytes)
-    counts = [s.layers for s in plan.stages]
-    start = sum(counts[: heaviest.index])
     samples = job.micro_batch * job.accum
-    sj = stage_job(job, start, start + heaviest.layers, heaviest.first, heaviest.last, max(1, samples // m))
-    sj = replace(sj, global_batch=max(1, samples // m) * m * job.dp)
+    sj = stage_jobs(job, p.pp, schedule, m, v, list(p.pp_split) or None)[heaviest.index][1]
     stage_est = type(est)(sj, memory(sj), traffic(sj), timing(sj))  # plan.py's Estimate, of the stage
     stage_est.memory.activations = heaviest.peak_bytes - (stage_est.memory.peak - stage_est.memory.activations)
     stage_est.memory.activations = max(0, stage_est.memory.activations)
