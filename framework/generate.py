@@ -43,14 +43,17 @@ def prompts_of(cfg: Config) -> List[str]:
 
 class _Stream:
     """Rank 0's terminal view of one completion while it decodes: the text so far, less any tail
-    that may yet turn out to begin a stop string (held back until it cannot), so what is printed is
-    always a prefix of the final text, which the stop strings cut."""
+    that may yet turn out to begin a stop string or is an unfinished character (held back until it
+    cannot), so what is printed is always a prefix of the final text, which the stop strings cut."""
 
     def __init__(self, decode, eod, stops: List[str], show: bool) -> None:
         self.decode, self.eod, self.stops, self.show = decode, eod, stops, show
         self.shown = ""
 
     def _safe(self, text: str) -> str:
+        # a trailing U+FFFD is a multi-byte character whose bytes are not all decoded yet: shown
+        # now, the text would stop being a prefix of what follows and the stream would stall
+        text = text.rstrip("\ufffd")
         cut = [text.find(s) for s in self.stops if s in text]
         if cut:
             return text[: min(cut)]

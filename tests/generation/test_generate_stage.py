@@ -1,4 +1,5 @@
-"""`stage=generate` refuses what decoding cannot do, in one line and before loading any weights."""
+"""`stage=generate` refuses what decoding cannot do, in one line and before loading any weights; its
+terminal stream prints exactly the final text."""
 
 from __future__ import annotations
 
@@ -19,3 +20,24 @@ def test_sequence_parallel_is_refused_by_name(tmp_path):
         "cannot be split over the tp ranks; set parallelism.sequence_parallel=false (tp stays)"
     ], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+
+
+def _streamed(decodes: list, stops: list, final: str, capsys) -> str:
+    """What stage=generate's stream prints for a completion whose i-th token decodes to decodes[i]."""
+    from framework.generate import _Stream
+
+    stream = _Stream(lambda ids: decodes[len(ids) - 1], None, stops, show=True)
+    for i in range(len(decodes)):
+        stream(0, list(range(i + 1)))
+    stream.end(final)
+    return capsys.readouterr().out
+
+
+def test_the_stream_prints_the_final_text_through_unfinished_characters_and_stop_strings(capsys):
+    # a byte-level tokenizer decodes half of a two-byte character as U+FFFD until its second byte
+    # comes (the stream once stalled on it and printed nothing after)
+    assert _streamed(["a", "ab\ufffd", "ab\u00e9", "ab\u00e9c"], [], "ab\u00e9c", capsys) == "ab\u00e9c"
+    # a tail that may begin a stop string waits; the stop string itself is never printed
+    decodes = ["x =", "x = 1", "x = 1\n", "x = 1\n\n", "x = 1\n\ny"]
+    assert _streamed(decodes, ["\n\n"], "x = 1", capsys) == "x = 1"
+    assert _streamed(["ab", "ab\n", "ab\nc"], ["\n\n"], "ab\nc", capsys) == "ab\nc"
