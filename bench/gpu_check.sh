@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU readiness check of the sharded engine, in one command on a CUDA machine (~10 minutes for
-# every step; GPU_CHECK_STEPS picks some, to split it over two calls):
+# GPU readiness check of the sharded engine, in one command on a CUDA machine (at most 13 minutes
+# by its steps' time limits, not yet timed in this form; GPU_CHECK_STEPS picks some steps, to split
+# it over two calls):
 #   engine_tests_nccl   the FSDP2-behaviour tests on NCCL, one rank per visible GPU (largest of 1/2/4/8 that fits)
 #   torch_contract_cuda torch's own clip_grad_norm_ and AdamW (for-loop, foreach, fused) on our
 #                       sharded model equal one process on the same GPU(s), each shard-boundary policy
