@@ -10,7 +10,6 @@ section, and `validate.py` checks what spans sections. Choices are `str` enums b
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -536,14 +535,13 @@ class MlflowConfig:
             raise UserInputError("logging.mlflow.experiment is empty: name the MLflow experiment")
 
 
-# Query parameter names that carry a secret (matched in the lower-cased name): token, api_key,
-# access_token, password, client_secret, auth, X-Amz-Signature, sig (a SAS), ...
-_SECRET_PARAMETER = re.compile(r"token|passw|pwd|secret|key|auth|credential|signature|^sig$")
-
-
 def _credential_in_uri(uri: str) -> Optional[str]:
-    """Where `uri` holds a credential (said without quoting it), or None."""
-    from urllib.parse import parse_qsl, urlsplit
+    """Where `uri` may hold a credential (said without quoting it), or None. A tracking server
+    needs no user information, query, fragment or path parameter, and a credential can hide in any
+    of them under any name (`;token=`, `?jwt=`, `?t=`, `?SAS=`), so each is refused whatever it is
+    called. The one exception is sqlite's query (`sqlite:///runs/mlflow.db?timeout=20`): a local
+    file has no credential, and its query holds sqlite's own options."""
+    from urllib.parse import urlsplit
 
     try:
         parts = urlsplit(uri)
@@ -551,9 +549,10 @@ def _credential_in_uri(uri: str) -> Optional[str]:
         raise UserInputError(f"logging.mlflow.tracking_uri is not a URI ({exc}); give e.g. http://host:5000") from None
     if "@" in parts.netloc:
         return "a user name or password before the host"
-    for name, _ in parse_qsl(parts.query, keep_blank_values=True):
-        if _SECRET_PARAMETER.search(name.lower()):
-            return f"the query parameter {name}"
+    if ";" in parts.path or ";" in parts.netloc:
+        return "a parameter after ; in the path"
+    if (parts.query or uri.rstrip("#").endswith("?")) and parts.scheme.lower() != "sqlite":
+        return "a query after ?"
     if parts.fragment:
         return "a fragment after #"
     return None

@@ -1,5 +1,6 @@
-"""A tracking URI never carries a credential: whatever part of it holds one (a user name or password
-before the host, a query parameter such as token or api_key, a fragment), the job is refused in
+"""A tracking URI never carries a credential: whatever part of it could hold one (a user name or
+password before the host, a query under any parameter name, a path parameter after `;`, a
+fragment), the job is refused in
 one line naming logging.mlflow.tracking_uri and MLflow's own environment variables, quoting
 nothing of the secret, and nothing is written (config.yaml would carry it to the trackers)."""
 
@@ -21,6 +22,15 @@ URIS = [
     f"https://mlflow.example/?client_secret={SECRET}",
     f"https://mlflow.example/#{SECRET}",
     f"https://mlflow.example/#token={SECRET}",
+    # Under names no list of secret names knows: any query, any path parameter is refused.
+    f"https://mlflow.example/api;token={SECRET}",
+    f"https://mlflow.example/;{SECRET}",
+    f"https://mlflow.example/?jwt={SECRET}",
+    f"https://mlflow.example/?bearer={SECRET}",
+    f"https://mlflow.example/?t={SECRET}",
+    f"https://mlflow.example/?SAS={SECRET}",
+    f"https://mlflow.example/?{SECRET}",
+    f"postgresql://db.example/mlflow?pw={SECRET}",
 ]
 
 

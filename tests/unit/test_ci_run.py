@@ -109,3 +109,47 @@ def test_ci_run_ends_with_the_summary_and_keeps_the_tests_status(tmp_path):
     ]
     assert out.stdout.endswith(_summary(reports)), out.stdout
     assert "skipped: 2\n" in out.stdout
+
+
+def _ci_with_apt(tmp_path, apt_install_status: int, tools: tuple):
+    """.ci/run as root (a stand-in `id`) with a stand-in apt-get whose install exits
+    `apt_install_status`, the commands `tools` on PATH, and a make that only logs its calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "id": "#!/bin/sh\necho 0\n",
+        "apt-get": f'#!/bin/sh\n[ "$1" = install ] && exit {apt_install_status}\nexit 0\n',
+        "make": f'#!/bin/sh\necho "make $*" >> {tmp_path}/make.log\n',
+        **{tool: "#!/bin/sh\nexit 0\n" for tool in tools},
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    os.symlink(shutil.which("dirname"), bin_dir / "dirname")
+    return subprocess.run(
+        [shutil.which("bash"), str(REPO / ".ci" / "run")],
+        env={"PATH": str(bin_dir), "TEST_REPORTS": str(tmp_path / "reports"), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_system_package_that_does_not_install_fails_ci_before_the_tests(tmp_path):
+    """apt-get failing to install what the Slurm tests need is CI's failure, not skipped tests."""
+    out = _ci_with_apt(tmp_path, apt_install_status=100, tools=())
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "error: apt-get install slurm-wlm munge shellcheck failed" in out.stderr
+    assert not (tmp_path / "make.log").exists()  # neither the venv nor the tests ran
+
+
+def test_an_installed_package_without_its_command_fails_ci(tmp_path):
+    out = _ci_with_apt(tmp_path, apt_install_status=0, tools=("slurmctld", "slurmd"))
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "error: munged is not on PATH" in out.stderr
+    assert not (tmp_path / "make.log").exists()
+
+
+def test_installed_system_packages_lead_on_to_the_tests(tmp_path):
+    out = _ci_with_apt(tmp_path, apt_install_status=0, tools=("slurmctld", "slurmd", "munged"))
+    assert (tmp_path / "make.log").read_text().splitlines()[:2] == ["make venv", "make lint"], out.stderr
