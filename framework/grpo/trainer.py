@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import UserInputError
-from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, import_starting_weights
+from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, load_starting_weights
 from framework.finetune.reference import token_logps as _token_logps
 from framework.generation import generate
 from framework.grpo.data import build_grpo_data
@@ -97,7 +97,7 @@ class GRPOTrainer(Trainer):
 
     def fit(self, started=None) -> int:
         if self.reference is not None:
-            import_starting_weights(self)  # before any resume (which on a fresh start reads them again)
+            load_starting_weights(self)  # before any resume (a fresh start's reads them again)
             copy_policy_into(self.model, self.reference)
         return super().fit(started)
 

@@ -114,6 +114,44 @@ def test_a_resume_after_two_of_four_steps_is_exact(two_ranks, prompts):
             assert mine[name] == theirs[name], (name, mine, theirs)
 
 
+@pytest.fixture(scope="module")
+def from_pretraining(prompts):
+    """stage=grpo for 4 steps from a pre-training run's checkpoint (saved at its step 4), a checkpoint
+    after step 2; on 1 rank."""
+    from conftest import pretraining_checkpoint, run_main
+
+    start = pretraining_checkpoint(prompts, prompts / "tok.json")
+    run = prompts / "from_pretraining"
+    extra = [f"checkpoint.resume={start}", "checkpoint.interval=2", "cluster.nproc_per_node=1"]
+    out = run_main(_grpo(prompts, run, *extra), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"initialised the model from {start} (saved by stage=training at step 4)" in out.stderr, out.stderr[-3000:]
+    return run, _records(run)
+
+
+def test_from_a_pretraining_checkpoint_it_starts_at_step_0_with_those_weights_as_reference(from_pretraining):
+    _, records = from_pretraining
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # its own schedule: not the pre-training's position
+    assert records[0]["kl"] == 0.0  # the reference is the loaded model, the policy before its first update
+    assert records[0]["lr"] == pytest.approx(0.05)  # this job's optimizer.lr, not the checkpoint's schedule
+    assert records[-1]["kl"] > 0
+
+
+def test_a_resume_of_a_run_started_from_pretraining_continues_it_with_the_same_reference(prompts, from_pretraining):
+    from conftest import run_main
+
+    run, straight = from_pretraining
+    resumed = prompts / "from_pretraining_resumed"
+    extra = [f"checkpoint.resume={run / 'checkpoints' / 'step_00000002'}", "cluster.nproc_per_node=1"]
+    out = run_main(_grpo(prompts, resumed, *extra), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records] == [3, 4]
+    for mine, theirs in zip(records, straight[2:]):  # kl reads the reference: the pre-trained model
+        for name in ("loss", "reward", "kl", "completion_length", "grad_norm"):
+            assert mine[name] == theirs[name], (name, mine, theirs)
+
+
 def test_with_lora_the_reference_is_the_policy_without_its_adapters(prompts):
     from conftest import run_main
 
