@@ -285,7 +285,10 @@ class CheckpointManager:
         of another stage]."""
         if self.cfg.stage.value not in TRAINING_STAGES:
             return None
-        saved = layout.read_manifest(path).get("config", {}).get("stage")
+        try:
+            saved = layout.read_manifest(path).get("config", {}).get("stage")
+        except layout.CheckpointError:  # load() names what is wrong with it, and the previous good one
+            return None
         if not isinstance(saved, str) or saved == self.cfg.stage.value:
             return None
         root = os.path.abspath(self.root)
@@ -312,7 +315,9 @@ class CheckpointManager:
             else:
                 start = contents.read_train_state(path).get("start")  # absent: a start without one
                 start = start if isinstance(start, str) and start else None
-        except (layout.CheckpointError, ValueError) as exc:
+        except layout.CheckpointError:  # a damaged checkpoint: load() says so, naming the previous good one
+            start = None
+        except ValueError as exc:
             self._refuse(str(exc))
         self._start = start
         return start
