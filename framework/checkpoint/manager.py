@@ -32,6 +32,20 @@ from framework.errors import (
 from framework.peft.lora import adapter_state, is_adapter, merged_sharded_state
 from framework.runtime import Runtime
 
+# The stages that train, and so continue a checkpoint of their own stage.
+TRAINING_STAGES = ("training", "fine_tuning", "dpo", "grpo")
+
+# [Note: a checkpoint of another stage]
+# A checkpoint records the stage that saved it (its manifest's config.stage). A training stage
+# given one saved by another stage (stage=dpo from a pre-training or fine-tuning step directory)
+# starts from its weights alone, at step 0, with its own optimizer, LR schedule, data position and
+# RNG: that run's position means nothing here. Its checkpoints then record that directory as
+# train_state.json's `start`, so a resume of this stage knows the weights it started from (the
+# reference of stage=dpo and stage=grpo is exactly those). A checkpoint whose manifest names no
+# stage is taken as this job's own and continued. A checkpoint of another stage inside this job's
+# checkpoint.dir is refused: the two runs' step directories would mix there (`auto` would pick
+# either). checkpoint.init_from (an export) is the other way to start from trained weights.
+
 
 def _git_revision() -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,6 +80,8 @@ class CheckpointManager:
         self.engine = cfg.parallelism.engine
         self._sharded = engine_of(self.engine)  # its state dicts (framework/distributed/engines.py)
         self._last_saved = -1
+        self._start = False  # start_of_run's answer once known (False: not yet asked)
+        self._announced = None  # the other stage's checkpoint whose weights were loaded and said so
         self._pending = None  # (future, tmp_dir, step) of an async save not yet committed
         # Async saves run their collectives in a background thread: they get their own gloo group,
         # so they never interleave with the training loop's collectives on the default group.
@@ -98,6 +114,7 @@ class CheckpointManager:
         step = state.step
         if step == self._last_saved:
             return
+        start = self.start_of_run()  # every rank (it may refuse), before rank 0 writes it
         self._finalize_pending()
         tmp = os.path.join(self.root, f"{layout.step_dir_name(step)}.tmp-{self._token}")
         model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
@@ -117,6 +134,7 @@ class CheckpointManager:
                         "scheduler": state.scheduler.state_dict(),
                         "train_loader": state.train_loader.state_dict(),
                         "optimizer_param_groups": groups,
+                        "start": start,  # [Note: a checkpoint of another stage]
                     },
                 )
 
@@ -240,30 +258,106 @@ class CheckpointManager:
 
     # ---- resuming ----
 
-    def resume(self, state) -> int:
-        """Restore `state` from the checkpoint checkpoint.resume names (auto: the latest complete
-        one); import checkpoint.init_from on a fresh start. Returns the step to continue from."""
+    def _resume_path(self) -> Optional[str]:
+        """The step directory checkpoint.resume names (auto: the latest complete one), or None."""
         c = self.cfg.checkpoint
-        try:
-            if c.resume == "auto":
-                path = layout.latest_checkpoint(self.root)
-            elif c.resume in ("none", ""):
-                path = None
-            elif os.path.isdir(c.resume) and layout.step_of(c.resume) is None:
-                path = layout.latest_checkpoint(c.resume)  # a checkpoints directory: its latest
-                if path is None:
-                    self._refuse(
-                        f"checkpoint.resume={c.resume}: no complete checkpoint in this directory; "
-                        "name a step_* directory, or use 'auto' or 'none'"
-                    )
-            else:
-                path = c.resume
+        if c.resume == "auto":
+            return layout.latest_checkpoint(self.root)
+        if c.resume in ("none", ""):
+            return None
+        if os.path.isdir(c.resume) and layout.step_of(c.resume) is None:
+            path = layout.latest_checkpoint(c.resume)  # a checkpoints directory: its latest
             if path is None:
-                from framework.models.registry import family_of
+                self._refuse(
+                    f"checkpoint.resume={c.resume}: no complete checkpoint in this directory; "
+                    "name a step_* directory, or use 'auto' or 'none'"
+                )
+            return path
+        return c.resume
 
-                source = c.init_from or family_of(self.cfg.model).weights_dir(self.cfg.model)
+    def _imported_source(self) -> str:
+        from framework.models.registry import family_of
+
+        return self.cfg.checkpoint.init_from or family_of(self.cfg.model).weights_dir(self.cfg.model)
+
+    def _other_stage(self, path: str) -> Optional[str]:
+        """The stage that saved `path` when it is not this training job's: see [Note: a checkpoint
+        of another stage]."""
+        if self.cfg.stage.value not in TRAINING_STAGES:
+            return None
+        try:
+            saved = layout.read_manifest(path).get("config", {}).get("stage")
+        except layout.CheckpointError:  # load() names what is wrong with it, and the previous good one
+            return None
+        if not isinstance(saved, str) or saved == self.cfg.stage.value:
+            return None
+        root = os.path.abspath(self.root)
+        if os.path.commonpath([root, os.path.abspath(path)]) == root:
+            self._refuse(
+                f"checkpoint.resume: {path} was saved by stage={saved} in this job's checkpoint.dir ({self.root}), "
+                f"where stage={self.cfg.stage.value}'s own checkpoints would mix with it: give this stage its own "
+                f"run directory (hydra.run.dir) and checkpoint.resume={os.path.abspath(path)} to start from its weights"
+            )
+        return saved
+
+    def start_of_run(self) -> Optional[str]:
+        """The other stage's step directory this run's weights started from (None: the seeded
+        initialisation or the import), as this job's checkpoint.resume and, on a resume of this
+        stage, its checkpoint's train_state.json say."""
+        if self._start is not False:
+            return self._start
+        try:
+            path = self._resume_path()
+            if path is None:
+                start = None
+            elif self._other_stage(path):
+                start = os.path.abspath(path)
+            else:
+                start = contents.read_train_state(path).get("start")  # absent: a start without one
+                start = start if isinstance(start, str) and start else None
+        except layout.CheckpointError:  # a damaged checkpoint: load() says so, naming the previous good one
+            start = None
+        except ValueError as exc:
+            self._refuse(str(exc))
+        self._start = start
+        return start
+
+    def load_starting_weights(self, state) -> None:
+        """The weights this run started from into `state.model`, before any resume: the other
+        stage's checkpoint (start_of_run), else the import (checkpoint.init_from, model.path), else
+        nothing (the seeded initialisation stays). stage=dpo and stage=grpo copy them into their
+        reference ([Note: the reference model] in framework/dpo/trainer.py)."""
+        start = self.start_of_run()
+        try:
+            if start is None:
+                source = self._imported_source()
                 if source:
                     self.import_weights(state, source)
+                return
+            if not os.path.isdir(start):
+                self._refuse(
+                    f"checkpoint.resume: this run started from the weights of {start}, which is gone; the reference "
+                    "model is those weights: restore that directory, or start afresh"
+                )
+            self.load(state, start, weights_only=True)
+        except (layout.CheckpointError, ValueError) as exc:
+            self._refuse(str(exc))
+
+    def resume(self, state) -> int:
+        """Restore `state` from the checkpoint checkpoint.resume names (auto: the latest complete
+        one); import checkpoint.init_from on a fresh start; only the weights of a checkpoint of
+        another stage ([Note: a checkpoint of another stage]). Returns the step to continue from."""
+        c = self.cfg.checkpoint
+        self.start_of_run()  # kept for this run's saves
+        try:
+            path = self._resume_path()
+            if path is None:
+                source = self._imported_source()
+                if source:
+                    self.import_weights(state, source)
+                return 0
+            if self._other_stage(path):
+                self.load(state, path, weights_only=True)
                 return 0
             if self.cfg.peft.lora.enabled and c.init_from:
                 self.import_weights(state, c.init_from)  # the frozen base; the checkpoint holds the adapters
@@ -277,7 +371,9 @@ class CheckpointManager:
             print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_BAD_CHECKPOINT)
 
-    def load(self, state, path: str) -> int:
+    def load(self, state, path: str, weights_only: bool = False) -> int:
+        """Restore `state` from the step directory `path`; with `weights_only`, the model's weights
+        alone (the optimizer, LR schedule, data position and RNG stay this job's fresh ones)."""
         path = os.path.abspath(path)
         try:
             manifest = layout.read_manifest(path)
@@ -293,6 +389,8 @@ class CheckpointManager:
             raise layout.CheckpointError(layout.integrity_message(path, problems, find_good=self.rt.is_main))
         # The small files each rank reads are checked on every rank, and the ranks agree, before
         # anything is loaded: a lie in one rank's RNG file is refused by all, in one line.
+        if weights_only:
+            return self._load_weights(state, path, manifest)
         saved, rng, problem = None, None, None
         try:
             saved = contents.read_train_state(path)
@@ -331,6 +429,30 @@ class CheckpointManager:
                 flush=True,
             )
         return int(saved["step"])
+
+    def _load_weights(self, state, path: str, manifest: dict) -> int:
+        self._check_same_model(path, manifest)
+        saved = manifest.get("config", {})
+        if saved.get("peft", {}).get("lora", {}).get("enabled"):
+            raise layout.CheckpointError(
+                f"checkpoint.resume: {path} holds LoRA adapters only (stage={saved.get('stage')}); start from its "
+                "merged model instead: its export (checkpoint.export_safetensors=true) as checkpoint.init_from"
+            )
+        model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
+        adapters = {k: v for k, v in model_sd.items() if is_adapter(k)}  # LoRA's own: not in the file
+        app = {"model": {k: v for k, v in model_sd.items() if not is_adapter(k)}}
+        dcp_load(app, path)
+        self._sharded.set_state_dicts(state.model, state.optimizer, {**app["model"], **adapters}, optim_sd)
+        state.optimizer.state.clear()  # a fresh optimizer, as after an import (import_weights)
+        if self.rt.is_main and self._announced != path:  # said once (the reference's load, then the resume's)
+            self._announced = path
+            print(
+                f"initialised the model from {path} (saved by stage={saved.get('stage')} at step "
+                f"{manifest.get('step')}); stage={self.cfg.stage.value} starts at step 0",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 0
 
     def _check_same_optimizer(self, path: str, manifest: dict) -> None:
         """Refuse an optimizer that cannot take the saved state (before any state is touched); say

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List
+from enum import Enum
+from typing import List, Optional
 
 from framework.errors import UserInputError
 
 # The built-in rewards (framework/grpo/rewards.py): each scores one completion.
 BUILTIN_REWARDS = ("exact_match", "format", "length")
+
+# grpo.scale_rewards: TRL's values, and its booleans (true: group, false: none)
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+class GRPOLoss(str, Enum):
+    """How the token terms of [Note: the GRPO objective] (framework/grpo/loss.py) are averaged:
+    TRL's loss_type values of the same names."""
+
+    grpo = "grpo"  # each completion's token mean, then the mean over completions
+    dapo = "dapo"  # the sum over the global batch's completion tokens / their count
+    dr_grpo = "dr_grpo"  # the sum over a micro-batch's tokens / (its completions x grpo.max_new_tokens)
+    bnpo = "bnpo"  # the sum over a micro-batch's tokens / their count (depends on the micro-batch size)
 
 
 @dataclass
@@ -22,8 +36,14 @@ class GRPOConfig:
     temperature: float = 1.0  # sampling temperature; the log-probabilities use the same one (as TRL)
     top_k: int = 0  # 0: the whole vocabulary
     top_p: float = 1.0
-    epsilon: float = 0.2  # the ratio's clip range [1 - epsilon, 1 + epsilon]
-    beta: float = 0.04  # the KL penalty to the frozen reference; 0: no reference is built
+    epsilon: float = 0.2  # the ratio's clip range [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # the clip range's upper side; None: epsilon (TRL's default)
+    # The KL penalty to the frozen reference; 0 (TRL's default): no reference model is built at all
+    beta: float = 0.0
+    loss_type: GRPOLoss = GRPOLoss.dapo  # TRL's default
+    # The advantages' divisor: group (the group's reward std, TRL's default), batch (the global
+    # batch's), none (no division: Dr. GRPO); true and false are TRL's group and none
+    scale_rewards: str = "group"
     # The KL term times the ratio (importance-sampled to the current policy; TRL's default
     # use_bias_correction_kl=True); false: the plain estimate
     kl_bias_correction: bool = True
@@ -38,8 +58,9 @@ class GRPOConfig:
     format_regex: str = r"^ ?-?\d+$"  # format: 1 when the completion's text matches (re.search), else 0
     length_target: int = 8  # length: 1 - |tokens - target| / target, at least 0
     # A reward function of the user's own: "module.path:function" or "<path>.py:function", called as
-    # fn(prompts, completions, answers) -> list of floats. It runs the user's code in every rank, so it
-    # is loaded only with trust_reward_code=true.
+    # TRL's GRPOTrainer calls one: fn(prompts=, completions=, completion_ids=, **columns) -> list of
+    # floats ([Note: the GRPO rewards] in framework/grpo/rewards.py). It runs the user's code in every
+    # rank, so it is loaded only with trust_reward_code=true.
     reward_module: str = ""
     trust_reward_code: bool = False  # true: import and run reward_module's code
     disable_dropout: bool = True
@@ -57,6 +78,16 @@ class GRPOConfig:
             raise UserInputError(f"grpo.top_p={self.top_p}, grpo.top_k={self.top_k}: top_p in (0, 1], top_k >= 0")
         if not 0 < self.epsilon < 1:
             raise UserInputError(f"grpo.epsilon={self.epsilon}: must be in (0, 1)")
+        if self.epsilon_high is not None and not 0 < self.epsilon_high < math.inf:
+            raise UserInputError(f"grpo.epsilon_high={self.epsilon_high}: must be > 0 and finite (unset: grpo.epsilon)")
+        self.loss_type = GRPOLoss(self.loss_type)
+        scale = {"true": "group", "false": "none"}.get(str(self.scale_rewards).lower(), str(self.scale_rewards))
+        if scale not in SCALE_REWARDS:
+            raise UserInputError(
+                f"grpo.scale_rewards={self.scale_rewards!r}: choose from {', '.join(SCALE_REWARDS)} (or true: group, "
+                "false: none)"
+            )
+        self.scale_rewards = scale
         if not 0 <= self.beta < math.inf:
             raise UserInputError(f"grpo.beta={self.beta}: must be >= 0 and finite (0: no reference model)")
         if self.iterations < 1:

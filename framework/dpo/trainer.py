@@ -8,9 +8,12 @@ reference is either
 - otherwise: a second copy built and sharded exactly as the policy (the same family, tensor-parallel
   plan and engine over the same mesh), every parameter frozen, in eval mode, given the policy's
   starting weights shard by shard (the two layouts are the same, so each rank copies its own
-  pieces). The starting weights are the seeded initialisation or the import (checkpoint.init_from,
-  model.path), read before any resume (a fresh start's resume reads the import once more), so the
-  reference is the starting model, not the resumed policy. A checkpoint holds the policy only.
+  pieces). The starting weights are the seeded initialisation, the import (checkpoint.init_from,
+  model.path) or the checkpoint of another stage the run started from ([Note: a checkpoint of
+  another stage] in framework/checkpoint/manager.py: a resume of this stage finds it in its
+  checkpoint's train_state.json), read before any resume (a fresh start's resume reads them once
+  more), so the reference is the starting model, not the resumed policy. A checkpoint holds the
+  policy only.
 SimPO needs no reference; none is built.
 
 The reference runs under torch.no_grad() before the policy's forward of the same micro-batch, so
@@ -31,7 +34,7 @@ from framework.config.dpo import PreferenceLoss
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.dpo.data import build_dpo_data
 from framework.dpo.loss import STAT_NAMES, pair_logps, preference_loss
-from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, import_starting_weights
+from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, load_starting_weights
 from framework.models.tasks import to_device
 from framework.trainer import Trainer
 
@@ -76,7 +79,7 @@ class DPOTrainer(Trainer):
 
     def fit(self, started=None) -> int:
         if self.reference is not None:
-            import_starting_weights(self)  # before any resume (which on a fresh start reads them again)
+            load_starting_weights(self)  # before any resume (a fresh start's reads them again)
             copy_policy_into(self.model, self.reference)
         return super().fit(started)
 

@@ -65,9 +65,9 @@ def copy_policy_into(policy: nn.Module, reference: nn.Module) -> None:
         ref_buffers[name].copy_(buffer)
 
 
-def import_starting_weights(trainer) -> None:
-    """The starting weights (checkpoint.init_from, model.path) read into the policy before any
-    resume, so a reference copied now is the starting model, not the resumed policy."""
-    source = trainer.cfg.checkpoint.init_from or trainer.family.weights_dir(trainer.cfg.model)
-    if source:
-        trainer.ckpt.import_weights(trainer.state, source)
+def load_starting_weights(trainer) -> None:
+    """The weights the run started from read into the policy before any resume (the other stage's
+    checkpoint it started from, checkpoint.init_from, model.path; none: the seeded initialisation
+    stays), so a reference copied now is the starting model, not the resumed policy."""
+    if trainer.ckpt is not None:  # none: no resume, no import, so the policy is the seeded initialisation
+        trainer.ckpt.load_starting_weights(trainer.state)

@@ -10,7 +10,7 @@ trainer keeps the prompts and reads the ones of its rows.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List
 
 import torch
@@ -25,6 +25,7 @@ class Prompt:
     ids: List[int]
     text: str  # the prompt as the model sees it (chat: the rendered template)
     answer: str  # "" when the records have no answer column
+    record: dict = field(default_factory=dict)  # the record's columns (a reward function of the user's gets them)
 
 
 def _is_messages(value) -> bool:
@@ -77,9 +78,10 @@ def read_prompts(cfg: Config, tok) -> List[Prompt]:
                 "name its columns with data.hf.prompt_field and grpo.answer_field"
             )
         for number, record in enumerate(ds, 1):
-            prompts.append(
-                encode_prompt(record, tok, h.prompt_field, g.answer_field, need_answer, f"{path}: record {number}")
-            )
+            prompt = encode_prompt(record, tok, h.prompt_field, g.answer_field, need_answer, f"{path}: record {number}")
+            if g.reward_module:  # its function gets the record's columns, as TRL passes them
+                prompt.record = dict(record)
+            prompts.append(prompt)
     return prompts
 
 

@@ -9,10 +9,17 @@ A completion's reward is the weighted sum (grpo.reward_weights, default 1 each) 
 - length: 1 - |n - grpo.length_target| / grpo.length_target, at least 0, n the completion's tokens
   (its end-of-text included);
 - the user's function (grpo.reward_module="pkg.module:fn" or "path/file.py:fn"), loaded only with
-  grpo.trust_reward_code=true: fn(prompts, completions, answers) -> one number per completion,
-  given the batch's prompt texts, completion texts and answers as lists of strings. It runs the
-  user's code in every rank. A function that raises, or returns anything but one finite number per
-  completion, ends the job in one `error:` line (status 2) on every rank.
+  grpo.trust_reward_code=true, called as TRL calls a reward function:
+  fn(prompts=..., completions=..., completion_ids=..., **columns) -> one number per completion,
+  all lists with one entry per completion (a prompt's group adjacent): `prompts` the records' prompt
+  column as given (a string, or chat turns: a list of {role, content}); `completions` the
+  completions' texts, or for chat prompts each a one-turn conversation
+  [{"role": "assistant", "content": text}]; `completion_ids` their token ids (the end-of-text
+  included when sampled); and every other column of the records by its name. A function written
+  for TRL's GRPOTrainer (`def fn(completions, **kwargs)`) runs unchanged. It runs the user's code
+  in every rank. A function that raises is the user's code failing: its traceback is shown and the
+  job exits with status 1 on every rank. One that returns anything but one finite number per
+  completion ends the job in one `error:` line (status 2).
 """
 
 from __future__ import annotations
@@ -73,37 +80,43 @@ def load_reward_function(spec: str) -> Callable:
 class Rewards:
     """Scores completions by [Note: the GRPO rewards]."""
 
-    def __init__(self, cfg: GRPOConfig):
+    def __init__(self, cfg: GRPOConfig, prompt_field: str = "prompt"):
         self.cfg = cfg
+        self.prompt_field = prompt_field  # the records' prompt column (data.hf.prompt_field)
         self.user = load_reward_function(cfg.reward_module) if cfg.reward_module else None
         count = len(cfg.rewards) + (self.user is not None)
         self.weights = cfg.reward_weights or [1.0] * count
         self.names = list(cfg.rewards) + (["user"] if self.user is not None else [])
         self.last: dict = {}
 
-    def __call__(
-        self, prompts: Sequence[str], texts: Sequence[str], lengths: Sequence[int], answers: Sequence[str]
-    ) -> List[float]:
+    def __call__(self, prompts: Sequence, texts: Sequence[str], token_ids: Sequence[Sequence[int]]) -> List[float]:
+        """The completions' rewards: `prompts` (framework/grpo/data.py's Prompt) one per completion."""
         c = self.cfg
         columns = []
         for name in c.rewards:
             if name == "exact_match":
-                columns.append([exact_match(t, a, c.answer_regex) for t, a in zip(texts, answers)])
+                columns.append([exact_match(t, p.answer, c.answer_regex) for t, p in zip(texts, prompts)])
             elif name == "format":
                 columns.append([format_reward(t, c.format_regex) for t in texts])
             else:
-                columns.append([length_reward(n, c.length_target) for n in lengths])
+                columns.append([length_reward(len(ids), c.length_target) for ids in token_ids])
         if self.user is not None:
-            columns.append(self._user(list(prompts), list(texts), list(answers)))
+            columns.append(self._user(prompts, list(texts), token_ids))
         self.last = dict(zip(self.names, columns))  # each reward's own scores, unweighted (for the metrics)
         return [sum(w * col[i] for w, col in zip(self.weights, columns)) for i in range(len(texts))]
 
-    def _user(self, prompts: list, texts: list, answers: list) -> List[float]:
-        spec = self.cfg.reward_module
-        try:
-            out = self.user(prompts, texts, answers)
-        except Exception as exc:  # noqa: BLE001 - the user's code failed: their input, said in one line
-            raise UserInputError(f"grpo.reward_module={spec!r} raised {type(exc).__name__}: {exc}") from None
+    def _user(self, prompts: Sequence, texts: list, token_ids: Sequence[Sequence[int]]) -> List[float]:
+        """The user's function called as TRL's GRPOTrainer calls one. What it raises propagates: the
+        user's code failing, with its traceback."""
+        spec, field = self.cfg.reward_module, self.prompt_field
+        records = [p.record or {field: p.text} for p in prompts]
+        given = [r.get(field, p.text) for r, p in zip(records, prompts)]
+        chat = [isinstance(g, list) for g in given]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        reserved = (field, "prompts", "completions", "completion_ids")  # the columns that are not passed as such
+        names = [k for k in dict.fromkeys(k for r in records for k in r) if k not in reserved]
+        kwargs = {name: [r.get(name) for r in records] for name in names}
+        out = self.user(prompts=given, completions=completions, completion_ids=[list(i) for i in token_ids], **kwargs)
         try:
             values = [float(v) for v in out]
         except (TypeError, ValueError):

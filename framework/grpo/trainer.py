@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import UserInputError
-from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, import_starting_weights
+from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, load_starting_weights
 from framework.finetune.reference import token_logps as _token_logps
 from framework.generation import generate
 from framework.grpo.data import build_grpo_data
@@ -73,7 +73,8 @@ class GRPOTrainer(Trainer):
         if g.disable_dropout:
             disable_dropout(self.model)
         self.train_prompts, self.valid_prompts = self.data.prompts
-        self.rewards = Rewards(g)  # the user's module is imported here, before anything is written
+        # the user's module is imported here, before anything is written
+        self.rewards = Rewards(g, cfg.data.hf.prompt_field)
         self._check_positions()
         self.reference = None
         if g.beta != 0 and not cfg.peft.lora.enabled:
@@ -97,7 +98,7 @@ class GRPOTrainer(Trainer):
 
     def fit(self, started=None) -> int:
         if self.reference is not None:
-            import_starting_weights(self)  # before any resume (which on a fresh start reads them again)
+            load_starting_weights(self)  # before any resume (a fresh start's reads them again)
             copy_policy_into(self.model, self.reference)
         return super().fit(started)
 
@@ -114,25 +115,29 @@ class GRPOTrainer(Trainer):
                 return self._logps(self.model, ids, targets)
 
     def _scores(self, prompts, done, group: int) -> List[float]:
-        """The completions' rewards (`group` per prompt, adjacent); a reward that fails on any rank
-        ends every rank in one line."""
-        problem, scores = None, []
+        """The completions' rewards (`group` per prompt, adjacent). A reward that refuses its output on
+        any rank ends every rank in one line; a reward function that raises on any rank ends every
+        rank, that one with its own traceback (the user's code failing: status 1)."""
+        problem, scores, failure = None, [], None
         try:
-            scores = (
-                []
-                if not done
-                else self.rewards(
-                    [p.text for p in prompts for _ in range(group)],
-                    [c.text for c in done],
-                    [len(c.token_ids) for c in done],
-                    [p.answer for p in prompts for _ in range(group)],
-                )
-            )
+            if done:
+                each = [p for p in prompts for _ in range(group)]
+                scores = self.rewards(each, [c.text for c in done], [c.token_ids for c in done])
         except UserInputError as exc:
-            problem, scores = str(exc), []
+            problem = ("input", str(exc))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
+            problem, failure = ("raised", f"{type(exc).__name__}: {exc}"), exc
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p), None)
+        if failure is not None:
+            raise failure
+        raised = next(((r, p[1]) for r, p in enumerate(problems) if p and p[0] == "raised"), None)
+        if raised:
+            raise RuntimeError(
+                f"grpo.reward_module={self.cfg.grpo.reward_module!r} raised on rank {raised[0]}: {raised[1]} "
+                "(its traceback is that rank's)"
+            )
+        first = next((p[1] for p in problems if p), None)
         if first:
             raise UserInputError(first)
         return scores
@@ -164,7 +169,8 @@ class GRPOTrainer(Trainer):
         prompts, done = self.rollouts(step, indices)
         rewards = torch.tensor(self._scores(prompts, done, group), dtype=torch.float32)
         parts = [sum(self.rewards.last.get(name, [])) for name in self.rewards.names]
-        advantages = group_advantages(rewards, group).to(device)
+        spread = self._batch_std(rewards) if g.scale_rewards == "batch" else None
+        advantages = group_advantages(rewards, group, g.scale_rewards, spread).to(device)
         per_micro = len(done) // accum
         micro = []  # (ids, targets, old log-probs, reference log-probs, advantages) per micro-batch
         for m in range(accum):
@@ -179,6 +185,10 @@ class GRPOTrainer(Trainer):
                         old = self._logps(model, ids, targets)
                 ref = self._reference_logps(ids, targets) if g.beta != 0 else None
             micro.append((ids, targets, old, ref, advantages[part]))
+        # dapo: the global batch's completion tokens per micro-batch and data-parallel rank
+        tokens = torch.tensor(float(sum(len(c.token_ids) for c in done)), dtype=torch.float64, device=device)
+        dist.all_reduce(tokens)  # tensor-parallel ranks count their group's tokens too: divided by tp
+        per_micro_tokens = float(tokens) / self.dims.tp / (accum * self.dims.dp)
         out = {"lr": self.scheduler.get_last_lr()[0]}
         # kl and its tokens over the first iteration (the rollout policy against the reference);
         # clipped tokens and tokens over every iteration (the first clips nothing: its ratios are 1)
@@ -191,7 +201,20 @@ class GRPOTrainer(Trainer):
                     logps = self._logps(model, ids, targets)
                     mask = targets != IGNORE_INDEX
                     old = logps.detach() if old is None else old
-                    loss, sums = grpo_loss(logps, old, ref, adv, mask, g.epsilon, g.beta, g.kl_bias_correction)
+                    loss, sums = grpo_loss(
+                        logps,
+                        old,
+                        ref,
+                        adv,
+                        mask,
+                        g.epsilon,
+                        g.beta,
+                        g.kl_bias_correction,
+                        loss_type=g.loss_type,
+                        epsilon_high=g.epsilon_high,
+                        max_completion_length=g.max_new_tokens,
+                        tokens_per_micro_batch=per_micro_tokens,
+                    )
                     (loss / accum).backward()
                 total += full(loss.detach()) / accum
                 first = float(iteration == 0)
@@ -208,6 +231,15 @@ class GRPOTrainer(Trainer):
         if read:
             out.update(self._rollout_metrics(rewards, done, stats, parts))
         return out
+
+    def _batch_std(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The std (Bessel's) of the global batch's rewards (grpo.scale_rewards=batch)."""
+        r = rewards.double()
+        sums = torch.stack([r.new_tensor(float(r.numel())), r.sum(), (r * r).sum()]).to(self.rt.device)
+        dist.all_reduce(sums)  # tensor-parallel ranks hold the same rewards: each sum tp times
+        n, total, squares = (sums / self.dims.tp).tolist()
+        variance = max(squares - total * total / n, 0.0) / max(n - 1.0, 1.0)
+        return torch.tensor(variance**0.5, dtype=rewards.dtype)
 
     def _rollout_metrics(self, rewards: torch.Tensor, done, stats: torch.Tensor, parts: list) -> Dict[str, float]:
         """The global batch's reward mean (and each reward's, unweighted: `rewards/<name>`), the mean

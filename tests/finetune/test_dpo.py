@@ -120,6 +120,46 @@ def test_from_an_export_the_reference_is_the_imported_model(two_ranks, pairs):
     assert abs(first["logps/chosen"] - straight[0]["logps/chosen"]) > 1e-3  # which are not the seeded ones
 
 
+@pytest.fixture(scope="module")
+def from_pretraining(pairs):
+    """stage=dpo for 4 steps from a pre-training run's checkpoint (saved at its step 4, with another
+    optimizer), a checkpoint after step 2; on 1 rank."""
+    from conftest import pretraining_checkpoint, run_main
+
+    start = pretraining_checkpoint(pairs, pairs / "tok.json")
+    run = pairs / "from_pretraining"
+    extra = [f"checkpoint.resume={start}", "checkpoint.interval=2", "cluster.nproc_per_node=1", "trainer.max_steps=4"]
+    out = run_main(_dpo(pairs, run, *extra), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, _records(run)
+
+
+def test_from_a_pretraining_checkpoint_it_starts_at_step_0_with_those_weights_as_reference(two_ranks, from_pretraining):
+    run, records = from_pretraining
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # its own schedule: not the pre-training's position
+    first = records[0]
+    assert abs(first["loss"] - math.log(2)) < 1e-6, first  # the reference is the policy: the loaded weights
+    assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0, first
+    assert first["lr"] == pytest.approx(0.05)  # optimizer=sgd's own learning rate, not the checkpoint's schedule
+    # the policy is the pre-trained model, not the seeded initialisation (two_ranks' first step)
+    assert abs(first["logps/chosen"] - two_ranks[1][0]["logps/chosen"]) > 1e-2, (first, two_ranks[1][0])
+
+
+def test_a_resume_of_a_run_started_from_pretraining_continues_it_with_the_same_reference(pairs, from_pretraining):
+    from conftest import run_main
+
+    run, straight = from_pretraining
+    resumed = pairs / "from_pretraining_resumed"
+    extra = [f"checkpoint.resume={run / 'checkpoints' / 'step_00000002'}", "cluster.nproc_per_node=1"]
+    out = run_main(_dpo(pairs, resumed, *extra, "trainer.max_steps=4"), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records] == [3, 4]
+    for mine, theirs in zip(records, straight[2:]):  # the rewards read the reference: the pre-trained model
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+            assert mine[name] == theirs[name], (name, mine, theirs)
+
+
 def test_with_lora_the_reference_is_the_policy_without_its_adapters(pairs):
     from conftest import run_main
 

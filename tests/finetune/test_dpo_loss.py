@@ -205,3 +205,20 @@ def test_parquet_with_renamed_columns_reads_as_jsonl_with_the_default_names(tmp_
     cfg.dpo.rejected_field = "worse"  # a column the file does not have: named, with the settings to fix it
     with pytest.raises(UserInputError, match=r"has columns \['question', 'good', 'bad'\], not 'worse'; name its"):
         read_pairs(cfg, tok)
+
+
+def test_a_reply_longer_than_seq_len_is_cut_and_only_a_pair_without_reply_tokens_left_out():
+    """docs/fine_tuning.md: a sequence is cut at data.seq_len keeping its start (TRL's keep_start);
+    a pair is left out only when one of its replies has no token within data.seq_len."""
+    from framework.finetune.data import Document
+
+    def doc(prompt: int, reply: int) -> Document:  # ids 1.. ; the reply's tokens train
+        return Document(list(range(1, prompt + reply + 1)), [False] * prompt + [True] * reply)
+
+    # prompt 3 + reply 10 in 8 positions: the reply's first 5 tokens are labels (targets 4..8)
+    [row] = pair_rows([(doc(3, 10), doc(3, 2))], 8, pad_id=0)
+    assert row["labels"][0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 4, 5, 6, 7, 8, 9]
+    assert row["input_ids"][0].tolist() == list(range(1, 9))
+    assert row["labels"][1].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 4, 5] + [IGNORE_INDEX] * 4
+    # a prompt of 9 tokens: no reply token within 8 positions, so the pair is left out
+    assert pair_rows([(doc(9, 2), doc(3, 2))], 8, pad_id=0) == []

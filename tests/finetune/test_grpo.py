@@ -114,6 +114,44 @@ def test_a_resume_after_two_of_four_steps_is_exact(two_ranks, prompts):
             assert mine[name] == theirs[name], (name, mine, theirs)
 
 
+@pytest.fixture(scope="module")
+def from_pretraining(prompts):
+    """stage=grpo for 4 steps from a pre-training run's checkpoint (saved at its step 4), a checkpoint
+    after step 2; on 1 rank."""
+    from conftest import pretraining_checkpoint, run_main
+
+    start = pretraining_checkpoint(prompts, prompts / "tok.json")
+    run = prompts / "from_pretraining"
+    extra = [f"checkpoint.resume={start}", "checkpoint.interval=2", "cluster.nproc_per_node=1"]
+    out = run_main(_grpo(prompts, run, *extra), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"initialised the model from {start} (saved by stage=training at step 4)" in out.stderr, out.stderr[-3000:]
+    return run, _records(run)
+
+
+def test_from_a_pretraining_checkpoint_it_starts_at_step_0_with_those_weights_as_reference(from_pretraining):
+    _, records = from_pretraining
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # its own schedule: not the pre-training's position
+    assert records[0]["kl"] == 0.0  # the reference is the loaded model, the policy before its first update
+    assert records[0]["lr"] == pytest.approx(0.05)  # this job's optimizer.lr, not the checkpoint's schedule
+    assert records[-1]["kl"] > 0
+
+
+def test_a_resume_of_a_run_started_from_pretraining_continues_it_with_the_same_reference(prompts, from_pretraining):
+    from conftest import run_main
+
+    run, straight = from_pretraining
+    resumed = prompts / "from_pretraining_resumed"
+    extra = [f"checkpoint.resume={run / 'checkpoints' / 'step_00000002'}", "cluster.nproc_per_node=1"]
+    out = run_main(_grpo(prompts, resumed, *extra), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records] == [3, 4]
+    for mine, theirs in zip(records, straight[2:]):  # kl reads the reference: the pre-trained model
+        for name in ("loss", "reward", "kl", "completion_length", "grad_norm"):
+            assert mine[name] == theirs[name], (name, mine, theirs)
+
+
 def test_with_lora_the_reference_is_the_policy_without_its_adapters(prompts):
     from conftest import run_main
 
@@ -137,7 +175,7 @@ def test_a_bad_prompt_file_is_refused_in_one_line_with_nothing_written(prompts):
     assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
 
 
-def test_reward_code_runs_only_when_trusted_and_a_raising_one_ends_the_job_in_one_line(prompts):
+def test_reward_code_runs_only_when_trusted_and_a_raising_one_ends_the_job_with_its_traceback(prompts):
     from conftest import run_main
 
     module = (prompts / "user_rewards").with_suffix(".py")
@@ -145,7 +183,7 @@ def test_reward_code_runs_only_when_trusted_and_a_raising_one_ends_the_job_in_on
     module.write_text(
         "import pathlib\n"
         f"pathlib.Path({str(marker)!r}).write_text('imported')\n"
-        "def broken(prompts, completions, answers):\n"
+        "def broken(completions, **kwargs):\n"
         "    raise RuntimeError('no score for ' + repr(completions[0][:0]))\n"
     )
     run = prompts / "untrusted"
@@ -157,7 +195,33 @@ def test_reward_code_runs_only_when_trusted_and_a_raising_one_ends_the_job_in_on
     assert not marker.exists() and not run.exists()  # never imported, no run directory
     run = prompts / "raising"
     out = run_main(_grpo(prompts, run, f"grpo.reward_module={module}:broken", "grpo.trust_reward_code=true"), prompts)
-    error = _one_error(out)
-    assert error == f"error: grpo.reward_module='{module}:broken' raised RuntimeError: no score for ''", error
+    # the user's code failing, not bad input: status 1 and its traceback, through its own line
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" in out.stderr and f'File "{module}", line 4, in broken' in out.stderr, out.stderr[-3000:]
+    assert "RuntimeError: no score for ''" in out.stderr, out.stderr[-3000:]
     assert marker.exists()  # trusted: imported
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").read_text().strip()
+
+
+def test_a_reward_function_written_for_trl_runs_unchanged(prompts):
+    """A function in TRL's form (completions and the dataset's columns as keyword arguments) scores
+    the completions: its reward is the exact-match reward, computed by the function itself."""
+    from conftest import run_main
+
+    module = (prompts / "trl_rewards").with_suffix(".py")
+    module.write_text(
+        "import re\n"
+        "def correct(completions, answer, **kwargs):\n"
+        "    assert len(kwargs['prompts']) == len(completions) == len(kwargs['completion_ids'])\n"
+        "    found = [re.search(r'(-?\\d+)', c) for c in completions]\n"
+        "    return [float(f is not None and f.group(1) == str(a)) for f, a in zip(found, answer)]\n"
+    )
+    run = prompts / "trl_reward"
+    extra = [f"grpo.reward_module={module}:correct", "grpo.trust_reward_code=true", "cluster.nproc_per_node=1"]
+    args = [a for a in _grpo(prompts, run, *extra, "trainer.max_steps=2") if not a.startswith("grpo.beta=")]
+    out = run_main(args, prompts)  # TRL's defaults: beta 0 (no reference model, no kl), loss_type dapo
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in _records(run):  # the same score as the built-in exact_match on the same completions
+        assert "kl" not in r and r["grad_norm"] > 0, r
+        assert r["rewards/user"] == r["rewards/exact_match"], r
+        assert r["reward"] == pytest.approx(r["rewards/exact_match"] * 2 + r["rewards/format"], abs=1e-9)

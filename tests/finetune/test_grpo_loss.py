@@ -33,8 +33,22 @@ def _tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>")
 
 
-@pytest.mark.parametrize("kl_bias_correction", [True, False])
-def test_our_loss_equals_trls_grpo_trainer_loss_on_fixed_completions_and_rewards(tmp_path, kl_bias_correction):
+# (loss_type, beta, use_bias_correction_kl, epsilon_high): each loss type at TRL's defaults (beta 0,
+# epsilon_high unset: epsilon), DAPO's recommended epsilon_high, and the KL term both ways.
+TRL_CASES = {
+    "grpo": ("grpo", 0.0, True, None),
+    "dapo": ("dapo", 0.0, True, None),
+    "dr_grpo": ("dr_grpo", 0.0, True, None),
+    "bnpo": ("bnpo", 0.0, True, None),
+    "dapo_epsilon_high": ("dapo", 0.0, True, 0.28),
+    "grpo_kl": ("grpo", 0.3, True, None),
+    "grpo_kl_uncorrected": ("grpo", 0.3, False, None),
+    "dapo_kl": ("dapo", 0.3, True, 0.28),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRL_CASES))
+def test_our_loss_equals_trls_grpo_trainer_loss_on_fixed_completions_and_rewards(tmp_path, case):
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig as TRLConfig
@@ -53,7 +67,8 @@ def test_our_loss_equals_trls_grpo_trainer_loss_on_fixed_completions_and_rewards
     torch.manual_seed(0)
     policy = transformers.LlamaForCausalLM(config).eval()
     reference = transformers.LlamaForCausalLM(config).eval()  # other weights: the KL term is not 0
-    group, temperature, epsilon, beta = 4, 0.7, 0.2, 0.3
+    loss_type, beta, kl_bias_correction, epsilon_high = TRL_CASES[case]
+    group, temperature, epsilon = 4, 0.7, 0.2
     # Two prompts of the same length (TRL's left padding would move positions, ours has none), four
     # completions each of different lengths, their rewards fixed.
     prompts = [[5, 17, 9], [30, 2, 41]]
@@ -68,21 +83,38 @@ def test_our_loss_equals_trls_grpo_trainer_loss_on_fixed_completions_and_rewards
         ref = token_logps(reference, ids, targets, temperature=temperature)
     # The rollout policy's log-probabilities away from the policy's: some ratios leave [0.8, 1.2].
     old = logps + 0.3 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
-    ours, stats = grpo_loss(logps, old, ref, advantages, mask, epsilon, beta, kl_bias_correction)
+    width = max(len(c) for c in completions)
+    ours, stats = grpo_loss(
+        logps,
+        old,
+        ref,
+        advantages,
+        mask,
+        epsilon,
+        beta,
+        kl_bias_correction,
+        loss_type=loss_type,
+        epsilon_high=epsilon_high,
+        max_completion_length=width,
+        tokens_per_micro_batch=float(mask.sum()),  # one rank, one micro-batch: the batch's tokens
+    )
     assert 0 < float(stats["clipped"]) < float(stats["tokens"])  # clipping takes part
 
     # TRL's inputs: completions right-padded to the longest, each completion-token tensor cut out of ours.
-    width = max(len(c) for c in completions)
     completion_ids = torch.zeros((len(completions), width), dtype=torch.long)
     completion_mask = torch.zeros((len(completions), width), dtype=torch.long)
     cut = lambda t: torch.stack([t[j, 2 : 2 + width] for j in range(len(completions))])  # noqa: E731
     for j, c in enumerate(completions):
         completion_ids[j, : len(c)], completion_mask[j, : len(c)] = torch.tensor(c), 1
     assert torch.equal(cut(mask).long(), completion_mask)  # prompt length 3: completion targets start at 2
+    trl_options = {} if loss_type == "dapo" else {"loss_type": loss_type}  # dapo: TRL's default
+    if beta:
+        trl_options["beta"] = beta
+    if epsilon_high is not None:
+        trl_options["epsilon_high"] = epsilon_high
     args = TRLConfig(
         output_dir=str(tmp_path),
-        loss_type="grpo",
-        beta=beta,
+        **trl_options,
         epsilon=epsilon,
         temperature=temperature,
         num_generations=group,
@@ -94,8 +126,9 @@ def test_our_loss_equals_trls_grpo_trainer_loss_on_fixed_completions_and_rewards
         use_bias_correction_kl=kl_bias_correction,
     )
     # With beta > 0 TRL loads its reference from the policy's name: the reference, saved here.
-    reference.save_pretrained(tmp_path / "reference")
-    policy.config._name_or_path = str(tmp_path / "reference")
+    if beta:
+        reference.save_pretrained(tmp_path / "reference")
+        policy.config._name_or_path = str(tmp_path / "reference")
     trl = GRPOTrainer(
         model=policy,
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
@@ -111,13 +144,41 @@ def test_our_loss_equals_trls_grpo_trainer_loss_on_fixed_completions_and_rewards
         "advantages": advantages,
         "old_per_token_logps": cut(old) * completion_mask,
         "ref_per_token_logps": cut(ref) * completion_mask,
+        "num_items_in_batch": completion_mask.sum(),  # dapo's divisor: the generation batch's tokens
     }
+    assert trl.loss_type == loss_type and trl.beta == beta
+    assert (trl.ref_model is None) == (beta == 0)  # TRL's default beta=0 loads no reference
     trl.model.eval()  # no gradient-accumulation scaling of the loss (TRL divides by it in training)
     with torch.no_grad():
         theirs = trl._compute_loss(trl.model, inputs)
     assert abs(ours.item()) > 0.01  # not a loss that is 0 whatever the inputs
     # 1e-5: both take fp32 log-probabilities of the same tokens; TRL's through its fused head.
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
+
+
+def test_our_defaults_are_trls():
+    from trl import GRPOConfig as TRLConfig
+
+    ours, theirs = GRPOConfig(), TRLConfig(output_dir="unused", report_to="none", use_cpu=True)
+    assert ours.loss_type.value == theirs.loss_type == "dapo"
+    assert ours.beta == theirs.beta == 0.0
+    assert ours.scale_rewards == theirs.scale_rewards == "group"
+    assert ours.epsilon == theirs.epsilon and ours.epsilon_high is theirs.epsilon_high is None
+    assert ours.temperature == theirs.temperature and ours.iterations == theirs.num_iterations
+    assert ours.kl_bias_correction == theirs.use_bias_correction_kl
+    # TRL's booleans for scale_rewards
+    assert GRPOConfig(scale_rewards="true").scale_rewards == "group"
+    assert GRPOConfig(scale_rewards="False").scale_rewards == "none"
+    with pytest.raises(UserInputError, match="grpo.scale_rewards='sometimes': choose from group, batch, none"):
+        GRPOConfig(scale_rewards="sometimes")
+
+
+def test_advantages_scaled_by_group_batch_or_not_at_all():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0])
+    centred = torch.tensor([0.5, -0.5, -1.5, 1.5, 0.0, 0.0])
+    torch.testing.assert_close(group_advantages(rewards, 2, "none"), centred)
+    batch_std = rewards.std()  # TRL's "batch": the std (Bessel's) of every reward of the batch
+    torch.testing.assert_close(group_advantages(rewards, 2, "batch", batch_std), centred / (batch_std + 1e-4))
 
 
 def test_advantages_are_the_groups_normalised_rewards():
@@ -139,18 +200,23 @@ def test_the_loss_by_hand_on_one_completion():
 
 
 def test_builtin_rewards_and_weights():
+    from framework.grpo.data import Prompt
+
     cfg = GRPOConfig(rewards=["exact_match", "format", "length"], reward_weights=[1.0, 0.5, 2.0], length_target=4)
-    scores = Rewards(cfg)(["q", "q"], [" 12", "it is 12!"], [4, 6], ["12", "12"])
+    prompts = [Prompt([1], "q", "12")] * 2
+    scores = Rewards(cfg)(prompts, [" 12", "it is 12!"], [[5] * 4, [5] * 6])
     assert scores == [1.0 + 0.5 + 2.0, 1.0 + 0.0 + 2.0 * 0.5]
     assert exact_match("no digits", "3", r"(\d+)") == 0.0
     assert length_reward(20, 4) == 0.0
 
 
 def test_a_user_reward_needs_its_module_and_function(tmp_path):
+    from framework.grpo.data import Prompt
+
     module = (tmp_path / "user_reward").with_suffix(".py")
-    module.write_text("def score(prompts, completions, answers):\n    return [len(c) for c in completions]\n")
+    module.write_text("def score(completions, **kwargs):\n    return [len(c) for c in completions]\n")
     cfg = GRPOConfig(rewards=[], reward_module=f"{module}:score", trust_reward_code=True)
-    assert Rewards(cfg)(["p"], ["abc"], [2], [""]) == [3.0]
+    assert Rewards(cfg)([Prompt([1], "p", "")], ["abc"], [[7, 8]]) == [3.0]
     with pytest.raises(UserInputError, match="has no function 'nothing'"):
         Rewards(GRPOConfig(rewards=[], reward_module=f"{module}:nothing", trust_reward_code=True))
 
@@ -168,6 +234,34 @@ def test_chat_prompts_need_a_chat_template():
     )
     prompt = encode_prompt(record, SFTTokenizer(None, fast.eos_token_id, hf=fast), "prompt", "answer", True, "f")
     assert prompt.text == "1 plus 2? is" and prompt.answer == "3"
+
+
+def test_a_reward_function_gets_trls_arguments_for_plain_and_chat_prompts(tmp_path):
+    """As TRL's GRPOTrainer calls one: prompts as given, completions as text or (chat prompts) one
+    assistant turn, completion_ids, and every other column by name; what it raises propagates."""
+    from framework.grpo.data import Prompt
+
+    module = (tmp_path / "trl_reward").with_suffix(".py")
+    module.write_text(
+        "seen = []\n"
+        "def score(prompts, completions, completion_ids, **kwargs):\n"
+        "    seen.append((prompts, completions, completion_ids, kwargs))\n"
+        "    if kwargs['level'][0] == 'boom':\n"
+        "        raise KeyError('no such level')\n"
+        "    return [float(len(ids)) for ids in completion_ids]\n"
+    )
+    rewards = Rewards(GRPOConfig(rewards=[], reward_module=f"{module}:score", trust_reward_code=True))
+    turns = [{"role": "user", "content": "1 plus 2?"}]
+    chat = Prompt([1, 2], "1 plus 2? is", "3", record={"prompt": turns, "answer": 3, "level": "easy"})
+    plain = Prompt([3], "2 plus 2 is", "4", record={"prompt": "2 plus 2 is", "answer": 4, "level": "hard"})
+    assert rewards([chat, plain], [" 3", " 4"], [[9, 0], [8]]) == [2.0, 1.0]
+    prompts, completions, ids, kwargs = rewards.user.__globals__["seen"][-1]
+    assert prompts == [turns, "2 plus 2 is"]
+    assert completions == [[{"role": "assistant", "content": " 3"}], " 4"]
+    assert ids == [[9, 0], [8]] and kwargs == {"answer": [3, 4], "level": ["easy", "hard"]}
+    boom = Prompt([3], "x", "", record={"prompt": "x", "level": "boom"})
+    with pytest.raises(KeyError, match="no such level"):  # the user's own error, not a refusal
+        rewards([boom], [" 1"], [[1]])
 
 
 def test_rollout_seeds_differ_by_each_of_their_parts():
