@@ -31,13 +31,26 @@ still frees it after, and a backward after a forward gathers it again (grad_op k
 
 [Note: zero-bubble schedules on our engine]
 Zero-bubble schedules split each backward into the input gradient (I, sent upstream at once)
-and the weight gradient (W, run later to fill bubbles) through `torch.autograd.grad` on the
-stage's parameters. Our stage's `parameters()` are the shard pieces, not the gathered tensors
-the forward used, so that split finds no weights. The stage is therefore given a `dw_builder`
-(torch's documented hook for a custom weight pass): the I action runs the whole backward (input
-and weight gradients, through the engine's hooks), the W action runs nothing. The schedule's
-order and its results are kept; the weight half no longer fills the bubble, so zbv's bubble is
-its 2-stage interleaved figure (framework/config/pipeline.py, `bubble_fraction`).
+and the weight gradient (W, run later to fill bubbles). torch's own split finds the weights by
+the stage's `parameters()`, which on our engine are the shard pieces, not the gathered tensors
+the forward used, and it stores weight gradients itself, past autograd's accumulation and so past
+the engine's gradient hooks. `EngineStage` splits them itself (`backward_input`,
+`backward_weight`): from the stage's outputs it walks the autograd graph, finds every weight
+(a leaf that is not a stage input) and, for each, the nodes where its gradient joins the path to
+the inputs (weights sharing such a node are one group). I asks autograd for the inputs'
+gradients only, and a pre-hook on those nodes keeps the gradients that reach them; W starts
+autograd at the kept gradients, one call per group, and accumulates into the group's weights
+(a group with several such nodes holds each at its kept gradient, so nothing counts twice). So
+I stores no weight gradient and fires none of the engine's gradient hooks (only its pre-backward
+hooks, which gather; the final callback after it reduces nothing that is not there), and W does
+the weights' work (a matmul's weight gradient) and fires the post-accumulate-grad hooks that
+drive the reductions. The W calls of one microbatch are one backward of the stage's engine
+(`backward_in_parts`, [Note: one backward in several autograd calls] in fsdp/context.py): the
+units a forward freed since are gathered first (so m + 1 gathers per unit and step still, every
+gather following a forward), and the final callback runs once after them. The step's m-th W (or
+whole backward, on the first stage, whose inputs need no gradient: its I is empty and its W is
+its backward) is the synced one: gradients reduce-scatter once per stage and step. The bubble:
+framework/config/pipeline.py, `bubble_fraction`; measured: bench/pipeline_bubble.py.
 
 The loss of each microbatch is the task's mean over its labelled positions divided by the
 number of microbatches (scale_grads=False), as gradient accumulation divides it; the last stage
