@@ -4,7 +4,7 @@ figure (framework/config/pipeline.py, `bubble_fraction`).
     .venv/bin/python bench/pipeline_bubble.py                # writes bench/results/pipeline_bubble.{json,txt}
     .venv/bin/python bench/pipeline_bubble.py --steps 1 --out /tmp/bubble.json
 
-Four gloo ranks, one per stage position (pp=4, no data parallelism), build the trainer's Pipeline
+Four gloo ranks on the CPU, one per stage position (pp=4, no data parallelism), build the trainer's Pipeline
 (framework/distributed/pipeline.py) for each schedule from the same Llama (model=debug widened:
 8 blocks of dim 256, so one block's forward on a microbatch of 2 x 128 tokens is tens of
 milliseconds, far above a send's or the schedule's own overhead) and run its forward and backward
@@ -112,7 +112,7 @@ def _build(schedule: str, world: int):
     return cfg, pipe
 
 
-def _rank(rank: int, world: int, steps: int) -> dict:
+def _rank(rank: int, world: int, device, steps: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as schedules
@@ -156,12 +156,12 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pipeline_bubble.json"))
     args = parser.parse_args()
 
+    from bench.common import spawn
     from framework.config.pipeline import PipelineSchedule, bubble_fraction, virtual_stages
-    from tests.distributed.harness import run_ranks
 
     load = os.getloadavg()
     started = time.perf_counter()
-    per_rank = run_ranks(_rank, PP, args=(args.steps,), timeout_s=3000)
+    per_rank = spawn(_rank, PP, args=(args.steps,), timeout_s=3000)
     took = time.perf_counter() - started
     rows = []
     for name in SCHEDULES:
