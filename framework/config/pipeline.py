@@ -189,14 +189,19 @@ def bubble_fraction(schedule: PipelineSchedule, pp: int, microbatches: int, virt
     gpipe and 1f1b: (p - 1) / (m + p - 1) (both fill and drain the pipeline once).
     interleaved_1f1b with v stages per rank: (p - 1) / (v m + p - 1) (Narayanan et al. 2021: the
     fill and drain shrink v-fold).
-    zbv: ZB-V's bubble is (p - 1)(F + B - 2W) (Qi et al. 2024, section 6); with the input- and
-    weight-gradient halves equal (B = W = F), zero. Here the weight half runs with the input half
-    (framework/distributed/pipeline.py, [Note: zero-bubble schedules on our engine]), so the
-    figure is its 2-stage interleaved one: (p - 1) / (2 m + p - 1).
+    zbv: torch's ZB-V order (ScheduleZBVZeroBubble, two stages per rank) with each stage's
+    forward, input-gradient and weight-gradient halves equal (its backward 2F, split in two;
+    framework/distributed/pipeline.py, [Note: zero-bubble schedules on our engine]): a rank is busy
+    6m such units a step and idles max(p - 1, 2 (2p - 1 - m)) of them: p - 1 once
+    m >= (3p - 1) / 2 (the weight halves fill the rest; Qi et al. 2024, section 6), more below,
+    where the order has too few microbatches to fill its V. Read off that order's timeline
+    (tests/planner/test_pipeline_plan.py simulates it).
     """
     if pp <= 1:
         return 0.0
     if schedule in (PipelineSchedule.gpipe, PipelineSchedule.one_f_one_b):
         return (pp - 1) / (microbatches + pp - 1)
-    v = 2 if schedule == PipelineSchedule.zbv else virtual
-    return (pp - 1) / (v * microbatches + pp - 1)
+    if schedule == PipelineSchedule.zbv:
+        idle = max(pp - 1, 2 * (2 * pp - 1 - microbatches))
+        return idle / (6 * microbatches + idle)
+    return (pp - 1) / (virtual * microbatches + pp - 1)

@@ -31,13 +31,26 @@ still frees it after, and a backward after a forward gathers it again (grad_op k
 
 [Note: zero-bubble schedules on our engine]
 Zero-bubble schedules split each backward into the input gradient (I, sent upstream at once)
-and the weight gradient (W, run later to fill bubbles) through `torch.autograd.grad` on the
-stage's parameters. Our stage's `parameters()` are the shard pieces, not the gathered tensors
-the forward used, so that split finds no weights. The stage is therefore given a `dw_builder`
-(torch's documented hook for a custom weight pass): the I action runs the whole backward (input
-and weight gradients, through the engine's hooks), the W action runs nothing. The schedule's
-order and its results are kept; the weight half no longer fills the bubble, so zbv's bubble is
-its 2-stage interleaved figure (framework/config/pipeline.py, `bubble_fraction`).
+and the weight gradient (W, run later to fill bubbles). torch's own split finds the weights by
+the stage's `parameters()`, which on our engine are the shard pieces, not the gathered tensors
+the forward used, and it stores weight gradients itself, past autograd's accumulation and so past
+the engine's gradient hooks. `EngineStage` splits them itself (`backward_input`,
+`backward_weight`): from the stage's outputs it walks the autograd graph, finds every weight
+(a leaf that is not a stage input) and, for each, the nodes where its gradient joins the path to
+the inputs (weights sharing such a node are one group). I asks autograd for the inputs'
+gradients only, and a pre-hook on those nodes keeps the gradients that reach them; W starts
+autograd at the kept gradients, one call per group, and accumulates into the group's weights
+(a group with several such nodes holds each at its kept gradient, so nothing counts twice). So
+I stores no weight gradient and fires none of the engine's gradient hooks (only its pre-backward
+hooks, which gather; the final callback after it reduces nothing that is not there), and W does
+the weights' work (a matmul's weight gradient) and fires the post-accumulate-grad hooks that
+drive the reductions. The W calls of one microbatch are one backward of the stage's engine
+(`backward_in_parts`, [Note: one backward in several autograd calls] in fsdp/context.py): the
+units a forward freed since are gathered first (so m + 1 gathers per unit and step still, every
+gather following a forward), and the final callback runs once after them. The step's m-th W (or
+whole backward, on the first stage, whose inputs need no gradient: its I is empty and its W is
+its backward) is the synced one: gradients reduce-scatter once per stage and step. The bubble:
+framework/config/pipeline.py, `bubble_fraction`; measured: bench/pipeline_bubble.py.
 
 The loss of each microbatch is the task's mean over its labelled positions divided by the
 number of microbatches (scale_grads=False), as gradient accumulation divides it; the last stage
@@ -49,7 +62,9 @@ stage once.
 
 from __future__ import annotations
 
-from typing import Dict, List
+import collections
+import functools
+from typing import Dict, List, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -166,19 +181,170 @@ def _units_of(module: nn.Module) -> List[nn.Module]:
     return out
 
 
+class _WeightHalf(NamedTuple):
+    """What a microbatch's input-gradient pass leaves for its weight-gradient pass: per group of
+    weights, the graph nodes its gradients come through, the gradients that reached them there
+    (one per node output, None where none did) and the weights (leaf tensors)."""
+
+    groups: List[tuple]  # (nodes, their gradients, weights), in the graph's order from the outputs
+
+
+def _edge_node(t: torch.Tensor):
+    return torch.autograd.graph.get_gradient_edge(t).node
+
+
+def _split(roots: list, input_nodes: list) -> List[tuple]:
+    """The stage graph's weights grouped by where their gradients join the input path: [Note:
+    zero-bubble schedules on our engine]. Returns (boundary nodes, weights) per group, each list
+    in breadth-first order from `roots` (the same on every rank of a tensor-parallel group, whose
+    weight passes must issue their collectives alike)."""
+    consumers: Dict = {}  # node -> the nodes whose backward feeds it (towards the outputs)
+    order, seen = [], set(roots)
+    queue = collections.deque(roots)
+    while queue:
+        node = queue.popleft()
+        order.append(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            consumers.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    on_input_path = set()  # nodes whose backward reaches a stage input
+    stack = [n for n in input_nodes if n in seen]
+    while stack:
+        node = stack.pop()
+        if node not in on_input_path:
+            on_input_path.add(node)
+            stack.extend(consumers.get(node, ()))
+    inputs = set(input_nodes)
+    rank = {node: i for i, node in enumerate(order)}
+    per_weight = []  # (weight, the nodes its gradient joins the input path at, or an output)
+    for weight in (n for n in order if hasattr(n, "variable") and n not in inputs):  # AccumulateGrad
+        bounds, walk, visited = [], [weight], {weight}
+        while walk:
+            node = walk.pop()
+            above = consumers.get(node, ())
+            if node is not weight and (node in on_input_path or not above):
+                bounds.append(node)
+                continue
+            for up in above:
+                if up not in visited:
+                    visited.add(up)
+                    walk.append(up)
+        per_weight.append((weight, bounds))
+    parent: Dict = {}  # weights that share a boundary node are one group (union-find on the nodes)
+
+    def find(node):
+        while parent[node] is not node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for _, bounds in per_weight:
+        for b in bounds:
+            parent.setdefault(b, b)
+        for b in bounds[1:]:
+            parent[find(b)] = find(bounds[0])
+    grouped: Dict = {}
+    for weight, bounds in per_weight:
+        group = grouped.setdefault(find(bounds[0]), (set(), []))
+        group[0].update(bounds)
+        group[1].append(weight)  # in graph order: `order` is
+    groups = [(sorted(b, key=rank.__getitem__), w) for b, w in grouped.values()]
+    return sorted(groups, key=lambda g: rank[g[0][0]])
+
+
+def backward_input(outputs: tuple, output_grads, inputs: list) -> tuple:
+    """The input half of a stage's backward: the gradients of `inputs` (None for those that need
+    none) and the `_WeightHalf` the weight half computes from. The weights' gradients are not
+    computed; the gradients reaching the nodes where they join the input path are kept."""
+    outs, grads = [], []
+    for i, out in enumerate(outputs):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            outs.append(out)
+            grads.append(torch.ones_like(out) if output_grads is None else output_grads[i])
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    edges = [torch.autograd.graph.get_gradient_edge(t) for t in outs]
+    groups = _split([e.node for e in edges], [_edge_node(t) for t in wanted])
+    kept: Dict = {}  # boundary node -> {its output's index: the gradient that reached it}
+    for e, g in zip(edges, grads):  # an output off the input path is its own boundary
+        kept.setdefault(e.node, {})[e.output_nr] = g
+    handles = []
+
+    def keep(node):
+        def hook(grad_outputs):
+            kept[node] = {i: g for i, g in enumerate(grad_outputs) if g is not None}
+
+        return hook
+
+    try:
+        for bounds, _ in groups:
+            for node in bounds:
+                handles.append(node.register_prehook(keep(node)))
+        found = torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True) if wanted else ()
+    finally:
+        for h in handles:
+            h.remove()
+    for out in outs:  # the graph above the boundaries is no longer needed
+        if not out._is_view():
+            out.detach_()
+    got = iter(found)
+    dinputs = tuple(next(got) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
+    return dinputs, _WeightHalf([(b, [kept.get(n) for n in b], w) for b, w in groups])
+
+
+def _held(kept: dict, grad_outputs: tuple) -> tuple:
+    return tuple(kept.get(i) for i in range(len(grad_outputs)))
+
+
+def backward_weight(half: _WeightHalf) -> None:
+    """The weight half: each group's gradients from the kept ones at its boundary nodes into its
+    weights, through autograd's accumulation (so the engine's gradient hooks run as in any
+    backward). A group with several boundary nodes holds each at its kept gradients, so a path
+    from one to another counts nothing twice."""
+    for bounds, kept, weights in half.groups:
+        edges, grads = [], []
+        for node, gs in zip(bounds, kept):
+            for i, g in (gs or {}).items():
+                edges.append(torch.autograd.graph.GradientEdge(node, i))
+                grads.append(g)
+        if not edges:
+            continue
+        handles = []
+        if len(bounds) > 1:
+            handles = [node.register_prehook(functools.partial(_held, gs or {})) for node, gs in zip(bounds, kept)]
+        try:
+            torch.autograd.backward(edges, grads, inputs=[w.variable for w in weights], retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+
+
 class EngineStage(PipelineStage):
-    """A `PipelineStage` whose module our engine sharded: [Note: our engine under torch's schedules]."""
+    """A `PipelineStage` whose module our engine sharded: [Note: our engine under torch's
+    schedules], and [Note: zero-bubble schedules on our engine] for the input and weight halves."""
 
     def __init__(self, *args, n_microbatches: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.n_microbatches, self.backwards = n_microbatches, 0
+        self.weight_passes = 0  # weight halves run this step (tests read it)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        # dw_builder makes every backward of ours "full" ([Note: zero-bubble schedules on our engine])
-        self.backwards += 1
+        if backward_type == "input":  # never the step's last: its weight half follows
+            self.submod.set_requires_gradient_sync(False)
+            self.submod.set_reshard_after_backward(False)
+            return backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        self.backwards += 1  # a whole backward or a weight half: the m-th reduces
         last = self.backwards == self.n_microbatches
         self.submod.set_requires_gradient_sync(last)
         self.submod.set_reshard_after_backward(last)  # the next microbatch's forward finds them gathered
+        if backward_type == "weight":
+            self.weight_passes += 1
+            with self.submod.backward_in_parts():
+                backward_weight(bwd_kwargs["param_groups"])
+            return (), None
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
@@ -199,10 +365,6 @@ def _stage_plans(plan_fn):
         return out
 
     return plan
-
-
-def _no_weight_pass():
-    return lambda: None
 
 
 class Pipeline:
@@ -271,7 +433,6 @@ class Pipeline:
                     input_args=x,
                     output_args=y,
                     group=self.pp_group,
-                    dw_builder=_no_weight_pass,
                     n_microbatches=self.microbatches,
                 )
             )

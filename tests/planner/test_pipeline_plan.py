@@ -26,7 +26,48 @@ def test_bubble_is_the_formula(p, m):
     assert bubble_fraction(PipelineSchedule.gpipe, p, m) == (p - 1) / (m + p - 1)
     # interleaving v stages per rank shrinks the fill and drain v-fold (Narayanan et al. 2021)
     assert bubble_fraction(PipelineSchedule.interleaved_1f1b, p, m, virtual=4) == (p - 1) / (4 * m + p - 1)
-    assert bubble_fraction(PipelineSchedule.zbv, p, m) == (p - 1) / (2 * m + p - 1)
+    # zbv: p - 1 idle units against 6m busy once m >= (3p - 1) / 2, 2 (2p - 1 - m) below
+    # (test_zbv_bubble_is_its_orders)
+    idle = max(p - 1, 2 * (2 * p - 1 - m))
+    assert bubble_fraction(PipelineSchedule.zbv, p, m) == idle / (6 * m + idle)
+
+
+def _zbv_timeline(p: int, m: int) -> float:
+    """The idle share of torch's ZB-V order (ScheduleZBVZeroBubble's per-rank actions) run with
+    every forward, input-gradient and weight-gradient action taking one unit: each action starts
+    when its rank is free and its inputs exist (F after the previous stage's F, I after the next
+    stage's I or the last stage's F, W after its I), sends taking no time."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
+
+    order = ScheduleZBVZeroBubble.__new__(ScheduleZBVZeroBubble)  # its order only, no stages
+    order.pp_group_size, order._n_microbatches, order.num_stages = p, m, 2 * p
+    todo = {r: [a for a in order._calculate_single_rank_operations(r) if a is not None] for r in range(p)}
+    done: dict = {}
+    free = {r: 0 for r in range(p)}
+    while any(todo.values()):
+        for r in range(p):
+            while todo[r]:
+                a = todo[r][0]
+                s, k, kind = a.stage_index, a.microbatch_index, a.computation_type
+                if kind == _ComputationType.FORWARD:
+                    name, needs = "F", [("F", s - 1, k)] if s > 0 else []
+                elif kind == _ComputationType.BACKWARD_INPUT:
+                    name, needs = "I", [("I", s + 1, k)] if s < 2 * p - 1 else [("F", s, k)]
+                else:
+                    name, needs = "W", [("I", s, k)]
+                if any(n not in done for n in needs):
+                    break
+                free[r] = max([free[r]] + [done[n] for n in needs]) + 1
+                done[(name, s, k)] = free[r]
+                todo[r].pop(0)
+    step = max(free.values())
+    return 1 - 6 * m / step  # every rank is busy 6m units (2 stages x m x F, I, W)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zbv_bubble_is_its_orders(p):
+    for m in range(1, 3 * p + 1):
+        assert bubble_fraction(PipelineSchedule.zbv, p, m) == pytest.approx(_zbv_timeline(p, m), abs=1e-12), (p, m)
 
 
 def test_stages_hold_the_whole_model_once_and_1f1b_loads_the_first_rank_most():
@@ -117,6 +158,9 @@ PP_CASES = {
         "parallelism.pp_virtual_stages=2",
         "model.args.n_layers=4",
     ],
+    # rank 0 holds stages 0 and 3 of 4 (zbv's V): its weight halves run apart from the input
+    # halves, each gathering what a forward freed since, which keeps m + 1 gathers
+    "zbv": ["parallelism.pp_schedule=zbv", "model.args.n_layers=4"],
 }
 
 

@@ -7,7 +7,8 @@ drains before `optimizer.step()` may run.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import contextlib
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,7 @@ class ShardContext:
         self.root_reached = False  # this backward passed through the root's outputs
         self.pending_units: List[ShardUnit] = []
         self.callback_queued = False
+        self.in_parts = False  # inside backward_in_parts: the autograd calls queue no final callback
         self.reduce_order: List[ShardUnit] = [u for u in reversed(units) if u.trainable]
         self.next_reduce = 0  # index into reduce_order of the next reduction to issue
         self.step = 0  # forward/backward rounds; a forward after a finished backward starts the next
@@ -137,9 +139,38 @@ class ShardContext:
         self.root_reached = self.root_reached or unit is self.root
         if self.phase in (TrainingPhase.FORWARD, TrainingPhase.IDLE):  # IDLE: forward ran through a non-root unit only
             self.set_phase(TrainingPhase.PRE_BACKWARD)
-        if not self.callback_queued:
+        if not self.callback_queued and not self.in_parts:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self.finish_backward)
+
+    # [Note: one backward in several autograd calls]
+    # A zero-bubble pipeline schedule computes a microbatch's weight gradients apart from, and
+    # after, its input gradients, as one autograd call per group of weights
+    # (framework/distributed/pipeline.py, [Note: zero-bubble schedules on our engine]). Those calls
+    # together are one backward of the model: its units are gathered first where a forward freed
+    # them since (a unit's gradient hooks write into, and assert, its gathered storage), none of
+    # the calls queues the final callback (it would reset the backward's progress between them and
+    # issue a unit's reduction before all its gradients are in), and the final callback runs once,
+    # after the last call, draining the reductions as after any backward.
+    @contextlib.contextmanager
+    def backward_in_parts(self) -> Iterator[None]:
+        assert not self.callback_queued and not self.in_parts, (
+            f"[rank {self.rank}] root {self.root.name}: backward_in_parts inside a backward"
+        )
+        if self.phase in (TrainingPhase.IDLE, TrainingPhase.FORWARD):
+            self.set_phase(TrainingPhase.PRE_BACKWARD)
+        units = [u for u in self.units if u.trainable and u.unshard_in_backward]
+        with torch.no_grad():
+            for u in units:  # issue every gather, then wait: they overlap one another
+                u.unshard()
+            for u in units:
+                u.wait_unshard()
+        self.in_parts = True
+        try:
+            yield
+        finally:
+            self.in_parts = False
+        self.finish_backward()
 
     def backward_finished(self, unit: ShardUnit) -> bool:
         """The unit's backward is over (every gradient in, or its reduction issued)."""
@@ -261,7 +292,7 @@ class ShardContext:
             u.reduction.forget_step()
         self.in_root_forward = self.root_reached = False
         self.next_reduce = 0
-        self.callback_queued = False
+        self.callback_queued = self.in_parts = False
         self.backward_done = True
         if not self.order_frozen:  # a partly recorded first forward: record it again
             self.order.clear()

@@ -65,6 +65,16 @@ class ShardedModule:
         for u in self._units():
             u.reduction.divide_factor = float(factor)
 
+    def backward_in_parts(self):
+        """A context manager (on the root): the autograd calls made inside it are the parts of
+        one backward of this model, e.g. a pipeline's weight-gradient pass run as one call per
+        group of weights. The units are gathered first where a forward freed them, and the final
+        callback (the reductions drained, the units resharded or kept as set) runs once, when the
+        block ends. See [Note: one backward in several autograd calls] in context.py."""
+        ctx = self._fsdp_unit.ctx
+        assert ctx is not None, f"backward_in_parts on {type(self).__name__} before its first forward"
+        return ctx.backward_in_parts()
+
     # ---------------------------------------------------------------- when parameters are gathered
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """True frees the gathered parameters after forward (ZeRO-3), False keeps them until
