@@ -9,9 +9,10 @@ import os
 WORDS = [f"what is {i} plus {j}? it is {i + j}. x = {i}; y = x + {j}" for i in range(10) for j in range(10)]
 
 
-def bos_tokenizer(directory: str, bos: bool = True) -> str:
-    """Write the tokenizer to `directory` (with `bos=False`: the same without its post-processor);
-    returns the directory."""
+def bos_tokenizer(directory: str, bos: bool = True, template: str = "<s> $A") -> str:
+    """Write the tokenizer to `directory` (with `bos=False`: the same without its post-processor;
+    `template`: what its post-processor makes of a text, "$A </s>" for a T5-like one); returns the
+    directory."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -27,7 +28,9 @@ def bos_tokenizer(directory: str, bos: bool = True) -> str:
     tok.train_from_iterator(WORDS, trainer)
     if bos:
         tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+            single=template,
+            pair=f"{template} $B:1",
+            special_tokens=[(t, tok.token_to_id(t)) for t in ("<s>", "</s>") if t in template],
         )
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"

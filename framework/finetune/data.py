@@ -253,13 +253,16 @@ def build_rows(records: list, tok: SFTTokenizer, seq_len: int, packing: bool) ->
 def seq2seq_rows(records: list, tok: SFTTokenizer, source_len: int, target_len: int) -> list:
     """Rows for an encoder-decoder: the prompt is the encoder's input (cut to `source_len`, padded,
     with its attention mask), the response and the end-of-document token the decoder's labels
-    (cut to `target_len`, padded with -100). The model shifts the labels right itself."""
+    (cut to `target_len`, padded with -100). The model shifts the labels right itself. Each is
+    encoded as `tokenizer(text)` encodes it (a T5 tokenizer's own `</s>` after it, as transformers'
+    seq2seq examples give); the end-of-document token is not doubled where it already ends one."""
+    tail = [] if tok.special_suffix[-1:] == [tok.eod] else [tok.eod]
     out = []
     for record in records:
         if "messages" in record:
             raise UserInputError('a sequence-to-sequence model takes {"prompt", "response"} records, not chat')
-        source = tok.encode(record["prompt"])[:source_len]
-        target = (tok.encode(record["response"]) + [tok.eod])[:target_len]
+        source = tok.encode(record["prompt"], specials=True)[:source_len]
+        target = (tok.encode(record["response"], specials=True) + tail)[:target_len]
         out.append(
             {
                 "input_ids": torch.tensor(source + [tok.eod] * (source_len - len(source))),

@@ -120,3 +120,53 @@ def test_dpo_pairs_are_trls_prompt_chosen_and_rejected_ids(tmp_path, tokenizers,
             assert row["input_ids"][side][:n].tolist() == ids[:-1]
             want = [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])]
             assert row["labels"][side][:n].tolist() == want
+
+
+def test_grpo_text_prompts_are_the_tokenizers_own_ids(tokenizers):
+    # TRL's GRPOTrainer tokenizes a text prompt as `tokenizer(text=prompt)`: its BOS first
+    import transformers
+
+    from framework.grpo.data import encode_prompt
+
+    fast = transformers.AutoTokenizer.from_pretrained(tokenizers[True])
+    tok = load_tokenizer(tokenizers[True])
+    for prompt in ("what is 1 plus 2? it is ", "x = 4"):
+        got = encode_prompt({"prompt": prompt, "answer": 3}, tok, "prompt", "answer", True, "test")
+        assert got.ids == fast(text=prompt)["input_ids"] and got.ids[0] == fast.bos_token_id
+        assert got.text == prompt
+
+
+def test_built_in_chat_lines_start_with_the_bos_once(tokenizers):
+    import transformers
+
+    from framework.dpo.data import encode_pair
+
+    fast = transformers.AutoTokenizer.from_pretrained(tokenizers[True])
+    tok = load_tokenizer(tokenizers[True])
+    assert not tok.has_chat_template
+    turns = [{"role": "user", "content": "x = 4"}, {"role": "assistant", "content": "y = 5"}]
+    doc = encode_record({"messages": turns}, tok)
+    assert doc.ids[0] == fast.bos_token_id and doc.ids.count(fast.bos_token_id) == 1 and not doc.train[0]
+    assert fast.decode(doc.ids) == "<s><|user|>\nx = 4</s><|assistant|>\ny = 5</s>"
+    chosen, _ = encode_pair(
+        {"prompt": turns[:1], "chosen": turns[1:], "rejected": "y = 6"}, tok, "prompt", "chosen", "rejected", "t"
+    )
+    assert chosen == doc
+
+
+def test_seq2seq_rows_are_the_tokenizers_own_ids(tmp_path):
+    # a T5-like tokenizer puts its </s> after every text: the encoder's input is tokenizer(prompt),
+    # the labels tokenizer(response), whose </s> is the end-of-document token (not doubled)
+    import transformers
+
+    from framework.finetune.data import seq2seq_rows
+
+    directory = bos_tokenizer(str(tmp_path / "t5"), template="$A </s>")
+    fast = transformers.AutoTokenizer.from_pretrained(directory)
+    tok = load_tokenizer(directory)
+    [row] = seq2seq_rows([{"prompt": "what is 1 plus 2?", "response": "it is 3"}], tok, 16, 8)
+    source = fast("what is 1 plus 2?")["input_ids"]
+    target = fast(text_target="it is 3")["input_ids"]
+    assert source[-1] == target[-1] == tok.eod == fast.eos_token_id
+    assert row["input_ids"][: len(source)].tolist() == source and row["attention_mask"].sum() == len(source)
+    assert row["labels"][: len(target)].tolist() == target and (row["labels"][len(target) :] == IGNORE_INDEX).all()
