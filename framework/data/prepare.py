@@ -163,11 +163,11 @@ def _all_pieces(docs: Iterator[str]) -> Iterator[str]:
 # [Note: a document's special tokens]
 # A document is encoded as `tokenizer(document)` encodes it ([Note: the tokenizer's own special
 # tokens] in framework/data/tokenizer.py), then followed by the end-of-document id: a Llama, Mistral
-# or Gemma tokenizer gives <bos> document <eos>, as Megatron-LM's preprocess_data.py gives with a
-# Hugging Face tokenizer and --append-eod, and as transformers' run_clm.py gives (BOS per document)
-# once an EOS ends each. A tokenizer whose post-processor already ends the text with the
-# end-of-document id gets no second one; one that adds nothing (GPT-2 style byte-level BPEs, the
-# BPE trained here) gives the ids it always gave, so data prepared before is unchanged.
+# or Gemma tokenizer gives <bos> document <eos>, as Megatron-LM's data preprocessing tool gives with
+# a Hugging Face tokenizer and --append-eod, and as transformers' causal-LM example (run_clm) gives
+# (a BOS per document) once an EOS ends each. A tokenizer whose post-processor already ends the text
+# with the end-of-document id gets no second one; one that adds nothing (GPT-2 style byte-level
+# BPEs, the BPE trained here) gives the ids it always gave, so data prepared before is unchanged.
 
 
 def encode_documents(tok, docs: List[str]):

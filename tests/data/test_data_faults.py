@@ -92,8 +92,8 @@ def test_long_document_is_encoded_in_pieces_with_the_same_ids(prepared, monkeypa
 
 def test_prepared_documents_are_the_tokenizers_own_ids_then_one_end_of_document(tmp_path, monkeypatch):
     # A Llama/Mistral/Gemma-style tokenizer puts its BOS before every text (`tokenizer(text)`): a
-    # prepared document is <bos> text <eos>, as Megatron-LM's preprocess_data.py --append-eod makes
-    # it, a long one (encoded in pieces) too; the same tokenizer without its post-processor gives
+    # prepared document is <bos> text <eos>, as Megatron-LM's data preprocessing tool makes it with
+    # --append-eod, a long one (encoded in pieces) too; the same tokenizer without its post-processor gives
     # the ids it always gave.
     import transformers
     from bos_tokenizer import bos_tokenizer
