@@ -75,6 +75,12 @@ class _Stream:
         self._print(final)
 
 
+def _without_prefix(ids: List[int], tok) -> List[int]:
+    """The prompt's ids without the special tokens the tokenizer put first (a BOS): what is shown."""
+    prefix = list(getattr(tok, "special_prefix", []))
+    return ids[len(prefix) :] if prefix and ids[: len(prefix)] == prefix else ids
+
+
 def generate(trainer, prompts: List[str], is_main: bool) -> List[dict]:
     """Every rank: the prompts' completions through framework/generation (KV cache, stop at the
     tokenizer's end-of-text or a stop string), `generate.batch_size` prompts at a time; rank 0
@@ -86,8 +92,8 @@ def generate(trainer, prompts: List[str], is_main: bool) -> List[dict]:
     g = trainer.cfg.generate
     tok, model = trainer.data.tokenizer, trainer.model
     ids = []
-    for prompt in prompts:
-        ids.append(list(tok.encode(prompt)))
+    for prompt in prompts:  # as `tokenizer(prompt)` encodes it: its BOS first, where it adds one
+        ids.append(list(tok.encode(prompt, specials=True)))
         if not ids[-1]:
             raise UserInputError(f"generate: the prompt {prompt[:40]!r} has no tokens")
     limit = max_tokens(model)
@@ -102,7 +108,7 @@ def generate(trainer, prompts: List[str], is_main: bool) -> List[dict]:
     records = []
     for start in range(0, len(ids), g.batch_size):
         batch = ids[start : start + g.batch_size]
-        texts = [tok.decode(p) for p in batch]
+        texts = [tok.decode(_without_prefix(p, tok)) for p in batch]
         stream = None
         if len(batch) == 1:
             stream = _Stream(tok.decode, eod, stops, is_main)

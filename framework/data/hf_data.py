@@ -5,8 +5,10 @@
 
 A path is a parquet, JSONL/JSON, arrow, CSV or text file, a directory of such files (one format),
 or a `save_to_disk` directory. A record becomes one document: its text column, else its chat
-column (the tokenizer's chat template, else `<|role|>` lines), else prompt + response; each
-document ends with the tokenizer's end-of-document id.
+column (the tokenizer's chat template, else `<|role|>` lines), else prompt + response; a text is
+encoded as `tokenizer(text)` encodes it (the tokenizer's BOS first, where it adds one: [Note: a
+document's special tokens] in framework/data/prepare.py) and each document ends with the
+tokenizer's end-of-document id.
 
 [Note: one global row order, whatever the world size]
 The documents of each path, end to end, are cut into rows of seq_len + 1 tokens, each row starting
@@ -170,9 +172,11 @@ class Documents:
         out = [self.to_ids(r, self.tok) for r in records]
         texts = [i for i, x in enumerate(out) if isinstance(x, str)]
         if texts:
-            for i, ids in zip(texts, self.tok.encode_batch([out[i] for i in texts])):
+            for i, ids in zip(texts, self.tok.encode_batch([out[i] for i in texts], specials=True)):
                 out[i] = ids
-        return [list(ids) + [self.tok.eod] for ids in out]
+        suffix = list(getattr(self.tok, "special_suffix", []))
+        tail = [] if suffix[-1:] == [self.tok.eod] else [self.tok.eod]  # a post-processor's EOS is not doubled
+        return [list(ids) + tail for ids in out]
 
     def validation(self) -> List[List[int]]:
         records = self.ds.take(self.held_out) if self.streaming else self.ds.select(range(self.held_out))

@@ -5,9 +5,10 @@
 Every input file is one document, except JSONL (`.jsonl`/`.json`), where every line is a document
 whose text is its `text` field; directories are walked in sorted order. Documents are tokenized by
 `data.workers` processes with a byte-level BPE (`data.tokenizer`, or one of `data.vocab_size`
-trained on the inputs), recorded as `<prefix>.tokenizer.json`, each followed by the end-of-
-document token, and written with megatron-core's IndexedDatasetBuilder, so the result is the
-same format NeMo and Megatron-LM read and write.
+trained on the inputs), recorded as `<prefix>.tokenizer.json`, each as `tokenizer(document)` encodes
+it (the tokenizer's BOS first, where it adds one) and followed by the end-of-document token ([Note:
+a document's special tokens]), and written with megatron-core's IndexedDatasetBuilder, so the
+result is the same format NeMo and Megatron-LM read and write.
 """
 
 from __future__ import annotations
@@ -159,18 +160,31 @@ def _all_pieces(docs: Iterator[str]) -> Iterator[str]:
         yield from pieces(doc)
 
 
+# [Note: a document's special tokens]
+# A document is encoded as `tokenizer(document)` encodes it ([Note: the tokenizer's own special
+# tokens] in framework/data/tokenizer.py), then followed by the end-of-document id: a Llama, Mistral
+# or Gemma tokenizer gives <bos> document <eos>, as Megatron-LM's data preprocessing tool gives with
+# a Hugging Face tokenizer and --append-eod, and as transformers' causal-LM example (run_clm) gives
+# (a BOS per document) once an EOS ends each. A tokenizer whose post-processor already ends the text
+# with the end-of-document id gets no second one; one that adds nothing (GPT-2 style byte-level
+# BPEs, the BPE trained here) gives the ids it always gave, so data prepared before is unchanged.
+
+
 def encode_documents(tok, docs: List[str]):
-    """Token ids of each document followed by the end-of-document id, as int64 arrays; long
-    documents are encoded piecewise (see [Note: long documents])."""
+    """Token ids of each document ([Note: a document's special tokens]) followed by the
+    end-of-document id, as int64 arrays; long documents are encoded piecewise (see [Note: long
+    documents]), the tokenizer's special tokens put around the whole."""
     import numpy
 
-    eod = numpy.asarray([tok.eod], dtype=numpy.int64)
+    prefix, suffix = list(getattr(tok, "special_prefix", [])), list(getattr(tok, "special_suffix", []))
+    tail = [] if suffix[-1:] == [tok.eod] else [tok.eod]
     if all(len(d) <= PIECE_CHARS for d in docs):
-        return [numpy.concatenate([numpy.asarray(ids, dtype=numpy.int64), eod]) for ids in tok.encode_batch(docs)]
+        return [numpy.asarray(list(ids) + tail, dtype=numpy.int64) for ids in tok.encode_batch(docs, specials=True)]
     out = []
     for doc in docs:
         parts = [numpy.asarray(tok.encode_batch([part])[0], dtype=numpy.int64) for part in pieces(doc)]
-        out.append(numpy.concatenate(parts + [eod]))
+        ends = [numpy.asarray(prefix, dtype=numpy.int64)], [numpy.asarray(suffix + tail, dtype=numpy.int64)]
+        out.append(numpy.concatenate(ends[0] + parts + ends[1]))
     return out
 
 

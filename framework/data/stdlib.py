@@ -68,8 +68,12 @@ def stdlib_prefix(cache_dir: str, vocab_size: int, tokenizer: str = "") -> str:
 
     version = "%d.%d" % sys.version_info[:2]
     if tokenizer:
+        from framework.data.tokenizer import BPETokenizer
+
         with open(tokenizer, "rb") as f:
             which = "t" + hashlib.sha256(f.read()).hexdigest()[:16]
+        if BPETokenizer(tokenizer).unique_identifiers.get("specials"):  # documents begin with its BOS: not
+            which += "-s"  # the ids of a cache prepared before they were added ([Note: a document's special tokens])
     else:
         which = f"v{vocab_size}"
     return os.path.join(os.path.abspath(cache_dir), f"stdlib-r{CORPUS_REVISION}-py{version}-{which}", "stdlib")

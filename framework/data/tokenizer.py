@@ -4,14 +4,38 @@ need (vocab_size, eod, unique_identifiers)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections import OrderedDict
-from typing import Iterable, List
+from typing import Iterable, List, Tuple
 
 from framework.errors import UserInputError
 
 EOD = "<|endoftext|>"  # ends every document in the prepared datasets
+
+
+# [Note: the tokenizer's own special tokens]
+# `tokenizer(text)` in transformers (and `Tokenizer.encode(text)` of a tokenizer.json) runs the
+# tokenizer's post-processor: Llama 2/3, Mistral and Gemma put their BOS before the text, a few
+# tokenizers an EOS after it, GPT-2 style byte-level BPEs (our locally trained one included) add
+# nothing. A model learnt with those ids, so a whole text the model reads (an SFT record, a DPO
+# pair, a GRPO or generate prompt, a pre-training document) is encoded with them: `encode(text,
+# specials=True)`. Pieces that are laid end to end (lm-eval's contexts and continuations, the
+# built-in `<|role|>` chat lines) are encoded without (`specials=False`, the default) and the
+# document gets the prefix once (`special_prefix`). A tokenizer whose post-processor adds nothing
+# gives the same ids either way, so data prepared with it does not change.
+
+
+def special_ends(plain, full) -> Tuple[List[int], List[int]]:
+    """(prefix, suffix): the ids a tokenizer's post-processor puts before and after a text's own,
+    found by encoding a probe text without (`plain`) and with (`full`) them."""
+    probe = "a b"
+    bare, whole = list(plain(probe)), list(full(probe))
+    for start in range(len(whole) - len(bare) + 1):
+        if whole[start : start + len(bare)] == bare:
+            return whole[:start], whole[start + len(bare) :]
+    return [], []  # a post-processor that rewrites the text's own ids: none we know of
 
 
 class BPETokenizer:
@@ -34,16 +58,21 @@ class BPETokenizer:
             digest = hashlib.sha256(f.read()).hexdigest()[:16]
         # megatron-core hashes these into the names of its cached index files.
         self.unique_identifiers = OrderedDict(cls="BPETokenizer", sha256=digest)
+        self.special_prefix, self.special_suffix = special_ends(self.encode, lambda t: self.encode(t, specials=True))
+        if self.special_prefix or self.special_suffix:  # documents prepared before they were added differ
+            self.unique_identifiers["specials"] = f"{self.special_prefix}{self.special_suffix}"
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, specials: bool = False) -> List[int]:
+        """The text's ids; with `specials`, as `tokenizer(text)` gives them ([Note: the tokenizer's
+        own special tokens])."""
+        return self._tok.encode(text, add_special_tokens=specials).ids
 
-    def encode_batch(self, texts: List[str]) -> List[List[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: List[str], specials: bool = False) -> List[List[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=specials)]
 
     def decode(self, ids: List[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -79,6 +108,11 @@ class SFTTokenizer:
 
     def __init__(self, tokenizer, eod: int, hf=None):
         self.tokenizer, self.eod, self.hf = tokenizer, eod, hf
+        if hf is not None:
+            self.special_prefix, self.special_suffix = special_ends(self.encode, lambda t: self.encode(t, True))
+        else:  # a tokenizer of ours, or one that knows no post-processor (none added)
+            self.special_prefix = list(getattr(tokenizer, "special_prefix", []))
+            self.special_suffix = list(getattr(tokenizer, "special_suffix", []))
 
     @property
     def path(self):
@@ -96,15 +130,32 @@ class SFTTokenizer:
     def has_chat_template(self) -> bool:
         return self.hf is not None and getattr(self.hf, "chat_template", None) is not None
 
-    def encode(self, text: str) -> list:
+    def encode(self, text: str, specials: bool = False) -> list:
+        """The text's ids; with `specials`, those `tokenizer(text)` gives ([Note: the tokenizer's own
+        special tokens])."""
         if self.hf is not None:
-            return list(self.hf.encode(text, add_special_tokens=False))
+            return list(self.hf(text, add_special_tokens=specials)["input_ids"])
+        if specials and (self.special_prefix or self.special_suffix):
+            return list(self.tokenizer.encode(text, specials=True))
         return list(self.tokenizer.encode(text))
 
-    def encode_batch(self, texts: list) -> list:
+    def encode_batch(self, texts: list, specials: bool = False) -> list:
         if self.hf is not None:
-            return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+            return [list(ids) for ids in self.hf(list(texts), add_special_tokens=specials)["input_ids"]]
+        if specials and (self.special_prefix or self.special_suffix):
+            return [list(ids) for ids in self.tokenizer.encode_batch(list(texts), specials=True)]
         return self.tokenizer.encode_batch(list(texts))
+
+    @functools.cached_property
+    def eos_text(self):
+        """The end-of-document token as text (what TRL appends to a reply), or None when no text
+        encodes to exactly that id (then the id is appended after the text's)."""
+        if self.hf is not None:
+            text = self.hf.convert_ids_to_tokens(self.eod)
+        else:
+            to_token = getattr(getattr(self.tokenizer, "_tok", None), "id_to_token", None)
+            text = to_token(self.eod) if to_token is not None else None
+        return text if isinstance(text, str) and text and self.encode(text) == [self.eod] else None
 
     def decode(self, ids) -> str:
         if self.hf is not None:

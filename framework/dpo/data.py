@@ -9,14 +9,17 @@ dpo.rejected_field), in one of the forms TRL reads:
      "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}          chat (a reply may be a string)
     {"chosen": [user turn, assistant turn], "rejected": [user turn, other turn]}  chat, prompt implicit
 
-Plain text is tokenized as fine-tuning's {"prompt", "response"} records are (framework/finetune/
-data.py): the prompt's ids, then the reply's and the end-of-document id. Chat is rendered by the
+Plain text is tokenized as TRL's DPOTrainer tokenizes it, as fine-tuning's {"prompt", "response"}
+records are ([Note: prompt and reply are encoded together] in framework/finetune/data.py): prompt +
+reply + the end-of-document token as one text, as `tokenizer(text)` gives it (its BOS included); the
+reply's tokens start where the prompt's own encoding parts from both joint ones (the chosen's and
+the rejected's: TRL takes the shorter common prefix for the pair). Chat is rendered by the
 tokenizer's chat template when it has one: the reply's tokens are those the rendering of prompt +
-reply adds after the rendering of the prompt with its generation prompt (without a template, the
-fine-tuning's plain `<|role|>` lines). Each pair becomes one row of two sequences, `input_ids` and
-`labels` of shape (2, data.seq_len): chosen first, rejected second, padded at the end; a label is
--100 everywhere but on the reply's tokens, so the log-probabilities summed over labelled positions
-are the reply's given the prompt.
+reply adds after the rendering of the prompt with its generation prompt, again from where it parts
+from both (without a template, the fine-tuning's plain `<|role|>` lines, the BOS once first). Each
+pair becomes one row of two sequences, `input_ids` and `labels` of shape (2, data.seq_len): chosen
+first, rejected second, padded at the end; a label is -100 everywhere but on the reply's tokens, so
+the log-probabilities summed over labelled positions are the reply's given the prompt.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from framework.config.schema import Config
 from framework.data.loader import DataBundle
 from framework.errors import UserInputError
-from framework.finetune.data import Document, pad_rows
+from framework.finetune.data import Document, common_prefix, encode_replies, pad_rows
 
 
 def _is_messages(value) -> bool:
@@ -46,20 +49,20 @@ def _turns(value) -> list:
     return [{"role": "assistant", "content": value}] if isinstance(value, str) else [dict(m) for m in value]
 
 
-def _common_prefix(a: list, b: list) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def encode_chat(prompt: list, reply: list, tok) -> Document:
-    """prompt + reply rendered as one conversation; the reply's tokens are the trained ones."""
+def encode_chat(prompt: list, replies: list, tok) -> list:
+    """prompt + each reply rendered as one conversation; the replies' tokens are the trained ones,
+    starting where the prompt's rendering (with its generation prompt) parts from both."""
     if tok.has_chat_template:
-        ids = tok.chat_ids(prompt + reply)
-        start = _common_prefix(tok.chat_ids(prompt, add_generation_prompt=True), ids)
-        return Document(ids, [i >= start for i in range(len(ids))])
-    ids, train = [], []
+        joint = [tok.chat_ids(prompt + reply) for reply in replies]
+        prompt_ids = tok.chat_ids(prompt, add_generation_prompt=True)
+        start = min(common_prefix(prompt_ids, ids) for ids in joint)
+        return [Document(ids, [i >= start for i in range(len(ids))]) for ids in joint]
+    return [_builtin_chat(prompt, reply, tok) for reply in replies]
+
+
+def _builtin_chat(prompt: list, reply: list, tok) -> Document:
+    """The built-in `<|role|>` lines, each turn tokenized apart, the tokenizer's BOS once first."""
+    ids, train = list(tok.special_prefix), [False] * len(tok.special_prefix)
     for index, message in enumerate(prompt + reply):
         header = tok.encode(f"<|{message['role']}|>\n")
         body = tok.encode(message["content"]) + [tok.eod]
@@ -75,22 +78,15 @@ def encode_pair(record, tok, prompt_field: str, chosen_field: str, rejected_fiel
         raise UserInputError(f"{where}: not a record (an object of {prompt_field}, {chosen_field}, {rejected_field})")
     prompt, chosen, rejected = record.get(prompt_field), record.get(chosen_field), record.get(rejected_field)
     if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
-        ids = tok.encode(prompt)
-        docs = []
-        for reply in (chosen, rejected):
-            reply_ids = tok.encode(reply) + [tok.eod]
-            docs.append(Document(ids + reply_ids, [False] * len(ids) + [True] * len(reply_ids)))
-        return tuple(docs)
+        return tuple(encode_replies(prompt, [chosen, rejected], tok))
     replies_ok = all(isinstance(r, str) or _is_messages(r) for r in (chosen, rejected))
     if prompt is None and _is_messages(chosen) and _is_messages(rejected):  # the prompt: the shared leading turns
-        shared = _common_prefix(chosen, rejected)
+        shared = common_prefix(chosen, rejected)
         if shared and shared < min(len(chosen), len(rejected)):
-            return encode_chat(chosen[:shared], chosen[shared:], tok), encode_chat(
-                chosen[:shared], rejected[shared:], tok
-            )
+            return tuple(encode_chat(chosen[:shared], [chosen[shared:], rejected[shared:]], tok))
     elif replies_ok and (_is_messages(prompt) or isinstance(prompt, str)):
         turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _turns(prompt)
-        return encode_chat(turns, _turns(chosen), tok), encode_chat(turns, _turns(rejected), tok)
+        return tuple(encode_chat(turns, [_turns(chosen), _turns(rejected)], tok))
     raise UserInputError(
         f"{where}: a preference record needs strings {prompt_field!r}, {chosen_field!r} and {rejected_field!r}, or "
         f"chat turns (lists of {{role, content}}) for them (without {prompt_field!r}: {chosen_field!r} and "

@@ -12,6 +12,19 @@ so they shape the context but not the loss. Chat records use the tokenizer's own
 when it has one (a Hugging Face tokenizer directory with `chat_template`), else a plain built-in
 one (`<|role|>` lines).
 
+[Note: prompt and reply are encoded together]
+A {"prompt", "response"} record is encoded as TRL's SFTTrainer encodes a prompt-completion record
+(and its DPOTrainer a preference pair): the text prompt + response + the end-of-document token
+(appended as text unless the response already ends with it) is tokenized as one, as
+`tokenizer(text)` gives it (the tokenizer's BOS first, where it adds one: [Note: the tokenizer's
+own special tokens] in framework/data/tokenizer.py); the prompt alone is tokenized the same way,
+and the trained tokens start where the two encodings part. Tokenized apart, a prompt ending
+inside a pre-token ("x = " before "1") would give ids the model never reads at inference (a lone
+space token, then "1" without its space); tokenized together, the tokens that straddle the
+boundary belong to the response (tested equal to TRL's ids and completion mask). Without a
+template, chat records are the built-in `<|role|>` lines, each turn tokenized apart, the
+tokenizer's BOS once at the start.
+
 [Note: packed rows keep documents apart]
 With packing, documents are laid end to end in rows of `seq_len` tokens (first fit, in order; a
 document longer than a row is cut). Each token carries its position inside its document and its
@@ -98,14 +111,36 @@ def _valid(record) -> bool:
     return isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)
 
 
+def common_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def encode_replies(prompt: str, replies: list, tok: SFTTokenizer) -> list:
+    """One document per reply: prompt + reply + the end-of-document token encoded as one text, as
+    `tokenizer(text)` gives it (its BOS included), the trained tokens starting where the prompt's own
+    encoding and the joint ones part ([Note: prompt and reply are encoded together])."""
+    eos = tok.eos_text
+    joint = []
+    for reply in replies:
+        if eos is None:  # no text encodes to the end-of-document id: it follows the text's ids
+            joint.append(tok.encode(prompt + reply, specials=True) + [tok.eod])
+        else:
+            joint.append(tok.encode(prompt + (reply if reply.endswith(eos) else reply + eos), specials=True))
+    prompt_ids = tok.encode(prompt, specials=True)
+    start = min(common_prefix(prompt_ids, ids) for ids in joint)
+    return [Document(ids, [i >= start for i in range(len(ids))]) for ids in joint]
+
+
 def encode_record(record: dict, tok: SFTTokenizer) -> Document:
     """One record as a document: ids and which of them are response tokens."""
     if "messages" not in record:
-        prompt, response = tok.encode(record["prompt"]), tok.encode(record["response"]) + [tok.eod]
-        return Document(prompt + response, [False] * len(prompt) + [True] * len(response))
+        return encode_replies(record["prompt"], [record["response"]], tok)[0]
     if tok.has_chat_template:
         return _encode_with_template(record["messages"], tok)
-    ids, train = [], []
+    ids, train = list(tok.special_prefix), [False] * len(tok.special_prefix)
     for message in record["messages"]:
         header = tok.encode(f"<|{message['role']}|>\n")
         body = tok.encode(message["content"]) + [tok.eod]
@@ -218,13 +253,16 @@ def build_rows(records: list, tok: SFTTokenizer, seq_len: int, packing: bool) ->
 def seq2seq_rows(records: list, tok: SFTTokenizer, source_len: int, target_len: int) -> list:
     """Rows for an encoder-decoder: the prompt is the encoder's input (cut to `source_len`, padded,
     with its attention mask), the response and the end-of-document token the decoder's labels
-    (cut to `target_len`, padded with -100). The model shifts the labels right itself."""
+    (cut to `target_len`, padded with -100). The model shifts the labels right itself. Each is
+    encoded as `tokenizer(text)` encodes it (a T5 tokenizer's own `</s>` after it, as transformers'
+    seq2seq examples give); the end-of-document token is not doubled where it already ends one."""
+    tail = [] if tok.special_suffix[-1:] == [tok.eod] else [tok.eod]
     out = []
     for record in records:
         if "messages" in record:
             raise UserInputError('a sequence-to-sequence model takes {"prompt", "response"} records, not chat')
-        source = tok.encode(record["prompt"])[:source_len]
-        target = (tok.encode(record["response"]) + [tok.eod])[:target_len]
+        source = tok.encode(record["prompt"], specials=True)[:source_len]
+        target = (tok.encode(record["response"], specials=True) + tail)[:target_len]
         out.append(
             {
                 "input_ids": torch.tensor(source + [tok.eod] * (source_len - len(source))),

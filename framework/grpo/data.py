@@ -1,6 +1,7 @@
 """The prompts of `stage=grpo`: records read through data=hf -> prompt token ids and answers.
 
-A record holds a prompt (column data.hf.prompt_field) as a string, tokenized as is, or as chat
+A record holds a prompt (column data.hf.prompt_field) as a string, tokenized as `tokenizer(prompt)`
+tokenizes it (the tokenizer's BOS first where it adds one, as TRL's GRPOTrainer does), or as chat
 turns (a list of {role, content}), rendered by the tokenizer's chat template with its generation
 prompt (refused without a template); and, when grpo.rewards has exact_match, an answer (column
 grpo.answer_field, any scalar, compared as text). The loaders hand out rows {"index": i}: the
@@ -37,7 +38,7 @@ def encode_prompt(record, tok, prompt_field: str, answer_field: str, need_answer
         raise UserInputError(f"{where}: not a record (an object of {prompt_field!r} and {answer_field!r})")
     prompt = record.get(prompt_field)
     if isinstance(prompt, str) and prompt:
-        ids, text = tok.encode(prompt), prompt
+        ids, text = tok.encode(prompt, specials=True), prompt  # as tokenizer(prompt): its BOS first
     elif _is_messages(prompt):
         if not tok.has_chat_template:
             raise UserInputError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -162,11 +162,14 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
 PROMPT_TOKENS = 16  # the end-of-run sample's prompt: at most this many tokens of the data
 
 
-def data_prompt(data, eod: Optional[int], tokens: int = PROMPT_TOKENS) -> Optional[list]:
+def data_prompt(data, eod: Optional[int], tokens: int = PROMPT_TOKENS, prefix: Sequence[int] = ()) -> Optional[list]:
     """A prompt from the data's own text: the first sample of the validation split (else the
     training split's), the same on every rank. Of a fine-tuning record, its prompt (the tokens
-    before the first labelled one); of pre-training text, at most `tokens` tokens of one document
-    (after an end-of-text in the sample's first half, so it starts a document). None: no sample."""
+    before the first labelled one; its last `tokens`, after the tokenizer's `prefix`, its BOS, when
+    the record starts with it); of pre-training text, at most `tokens` tokens of one document (after
+    an end-of-text in the sample's first half, so it starts a document, with its BOS where the data
+    has one). None: no sample."""
+    prefix = list(prefix)
     for loader in (data.valid, data.train):
         try:
             sample = loader.source[0]
@@ -183,8 +186,13 @@ def data_prompt(data, eod: Optional[int], tokens: int = PROMPT_TOKENS) -> Option
             ids = ids[ids.index(eod) + 1 :]
         if eod is not None and eod in ids:
             ids = ids[: ids.index(eod)]
-        if ids:
-            return ids[-tokens:] if isinstance(sample, dict) else ids[:tokens]
+        if not ids:
+            continue
+        if not isinstance(sample, dict):
+            return ids[:tokens]
+        if prefix and ids[: len(prefix)] == prefix and len(ids) > tokens:  # the record's BOS stays first
+            return prefix + ids[len(prefix) :][-max(tokens - len(prefix), 1) :]
+        return ids[-tokens:]
     return None
 
 
@@ -195,7 +203,8 @@ def _causal_lm_sample(run: RunView) -> Optional[str]:
     prompt with the same seed, so tensor-parallel ranks agree on each token; rank 0 shows it."""
     tok = run.data.tokenizer
     eod = getattr(tok, "eod", None)
-    prompt = data_prompt(run.data, eod)
+    prefix = list(getattr(tok, "special_prefix", []))  # the tokenizer's BOS, where it adds one
+    prompt = data_prompt(run.data, eod, prefix=prefix)
     if not run.sample_tokens or run.generate is None or prompt is None:
         return None
     new = min(run.sample_tokens, run.seq_len - len(prompt))  # within the positions the model trained on
@@ -205,7 +214,8 @@ def _causal_lm_sample(run: RunView) -> Optional[str]:
         run.model, [prompt], new, eos_ids=[eod] if eod is not None else [], temperature=0.8, top_k=20, seed=[run.seed]
     )[0]
     ids = done.token_ids[:-1] if done.finish_reason == "eos" else done.token_ids
-    return "--- sample ---\n" + tok.decode(prompt + ids) + "\n--------------"
+    shown = prompt[len(prefix) :] if prefix and prompt[: len(prefix)] == prefix else prompt  # not the BOS
+    return "--- sample ---\n" + tok.decode(shown + ids) + "\n--------------"
 
 
 @torch.no_grad()

@@ -88,3 +88,34 @@ def test_long_document_is_encoded_in_pieces_with_the_same_ids(prepared, monkeypa
     (ids,) = prep.encode_documents(tok, [doc])
     assert ids.tolist() == tok.encode(doc) + [tok.eod]
     assert os.path.isfile(prepared[2])
+
+
+def test_prepared_documents_are_the_tokenizers_own_ids_then_one_end_of_document(tmp_path, monkeypatch):
+    # A Llama/Mistral/Gemma-style tokenizer puts its BOS before every text (`tokenizer(text)`): a
+    # prepared document is <bos> text <eos>, as Megatron-LM's data preprocessing tool makes it with
+    # --append-eod, a long one (encoded in pieces) too; the same tokenizer without its post-processor gives
+    # the ids it always gave.
+    import transformers
+    from bos_tokenizer import bos_tokenizer
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from framework.data import prepare as prep
+    from framework.data.stdlib import stdlib_prefix
+
+    monkeypatch.setattr(prep, "PIECE_CHARS", 10_000)  # the piecewise path on a smaller document
+    texts = ["what is 1 plus 2? it is 3", "x = 4; y = x + 1 " * 1500, " y"]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for bos in (True, False):
+        directory = bos_tokenizer(str(tmp_path / f"tok{bos}"), bos=bos)
+        fast = transformers.AutoTokenizer.from_pretrained(directory)
+        prefix, _ = prep.prepare(
+            [str(corpus)], str(tmp_path / f"c{bos}"), tokenizer=f"{directory}/tokenizer.json", progress=False
+        )
+        dataset = IndexedDataset(prefix)
+        for i, text in enumerate(texts):
+            want = fast(text)["input_ids"] + [fast.eos_token_id]
+            assert dataset[i].tolist() == want, (bos, i)
+            assert (want[0] == fast.bos_token_id) == bos
+        # data=stdlib's cache of a BOS-adding tokenizer is not one prepared before BOS was added
+        assert stdlib_prefix(str(tmp_path), 0, f"{directory}/tokenizer.json").split(os.sep)[-2].endswith("-s") == bos

@@ -214,3 +214,25 @@ def test_streaming_reads_a_file_larger_than_its_memory_bound(tmp_path):
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["rows"] > 10_000
     assert result["growth_mib"] < 10, result
+
+
+def test_documents_are_the_tokenizers_own_ids_then_one_end_of_document(tmp_path):
+    # a Llama/Mistral/Gemma-style tokenizer puts its BOS before every text: <bos> text <eos>, as
+    # data preparation writes it
+    import transformers
+    from bos_tokenizer import bos_tokenizer
+
+    from framework.config.schema import HFDataConfig
+    from framework.data.hf_data import Documents, RecordText
+
+    directory = bos_tokenizer(str(tmp_path / "tok"))
+    fast = transformers.AutoTokenizer.from_pretrained(directory)
+    texts = ["what is 1 plus 2? it is 3", "x = 4; y = x + 1", "it is "]
+    ds = datasets.Dataset.from_dict({"text": texts})
+    cfg = HFDataConfig()
+    for tok in (load_tokenizer(directory), load_tokenizer(f"{directory}/tokenizer.json")):
+        documents = Documents(
+            ds, RecordText(cfg, "t", ds.column_names), tok, streaming=False, shuffle=False, seed=0, held_out=3 - 1
+        )
+        want = [fast(t)["input_ids"] + [fast.eos_token_id] for t in texts]
+        assert documents.validation() == want[:2] and want[0][0] == fast.bos_token_id

@@ -41,3 +41,45 @@ def test_the_stream_prints_the_final_text_through_unfinished_characters_and_stop
     decodes = ["x =", "x = 1", "x = 1\n", "x = 1\n\n", "x = 1\n\ny"]
     assert _streamed(decodes, ["\n\n"], "x = 1", capsys) == "x = 1"
     assert _streamed(["ab", "ab\n", "ab\nc"], ["\n\n"], "ab\nc", capsys) == "ab\nc"
+
+
+def test_prompt_ids_are_the_tokenizers_own_with_its_bos(tmp_path, monkeypatch, capsys):
+    # `tokenizer(prompt)` in transformers puts a Llama/Mistral/Gemma tokenizer's BOS first; the model
+    # learnt with it, so stage=generate's prompt ids are those, whichever way the tokenizer is read
+    # (a directory through transformers, a tokenizer.json: data=stdlib/hf, data=indexed).
+    from types import SimpleNamespace
+
+    import transformers
+    from bos_tokenizer import bos_tokenizer
+
+    import framework.generation
+    from framework.config.schema import GenerateConfig
+    from framework.data.tokenizer import BPETokenizer, load_tokenizer
+    from framework.generate import generate
+    from framework.models.llama.args import LlamaArgs
+    from framework.models.llama.model import Transformer
+
+    directory = bos_tokenizer(str(tmp_path / "tok"))
+    fast = transformers.AutoTokenizer.from_pretrained(directory)
+    model = Transformer(LlamaArgs(vocab_size=len(fast), dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48))
+    model.init_weights(seed=0)
+    seen = []
+    real = framework.generation.generate
+    monkeypatch.setattr(
+        framework.generation, "generate", lambda m, ids, *a, **k: seen.append(ids) or real(m, ids, *a, **k)
+    )
+    prompts = ["what is 1 plus 2? it is ", "x = 4"]
+    cfg = GenerateConfig(prompts=prompts, max_new_tokens=3, temperature=0.0, batch_size=2)
+    for tok in (
+        load_tokenizer(directory),
+        load_tokenizer(f"{directory}/tokenizer.json"),
+        BPETokenizer(f"{directory}/tokenizer.json"),
+    ):
+        seen.clear()
+        trainer = SimpleNamespace(cfg=SimpleNamespace(generate=cfg), data=SimpleNamespace(tokenizer=tok), model=model)
+        records = generate(trainer, prompts, is_main=True)
+        assert seen == [[fast(p)["input_ids"] for p in prompts]], type(tok)
+        assert seen[0][0][0] == fast.bos_token_id
+        # what is shown is the prompt's text, not the BOS
+        assert [r["prompt"] for r in records] == prompts
+        assert "<s>" not in capsys.readouterr().out
