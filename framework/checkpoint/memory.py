@@ -28,7 +28,7 @@ from framework.checkpoint.contents import rng_state, set_rng_state
 from framework.errors import UserInputError
 
 FORMAT = 1
-DEFAULT_DIR = "/dev/shm"
+DEFAULT_DIR = shm_names.DEFAULT_DIR
 _MANIFEST_LIMIT = 64 << 20  # bytes: a manifest is the tensors' index and a few KB of state
 
 # [Note: a snapshot counts once committed]
@@ -585,11 +585,14 @@ class MemorySnapshots:
     # ---- the end ----
 
     def close(self, finished: bool) -> None:
-        """Let the writer end; a finished job removes its segments (a failed one leaves them to a
-        restart, and the sweeper removes them once the job's creator ends)."""
+        """Let the writer end; a finished job removes its segments, its own and the copies it holds
+        for a peer (a failed one leaves them to a restart, and the sweeper removes them once the
+        job's creator ends)."""
         self.wait()
         if finished:
             self._prune(keep=0)
+            if self._peer_group is not None:
+                self._prune(keep=0, kind="p", rank=self._from)
 
 
 def _read_pair(manifest_path: str) -> Tuple[bytes, bytearray, str]:
