@@ -264,3 +264,50 @@ def test_a_finished_job_removes_the_copies_it_held_for_the_other_node(tmp_path):
     for pid in stopped.values():
         os.kill(pid, signal.SIGCONT)
     assert [_left_in(d) for d in dirs] == [[], []]
+
+
+_POD = """
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from framework.checkpoint import shm_names
+
+def segment(creator):
+    name = shm_names.job_prefix(os.getuid(), "abc123", creator) + "-r00000-s000000005.data"
+    open(os.path.join("/dev/shm", name), "w").close()
+    return name
+
+gone = subprocess.Popen([sys.executable, "-c", "pass"])
+start = shm_names.start_time(gone.pid)
+gone.wait()
+segment(f"{gone.pid}.{start}")  # a job killed whole before this container started
+job = (
+    "import os, sys; sys.path.insert(0, sys.argv[1]); from framework.checkpoint import shm_names; "
+    "print(sorted(os.listdir('/dev/shm'))); "
+    "open(os.path.join('/dev/shm', shm_names.job_prefix(os.getuid(), 'def456', "
+    "f'{os.getpid()}.{shm_names.start_time(os.getpid())}') + '-r00000-s000000005.data'), 'w').close(); "
+    "os.kill(os.getpid(), 9)"
+)
+out = subprocess.run(
+    [sys.executable, "-m", "launcher_scripts.pod_entry", sys.executable, "-c", job, sys.argv[1]],
+    cwd=sys.argv[1], capture_output=True, text=True,
+)
+print(out.returncode, out.stdout.strip(), sorted(os.listdir("/dev/shm")))
+"""
+
+
+def test_the_pod_entry_removes_dead_jobs_snapshots_before_and_after_torchrun(tmp_path):
+    """In a private /dev/shm: a dead job's segment is there when the pod's entry starts; the command
+    it runs (standing for torchrun) sees it gone, leaves a segment of its own and is SIGKILLed (its
+    sweeper never started): once the entry has ended, nothing is left."""
+    if os.geteuid() != 0:
+        pytest.skip("a private /dev/shm (unshare -m, mount -t tmpfs) needs root (CI runs as root)")
+    script = 'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$0" "$@"'
+    out = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable, "-c", _POD, str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    status, seen, left = out.stdout.strip().split(" ", 2)
+    assert (status, seen, left) == ("137", "[]", "[]"), out.stdout
