@@ -104,9 +104,14 @@ def _training_run(cfg):
 
 def start(dict_cfg: DictConfig, run_dir: str) -> int:
     """Validate, record the resolved config, then run the stage on every rank."""
+    from framework.checkpoint.shm_names import sweep_job_start
     from framework.offline import hub_offline
 
     hub_offline()  # for this process and every rank: [Note: offline whatever the environment says]
+    # Memory snapshots of jobs killed whole (their sweeper with them), whatever this job is and
+    # whether or not it is refused: [Note: snapshot segments outlive the rank, not the job]
+    memory_dir = OmegaConf.select(dict_cfg, "checkpoint.memory_dir", default=None)
+    sweep_job_start(memory_dir if isinstance(memory_dir, str) else None)
     try:
         cfg = to_config(dict_cfg)
     except UserInputError as exc:  # a section's own check; anything else is a bug (see errors.py)

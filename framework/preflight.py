@@ -13,7 +13,9 @@ where nothing listens 17 s):
   node may not reach the server rank 0 reaches, and the ranks must refuse together;
 - stage=generate's output file is a new one in an existing directory;
 - the tokenizer the data was prepared with against a Hugging Face model's own (model.path), by
-  their token tables ([Note: the data's tokenizer against the model's] in framework/data/tokenizer.py).
+  their token tables ([Note: the data's tokenizer against the model's] in framework/data/tokenizer.py);
+- memory snapshots (checkpoint.memory_interval) only where something restarts the ranks: torchrun
+  with --max-restarts above 0 ([Note: snapshots need a restart] in framework/config/validate.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 from typing import List
 
 from framework.config import DataName, Stage
+from framework.config.validate import restarts_here, snapshots_without_restarts
 from framework.task_files import code_problem, lm_eval_tasks_dir, unknown_tasks
 from framework.trackers import TOOLS_LOCK, unreachable
 
@@ -41,6 +44,10 @@ def preflight_problems(cfg, torchrun: bool) -> List[str]:
             problems.append(problem)
     if not torchrun:
         problem = unreachable(cfg.logging)
+        if problem:
+            problems.append(problem)
+    if cfg.stage in (Stage.training, Stage.fine_tuning, Stage.dpo, Stage.grpo):  # the stages that snapshot
+        problem = snapshots_without_restarts(cfg.checkpoint.memory_interval, restarts_here(torchrun))
         if problem:
             problems.append(problem)
     return problems

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from framework.config import Config, Stage, register_schema, to_config, validate
 from framework.config.compose import CONF_DIR as TRAINING_CONF_DIR
+from framework.config.validate import snapshots_without_restarts
 from launcher_scripts.backends import backend_of, secret_env_problems
 from launcher_scripts.config import (
     Backend,
@@ -108,7 +109,11 @@ def launcher_problems(cfg: Config, launch: LauncherConfig) -> List[str]:
             "(e.g. container.image=registry.example/org/train:1.0)"
         )
     problems += backend_of(launch.cluster.type).problems(cfg, launch, stages_of_launch(cfg, launch))
-    return problems + secret_env_problems(launch)
+    # torchrun restarts the ranks cluster.max_restarts times: [Note: snapshots need a restart]
+    restarts = snapshots_without_restarts(
+        cfg.checkpoint.memory_interval, launch.cluster.max_restarts, "cluster.max_restarts"
+    )
+    return problems + ([restarts] if restarts else []) + secret_env_problems(launch)
 
 
 def stages_of_launch(cfg: Config, launch: LauncherConfig) -> List[Stage]:

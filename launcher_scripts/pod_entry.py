@@ -12,7 +12,10 @@ the file named by FRAMEWORK_STATUS_FILE (framework.errors.record_status) and thi
 - a stop for pre-emption or the time limit (75), a crash, a signal: 128 + the status (75 -> 203,
   a crash 1 -> 129): retryable, the restarted pod resumes from the latest checkpoint.
 SIGTERM and SIGINT (pod deletion, eviction) are passed on to torchrun, which passes them to the
-ranks: they save and exit 75.
+ranks: they save and exit 75. Before torchrun starts and once it has ended, however it ended, the
+entry removes the memory snapshots in /dev/shm of jobs that no longer run (a container restarted
+in its pod keeps the pod's /dev/shm: [Note: snapshot segments outlive the rank, not the job] in
+framework/checkpoint/shm_names.py).
 
     python -m launcher_scripts.pod_entry python -m torch.distributed.run ... main.py ...
 """
@@ -52,10 +55,25 @@ def read_statuses(path: str) -> List[int]:
         return []
 
 
+def sweep_snapshots() -> None:
+    """This uid's memory snapshots in /dev/shm whose job is gone, by framework/checkpoint/shm_names.py
+    loaded on its own (standard library only: the launcher imports no torch)."""
+    import importlib.util
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "framework", "checkpoint", "shm_names.py"
+    )
+    spec = importlib.util.spec_from_file_location("_shm_names", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.sweep_job_start()
+
+
 def main(argv: List[str]) -> int:
     if not argv:
         print("usage: python -m launcher_scripts.pod_entry <command...>", file=sys.stderr)
         return 2
+    sweep_snapshots()
     fd, path = tempfile.mkstemp(prefix="framework-status-")
     os.close(fd)
     child = subprocess.Popen(argv, env={**os.environ, "FRAMEWORK_STATUS_FILE": path})
@@ -67,6 +85,7 @@ def main(argv: List[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, forward)
     status = child.wait()
+    sweep_snapshots()  # the job's own, now that torchrun (their creator) has ended
     statuses = read_statuses(path)
     os.remove(path)
     final = pod_status(status, statuses)

@@ -204,6 +204,7 @@ def render_sbatch(cfg: Config, job: Job, stage: Stage = Stage.training) -> str:
     else:
         program = [job.python]
     step = shell_command(srun_opts, container_args(cfg, job, stage), program, *arg_groups(main_args(job, stage)))
+    cleanup = [] if prep else _snapshot_cleanup(cfg, job, stage)
     if not prep and c.requeue:
         lines += [
             "# [Note: pre-emption] in launcher_scripts/slurm.py: save, then requeue with the same job id.",
@@ -234,14 +235,36 @@ def render_sbatch(cfg: Config, job: Job, stage: Stage = Stage.training) -> str:
             "    done",
             '    wait "$step_pid"',
             "    status=$?",
+            "fi",
+            *cleanup,  # before the requeue, which ends this script
+            'if [ "$preempted" = 1 ]; then',
             '    echo "requeueing job ${SLURM_JOB_ID}; it resumes from the latest checkpoint" >&2',
             '    scontrol requeue "$SLURM_JOB_ID"',
             "fi",
             'exit "$status"',
         ]
+    elif cleanup:
+        lines += [step, "status=$?", *cleanup, 'exit "$status"']
     else:
         lines += [step]
     return join_lines(lines)
+
+
+def _snapshot_cleanup(cfg: Config, job: Job, stage: Stage) -> List[str]:
+    """Lines that remove, on every node, the memory snapshots of ranks killed with their sweeper
+    (a node's processes killed whole): [Note: snapshot segments outlive the rank, not the job] in
+    framework/checkpoint/shm_names.py. A job cancelled whole (scancel) ends this script too; the
+    next job's start on the node removes them then."""
+    shape = cfg.cluster
+    dirs = ["/dev/shm"] + ([cfg.checkpoint.memory_dir] if cfg.checkpoint.memory_dir else [])
+    srun = ["srun", f"--nodes={shape.nodes}", "--ntasks-per-node=1"]
+    if job.container.runtime == ContainerRuntime.none:
+        srun.append(f"--chdir={job.repo_dir}")
+    sweep = [job.python, f"{job.repo_dir}/framework/checkpoint/shm_names.py", "--sweep", *dirs]
+    return [
+        "# Memory snapshots nothing removed (ranks killed with their sweeper), on every node.",
+        shell_command(srun, container_args(cfg, job, stage), sweep) + " || true",
+    ]
 
 
 def render_submit(cfg: Config, job: Job, script_dir: str) -> str:

@@ -28,7 +28,7 @@ from framework.checkpoint.contents import rng_state, set_rng_state
 from framework.errors import UserInputError
 
 FORMAT = 1
-DEFAULT_DIR = "/dev/shm"
+DEFAULT_DIR = shm_names.DEFAULT_DIR
 _MANIFEST_LIMIT = 64 << 20  # bytes: a manifest is the tensors' index and a few KB of state
 
 # [Note: a snapshot counts once committed]
@@ -354,21 +354,24 @@ class MemorySnapshots:
     # the ring never waits on it; the failure is then said at the next snapshot.
 
     def _exchange(self, step: int, mine: Optional[str]) -> None:
-        """Send this rank's committed segment to its peer, keep the one of the rank before."""
+        """Send this rank's committed segment to its peer, keep the one of the rank before. Its two
+        buffers (the segment read back to send, the peer's received) are one generation each,
+        freed before the next snapshot: counted by framework/planner/snapshots.py."""
         try:
-            payload = _read_pair(mine + ".json")[:2] if mine else (b"", b"")
+            payload = _read_segment(mine + ".json") if mine else (b"", None)
         except (OSError, SnapshotRefused):
-            payload = (b"", b"")
-        got = _swap(payload, self._to, self._from, self._peer_group)
-        if not got[0]:
+            payload = (b"", None)
+        manifest, data = _swap(payload, self._to, self._from, self._peer_group)
+        payload = None  # the send buffer goes before the received one is written
+        if not manifest:
             return
         try:
             self._prune(keep=1, kind="p", rank=self._from)
             name = self._name("p", self._from, step)
             with os.fdopen(_create_private(name + ".data"), "wb") as f:
-                f.write(got[1])
+                f.write(_bytes(data))
             with os.fdopen(_create_private(name + ".json.tmp"), "wb") as f:
-                f.write(got[0])
+                f.write(manifest)
             os.rename(name + ".json.tmp", name + ".json")
         except OSError as exc:
             self._error = f"the peer copy of rank {self._from}: {exc.strerror or exc}"
@@ -585,11 +588,14 @@ class MemorySnapshots:
     # ---- the end ----
 
     def close(self, finished: bool) -> None:
-        """Let the writer end; a finished job removes its segments (a failed one leaves them to a
-        restart, and the sweeper removes them once the job's creator ends)."""
+        """Let the writer end; a finished job removes its segments, its own and the copies it holds
+        for a peer (a failed one leaves them to a restart, and the sweeper removes them once the
+        job's creator ends)."""
         self.wait()
         if finished:
             self._prune(keep=0)
+            if self._peer_group is not None:
+                self._prune(keep=0, kind="p", rank=self._from)
 
 
 def _read_pair(manifest_path: str) -> Tuple[bytes, bytearray, str]:
@@ -608,29 +614,49 @@ def _read_pair(manifest_path: str) -> Tuple[bytes, bytearray, str]:
     return raw, data, data_path
 
 
-def _swap(payload, to: int, source: int, group, send_it: bool = True, receive_it: bool = True):
-    """Send `payload` (manifest bytes, data bytes) to rank `to` and receive one from `source` over
-    `group` (sizes first, then the bytes); (b"", b"") when nothing came."""
-    ops, sizes = [], torch.zeros(2, dtype=torch.int64)
-    if send_it:
-        mine = torch.tensor([len(payload[0]), len(payload[1])], dtype=torch.int64)
-        ops.append(dist.isend(mine, to, group=group))
-    if receive_it:
-        ops.append(dist.irecv(sizes, source, group=group))
+def _read_segment(manifest_path: str) -> Tuple[bytes, torch.Tensor]:
+    """(manifest bytes, data bytes as one uint8 tensor) of a committed segment, through `_open_ours`,
+    for sending it: the data is read straight into the tensor that is sent (one buffer)."""
+    fd = _open_ours(manifest_path)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(_MANIFEST_LIMIT + 1)
+    if len(raw) > _MANIFEST_LIMIT:
+        raise SnapshotRefused(f"{manifest_path}: larger than a snapshot manifest")
+    fd = _open_ours(manifest_path[: -len(".json")] + ".data")
+    with os.fdopen(fd, "rb") as f:
+        data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+        if data.numel():
+            f.readinto(_bytes(data))
+    return raw, data
+
+
+def _swap(payload: Tuple[bytes, Optional[torch.Tensor]], to: int, source: int, group):
+    """Send `payload` (manifest bytes, data tensor) to rank `to` and receive one from `source` over
+    `group` (sizes first, then the manifest and the data, each as it is: no joined copy); (manifest
+    bytes, data tensor) received, (b"", None) when nothing came."""
+    manifest, data = payload
+    nbytes = data.numel() if data is not None else 0
+    sizes = torch.zeros(2, dtype=torch.int64)
+    ops = [dist.isend(torch.tensor([len(manifest), nbytes], dtype=torch.int64), to, group=group)]
+    ops.append(dist.irecv(sizes, source, group=group))
     for op in ops:
         op.wait()
-    ops, buf = [], None
-    if send_it and len(payload[0]):
-        ops.append(dist.isend(torch.frombuffer(bytearray(payload[0]) + payload[1], dtype=torch.uint8), to, group=group))
-    if receive_it and int(sizes[0]):
-        buf = torch.empty(int(sizes[0] + sizes[1]), dtype=torch.uint8)
-        ops.append(dist.irecv(buf, source, group=group))
+    ops, got_manifest, got = [], None, None
+    if manifest:
+        ops.append(dist.isend(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), to, group=group))
+        if nbytes:
+            ops.append(dist.isend(data, to, group=group))
+    if int(sizes[0]):
+        got_manifest = torch.frombuffer(bytearray(int(sizes[0])), dtype=torch.uint8)
+        ops.append(dist.irecv(got_manifest, source, group=group))
+        got = torch.empty(int(sizes[1]), dtype=torch.uint8)
+        if int(sizes[1]):
+            ops.append(dist.irecv(got, source, group=group))
     for op in ops:
         op.wait()
-    if buf is None:
-        return b"", b""
-    raw = buf.numpy().tobytes()
-    return raw[: int(sizes[0])], bytearray(raw[int(sizes[0]) :])
+    if got_manifest is None:
+        return b"", None
+    return got_manifest.numpy().tobytes(), got
 
 
 def fit_problem(interval: int, need: int, directory: str, prefix: str) -> Optional[str]:

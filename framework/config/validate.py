@@ -197,3 +197,38 @@ def _validate_data_preparation(cfg: Config) -> List[str]:
         elif not (os.path.isfile(path) or os.path.isdir(path)):
             errors.append(f"data.raw_inputs: {path} is not a regular file or directory (a FIFO, device or socket)")
     return errors
+
+
+# [Note: snapshots need a restart]
+# A memory snapshot is read only by a restarted rank of the same job (same creator: the torchrun
+# agent that restarts its ranks, [Note: snapshot segments outlive the rank, not the job] in
+# framework/checkpoint/shm_names.py). `python main.py` starts its ranks once and never restarts
+# them, and torchrun with --max-restarts=0 neither: there the snapshots would cost their copies
+# every memory_interval steps and be swept unread when the job ends. Restarting ranks in-process
+# is not done: a rank that died (SIGKILL, the OOM killer, a lost GPU) takes its process group,
+# CUDA context and store connection with it, and bringing them back is what torchrun's agent is.
+# So such a job is refused before any rank starts, naming both settings.
+
+
+def restarts_here(torchrun: bool) -> int:
+    """How many times this job's ranks are restarted after a failure: torchrun's --max-restarts (its
+    agent gives it to every rank as TORCHELASTIC_MAX_RESTARTS), none under `python main.py`."""
+    raw = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") if torchrun else "0"
+    return int(raw) if raw.strip().isdigit() else 0
+
+
+def snapshots_without_restarts(memory_interval: int, restarts: int, restart_field: str = "") -> Optional[str]:
+    """The refusal of memory snapshots that nothing would read ([Note: snapshots need a restart]);
+    `restart_field`: the setting that gives the restarts (the launcher's `cluster.max_restarts`;
+    empty: torchrun's --max-restarts)."""
+    if not memory_interval or restarts > 0:
+        return None
+    if restart_field:
+        has, fix = f"{restart_field}=0", f"{restart_field}=N (N > 0)"
+    else:
+        has = "no restarts (python main.py never restarts its ranks; nor does torchrun without --max-restarts)"
+        fix = "torchrun --max-restarts=N (N > 0)"
+    return (
+        f"checkpoint.memory_interval={memory_interval}: memory snapshots are read only by restarted ranks, and "
+        f"this job has {has}; run it with {fix}, or set checkpoint.memory_interval=0"
+    )

@@ -61,6 +61,9 @@ class ModelShape:
     context_parallel: bool = False  # its attention can split sequences (parallelism.cp)
     n_experts: int = 0  # per mixture-of-experts block (0: dense)
     top_k: int = 0  # experts each token is routed to
+    # Bytes of the module's buffers (a rotary table): whole on every rank, never sharded; part of
+    # what an in-memory snapshot holds (framework/planner/snapshots.py). 0: a family that does not say
+    buffer_bytes: int = 0
 
     @property
     def head_dim(self) -> int:

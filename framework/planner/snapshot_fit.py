@@ -9,8 +9,8 @@ from framework.planner.snapshots import GENERATIONS, snapshot_memory, snapshot_p
 
 def planned_snapshots(cfg, world_size: int) -> tuple[str | None, int | None]:
     """The planner's refusal line (None when the snapshots fit the node's host memory), and one
-    rank's snapshot bytes over every generation (None when the planner cannot model the job: then
-    only the free space of checkpoint.memory_dir is checked)."""
+    rank's own snapshot bytes in checkpoint.memory_dir, every generation (None when the planner
+    cannot model the job: then only the free space of checkpoint.memory_dir is checked)."""
     try:
         est = make_plan(cfg, world_size).estimate
     except Exception:  # noqa: BLE001 - a job the planner cannot model is not refused for it

@@ -581,3 +581,12 @@ def test_the_pod_entry_passes_sigterm_on_and_asks_for_a_restart_after_the_save(t
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + 75, err[-3000:]
     assert "pod exit status 203" in err and "saved checkpoint" in err, err[-3000:]
+
+
+def test_memory_snapshots_without_restarts_are_refused_naming_both_settings():
+    """torchrun restarts the ranks cluster.max_restarts times; with none, a memory snapshot is never read."""
+    assert _refusal(["cluster=slurm", "cluster.max_restarts=0", "checkpoint.memory_interval=5"]) == (
+        "checkpoint.memory_interval=5: memory snapshots are read only by restarted ranks, and this job has "
+        "cluster.max_restarts=0; run it with cluster.max_restarts=N (N > 0), or set checkpoint.memory_interval=0"
+    )
+    plan_of(["cluster=slurm", "checkpoint.memory_interval=5", *SMALL])  # the default, 3 restarts: planned

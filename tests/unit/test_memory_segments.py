@@ -104,3 +104,41 @@ def test_the_sweeper_removes_a_jobs_segments_once_its_creator_ends(tmp_path):
         assert os.listdir(tmp_path) == [other]  # another job's segment is not this sweeper's
     finally:
         creator.kill()
+
+
+def test_a_sweep_judges_only_its_own_pid_namespace(tmp_path):
+    """A pid names a process only in its own pid namespace (a container started with --ipc=host
+    shares /dev/shm, not pids): a segment named with another namespace stays, whatever its pid."""
+    uid, dead = os.getuid(), _dead_creator()
+    ours = f"{shm_names.job_prefix(uid, 'abc123', dead)}-r00000-s000000005.data"
+    assert f"-n{shm_names.pid_namespace()}-" in ours
+    theirs = ours.replace(f"-n{shm_names.pid_namespace()}-", "-n1-")
+    for name in (ours, theirs):
+        (tmp_path / name).write_bytes(b"x")
+    assert shm_names.sweep_orphans(str(tmp_path), uid) == [ours]
+    assert os.listdir(tmp_path) == [theirs]
+
+
+def test_the_cleanup_command_sweeps_the_named_uid(tmp_path):
+    """`python shm_names.py --sweep [--uid N] <dir>...`, as an epilog runs it for the job's user."""
+    uid, dead, live = os.getuid(), _dead_creator(), _me()
+    other = uid + 4242
+    names = [
+        f"{shm_names.job_prefix(other, 'abc123', dead)}-r00000-s000000005.data",
+        f"{shm_names.job_prefix(other, 'def456', live)}-r00000-s000000005.data",
+        f"{shm_names.job_prefix(uid, 'abc123', dead)}-r00000-s000000005.data",
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+        if name.startswith(f"fwsnap-u{other}-") and uid == 0:
+            os.chown(tmp_path / name, other, other)
+    script = shm_names.__file__
+    out = subprocess.run(
+        [sys.executable, "-S", script, "--sweep", "--uid", str(other), str(tmp_path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    if uid == 0:  # only root can own a file of another uid: then the dead one of that uid goes
+        assert out.stdout == f"removed {tmp_path / names[0]}\n"
+        assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+    else:  # the files are this uid's, whatever their names say: nothing is removed
+        assert out.stdout == "" and sorted(os.listdir(tmp_path)) == sorted(names)

@@ -6,6 +6,8 @@ model, tensor by tensor."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from framework.models.llama.args import llama_args
 from framework.models.shapes import ModelShape, Tensor, Unit
 from framework.param_roles import is_muon_matrix, is_output_head
@@ -86,8 +88,10 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
     widths are a token's (top_k experts and the shared one)."""
     a = llama_args(cfg)
     vocab = a.vocab_size if a.vocab_size > 0 else vocab_size
+    rope = a.max_seq_len * (a.dim // a.n_heads) * 4  # model.py's rotary table: fp32, on every rank
     if not a.n_experts:
-        return llama_shape(vocab, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.tie_embeddings)
+        shape = llama_shape(vocab, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.tie_embeddings)
+        return replace(shape, buffer_bytes=rope)
     ef = a.moe_ffn_dim or a.ffn_dim
     moe = (a.n_experts, ef, ef * a.n_shared_experts)
 
@@ -110,4 +114,5 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         inactive_params=a.n_layers * (a.n_experts - a.top_k) * 3 * ef * a.dim,
         n_experts=a.n_experts,
         top_k=a.top_k,
+        buffer_bytes=rope,
     )

@@ -14,9 +14,68 @@ computes the loss once and nothing else does), do <kind>:
 <attempt> (default 0) is torchrun's restart count the fault happens in (other attempts run clean);
 g<n> names the attempt by the generation its ranks meet in instead (framework/runtime.py: under a
 c10d rendezvous the nodes' restart counts differ, see [Note: one store, many attempts]).
+
+FRAMEWORK_TEST_MEASURE_SNAPSHOTS=<directory> measures what the snapshot code allocates: from the
+rank's first loss on, every tensor framework/checkpoint/memory.py makes with torch.empty is
+counted while it lives, and at every loss the bytes of the `.data` files in
+FRAMEWORK_TEST_SNAPSHOT_DIR; the peaks go to <directory>/rank<N>.json as they rise.
 """
 
 import os
+
+_measure = os.environ.get("FRAMEWORK_TEST_MEASURE_SNAPSHOTS", "")
+if _measure:
+    import json
+    import sys
+    import weakref
+
+    import torch
+    import torch.nn.functional as F
+
+    _peaks = {"tensors": 0, "memory_dir": 0}
+    _live = [0]
+
+    def _record(key, value):
+        if value > _peaks[key]:
+            _peaks[key] = value
+            with open(os.path.join(_measure, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+                json.dump(_peaks, f)
+
+    def _freed(nbytes):
+        _live[0] -= nbytes
+
+    class _CountingTorch:
+        """torch as framework/checkpoint/memory.py sees it: torch.empty counted, the rest as is."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *args, **kwargs):
+            t = torch.empty(*args, **kwargs)
+            nbytes = t.numel() * t.element_size()
+            _live[0] += nbytes
+            weakref.finalize(t, _freed, nbytes)
+            _record("tensors", _live[0])
+            return t
+
+    _measured_cross_entropy = F.cross_entropy
+
+    def _measuring_cross_entropy(*args, **kwargs):
+        memory = sys.modules.get("framework.checkpoint.memory")
+        if memory is not None and not isinstance(memory.torch, _CountingTorch):
+            memory.torch = _CountingTorch()
+        d = os.environ["FRAMEWORK_TEST_SNAPSHOT_DIR"]
+        sizes = 0
+        for name in os.listdir(d):
+            if name.endswith(".data"):
+                try:
+                    sizes += os.path.getsize(os.path.join(d, name))
+                except OSError:
+                    pass
+        _record("memory_dir", sizes)
+        return _measured_cross_entropy(*args, **kwargs)
+
+    F.cross_entropy = _measuring_cross_entropy
 
 _spec = os.environ.get("FRAMEWORK_TEST_FAULT", "")
 if _spec:
