@@ -159,3 +159,20 @@ def test_global_batch_loss_and_gradients_equal_one_micro_batch_of_the_whole_batc
         assert sum(res["global_load"][0]) == 8 * 16 * 2  # every token of both ranks, top 2
     apart = run_ranks(_global_batch_worker, 2, args=(rows_per_micro, "micro_batch"), timeout_s=120)
     assert apart[0]["grad"] > 1e-3, apart[0]
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("aux_loss_scope", "global", "model.args.aux_loss_scope='global': choose one of global_batch, micro_batch"),
+        ("bias_update_rate", -0.1, "model.args.bias_update_rate=-0.1: must be >= 0"),
+        ("bias_update_rate", 1.0, "model.args.bias_update_rate=1.0: must be >= 0"),
+    ],
+)
+def test_bad_balancing_fields_are_refused_in_one_line(field, value, says):
+    from framework.errors import UserInputError
+    from framework.models.llama.args import LlamaArgs
+
+    with pytest.raises(UserInputError) as refused:
+        LlamaArgs(n_experts=4, **{field: value})
+    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
