@@ -176,3 +176,23 @@ def test_bad_balancing_fields_are_refused_in_one_line(field, value, says):
     with pytest.raises(UserInputError) as refused:
         LlamaArgs(n_experts=4, **{field: value})
     assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+
+
+def test_activation_checkpointing_recompute_counts_each_token_once():
+    """Under full activation checkpointing each block's forward runs again in backward; the
+    router loads of a forward and backward still sum to tokens x top_k (they would be twice that
+    if the recompute counted: framework/recompute.py)."""
+    import torch
+
+    from framework.config.schema import ActivationCheckpointing
+    from framework.distributed.parallelize import apply_activation_checkpointing
+    from framework.models.llama.args import LlamaArgs
+    from framework.models.llama.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(LlamaArgs(n_experts=4, top_k=2, moe_ffn_dim=24))
+    model.init_weights(seed=0)
+    apply_activation_checkpointing(list(model.layers), ActivationCheckpointing.full)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    (model(tokens).square().mean() + model.aux_loss).backward()
+    assert all(layer.feed_forward.step_load.sum().item() == 2 * 16 * 2 for layer in model.layers)
