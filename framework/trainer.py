@@ -31,6 +31,7 @@ from framework.models import family_of
 from framework.models.tasks import IGNORE_INDEX, RunView, to_device
 from framework.optim import build_optimizer, build_scheduler, hidden_matrix_names, no_decay_names
 from framework.profiling import StepProfiler
+from framework.routing import RouterSteps
 from framework.runtime import Runtime, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
 from framework.train_state import TrainState
@@ -149,6 +150,9 @@ class Trainer:
             from framework.planner.snapshot_fit import planned_snapshots  # their host memory, planned
 
             self.memory = MemorySnapshots(cfg, rt, self.engine, planned_snapshots(cfg, rt.world_size))
+        # A mixture-of-experts model's routers, around each step (framework/routing.py); a pipeline
+        # computes no load-balancing loss and keeps none
+        self.routers = RouterSteps.of(self.model) if self.pipeline is None else None
         self.flops_per_token = family.flops_per_token(model, cfg.data.seq_len)
         self.peak_tflops = device_peak_tflops(rt.device, t.peak_tflops)
         # The step's loss, gradient norm and finite-loss check, on the device between reads
@@ -165,9 +169,15 @@ class Trainer:
         if self.pipeline is not None:  # every microbatch through the stages: one schedule step
             batches = [to_device(self.data.train.next_batch(), self.rt.device) for _ in range(accum)]
             total, accum = self.pipeline.train_batches(batches), 0
+        ahead = []  # the step's micro-batches, when the routers route them first
+        if self.routers is not None:  # [Note: global-batch load balancing] in framework/routing.py
+            if self.routers.routes_ahead:
+                ahead = [to_device(self.data.train.next_batch(), self.rt.device) for _ in range(accum)]
+            with loss_context(model), self._sequences_split():
+                self.routers.begin(ahead, self._loss)
         for micro in range(accum):
             model.set_requires_gradient_sync(micro == accum - 1)
-            batch = to_device(self.data.train.next_batch(), self.rt.device)
+            batch = ahead[micro] if ahead else to_device(self.data.train.next_batch(), self.rt.device)
             with loss_context(model), self._sequences_split():  # tensor / context parallel
                 loss = self._loss(batch) / accum
                 loss.backward()
@@ -178,6 +188,8 @@ class Trainer:
         out = {"lr": self.scheduler.get_last_lr()[0]}
         if read:  # raises TrainingDiverged, before the optimizer step, if a loss was not finite
             out["loss"], out["grad_norm"] = self.watch.read(step)
+        if self.routers is not None:  # the aux-loss-free bias update; the router statistics
+            out.update(self.routers.end(read))
         self.engine.optimizer_step(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

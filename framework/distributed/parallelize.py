@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from framework.config.schema import ActivationCheckpointing, ParallelismConfig, Strategy
 from framework.distributed.engines import engine_of
 from framework.distributed.parallel_dims import ParallelDims
+from framework.recompute import recompute_contexts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +35,7 @@ def apply_activation_checkpointing(blocks, mode: ActivationCheckpointing) -> Non
     for index, block in enumerate(blocks):
         if mode == ActivationCheckpointing.selective and index % 2:
             continue
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=recompute_contexts)
 
 
 def shard_kwargs(mesh, dims: ParallelDims, cfg: ParallelismConfig) -> tuple:

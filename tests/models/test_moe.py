@@ -61,7 +61,7 @@ def test_capacity_drops_the_tokens_past_an_experts_share():
     x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(4))
     out = moe(x).reshape(-1, 16)
     tokens = x.reshape(-1, 16)
-    weights, experts, _ = moe.route(tokens)
+    weights, experts, _, _ = moe.route(tokens)
     taken = {e: (experts == e).nonzero()[:3].tolist() for e in range(4)}
     for t in range(12):
         want = torch.zeros(16)

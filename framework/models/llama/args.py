@@ -29,6 +29,8 @@ NAMES = (
     "mixtral_8x7b",
 )
 
+AUX_LOSS_SCOPES = ("global_batch", "micro_batch")  # model.args.aux_loss_scope
+
 
 @dataclass
 class LlamaArgs:
@@ -56,6 +58,15 @@ class LlamaArgs:
     n_shared_experts: int = 0  # experts every token also goes through (DeepSeek/Qwen-MoE style)
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor x its fair share
     aux_loss_coef: float = 0.01  # the load-balancing loss (Switch/Mixtral) added to the training loss
+    # Whose expert loads that loss balances: "micro_batch", each micro-batch's own (the numbers
+    # depend on the micro-batch size and the ranks), or "global_batch", the whole optimizer step's
+    # (every micro-batch of every rank, found by a forward-only routing pass before the step: the
+    # same numbers on any layout, one more forward per step, which stage=plan does not count yet)
+    aux_loss_scope: str = "micro_batch"
+    # DeepSeek-V3's aux-loss-free balancing: > 0 adds a per-expert bias to the router probabilities
+    # when choosing experts, moved by this much after every step towards the global batch's mean
+    # load (down for an expert above it, up below); 0: no bias. Outside the gradient; checkpointed.
+    bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.vocab_size != -1 and self.vocab_size <= 0:
@@ -77,6 +88,15 @@ class LlamaArgs:
             )
         if self.capacity_factor < 0 or self.aux_loss_coef < 0:
             raise UserInputError("model.args.capacity_factor and aux_loss_coef must be >= 0")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise UserInputError(
+                f"model.args.aux_loss_scope={self.aux_loss_scope!r}: choose one of {', '.join(AUX_LOSS_SCOPES)}"
+            )
+        if not 0 <= self.bias_update_rate < 1:
+            raise UserInputError(
+                f"model.args.bias_update_rate={self.bias_update_rate}: must be >= 0 (0: no bias) and < 1 "
+                "(DeepSeek-V3 used 0.001)"
+            )
         if (self.dim // self.n_heads) % 2:
             raise UserInputError(
                 f"model.args.dim / model.args.n_heads = {self.dim // self.n_heads}: rotary embeddings need an "

@@ -10,7 +10,14 @@
                 token that finds its expert full keeps only its other experts' outputs
     aux loss    Switch Transformer's load-balancing loss, n_experts x sum_e (share of the routed
                 slots that chose e) x (mean router probability of e), times aux_loss_coef, added
-                to the training loss by the causal-LM task (`Transformer.aux_loss`)
+                to the training loss by the causal-LM task (`Transformer.aux_loss`); the shares
+                are this micro-batch's (aux_loss_scope=micro_batch, the default) or the whole
+                global batch's (global_batch: [Note: global-batch load balancing] in
+                framework/routing.py)
+    bias        bias_update_rate > 0: DeepSeek-V3's aux-loss-free balancing, a per-expert bias
+                added to the router probabilities for choosing the experts only (the weights stay
+                the unbiased probabilities), moved after every step by the rate towards the
+                global batch's mean load (framework/routing.py); a buffer, so checkpoints hold it
 
 Every expert runs its matmuls whether or not a token chose it (an empty batch of rows for an
 unchosen one), so each step issues the same operations on every rank and an unchosen expert's
@@ -26,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.models.llama.feed_forward import FeedForward
+from framework.recompute import recomputing
 
 
 class MoE(nn.Module):
@@ -43,22 +51,47 @@ class MoE(nn.Module):
             self.shared = FeedForward(shared)
         self.aux_loss: torch.Tensor | None = None
         self.last_choices: torch.Tensor | None = None  # (tokens, top_k) expert ids of the last forward
+        self.aux_loss_scope, self.bias_update_rate = cfg.aux_loss_scope, cfg.bias_update_rate
+        if cfg.bias_update_rate:  # persistent only when used: checkpoints without it still load
+            self.register_buffer("expert_bias", torch.zeros(e))
+        else:
+            self.expert_bias = None
+        # What the step's router bookkeeping reads and sets (framework/routing.py):
+        self.routing_ahead = False  # forward-only routing pass: count into `ahead_load`, nothing else
+        self.ahead_load: torch.Tensor | None = None  # this rank's routed slots per expert in that pass
+        self.global_load: torch.Tensor | None = None  # the global batch's slots per expert, this step
+        self.step_load: torch.Tensor | None = None  # this rank's routed slots per expert in training
+        self.step_dropped = 0  # ... forwards since the last reset, and the slots the capacity dropped
 
     def route(self, tokens: torch.Tensor):
-        """(weights, experts): each (tokens, top_k); and the load-balancing loss."""
+        """(weights, experts): each (tokens, top_k); the load-balancing loss; the routed slots per
+        expert."""
         probs = F.softmax(self.router(tokens).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights, experts = probs.topk(self.top_k, dim=-1)
+        else:  # the bias chooses; the unbiased probabilities weigh
+            experts = (probs.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+            weights = probs.gather(-1, experts)
         weights = weights / weights.sum(-1, keepdim=True)
-        chosen = F.one_hot(experts, self.n_experts).float().sum(1)  # (tokens, experts): 1 where chosen
-        share = chosen.mean(0) / self.top_k
+        load = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
+        if self.global_load is not None and self.aux_loss_scope == "global_batch":
+            # [Note: global-batch load balancing]: the global batch's shares, constants here
+            share = self.global_load / self.global_load.sum()
+        else:
+            share = load / load.sum()
         aux = self.n_experts * (share * probs.mean(0)).sum() * self.aux_loss_coef
-        return weights.type_as(tokens), experts, aux
+        return weights.type_as(tokens), experts, aux, load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts, self.aux_loss = self.route(tokens)
+        weights, experts, self.aux_loss, load = self.route(tokens)
         self.last_choices = experts.detach()
+        counted = not self.routing_ahead and torch.is_grad_enabled() and not recomputing()
+        if self.routing_ahead:
+            self.ahead_load = load if self.ahead_load is None else self.ahead_load + load
+        elif counted:  # a training forward (not an evaluation's, nor checkpointing's recompute)
+            self.step_load = load if self.step_load is None else self.step_load + load
         out = torch.zeros_like(tokens)
         capacity = None
         if self.capacity_factor:
@@ -67,6 +100,8 @@ class MoE(nn.Module):
         for e in range(self.n_experts):
             rows, slot = (experts == e).nonzero(as_tuple=True)  # token order
             if capacity is not None:
+                if counted:
+                    self.step_dropped += max(rows.numel() - capacity, 0)
                 rows, slot = rows[:capacity], slot[:capacity]
             routed.append((rows, slot))
         inputs = [tokens[rows] for rows, _ in routed]
@@ -81,6 +116,8 @@ class MoE(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float, generator=None) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std, generator=generator)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
         x = self.experts
         for w, s in ((x.w1, std), (x.w3, std), (x.w2, out_std)):
             nn.init.normal_(w, mean=0.0, std=s, generator=generator)
