@@ -41,6 +41,21 @@ def _refuse(problems: List[str], run_dir: str) -> int:
     return EXIT_BAD_INPUT
 
 
+def run_dir_link_problems(cfg, run_dir: str) -> List[str]:
+    """The directories this job writes into that are links it must not follow ([Note: a directory
+    link is followed only if it is yours] in framework/fileio.py): `checkpoint.dir` for a stage
+    that trains, `<run>/eval` for one that runs lm-eval tasks."""
+    from framework.fileio import directory_link_problem
+
+    checks, trains = [], cfg.stage in (Stage.training, Stage.fine_tuning, Stage.dpo, Stage.grpo)
+    if trains:
+        c = cfg.checkpoint
+        checks.append((os.path.join(run_dir, c.dir), f"checkpoint.dir={c.dir}"))  # join keeps an absolute dir
+    if cfg.stage == Stage.evaluate or (trains and cfg.trainer.eval_tasks):
+        checks.append((os.path.join(run_dir, "eval"), "hydra.run.dir"))
+    return [p for p in (directory_link_problem(path, field) for path, field in checks) if p]
+
+
 def claim_run_dir(run_dir: str) -> Optional[str]:
     """Take the run directory's lock (see [Note: the run directory lock]); the refusal's text if the
     directory is taken or a file there is planted."""
@@ -122,6 +137,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         from framework.preflight import preflight_problems
 
         problems += preflight_problems(cfg, under_torchrun())  # what the ranks would refuse, found now
+    problems += run_dir_link_problems(cfg, run_dir)
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)

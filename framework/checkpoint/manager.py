@@ -29,6 +29,7 @@ from framework.errors import (
     EXIT_REQUEUE,  # noqa: F401  (re-exported)
     UserInputError,
 )
+from framework.fileio import PlantedFileError, directory_link_problem
 from framework.peft.lora import adapter_state, is_adapter, merged_sharded_state
 from framework.runtime import Runtime
 
@@ -73,6 +74,12 @@ class CheckpointManager:
         token = [os.urandom(4).hex() if rt.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self._token = token[0]  # names this job's temp directories (the same on every rank)
+        # A link there is followed only if it is the user's own (checked before any rank started
+        # too); every rank refuses if any rank's file system says so.
+        links = [None] * rt.world_size
+        dist.all_gather_object(links, directory_link_problem(self.root, f"checkpoint.dir={c.dir}"))
+        if any(links):
+            raise PlantedFileError(next(p for p in links if p))
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise UserInputError(
                 f"checkpoint.dir={c.dir}: {self.root} is a file, not a directory; name a "
