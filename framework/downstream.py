@@ -200,7 +200,7 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
     if e.include_path and not e.trust_task_code:  # checked before any rank started too (preflight.py)
         from framework.task_files import code_problem
 
-        problem = code_problem(e.include_path)
+        problem = code_problem(e.include_path, tasks)
         if problem:
             raise UserInputError(problem)
     import logging

@@ -64,3 +64,37 @@ def test_refused_in_one_line_before_any_rank_starts(warm, tmp_path, case):
     assert "rank(s) of" not in out.stderr  # rank 0 prints the model line once the model is built
     assert not run.exists()  # a rank would have claimed it (lock, config)
     assert wall < 5, f"{case}: refused after {wall:.1f} s"
+
+
+BROKEN = 'task: broken_task\ndataset_path: json\ndoc_to_text: "{{context}\n'  # an unclosed quote
+
+
+@pytest.mark.parametrize("asked", ["broken_task", "its_group"])
+def test_a_task_file_that_does_not_parse_is_named_before_any_rank_starts(warm, tmp_path, asked):
+    """lm-eval's index skips a task file that does not parse; the ranks then said "no lm-eval task
+    broken_task" after building the model, though the file was there."""
+    tasks, run = tmp_path / "tasks", tmp_path / "run"
+    tasks.mkdir()
+    (tasks / "broken.yaml").write_text(BROKEN)
+    (tasks / "group.yaml").write_text("group: its_group\ntask:\n  - broken_task\n")
+    began = time.monotonic()
+    args = [*TINY, "data=stdlib", f"trainer.eval_tasks=[{asked}]", f"evaluate.include_path={tasks}"]
+    out = run_main([*args, "trainer.max_steps=2", "cluster.nproc_per_node=1", f"hydra.run.dir={run}"], tmp_path)
+    wall = time.monotonic() - began
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(errors) == 1 and f"{tasks / 'broken.yaml'} (task {asked}) cannot be read: not YAML" in errors[0], errors
+    assert "line 4, column 1" in errors[0] and "fix the file" in errors[0]
+    assert "rank(s) of" not in out.stderr and not run.exists()  # no rank started
+    assert wall < 5, f"refused after {wall:.1f} s"
+
+
+def test_an_unknown_task_names_the_local_file_that_does_not_parse(warm, tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "broken.yaml").write_text("task: [broken_task\n")  # its name itself cannot be read
+    args = [*TINY, "data=stdlib", "trainer.eval_tasks=[broken_task]", f"evaluate.include_path={tasks}"]
+    out = run_main([*args, "cluster.nproc_per_node=1", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert "no lm-eval task broken_task" in errors[0] and f"{tasks / 'broken.yaml'} cannot be read" in errors[0]
