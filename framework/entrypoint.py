@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint.run_lock import lock_run_dir
+from framework.checkpoint.run_lock import entries, leave_as_found, lock_run_dir
 from framework.config import Stage, to_config, validate
 from framework.errors import EXIT_BAD_INPUT, UserInputError
 from framework.runtime import run_rank, spawn_local, under_torchrun
@@ -141,6 +141,21 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
+    found = entries(cfg.run_dir)  # [Note: a refused job leaves the run directory as it found it]
+    try:
+        code = _run(cfg, dict_cfg, problems)
+    except SystemExit as exc:  # a refusal that ends the rank with its status (checkpoint loading's)
+        if exc.code == EXIT_BAD_INPUT:
+            leave_as_found(cfg.run_dir, found)
+        raise
+    if code == EXIT_BAD_INPUT:
+        leave_as_found(cfg.run_dir, found)
+    return code
+
+
+def _run(cfg, dict_cfg: DictConfig, problems: List[str]) -> int:
+    """Claim the run directory and run the stage: in this process, on local ranks, or as this
+    torchrun rank."""
     # written by rank 0 when the job is past its refusals ([Note: one config.yaml per run])
     record = functools.partial(
         record_config, cfg.run_dir, config_name(cfg.stage), OmegaConf.to_yaml(dict_cfg, resolve=True)
