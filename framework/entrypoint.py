@@ -12,7 +12,16 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.run_lock import entries, leave_as_found, lock_run_dir
 from framework.config import Stage, to_config, validate
 from framework.errors import EXIT_BAD_INPUT, UserInputError
-from framework.runtime import run_rank, spawn_local, under_torchrun
+
+# [Note: no torch before the config is accepted]
+# A refused config, and every refusal found before any rank starts (framework/preflight.py), is
+# said in about a second: torch (and whatever imports it) is imported only once the job runs.
+# This module, framework/config and the checks run before the ranks import it lazily;
+# tests/integration/test_refused_before_ranks.py checks it with `python main.py` itself.
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
 
 
 def fix_run_dir_under_torchrun(argv: List[str]) -> List[str]:
@@ -128,8 +137,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
     if cfg.stage != Stage.data_preparation:
-        from framework.models.families import job_model_problems
-        from framework.models.registry import check_model
+        from framework.models.families import check_model, job_model_problems
 
         problems += job_model_problems(cfg)  # the model's arguments against the job (no torch)
         problems += [p for p in check_model(cfg.model) if p not in problems]  # the family's own refusals
@@ -157,6 +165,8 @@ def _run(cfg, dict_cfg: DictConfig, problems: List[str]) -> int:
     """Claim the run directory and run the stage: in this process, on local ranks, or as this
     torchrun rank."""
     # written by rank 0 when the job is past its refusals ([Note: one config.yaml per run])
+    from framework.runtime import run_rank, spawn_local
+
     record = functools.partial(
         record_config, cfg.run_dir, config_name(cfg.stage), OmegaConf.to_yaml(dict_cfg, resolve=True)
     )

@@ -238,10 +238,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
-
-
 # ---- heartbeats: see [Note: naming the rank that did not arrive] ----
 
 
