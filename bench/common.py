@@ -247,20 +247,11 @@ def _with_device(rank: int, world: int, fn: Callable, *args) -> Any:
     return fn(rank, world, device, *args)
 
 
-def keep_torch_nccl_default() -> None:
-    """On CUDA the benchmarks measure with torch's own NCCL setting (the host does not block in
-    `work.wait()`), as FSDP2's and DDP's users run and as the recorded GPU runs did; `main.py`'s
-    ranks block there instead ([Note: a hung rank on NCCL] in framework/runtime.py), which an
-    exported TORCH_NCCL_BLOCKING_WAIT=0 turns off: this exports it unless already set."""
-    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "0")
-
-
 def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 3600) -> list:
     """Run `fn(rank, world, device, *args)` on `world` ranks; return the per-rank results. The
     ranks are started as `main.py` starts its own (`framework.runtime.run_local`): one compute
-    thread each on CPU, gloo there, NCCL beside gloo on CUDA with one GPU per rank (with torch's
-    NCCL default: `keep_torch_nccl_default`)."""
-    keep_torch_nccl_default()
+    thread each on CPU, gloo there, NCCL beside gloo on CUDA with one GPU per rank, with the NCCL
+    settings `main.py`'s ranks run with ([Note: a hung rank on NCCL] in framework/runtime.py)."""
     return run_local(_with_device, world, args=(fn, *args), device="auto", timeout_s=timeout_s)
 
 

@@ -42,7 +42,6 @@ from bench.common import (  # noqa: E402
     batch,
     build_engine,
     gpt_params,
-    keep_torch_nccl_default,
     live_tensor_bytes,
     loss_of,
     reset_rss_peak,
@@ -215,7 +214,6 @@ def run_gpu(args) -> None:
     if not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is visible; run on a GPU machine or drop --device", file=sys.stderr)
         sys.exit(2)
-    keep_torch_nccl_default()
     rows, raw = {}, {}
     for engine in args.gpu_engines:
         res = run_local(

@@ -200,7 +200,7 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
     if e.include_path and not e.trust_task_code:  # checked before any rank started too (preflight.py)
         from framework.task_files import code_problem
 
-        problem = code_problem(e.include_path)
+        problem = code_problem(e.include_path, tasks)
         if problem:
             raise UserInputError(problem)
     import logging
@@ -254,10 +254,10 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
         from lm_eval.utils import make_table
 
         print(make_table(results), file=sys.stderr, flush=True)
-        out_dir = os.path.join(trainer.cfg.run_dir, "eval")
-        os.makedirs(out_dir, exist_ok=True)
+        from framework.fileio import create_temporary, users_directory
+
+        out_dir = users_directory(os.path.join(trainer.cfg.run_dir, "eval"), "hydra.run.dir")
         path = os.path.join(out_dir, f"results_step_{step:08d}.json")
-        from framework.fileio import create_temporary
 
         with create_temporary(path + ".tmp") as handle:
             json.dump(

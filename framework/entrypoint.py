@@ -9,10 +9,19 @@ from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint.run_lock import lock_run_dir
+from framework.checkpoint.run_lock import entries, leave_as_found, lock_run_dir
 from framework.config import Stage, to_config, validate
 from framework.errors import EXIT_BAD_INPUT, UserInputError
-from framework.runtime import run_rank, spawn_local, under_torchrun
+
+# [Note: no torch before the config is accepted]
+# A refused config, and every refusal found before any rank starts (framework/preflight.py), is
+# said in about a second: torch (and whatever imports it) is imported only once the job runs.
+# This module, framework/config and the checks run before the ranks import it lazily;
+# tests/integration/test_refused_before_ranks.py checks it with `python main.py` itself.
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
 
 
 def fix_run_dir_under_torchrun(argv: List[str]) -> List[str]:
@@ -39,6 +48,21 @@ def _refuse(problems: List[str], run_dir: str) -> int:
     except OSError:
         pass
     return EXIT_BAD_INPUT
+
+
+def run_dir_link_problems(cfg, run_dir: str) -> List[str]:
+    """The directories this job writes into that are links it must not follow ([Note: a directory
+    link is followed only if it is yours] in framework/fileio.py): `checkpoint.dir` for a stage
+    that trains, `<run>/eval` for one that runs lm-eval tasks."""
+    from framework.fileio import directory_link_problem
+
+    checks, trains = [], cfg.stage in (Stage.training, Stage.fine_tuning, Stage.dpo, Stage.grpo)
+    if trains:
+        c = cfg.checkpoint
+        checks.append((os.path.join(run_dir, c.dir), f"checkpoint.dir={c.dir}"))  # join keeps an absolute dir
+    if cfg.stage == Stage.evaluate or (trains and cfg.trainer.eval_tasks):
+        checks.append((os.path.join(run_dir, "eval"), "hydra.run.dir"))
+    return [p for p in (directory_link_problem(path, field) for path, field in checks) if p]
 
 
 def claim_run_dir(run_dir: str) -> Optional[str]:
@@ -118,8 +142,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
     if cfg.stage != Stage.data_preparation:
-        from framework.models.families import job_model_problems
-        from framework.models.registry import check_model
+        from framework.models.families import check_model, job_model_problems
 
         problems += job_model_problems(cfg)  # the model's arguments against the job (no torch)
         problems += [p for p in check_model(cfg.model) if p not in problems]  # the family's own refusals
@@ -127,10 +150,28 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         from framework.preflight import preflight_problems
 
         problems += preflight_problems(cfg, under_torchrun())  # what the ranks would refuse, found now
+    problems += run_dir_link_problems(cfg, run_dir)
     if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
+    found = entries(cfg.run_dir)  # [Note: a refused job leaves the run directory as it found it]
+    try:
+        code = _run(cfg, dict_cfg, problems)
+    except SystemExit as exc:  # a refusal that ends the rank with its status (checkpoint loading's)
+        if exc.code == EXIT_BAD_INPUT:
+            leave_as_found(cfg.run_dir, found)
+        raise
+    if code == EXIT_BAD_INPUT:
+        leave_as_found(cfg.run_dir, found)
+    return code
+
+
+def _run(cfg, dict_cfg: DictConfig, problems: List[str]) -> int:
+    """Claim the run directory and run the stage: in this process, on local ranks, or as this
+    torchrun rank."""
     # written by rank 0 when the job is past its refusals ([Note: one config.yaml per run])
+    from framework.runtime import run_rank, spawn_local
+
     record = functools.partial(
         record_config, cfg.run_dir, config_name(cfg.stage), OmegaConf.to_yaml(dict_cfg, resolve=True)
     )

@@ -23,6 +23,7 @@ import contextlib
 import errno
 import os
 import stat
+from typing import Optional
 
 from framework.errors import UserInputError
 
@@ -155,6 +156,57 @@ def own_directory(path: str) -> str:
             f"{path} is a file, where this job makes a directory of its own; "
             "remove it (or give the job another directory)"
         )
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+# [Note: a directory link is followed only if it is yours]
+# Users put `checkpoints/` (or `eval/`) on a big disk with a link in the run directory; someone else
+# can plant the same link to make the job write into (and replace `latest` or a results file in)
+# a directory of theirs or of a third party. The job cannot tell the two apart by the link alone,
+# so it decides by ownership: a directory link the job writes through is followed only when the
+# link itself (lstat) and the directory it leads to (stat) both belong to the user running the
+# job; any other link there (another user's link, a link to another user's directory, a link to a
+# file or to nothing) is refused in one line naming the path, before any rank starts and again
+# where the directory is first used. The target's path is not printed: it is someone else's text.
+
+
+def directory_link_problem(path: str, field: str) -> Optional[str]:
+    """The refusal of a link at `path`, a directory the job writes into, unless the link and its
+    target are the running user's ([Note: a directory link is followed only if it is yours]);
+    None for a link that may be followed and for anything that is not a link."""
+    try:
+        link = os.lstat(path)
+    except OSError:
+        return None  # missing: the job makes its own directory there
+    if not stat.S_ISLNK(link.st_mode):
+        return None
+    uid = os.getuid()
+    try:
+        target = os.stat(path)
+    except OSError:
+        target = None
+    if link.st_uid != uid:
+        why = f"a link owned by uid {link.st_uid}"
+    elif target is None or not stat.S_ISDIR(target.st_mode):
+        why = "a link to no directory"
+    elif target.st_uid != uid:
+        why = f"a link to a directory owned by uid {target.st_uid}"
+    else:
+        return None
+    return (
+        f"{field}: {path} is {why}, not this job's user's (uid {uid}); a job writes through a directory "
+        "link only when the link and its directory are yours: remove the link, or make it (and its "
+        "directory) your own"
+    )
+
+
+def users_directory(path: str, field: str) -> str:
+    """`path` as a directory the job writes into (made if missing), a link there followed only if
+    it is the user's own ([Note: a directory link is followed only if it is yours]); returns `path`."""
+    problem = directory_link_problem(path, field)
+    if problem:
+        raise PlantedFileError(problem)
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -6,8 +6,9 @@ where nothing listens 17 s):
 
 - lm-eval task names (evaluate.tasks, trainer.eval_tasks) against evaluate.include_path and
   lm-eval's own tasks, read without lm-eval ([Note: indexing lm-eval's tasks without lm-eval]);
-- the code those task files name, refused unless evaluate.trust_task_code=true ([Note: task files
-  that run code] in framework/task_files.py);
+- the task files those tasks load are readable YAML (lm-eval's index skips one that is not, and
+  the ranks then said the task does not exist), and the code they name is refused unless
+  evaluate.trust_task_code=true ([Note: task files that run code] in framework/task_files.py);
 - the MLflow server of an http(s) tracking URI accepts a connection (framework/trackers.py). Under
   torchrun this is left to rank 0's own tracker start, which the ranks agree on: a rank on another
   node may not reach the server rank 0 reaches, and the ranks must refuse together;
@@ -25,7 +26,7 @@ from typing import List
 
 from framework.config import DataName, Stage
 from framework.config.validate import restarts_here, snapshots_without_restarts
-from framework.task_files import code_problem, lm_eval_tasks_dir, unknown_tasks
+from framework.task_files import code_problem, lm_eval_tasks_dir, unknown_tasks, unparsable_files, unreadable_task_file
 from framework.trackers import TOOLS_LOCK, unreachable
 
 
@@ -78,11 +79,17 @@ def task_problems(cfg) -> List[str]:
         return [f"{field} needs the lm-eval package: {TOOLS_LOCK}"]
     unknown = unknown_tasks(names, e.include_path)
     if unknown:
+        unread = unparsable_files(e.include_path) if e.include_path else []
+        hint = f"; {unread[0][0]} cannot be read: {unread[0][1]}" if unread else ""
         return [
             f"{field}: no lm-eval task {', '.join(unknown)}; local tasks: a YAML in evaluate.include_path "
-            "(`lm-eval ls tasks` lists lm-eval's own)"
+            f"(`lm-eval ls tasks` lists lm-eval's own){hint}"
         ]
-    problem = code_problem(e.include_path) if e.include_path and not e.trust_task_code else None
+    if not e.include_path:
+        return []
+    problem = unreadable_task_file(names, e.include_path)
+    if problem is None and not e.trust_task_code:
+        problem = code_problem(e.include_path, names)
     return [problem] if problem else []
 
 

@@ -18,14 +18,10 @@ or by `spawn_local`'s parent), so it still answers when a rank is stopped or dea
 counter does not move over a few heartbeats is stopped or gone; a live rank at an earlier step is
 stuck behind the others.
 
-[Note: one timeout for every group]
-`trainer.collective_timeout_s` is given to `init_process_group`, but torch gives every group made
-later (`new_group`, a `DeviceMesh`'s per-dimension groups, the engine's second group over the same
-ranks) its own default instead: 30 minutes on gloo, 10 on NCCL. A hung rank would then end the job
-after 5 s when the others wait in a world collective and after 30 minutes when they wait in a
-sub-group's. So `init_distributed` makes the job's timeout the default of every group made after
-it, and the engine's transports take their group's timeout (`fsdp/host`: the shared-memory channel
-fails its waiters after it too).
+`trainer.collective_timeout_s` is given to `init_process_group`, and every group the framework
+makes after it takes the same timeout from the world group ([Note: one timeout for every group] in
+framework/distributed/groups.py); the engine's transports take their group's timeout
+(`fsdp/host`: the shared-memory channel fails its waiters after it too).
 
 [Note: a hung rank on NCCL]
 On gloo (and our shared-memory transport) the rank that waits raises once the timeout passes, and
@@ -126,7 +122,6 @@ def init_distributed(requested_device: str, collective_timeout_s: float = 300.0)
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-        _groups_default_to(timeout)
         if world > 1 and _store_hosted_outside():
             _Heartbeat.start(rank, world)
     return Runtime(rank, world, local_rank, device)
@@ -142,16 +137,6 @@ def nccl_environment(env: Mapping[str, str]) -> dict[str, str]:
     if monitor and (not monitor.isdigit() or int(monitor) < NCCL_MONITOR_FLOOR_S):
         settings["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(NCCL_MONITOR_FLOOR_S)
     return settings
-
-
-def _groups_default_to(timeout: datetime.timedelta) -> None:
-    """Every process group made from now on times out after `timeout` unless given its own: see
-    [Note: one timeout for every group]. torch reads these module defaults when a group is made
-    without a timeout (gloo and the others; NCCL's where NCCL is built in)."""
-    c10d = dist.distributed_c10d
-    c10d.default_pg_timeout = timeout
-    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
-        c10d.default_pg_nccl_timeout = timeout
 
 
 def _job_store(rank: int, world: int, timeout: datetime.timedelta):
@@ -236,10 +221,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
 
 
 # ---- heartbeats: see [Note: naming the rank that did not arrive] ----

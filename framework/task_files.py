@@ -247,14 +247,97 @@ def unknown_tasks(names: Iterable[str], include_path: str) -> List[str]:
     return missing
 
 
-def code_in_task_files(include_path: str) -> List[Tuple[str, str]]:
-    """(file, what it would run) for each task file under `include_path`, and each file they
-    include from outside lm-eval's installed tasks, that names code ([Note: task files that run
-    code])."""
+def local_task_files(names: Iterable[str], include_path: str) -> Dict[str, List[str]]:
+    """{name: the files under `include_path` that lm-eval loads to run task `name`}: the file that
+    defines it, for a group its members' files too (members named by name, recursively; members
+    written inline are in the group's file), for a tag every local file of a task with that tag.
+    A name lm-eval's own tasks define is not listed (lm-eval's files are its code)."""
+    files, paths, index = _Files(names=True), yaml_files(include_path), {}
+    cfgs: Dict[str, dict] = {}
+    for path in paths:
+        try:
+            cfg = files.merged(path)
+        except Exception:  # noqa: BLE001,S112 - skipped as lm-eval skips it (its name unknown)
+            continue
+        cfgs[path] = cfg
+        _add(cfg, path, index)
+
+    def of(name: str, seen: Tuple[str, ...]) -> List[str]:
+        entry = index.get(name)
+        if entry is None or name in seen:
+            return []
+        if entry.kind == "tag":
+            return [
+                p
+                for p, cfg in cfgs.items()
+                if "group" not in cfg and isinstance(cfg.get("task"), str) and name in _listed(cfg.get("tag"))
+            ]
+        found = [entry.path]
+        if entry.kind == "group":
+            for member in _listed(cfgs[entry.path].get("task")):
+                if isinstance(member, str):
+                    found += of(member, (*seen, name))
+        return found
+
+    return {name: list(dict.fromkeys(of(name, ()))) for name in names}
+
+
+def _listed(value) -> list:
+    return value if isinstance(value, list) else [value] if value is not None else []
+
+
+def unreadable_task_file(names: Iterable[str], include_path: str) -> Optional[str]:
+    """The refusal of the first task file (or a file it includes) that lm-eval would need for
+    `names` and could not read (YAML that does not parse, an include that is missing or a cycle,
+    a file that is not a mapping), naming the file and why; or None. lm-eval's index skips such a
+    file, and the ranks would only say that the task does not exist."""
+    files = _Files()
+    for name, paths in local_task_files(names, include_path).items():
+        for path in paths:
+            try:
+                files.merged(path)
+            except Exception as exc:  # noqa: BLE001 - every reason lm-eval would skip the file
+                return f"evaluate.include_path: {path} (task {name}) cannot be read: {_why(exc)}; fix the file"
+    return None
+
+
+def unparsable_files(include_path: str) -> List[Tuple[str, str]]:
+    """(file, why) for each task YAML under `include_path` whose task names cannot be read: a task
+    it defines is unknown to lm-eval too."""
+    files, found = _Files(names=True), []
+    for path in yaml_files(include_path):
+        try:
+            files.merged(path)
+        except Exception as exc:  # noqa: BLE001 - every reason lm-eval would skip the file
+            found.append((path, _why(exc)))
+    return found
+
+
+def _why(exc: Exception) -> str:
+    """One line saying why a YAML file could not be read."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"not YAML ({' '.join(filter(None, [exc.context, exc.problem]))}{where})"
+    if isinstance(exc, yaml.YAMLError):
+        return f"not YAML ({' '.join(str(exc).split())})"
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+    return " ".join(str(exc).split())
+
+
+def code_in_task_files(include_path: str, names: Optional[Iterable[str]] = None) -> List[Tuple[str, str]]:
+    """(file, what it would run) for each task file under `include_path` (only those that tasks
+    `names` load, when given: `local_task_files`), and each file they include from outside
+    lm-eval's installed tasks, that names code ([Note: task files that run code])."""
     trusted = lm_eval_tasks_dir()
     trusted = os.path.realpath(trusted) + os.sep if trusted else None
+    if names is None:
+        roots = yaml_files(include_path)
+    else:
+        roots = list(dict.fromkeys(p for paths in local_task_files(names, include_path).values() for p in paths))
     files, seen, chain = _Files(), set(), []
-    for path in yaml_files(include_path):
+    for path in roots:
         chain += files.chain(path, seen)
     found = []
     for path in chain:
@@ -266,10 +349,11 @@ def code_in_task_files(include_path: str) -> List[Tuple[str, str]]:
     return found
 
 
-def code_problem(include_path: str) -> Optional[str]:
+def code_problem(include_path: str, names: Optional[Iterable[str]] = None) -> Optional[str]:
     """The refusal of `include_path`'s task files when they name code (the first such file, and how
-    many more), or None."""
-    found = code_in_task_files(include_path)
+    many more), or None. With `names`, only the files those tasks load count: a folder may hold
+    a task that names code beside tasks that do not, and only the first is refused."""
+    found = code_in_task_files(include_path, names)
     if not found:
         return None
     path, what = found[0]

@@ -24,11 +24,13 @@ from framework.checkpoint.contents import dcp_load, join_optim, set_rng_state, s
 from framework.checkpoint.hf import export_safetensors, import_safetensors, read_config
 from framework.config.schema import Config
 from framework.distributed.engines import engine_of
+from framework.distributed.groups import new_group
 from framework.errors import EXIT_BAD_INPUT as EXIT_BAD_CHECKPOINT
 from framework.errors import (
     EXIT_REQUEUE,  # noqa: F401  (re-exported)
     UserInputError,
 )
+from framework.fileio import PlantedFileError, directory_link_problem
 from framework.peft.lora import adapter_state, is_adapter, merged_sharded_state
 from framework.runtime import Runtime
 
@@ -85,10 +87,16 @@ class CheckpointManager:
         self._pending = None  # (future, tmp_dir, step) of an async save not yet committed
         # Async saves run their collectives in a background thread: they get their own gloo group,
         # so they never interleave with the training loop's collectives on the default group.
-        self._io_group = dist.new_group(backend="gloo") if c.async_save else None
+        self._io_group = new_group(backend="gloo") if c.async_save else None
         token = [os.urandom(4).hex() if rt.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self._token = token[0]  # names this job's temp directories (the same on every rank)
+        # A link there is followed only if it is the user's own (checked before any rank started
+        # too); every rank refuses if any rank's file system says so.
+        links = [None] * rt.world_size
+        dist.all_gather_object(links, directory_link_problem(self.root, f"checkpoint.dir={c.dir}"))
+        if any(links):
+            raise PlantedFileError(next(p for p in links if p))
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise UserInputError(
                 f"checkpoint.dir={c.dir}: {self.root} is a file, not a directory; name a "

@@ -192,7 +192,9 @@ class MemorySnapshots:
         self.restore_source, self.restore_s, self._restore_logged = None, 0.0, False
         self._to = (rt.rank + local) % rt.world_size  # holds this rank's copy
         self._from = (rt.rank - local) % rt.world_size  # whose copy this rank holds
-        self._peer_group = dist.new_group(backend="gloo") if self.nodes > 1 else None
+        from framework.distributed.groups import new_group  # made with the job's timeout
+
+        self._peer_group = new_group(backend="gloo") if self.nodes > 1 else None
 
     def _fit_problem(self) -> Optional[str]:
         """A line when this node's snapshots would not fit: the planner's host memory per node, or

@@ -12,6 +12,7 @@ planted as `.lock` is refused, not written through ([Note: no writing through pl
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -47,3 +48,42 @@ def lock_run_dir(run_dir: str) -> None:
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
     _held[run_dir] = f
+
+
+# [Note: a refused job leaves the run directory as it found it]
+# A job refused inside its ranks (a checkpoint that fails its checks, data that does not fit) has
+# by then taken the lock (`.lock`) and made `checkpoints/`, perhaps more. The entry point lists the
+# run directory before the lock is taken (`entries`); after a refusal the process that holds the
+# lock removes what is new there (no other job could have made it: the lock kept them out), drops
+# the lock, and removes the run directory itself when nothing else is left in it (Hydra made it
+# for this job). What was there before, `.lock` of an earlier run included, stays. A crash (status
+# 1) keeps everything: its files are what one debugs.
+
+
+def entries(run_dir: str) -> frozenset:
+    """The names in `run_dir` now (none if it does not exist)."""
+    try:
+        return frozenset(os.listdir(run_dir))
+    except OSError:
+        return frozenset()
+
+
+def leave_as_found(run_dir: str, found: frozenset) -> None:
+    """Undo what this process's job made in `run_dir` since `found` was listed, if it holds the
+    directory's lock (see [Note: a refused job leaves the run directory as it found it])."""
+    import shutil
+
+    run_dir = os.path.abspath(run_dir)
+    held = _held.pop(run_dir, None)
+    if held is None:
+        return  # another job's directory, or never claimed: nothing here is this job's
+    for name in entries(run_dir) - found:
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    held.close()
+    with contextlib.suppress(OSError):
+        os.removedirs(run_dir)  # only if empty, and its parents while they are (Hydra made them)

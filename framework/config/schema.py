@@ -91,6 +91,11 @@ class Stage(str, Enum):
 # ranks start and train, and the one stopped is named after the diagnosis's 4 heartbeats of 1 s
 # (framework/runtime.py, [Note: naming the rank that did not arrive]).
 MIN_COLLECTIVE_TIMEOUT_S = 5.0
+# The longest accepted: a week. torch turns the timeout into C++ durations (the store's, gloo's,
+# NCCL's watchdog): 1e10 s ended the job in C++ frames and 1e15 s in an OverflowError traceback.
+# A week starts and runs a gloo group and its collectives (checked with torch 2.13); a collective
+# waiting longer than a week for a rank is a job no one is watching.
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def _positive(section: str, **values: float) -> None:
@@ -358,8 +363,8 @@ class TrainerConfig:
     sample_tokens: int = 160  # tokens of text generated at the end of training (0: none; needs a tokenizer)
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: look it up, unknown on CPU
     # A collective that waits longer than this for a rank fails, and the job ends naming the rank(s)
-    # that did not arrive (a stopped process, a lost node); torch's own default is 30 minutes. At
-    # least MIN_COLLECTIVE_TIMEOUT_S.
+    # that did not arrive (a stopped process, a lost node); torch's own default is 30 minutes. From
+    # MIN_COLLECTIVE_TIMEOUT_S to MAX_COLLECTIVE_TIMEOUT_S (a week).
     collective_timeout_s: float = 300.0
     # torch.profiler traces per rank in <run dir>/profile (see [Note: step profiles]): skip
     # profile_wait steps, warm up profile_warmup, record profile_active
@@ -382,11 +387,12 @@ class TrainerConfig:
             collective_timeout_s=self.collective_timeout_s,
             profile_active=self.profile_active,
         )
-        if self.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
+        if not MIN_COLLECTIVE_TIMEOUT_S <= self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S:  # nan too
             raise UserInputError(
-                f"trainer.collective_timeout_s={self.collective_timeout_s}: must be at least "
+                f"trainer.collective_timeout_s={self.collective_timeout_s}: must be from "
                 f"{MIN_COLLECTIVE_TIMEOUT_S:g} s (the ranks' store waits this long for a rank that starts "
-                "late, and every collective for a busy one); the default is 300"
+                f"late, and every collective for a busy one) to {MAX_COLLECTIVE_TIMEOUT_S:g} s (a week); "
+                "the default is 300"
             )
         for name in (
             "eval_interval",

@@ -12,6 +12,7 @@ seed, never by the world size.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -237,6 +238,65 @@ def build_indexed(
 # way, and agree once more. A refusal is raised on every rank: one line, status 2, no traceback.
 
 
+# [Note: megatron alone, torch untouched]
+# megatron-core's dataset modules ask `torch.distributed` (is_initialized, get_rank) before each
+# rank-0 decision: build or load a cache, wait in a barrier. To run its builder as the only process
+# (the Note above), only those modules are shown a `torch` whose `distributed` says "not
+# initialised, rank 0 of 1", for the duration of the build: their module attribute `torch` is
+# swapped for a stand-in that hands out everything else from the real torch, and put back after.
+# torch itself is never changed, so every other thread and caller (the heartbeat, an async save,
+# a user's code) sees the real process group throughout.
+_MEGATRON_DATASET_MODULES = ("blended_dataset", "blended_megatron_dataset_builder", "gpt_dataset")
+
+
+class _AloneDistributed:
+    """torch.distributed as a single process sees it; everything else is the real module's."""
+
+    def __getattr__(self, name):
+        import torch.distributed as dist
+
+        return getattr(dist, name)
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return False
+
+    @staticmethod
+    def get_rank(group=None) -> int:
+        return 0
+
+    @staticmethod
+    def get_world_size(group=None) -> int:
+        return 1
+
+
+class _AloneTorch:
+    """The real torch with `distributed` replaced by `_AloneDistributed`."""
+
+    distributed = _AloneDistributed()
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def megatron_alone():
+    """megatron's dataset builder as the only process ([Note: megatron alone, torch untouched])."""
+    import importlib
+
+    modules = [importlib.import_module(f"megatron.core.datasets.{m}") for m in _MEGATRON_DATASET_MODULES]
+    real = [module.torch for module in modules]
+    for module in modules:
+        module.torch = _AloneTorch()
+    try:
+        yield
+    finally:
+        for module, torch_module in zip(modules, real):
+            module.torch = torch_module
+
+
 def _build_in_turn(build, per_node_cache: bool):
     """`build()` (megatron's builder) on every rank, the cache's writer first; see the Note above."""
     import torch.distributed as dist
@@ -245,10 +305,9 @@ def _build_in_turn(build, per_node_cache: bool):
     from framework.data.shared_cache import prepares_here
 
     def alone(check: bool):
-        real = dist.is_initialized
-        dist.is_initialized = lambda: False  # megatron asks this before every rank-0 decision
         try:
-            datasets = build()
+            with megatron_alone():
+                datasets = build()
             if check:
                 for dataset in datasets:
                     if dataset is not None:
@@ -256,8 +315,6 @@ def _build_in_turn(build, per_node_cache: bool):
             return datasets, None
         except UserInputError as exc:
             return None, str(exc)
-        finally:
-            dist.is_initialized = real
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         datasets, problem = alone(check=True)

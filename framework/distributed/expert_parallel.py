@@ -123,14 +123,14 @@ class ExpertDispatch:
 def apply_expert_parallel(model: nn.Module, ep: int, efsdp: int, device_type: str):
     """Split every group of experts in `model` over `ep` neighbouring ranks; returns the groups and
     the 1-D mesh of the ranks holding the same experts (the engine shards them over it)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from framework.distributed.groups import init_mesh
 
     groups = expert_groups(model)
     if not groups:
         raise UserInputError(
             f"parallelism.ep={ep}: the model has no mixture-of-experts blocks to split; set parallelism.ep=1"
         )
-    mesh = init_device_mesh(device_type, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    mesh = init_mesh(device_type, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
     ep_mesh = mesh["ep"]
     me = ep_mesh.get_local_rank()
     for module in groups:

@@ -15,7 +15,7 @@ from framework.config.degrees import ParallelDims, resolve_parallel_dims  # noqa
 def build_mesh(dims: ParallelDims, device_type: str):
     """The named mesh (dp_replicate, dp_shard, tp), with cp before tp when context parallel is on;
     submeshes are sliced by name."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from framework.distributed.groups import init_mesh
 
     if dims.cp > 1:
         shape, names = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp), ("dp_replicate", "dp_shard", "cp", "tp")
@@ -23,4 +23,4 @@ def build_mesh(dims: ParallelDims, device_type: str):
         shape, names = (dims.dp_replicate, dims.dp_shard, dims.tp), ("dp_replicate", "dp_shard", "tp")
     if dims.pp > 1:
         shape, names = (dims.pp, *shape), ("pp", *names)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return init_mesh(device_type, shape, mesh_dim_names=names)

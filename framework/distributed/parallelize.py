@@ -23,7 +23,9 @@ def dp_mesh_of(mesh, dims: ParallelDims):
     weights are sharded over every rank but the tensor-parallel ones), 2-D (replicate, shard) for
     hybrid and no_shard."""
     if dims.cp > 1:
-        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        from framework.distributed.groups import flatten
+
+        return flatten(mesh["dp_shard", "cp"], "dp_shard_cp")
     if dims.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]

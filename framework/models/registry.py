@@ -37,7 +37,7 @@ from torch import nn
 
 from framework.config.schema import ModelConfig
 from framework.errors import UserInputError
-from framework.models.families import family_names, import_family_module, spec_of, unknown_name
+from framework.models.families import check_model, family_names, import_family_module, spec_of, unknown_name  # noqa: F401
 from framework.models.record import ModelFamily, StateDictAdapter  # noqa: F401 - what a family outside registers
 
 # Families registered by the modules `model.family_module` names (the ones of framework/models/
@@ -63,17 +63,6 @@ def registered_names() -> list[str]:
 def build_model(cfg: ModelConfig, device="cpu") -> nn.Module:
     """The plain model `model.name` names, on `device` (meta: no memory)."""
     return family_of(cfg).build(cfg, device)
-
-
-def check_model(cfg: ModelConfig) -> list[str]:
-    """Every refusal of the model section (an unknown name, the family's own checks), as lines."""
-    try:
-        family = family_of(cfg)
-        family.args_of(cfg)
-        family.check(cfg)
-    except UserInputError as exc:
-        return [str(exc)]
-    return []
 
 
 def family_of(cfg: ModelConfig) -> ModelFamily:

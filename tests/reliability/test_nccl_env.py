@@ -21,7 +21,7 @@ NCCL_KEYS = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
 def joined(monkeypatch):
     """`join(device, timeout_s, **env)`: runs init_distributed for one rank on `device` with `env`
     exported, and returns what init_process_group was given: backend, timeout, the TORCH_NCCL_*
-    variables in the environment at that moment, and the timeout later groups default to."""
+    variables in the environment at that moment."""
 
     def join(device: str, timeout_s: float, **env: str) -> dict:
         seen: dict = {}
@@ -33,7 +33,6 @@ def joined(monkeypatch):
         monkeypatch.setattr(runtime, "pick_device", lambda requested, local_rank: torch.device(device))
         monkeypatch.setattr(runtime.dist, "is_initialized", lambda: False)
         monkeypatch.setattr(runtime, "_job_store", lambda rank, world, timeout: None)
-        monkeypatch.setattr(runtime, "_groups_default_to", lambda timeout: seen.update(groups=timeout))
 
         def init_process_group(backend, **kwargs):
             seen.update(backend=backend, timeout=kwargs["timeout"], env={k: os.environ.get(k) for k in NCCL_KEYS})
@@ -52,7 +51,7 @@ def test_cuda_ranks_wait_blocking_with_the_jobs_timeout(joined):
     # watchdog thread instead. Torch's own monitor keeps its default (8 minutes), far past our 4 s.
     assert seen["backend"] == "cpu:gloo,cuda:nccl"
     assert seen["env"] == {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": None}
-    assert seen["timeout"] == seen["groups"] == datetime.timedelta(seconds=42)
+    assert seen["timeout"] == datetime.timedelta(seconds=42)
 
 
 def test_a_short_nccl_monitor_is_raised_past_the_diagnosis(joined):

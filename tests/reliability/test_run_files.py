@@ -301,3 +301,48 @@ def test_a_sigkilled_job_leaves_nothing_the_next_start_does_not_sweep(tmp_path):
     sweep_leftovers()  # what every job start runs
     assert not any(os.path.exists(p) for p in left)
     assert not glob.glob(f"/dev/shm/fsdp-collectives-*-{proc.pid}-*")
+
+
+# [Note: a refused job leaves the run directory as it found it] (framework/checkpoint/run_lock.py)
+def _broken_checkpoint(root: Path) -> Path:
+    step = root / "elsewhere" / "step_00000001"
+    step.mkdir(parents=True)  # no manifest: refused inside the ranks, after the lock and checkpoints/
+    return step
+
+
+def _tree(run: Path) -> dict:
+    return {str(p.relative_to(run)): (p.read_bytes() if p.is_file() else None) for p in sorted(run.rglob("*"))}
+
+
+@pytest.mark.parametrize("how", ["one rank", "two local ranks", "torchrun"])
+def test_a_job_refused_in_its_ranks_leaves_a_fresh_run_directory_absent(tmp_path, how):
+    run = tmp_path / "outputs" / "run"
+    args = [*TINY, "trainer.max_steps=2", f"checkpoint.resume={_broken_checkpoint(tmp_path)}", f"hydra.run.dir={run}"]
+    if how == "torchrun":
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d"]
+        cmd += ["--rdzv-endpoint=127.0.0.1:0", str(Path(__file__).resolve().parents[2] / "main.py"), *args]
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0 and "no manifest.json" in out.stderr, out.stderr[-3000:]
+    else:
+        out = run_main([*args, f"cluster.nproc_per_node={1 if how == 'one rank' else 2}"], tmp_path)
+        assert out.returncode == 2 and "no manifest.json" in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "outputs").exists(), sorted(map(str, (tmp_path / "outputs").rglob("*")))
+
+
+def test_a_job_refused_in_its_ranks_leaves_an_existing_run_directory_as_it_was(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / ".lock").write_text("pid 1 on a host that ran the first job\n")
+    (run / "config.yaml").write_text("the first job's config\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = _tree(run)
+    args = [*TINY, "trainer.max_steps=2", f"checkpoint.resume={_broken_checkpoint(tmp_path)}", f"hydra.run.dir={run}"]
+    out = run_main([*args, "cluster.nproc_per_node=1", "checkpoint.interval=1"], tmp_path)
+    assert out.returncode == 2 and "no manifest.json" in out.stderr, out.stderr[-3000:]
+    after = _tree(run)
+    after.pop(".lock")  # rewritten by the job that held it (its holder's pid and host)
+    before.pop(".lock")
+    assert after == before
+    assert (run / ".lock").is_file()

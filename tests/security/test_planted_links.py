@@ -195,3 +195,108 @@ def test_prepared_data_and_a_trained_tokenizer_replace_planted_links(tmp_path):
     _untouched(planted)
     _replaced(tmp_path / "out", planted, temporaries=[n for n in names if ".tmp-" in n])
     assert BPETokenizer(str(tmp_path / "out" / "c.tokenizer.json")).vocab_size == 300
+
+
+# [Note: a directory link is followed only if it is yours] (framework/fileio.py): a link at
+# `checkpoints/` or `eval/` is followed when the link and its directory are the user's (a user's way
+# to put checkpoints on a big disk), and refused otherwise, before any rank starts.
+OTHER_UID = 65534  # nobody: a user other than the one running the tests
+
+
+def _needs_root() -> None:
+    import pytest
+
+    if os.getuid() != 0:
+        reason = "planting a link owned by another user needs root (os.lchown to uid 65534); CI runs as root"
+        print(reason)
+        pytest.skip(reason)
+
+
+def _foreign_link(link: Path, target: Path, link_uid: int, target_uid: int) -> None:
+    """`link` -> `target` (a directory holding a `latest` and a results file), the link owned by
+    `link_uid` and the directory by `target_uid`."""
+    target.mkdir(parents=True)
+    (target / "latest").write_bytes(SECRET)
+    (target / "results_step_00000002.json").write_bytes(SECRET)
+    os.chown(target, target_uid, target_uid)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target, target_is_directory=True)
+    os.lchown(link, link_uid, link_uid)
+
+
+def _refused_before_ranks(out, link: Path, target: Path) -> None:
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(errors) == 1 and str(link) in errors[0] and "remove the link" in errors[0], out.stderr[-3000:]
+    assert str(target) not in errors[0]  # what the link names is someone else's text: not printed
+    assert "rank(s) of" not in out.stderr and "Traceback" not in out.stderr  # no rank started
+    assert sorted(os.listdir(target)) == ["latest", "results_step_00000002.json"]  # no step directory made
+    assert (target / "latest").read_bytes() == SECRET
+    assert (target / "results_step_00000002.json").read_bytes() == SECRET
+
+
+def test_a_checkpoints_link_of_another_user_is_refused(tmp_path):
+    _needs_root()
+    run = tmp_path / "run"
+    job = [*TINY, "trainer.max_steps=2", "checkpoint.interval=1", "cluster.nproc_per_node=1"]
+    for name, link_uid, target_uid in (("link", OTHER_UID, 0), ("target", 0, OTHER_UID)):
+        link, target = run / "checkpoints", tmp_path / f"{name}-owned-by-another"
+        _foreign_link(link, target, link_uid, target_uid)
+        out = run_main([*job, f"hydra.run.dir={run}"], tmp_path)
+        _refused_before_ranks(out, link, target)
+        link.unlink()
+    # an absolute checkpoint.dir that is another user's link is refused the same way
+    link, target = tmp_path / "elsewhere", tmp_path / "abs-owned-by-another"
+    _foreign_link(link, target, OTHER_UID, 0)
+    out = run_main([*job, f"hydra.run.dir={run}", f"checkpoint.dir={link}"], tmp_path)
+    _refused_before_ranks(out, link, target)
+
+
+def test_an_eval_link_of_another_user_is_refused(tmp_path):
+    _needs_root()
+    from conftest import pinned_import
+
+    pinned_import("lm_eval")
+    run = tmp_path / "run"
+    link, target = run / "eval", tmp_path / "owned-by-another"
+    _foreign_link(link, target, OTHER_UID, 0)
+    job = [*TINY, "data=stdlib", "trainer.eval_tasks=[arc_easy]", "trainer.max_steps=2", f"hydra.run.dir={run}"]
+    out = run_main([*job, "cluster.nproc_per_node=1"], tmp_path)
+    _refused_before_ranks(out, link, target)
+
+
+def test_the_users_own_checkpoints_link_is_followed(tmp_path):
+    """Checkpoints on another disk through a link the user made: the job writes there and resumes."""
+    run, big_disk = tmp_path / "run", tmp_path / "big_disk" / "checkpoints"
+    big_disk.mkdir(parents=True)
+    run.mkdir()
+    (run / "checkpoints").symlink_to(big_disk, target_is_directory=True)
+    job = [*TINY, "checkpoint.interval=1", "cluster.nproc_per_node=1", f"hydra.run.dir={run}"]
+    out = run_main([*job, "trainer.max_steps=2"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "checkpoints").is_symlink()
+    assert (big_disk / "latest").read_text().strip() == "step_00000002"
+    assert (big_disk / "step_00000002").is_dir()
+    out = run_main([*job, "trainer.max_steps=3", "checkpoint.resume=auto"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (big_disk / "latest").read_text().strip() == "step_00000003"
+
+
+def test_directory_links_are_judged_by_their_owners(tmp_path):
+    from framework.fileio import PlantedFileError, directory_link_problem, users_directory
+
+    own = tmp_path / "own"
+    own.mkdir()
+    (tmp_path / "mine").symlink_to(own)
+    assert directory_link_problem(str(tmp_path / "mine"), "f") is None
+    assert users_directory(str(tmp_path / "mine"), "f") == str(tmp_path / "mine")
+    assert directory_link_problem(str(tmp_path / "missing"), "f") is None  # made by the job
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    assert "a link to no directory" in directory_link_problem(str(tmp_path / "dangling"), "f")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "to_file").symlink_to(tmp_path / "file")
+    try:
+        users_directory(str(tmp_path / "to_file"), "checkpoint.dir=x")
+        raise AssertionError("a link to a file was followed")
+    except PlantedFileError as exc:
+        assert str(exc).startswith(f"checkpoint.dir=x: {tmp_path / 'to_file'} is a link to no directory")

@@ -225,3 +225,35 @@ def test_a_key_computed_at_run_time_is_stopped_by_the_sandbox(tmp_path):
     with _sandboxed_templates(trusted=True):
         apply_template(template, {})
     assert marker.exists()
+
+
+def test_only_the_tasks_whose_files_name_code_are_refused(workspace, tmp_path):
+    """A folder with a task file that names code beside plain ones: a job asking for the plain task
+    (or a group or tag of plain tasks) runs it, and the code never runs; asking for the code task,
+    directly or through a group or tag, is refused naming its file."""
+    from framework.task_files import code_problem
+
+    tasks, marker = tmp_path / "tasks", tmp_path / "ran"
+    tasks.mkdir()
+    code = _task(
+        tasks, "code_task", workspace / "docs.jsonl", extra="tag: code_tag\nprocess_docs: !function evil.process_docs\n"
+    )
+    _task(tasks, "plain_task", workspace / "docs.jsonl", extra="tag: plain_tag\n")
+    _payload(tasks, marker)
+    (tasks / "plain_group.yaml").write_text("group: plain_group\ntask:\n  - plain_task\n")
+    (tasks / "code_group.yaml").write_text("group: code_group\ntask:\n  - plain_task\n  - code_task\n")
+    for plain in ("plain_task", "plain_group", "plain_tag"):
+        assert code_problem(str(tasks), [plain]) is None, plain
+    for refused in ("code_task", "code_group", "code_tag"):
+        line = code_problem(str(tasks), ["plain_task", refused])
+        assert line and str(code) in line and "evaluate.trust_task_code=true" in line, refused
+
+    out = run_main(_job(workspace, tasks, tmp_path / "plain", "trainer.eval_tasks=[plain_task]"), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "plain" / "eval" / "results_step_00000001.json").read_text())
+    assert list(results["results"]) == ["plain_task"]
+    assert not marker.exists()
+    out = run_main(_job(workspace, tasks, tmp_path / "code", "trainer.eval_tasks=[plain_task,code_task]"), tmp_path)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1 and str(code) in errors[0], out.stderr[-3000:]
+    assert not marker.exists() and not (tmp_path / "code").exists()  # refused before any rank started

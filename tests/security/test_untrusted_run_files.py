@@ -250,10 +250,21 @@ def test_small_checkpoint_files_that_lie_are_refused_on_every_rank(own_run, tmp_
     _refused(_resume(own_run, tmp_path), str(ckpt / name))
 
 
-@pytest.mark.parametrize("value, says", [("inf", "finite"), ("1e-9", "at least 5"), ("4.9", "at least 5")])
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("inf", "finite"),
+        ("1e-9", "must be from 5 s"),
+        ("4.9", "must be from 5 s"),
+        ("604801", "to 604800 s (a week)"),
+        ("1e10", "to 604800 s (a week)"),
+        ("1e15", "to 604800 s (a week)"),
+    ],
+)
 def test_a_collective_timeout_out_of_range_is_refused(tmp_path, value, says):
     """inf never fires; one shorter than the floor (trainer.MIN_COLLECTIVE_TIMEOUT_S) failed every
-    rank in the TCP store with C++ frames."""
+    rank in the TCP store with C++ frames; above the ceiling (MAX_COLLECTIVE_TIMEOUT_S) 1e10 ended
+    in C++ frames and 1e15 in an OverflowError traceback."""
     out = run_main(TINY + [f"trainer.collective_timeout_s={value}", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     _refused(out, f"trainer.collective_timeout_s={float(value)}", says)
     assert not (tmp_path / "run").exists()  # refused before the run directory is claimed

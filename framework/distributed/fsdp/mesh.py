@@ -9,7 +9,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+from framework.distributed.groups import init_mesh, new_group
 
 
 class EngineGroups:
@@ -119,7 +121,7 @@ def _groups_for(blocks: List[Tuple[int, ...]]) -> Dict[Tuple[int, ...], dist.Pro
     made = engine_groups().groups
     for ranks in blocks:
         if ranks not in made:
-            made[ranks] = dist.new_group(list(ranks))
+            made[ranks] = new_group(ranks)
     return {ranks: made[ranks] for ranks in blocks}
 
 
@@ -140,7 +142,7 @@ def reduce_group(mesh: DeviceMesh, shard_group: dist.ProcessGroup) -> dist.Proce
     if key not in made:
         me = dist.get_rank()
         rows = _shard_rows(mesh)
-        twins = [dist.new_group(list(ranks)) for ranks in rows]  # a twin: a second group, same ranks
+        twins = [new_group(ranks) for ranks in rows]  # a twin: a second group, same ranks
         made[key] = next(g for r, g in zip(rows, twins) if me in r)
     return made[key]
 
@@ -156,7 +158,7 @@ def resolve_mesh(mesh: Optional[DeviceMesh], device: torch.device, tp_mesh: Opti
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         made = engine_groups().default_mesh
         if device.type not in made:
-            made[device.type] = init_device_mesh(device.type, (world,))
+            made[device.type] = init_mesh(device.type, (world,))
         mesh = made[device.type]
     if mesh.ndim not in (1, 2):
         raise ValueError(

@@ -11,3 +11,10 @@ class DigitsCNNArgs:
     hidden: int = 128  # the classifier's hidden size
     num_classes: int = 10  # the ten digits
     dropout: float = 0.1
+
+
+def check(cfg) -> None:
+    """`model.args` parsed (an unknown or mistyped field refused in one line), without torch."""
+    from framework.models.args import parse_args
+
+    parse_args(DigitsCNNArgs, cfg)

@@ -2,7 +2,7 @@
 name and where its record is. It has no checks against the job beyond the common ones and no
 planner shapes (`stage=plan` refuses it in one line)."""
 
-from framework.models.cnn.args import NAMES  # noqa: F401 - the spec's field
+from framework.models.cnn.args import NAMES, check  # noqa: F401 - the spec's fields
 
 
 def record():

@@ -14,7 +14,7 @@ import torch
 
 from framework.config.schema import ModelConfig
 from framework.errors import UserInputError
-from framework.models.llama.args import llama_args
+from framework.models.llama.args import ROPE_SCALING_KEYS, check_rope_scaling, llama_args  # noqa: F401
 
 _TO_HF = [
     (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
@@ -60,23 +60,6 @@ class LlamaAdapter:
 
 
 EOD_ID = 0  # our end-of-document token: the first special token of every tokenizer we train
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def check_rope_scaling(cfg: ModelConfig) -> None:
-    """model.args.rope_scaling: null or a complete Llama 3 scaling."""
-    a = llama_args(cfg)
-    scaling = a.rope_scaling
-    if not scaling:
-        return
-    kind = scaling.get("rope_type", scaling.get("type")) if hasattr(scaling, "get") else None
-    missing = [k for k in ROPE_SCALING_KEYS if not hasattr(scaling, "get") or k not in scaling]
-    if kind != "llama3" or missing:
-        raise UserInputError(
-            f"model.args.rope_scaling={scaling!r}: only Llama 3's scaling is implemented; give "
-            "{rope_type: llama3, factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
-            "original_max_position_embeddings: 8192} or null"
-        )
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:

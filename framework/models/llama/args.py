@@ -175,3 +175,27 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int =
             "lower data.seq_len"
         )
     return out
+
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(cfg) -> None:
+    """model.args.rope_scaling: null or a complete Llama 3 scaling."""
+    a = llama_args(cfg)
+    scaling = a.rope_scaling
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type")) if hasattr(scaling, "get") else None
+    missing = [k for k in ROPE_SCALING_KEYS if not hasattr(scaling, "get") or k not in scaling]
+    if kind != "llama3" or missing:
+        raise UserInputError(
+            f"model.args.rope_scaling={scaling!r}: only Llama 3's scaling is implemented; give "
+            "{rope_type: llama3, factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+            "original_max_position_embeddings: 8192} or null"
+        )
+
+
+def check(cfg) -> None:
+    """The family's own refusals of `model.args` (an unknown or mistyped field, rope_scaling), without torch."""
+    check_rope_scaling(cfg)

@@ -1,8 +1,8 @@
 """Our Llama family's record: the model, its tensor-parallel plan, its Hugging Face adapter."""
 
-from framework.models.llama.adapter import LlamaAdapter, check_rope_scaling
+from framework.models.llama.adapter import LlamaAdapter
 from framework.models.llama.args import NAMES as PRESETS
-from framework.models.llama.args import LlamaArgs, llama_args, with_vocab_size
+from framework.models.llama.args import LlamaArgs, check_rope_scaling, llama_args, with_vocab_size
 from framework.models.llama.model import Transformer, TransformerBlock, build_llama  # noqa: F401
 from framework.models.llama.parallelize import tp_plan
 from framework.models.llama.pipeline import check_pipeline, pipeline_stage

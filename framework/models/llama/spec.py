@@ -2,7 +2,7 @@
 builds (its presets), the checks of its arguments against the job, the planner's shapes, and
 where its record is (torch: the model, its tensor-parallel plan, its Hugging Face adapter)."""
 
-from framework.models.llama.args import NAMES, problems  # noqa: F401 - the spec's fields
+from framework.models.llama.args import NAMES, check, problems  # noqa: F401 - the spec's fields
 from framework.models.llama.shapes import plan_shape  # noqa: F401
 
 
