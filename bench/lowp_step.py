@@ -5,15 +5,22 @@ interleaved call by call, one compute thread; the median wall and process-CPU ti
 the median ratio to torch's foreach step call by call.
 
     .venv/bin/python bench/lowp_step.py --out bench/results/lowp_step.json
+    .venv/bin/python bench/lowp_step.py --before 2cee853   # also the AdamWLowState of that commit
+
+`--before COMMIT` adds the `AdamWLowState` of framework/optim/lowp.py at COMMIT (read with
+`git show`), interleaved with the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -49,10 +56,25 @@ def _low(chunk: int):
     return step
 
 
+def _before(commit: str):
+    """`AdamWLowState` as framework/optim/lowp.py defines it at `commit`."""
+    text = subprocess.run(
+        ["git", "show", f"{commit}:framework/optim/lowp.py"], capture_output=True, text=True, check=True
+    ).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location("lowp_before", f.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    os.unlink(f.name)
+    return module.AdamWLowState(_params(), lr=1e-6, weight_decay=0.1).step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--chunks", type=int, nargs="+", default=[15, 17, 19, 21, 24], help="log2 of CHUNK_CPU")
+    ap.add_argument("--before", default=None, help="a commit whose AdamWLowState is timed too")
     ap.add_argument("--out", default="bench/results/lowp_step.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -60,6 +82,8 @@ def main() -> None:
         "torch AdamW foreach": torch.optim.AdamW(_params(), lr=1e-6, weight_decay=0.1, foreach=True).step,
         "torch AdamW for-loop": torch.optim.AdamW(_params(), lr=1e-6, weight_decay=0.1, foreach=False).step,
     }
+    if args.before:
+        calls[f"bf16 state at {args.before}"] = _before(args.before)
     for c in args.chunks:
         calls[f"bf16 state, chunks of 2^{c}"] = _low(1 << c)
     for step in calls.values():
