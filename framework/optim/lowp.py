@@ -203,9 +203,11 @@ SALT_EXP_AVG, SALT_EXP_AVG_SQ, SALT_MOMENTUM = 1, 2, 3
 
 class AdamWLowState(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments: torch.optim.AdamW's update) with its
-    moments `exp_avg` / `exp_avg_sq` held in `state_dtype` (bfloat16) and `step` a float32 scalar,
-    as torch's; [Note: bf16 optimizer state and its rounding]. Steps whole tensors, and our
-    engine's pieces alike (every operation is elementwise)."""
+    moments `exp_avg` / `exp_avg_sq` held in `state_dtype` (bfloat16) and `step` a float32 scalar
+    tensor on the parameter's device (as torch's capturable AdamW keeps it); [Note: bf16 optimizer
+    state and its rounding]. Steps whole tensors, our engine's pieces and DTensors' local tensors
+    alike (every operation is elementwise), over tensor lists: [Note: the bf16-state AdamW step on
+    tensor lists]."""
 
     # Every operation is elementwise and takes no norm: our engine may step it on the plain local
     # data ([Note: the optimizer step on plain local data] in framework/distributed/fsdp/optim_check.py).
