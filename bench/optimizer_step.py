@@ -16,7 +16,7 @@ AdamW with bfloat16 state (`optimizer.state_dtype=bf16`, framework/optim/lowp.py
 torch's foreach AdamW on the same parameters, interleaved call by call, with each call's process
 CPU time beside its wall time (on a shared machine the wall time counts others' use of the cores):
 
-    .venv/bin/python bench/optimizer_step.py --boundaries anywhere --repeats 20 \
+    .venv/bin/python bench/optimizer_step.py --boundaries anywhere --repeats 15 --skip-muon \
         --out bench/results/optimizer_step_bf16.json
 """
 
@@ -42,7 +42,9 @@ from bench.common import SIZES, batch, build_gpt, loss_of  # noqa: E402
 VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
-def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repeats: int, queue) -> None:
+def _worker(
+    rank: int, world: int, port: int, size: str, boundaries: list, repeats: int, queue, skip_muon: bool = False
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -96,7 +98,7 @@ def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repea
             from framework.optim import build_optimizer, hidden_matrix_names
         except ImportError:  # a commit before optimizer=muon
             build_optimizer = None
-        if build_optimizer is not None:
+        if build_optimizer is not None and not skip_muon:
             from framework.config.schema import OptimizerConfig
 
             hidden = hidden_matrix_names(build_gpt(size))  # the model as built: its names
@@ -198,6 +200,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--boundaries", nargs="+", default=["anywhere", "rows", "params"])
+    ap.add_argument(
+        "--skip-muon", action="store_true", help="leave out Muon's rows (its bf16 iterations are slow on CPU)"
+    )
     ap.add_argument("--out", default="bench/results/optimizer_step.json")
     args = ap.parse_args()
     from framework.runtime import free_port
@@ -207,7 +212,10 @@ def main() -> None:
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, args.ranks, port, args.model_size, args.boundaries, args.repeats, queue))
+        ctx.Process(
+            target=_worker,
+            args=(r, args.ranks, port, args.model_size, args.boundaries, args.repeats, queue, args.skip_muon),
+        )
         for r in range(args.ranks)
     ]
     for p in procs:
