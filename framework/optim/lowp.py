@@ -47,8 +47,9 @@ those: the same bits, tests/unit/test_optim_state_dtype.py, against torch's Adam
 state), the parameters updated from them, then the whole buffer rounded by one run of the int32
 hash (each tensor's key xor-ed into its span first) and written back as bfloat16. The chunk
 bounds the step's scratch (four buffers of twice its size) and, on a CPU, keeps them in cache
-between the dozen operations of the rounding: on 2.6M parameters (2 cores, loaded) 2^17-element
-chunks took 34 ms a step where 2^22 took 105 ms (torch's foreach AdamW: 13-17 ms). On a CPU the
+between the dozen operations of the rounding: on 2.6M parameters (bench/results/lowp_step.txt,
+a loaded 2-core machine, CPU time) 2^17-element chunks took 42 ms a step where 2^21 took 81 ms
+(torch's foreach AdamW with float32 state: 19.5 ms; this step before the lists: 227 ms). On a CPU the
 update is addcdiv with the step sizes as a CPU tensor (its C++ reads them); elsewhere the same
 order (step size x m, / denom, + p) in three list operations, which read nothing on the host.
 """
