@@ -11,6 +11,13 @@ the clipping, on the benchmark model, and the trainer's step (`optimizer_step`: 
 optimizer on the plain local data, [Note: the optimizer step on plain local data]): one forward
 and backward, then `--repeats` timed calls of each, gradients kept; medians of the slower rank.
 Run it at two commits to compare (the JSON names the commit). Writes a table to stdout and JSON to --out.
+
+AdamW with bfloat16 state (`optimizer.state_dtype=bf16`, framework/optim/lowp.py) is timed beside
+torch's foreach AdamW on the same parameters, interleaved call by call, with each call's process
+CPU time beside its wall time (on a shared machine the wall time counts others' use of the cores):
+
+    .venv/bin/python bench/optimizer_step.py --boundaries anywhere --repeats 15 --skip-muon \
+        --out bench/results/optimizer_step_bf16.json
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from bench.common import SIZES, batch, build_gpt, loss_of  # noqa: E402
 VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
-def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repeats: int, queue) -> None:
+def _worker(
+    rank: int, world: int, port: int, size: str, boundaries: list, repeats: int, queue, skip_muon: bool = False
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -84,11 +93,12 @@ def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repea
                     times[k].append(time.perf_counter() - t)
             for k, v in times.items():
                 out[f"{boundary} {name}{k}"] = v
+        _bf16_state_rows(out, boundary, params, plain, optimizer_step, repeats)
         try:
             from framework.optim import build_optimizer, hidden_matrix_names
         except ImportError:  # a commit before optimizer=muon
             build_optimizer = None
-        if build_optimizer is not None:
+        if build_optimizer is not None and not skip_muon:
             from framework.config.schema import OptimizerConfig
 
             hidden = hidden_matrix_names(build_gpt(size))  # the model as built: its names
@@ -116,21 +126,96 @@ def _worker(rank: int, world: int, port: int, size: str, boundaries: list, repea
     dist.destroy_process_group()
 
 
+def _bf16_state_rows(out: dict, boundary: str, params: list, plain: list, optimizer_step, repeats: int) -> None:
+    """AdamW with bfloat16 state (`AdamWLowState`, `optimizer.state_dtype=bf16`) beside torch's
+    foreach AdamW on the same parameters, interleaved call by call, each first in turn: on the
+    pieces (`opt.step()`, the trainer's `optimizer_step`) and on the same data as plain tensors.
+    Each call's process CPU time is kept beside its wall time (" cpu" rows): on a loaded machine
+    the wall time also counts the time other processes hold the cores."""
+    try:
+        from framework.optim.lowp import AdamWLowState
+    except ImportError:  # a commit before bf16 state
+        return
+    opts = {
+        "bf16 state": AdamWLowState(params, lr=1e-6, weight_decay=0.1),
+        "bf16 state plain tensors": AdamWLowState(plain, lr=1e-6, weight_decay=0.1),
+        "foreach (beside bf16 state)": torch.optim.AdamW(params, lr=1e-6, foreach=True),
+        "foreach plain tensors (beside bf16 state)": torch.optim.AdamW(plain, lr=1e-6, foreach=True),
+    }
+    for opt in opts.values():
+        opt.step()  # state allocated outside the timing
+    calls = {k: opt.step for k, opt in opts.items()}
+    if optimizer_step is not None:
+        calls["bf16 state optimizer_step"] = functools.partial(optimizer_step, opts["bf16 state"])
+        calls["foreach optimizer_step (beside bf16 state)"] = functools.partial(
+            optimizer_step, opts["foreach (beside bf16 state)"]
+        )
+    keys = list(calls)
+    times = {k: [] for k in keys}
+    cpu = {k: [] for k in keys}
+    for i in range(repeats):
+        for k in keys[i % len(keys) :] + keys[: i % len(keys)]:
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            calls[k]()
+            times[k].append(time.perf_counter() - t)
+            cpu[k].append(time.process_time() - c)
+    for k in keys:
+        out[f"{boundary} {k}"] = times[k]
+        out[f"{boundary} {k} cpu"] = cpu[k]
+
+
+def _print_bf16_ratios(results: dict, repeats: int) -> None:
+    """AdamW with bf16 state against torch's foreach AdamW on the same data, call by call."""
+    pairs = {
+        "opt.step()": ("bf16 state", "foreach (beside bf16 state)"),
+        "optimizer_step": ("bf16 state optimizer_step", "foreach optimizer_step (beside bf16 state)"),
+        "plain tensors": ("bf16 state plain tensors", "foreach plain tensors (beside bf16 state)"),
+    }
+    boundaries = sorted({k.split(" ", 1)[0] for k in results[0] if k.endswith(" bf16 state")})
+    if not boundaries:
+        return
+    print("bf16 state / torch's foreach AdamW on the same data, call by call: median (quartiles), wall | cpu")
+    for boundary in boundaries:
+        parts = []
+        for label, (ours, theirs) in pairs.items():
+            if f"{boundary} {ours}" not in results[0]:
+                continue
+            both = []
+            for suffix in ("", " cpu"):
+                slowest = lambda k: [max(results[r][k][i] for r in results) for i in range(repeats)]  # noqa: E731
+                ratios = [
+                    a / b
+                    for a, b in zip(slowest(f"{boundary} {ours}{suffix}"), slowest(f"{boundary} {theirs}{suffix}"))
+                ]
+                q1, _, q3 = statistics.quantiles(ratios, n=4)
+                both.append(f"{statistics.median(ratios):.2f} ({q1:.2f}-{q3:.2f})")
+            parts.append(f"{label} {' | '.join(both)}")
+        print(f"  {boundary:10} " + "   ".join(parts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", default="25m", choices=sorted(SIZES))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--boundaries", nargs="+", default=["anywhere", "rows", "params"])
+    ap.add_argument(
+        "--skip-muon", action="store_true", help="leave out Muon's rows (its bf16 iterations are slow on CPU)"
+    )
     ap.add_argument("--out", default="bench/results/optimizer_step.json")
     args = ap.parse_args()
     from framework.runtime import free_port
 
+    load = os.getloadavg()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, args.ranks, port, args.model_size, args.boundaries, args.repeats, queue))
+        ctx.Process(
+            target=_worker,
+            args=(r, args.ranks, port, args.model_size, args.boundaries, args.repeats, queue, args.skip_muon),
+        )
         for r in range(args.ranks)
     ]
     for p in procs:
@@ -146,13 +231,27 @@ def main() -> None:
     print(
         f"GPT {args.model_size}, {args.ranks} gloo ranks, CPU fp32, commit {commit}: median of {args.repeats} calls, ms"
     )
+    print(f"  {_cpu_name()}, load average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     for key, ms in rows.items():
-        print(f"  {key:36} {ms:9.2f}")
+        print(f"  {key:52} {ms:9.2f}")
     _print_ratios(results, args.repeats)
+    _print_bf16_ratios(results, args.repeats)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "commit": commit, "median_ms": rows, "raw": results}, f, indent=1)
+        machine = {"cpu": _cpu_name(), "load_average_start_end": [load[0], os.getloadavg()[0]]}
+        json.dump(
+            {"args": vars(args), "commit": commit, "machine": machine, "median_ms": rows, "raw": results}, f, indent=1
+        )
     print(f"wrote {args.out}")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]} x {len(names)}"
+    except (OSError, IndexError):
+        return "CPU unknown"
 
 
 def _print_ratios(results: dict, repeats: int) -> None:

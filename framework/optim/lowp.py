@@ -27,52 +27,156 @@ independent draws, which is what makes the rounding unbiased. The price of readi
 bits: two runs whose values differ in the last fp32 bit (another world size sums gradients in
 another order) draw other roundings for them, so such runs part by whole bf16 gaps in a few
 elements (measured in tests/integration/test_state_dtype.py: under 1e-4 in the loss after 10 steps).
+The hash runs on the float's bits viewed as int32, in place: xor, product and sum are the same
+bits on signed as on unsigned 32-bit integers, and each right shift is masked (torch's copies the
+sign), so it equals its first, int64 form bit for bit (tests/unit/test_optim_state_dtype.py
+keeps that form as the reference). The key is made from the step count where the count lives
+(a float32 tensor on the parameter's device, as torch's capturable AdamW keeps it): splitmix64 in
+int64 tensor arithmetic, which wraps as the unsigned form does; no step reads a value on the host.
+
+[Note: the bf16-state AdamW step on tensor lists]
+`AdamWLowState.step` does what torch's foreach AdamW does, each operation once over a list of
+tensors (`torch._foreach_*`: one C++ loop, or one launch per list on a GPU, instead of a Python
+call per parameter), in chunks of at most CHUNK_CPU / CHUNK_ACCELERATOR elements: a parameter
+larger than that is cut into views of its flattened elements (the update and the rounding are
+elementwise, and the key is the tensor's, so a cut changes no bit), small ones are packed
+together. Per chunk: both moments are read into one float32 buffer, updated there with torch's
+AdamW operations in torch's order (the bias corrections and step sizes are made in float64 from
+the count tensor, as torch makes them in Python floats, and cast to float32 as its kernels cast
+those: the same bits, tests/unit/test_optim_state_dtype.py, against torch's AdamW with float32
+state), the parameters updated from them, then the whole buffer rounded by one run of the int32
+hash (each tensor's key xor-ed into its span first) and written back as bfloat16. The chunk
+bounds the step's scratch (four buffers of twice its size) and, on a CPU, keeps them in cache
+between the dozen operations of the rounding: on 2.6M parameters (bench/results/lowp_step.txt,
+a loaded 2-core machine, CPU time) 2^17-element chunks took 42 ms a step where 2^21 took 81 ms
+(torch's foreach AdamW with float32 state: 19.5 ms; this step before the lists: 227 ms). On a CPU the
+update is addcdiv with the step sizes as a CPU tensor (its C++ reads them); elsewhere the same
+order (step size x m, / denom, + p) in three list operations, which read nothing on the host.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = None
+
 STATE_DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+# The step's chunks ([Note: the bf16-state AdamW step on tensor lists]): on a CPU, small enough that
+# a chunk's float32 and int32 buffers stay in its caches between the operations; on an
+# accelerator, large enough that the launches per chunk are few.
+CHUNK_CPU = 1 << 17
+CHUNK_ACCELERATOR = 1 << 24
+
 _MASK32 = 0xFFFFFFFF
-_HIGH16 = 0xFFFF0000
 _MIX = 0x45D9F3B  # the multiplier of a well-mixing 32-bit integer hash (two rounds)
+_HIGH16 = -65536  # 0xFFFF0000 as an int32: the bits a bfloat16 keeps
+_SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x = (x + _SPLITMIX[0]) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * _SPLITMIX[1]) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * _SPLITMIX[2]) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
 
 
-def rounding_key(seed: int, step: int, slot: int, salt: int) -> int:
-    """The 32-bit key of one tensor's rounding at one step: [Note: bf16 optimizer state and its rounding]."""
-    x = 0
-    for part in (seed, step, slot, salt):
-        x = _splitmix64(x ^ (part & 0xFFFFFFFFFFFFFFFF))
-    return x & _MASK32
+def _signed(x: int, bits: int) -> int:
+    """The two's-complement value of the low `bits` bits of `x` (how a tensor of that width holds them)."""
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if x >> (bits - 1) else x
 
 
-def stochastic_round_bf16(x: torch.Tensor, key: int) -> torch.Tensor:
-    """`x` (float32) rounded to bfloat16 stochastically, with bits hashed from `key` and each
-    value's own bits (deterministic; [Note: bf16 optimizer state and its rounding]). Infinities
-    and NaNs stay as they are."""
-    x = x.to(torch.float32)
-    bits = x.view(torch.int32).to(torch.int64) & _MASK32  # the float's bits, unsigned
-    h = bits ^ key
-    h = (((h >> 16) ^ h) * _MIX) & _MASK32
-    h = (((h >> 16) ^ h) * _MIX) & _MASK32
-    noise = ((h >> 16) ^ h) & 0xFFFF
+def _shr(x: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """`x >> n` as on unsigned integers of `bits` bits (torch's `>>` on its signed tensors copies the sign)."""
+    return (x >> n) & ((1 << (bits - n)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`_splitmix64` on an int64 tensor: the same 64 bits (int64 sums and products wrap as unsigned ones do)."""
+    x = x + _signed(_SPLITMIX[0], 64)
+    x = (x ^ _shr(x, 30, 64)) * _signed(_SPLITMIX[1], 64)
+    x = (x ^ _shr(x, 27, 64)) * _signed(_SPLITMIX[2], 64)
+    return x ^ _shr(x, 31, 64)
+
+
+def rounding_key(seed: int, step, slot, salt):
+    """The 32-bit key of one tensor's rounding at one step: [Note: bf16 optimizer state and its rounding].
+    With Python ints, an int in [0, 2^32). With `step` a tensor (the optimizer's float32 count, on the
+    parameter's device; `slot` and `salt` ints or int64 tensors that broadcast with it): an int32
+    tensor there, each element the same 32 bits as the int form, made without reading the count on
+    the host."""
+    if not isinstance(step, torch.Tensor):
+        x = 0
+        for part in (seed, step, slot, salt):
+            x = _splitmix64(x ^ (part & 0xFFFFFFFFFFFFFFFF))
+        return x & _MASK32
+    return _finish_key(_key_prefix(seed, step, slot) ^ salt)
+
+
+def _key_prefix(seed: int, step: torch.Tensor, slot) -> torch.Tensor:
+    """`rounding_key`'s hash of (seed, step, slot) on the step's device, int64; the salt goes last."""
+    x = _splitmix64_tensor(step.to(torch.int64) ^ _signed(_splitmix64(seed & 0xFFFFFFFFFFFFFFFF), 64))
+    return _splitmix64_tensor(x ^ slot)
+
+
+def _finish_key(x: torch.Tensor) -> torch.Tensor:
+    """The last round of `rounding_key` (its input already xor-ed with the salt), as int32 keys."""
+    return _wrap32(_splitmix64_tensor(x) & _MASK32).to(torch.int32)
+
+
+def _wrap32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) as the int32 values with the same bits (in int64)."""
+    return x - ((x >> 31) << 32)
+
+
+def _int32_key(key):
+    """A key (a 32-bit int, or an int32 tensor from `rounding_key`) as an int32 operand."""
+    return key if isinstance(key, torch.Tensor) else _signed(key, 32)
+
+
+def _round_bits_(out: torch.Tensor, bits: torch.Tensor, tmp: torch.Tensor, *, keyed: bool = False, key=0) -> None:
+    """`out` (int32) := the bits of the float32 values whose bits are `bits` (int32), stochastically
+    rounded to bfloat16's precision, the low 16 bits zero; `tmp` is int32 scratch of the same shape.
+    The noise is a hash of (key, the value's 32 bits): with `keyed`, `out` already holds
+    bits ^ key (several tensors' keys at once). All in int32, in place: the unsigned hash's sums,
+    products and xors are the same bits on int32, its right shifts are masked (torch's copy the sign).
+    NaNs are the caller's: adding noise to their bits may make them infinities or numbers."""
+    if not keyed:
+        torch.bitwise_xor(bits, key, out=out)
+    for _ in range(2):
+        torch.bitwise_right_shift(out, 16, out=tmp)
+        tmp.bitwise_and_(0xFFFF)
+        out.bitwise_xor_(tmp).mul_(_MIX)
+    torch.bitwise_right_shift(out, 16, out=tmp)  # only its low 16 bits count below: no mask
+    out.bitwise_xor_(tmp).bitwise_and_(0xFFFF)  # the noise: 16 bits
     # adding up to one bf16 gap to the magnitude bits and cutting the low 16 bits rounds the
-    # magnitude up with probability (low 16 bits) / 2^16 (the sign bit is not reached by finite values)
-    rounded = (bits + noise) & _HIGH16
-    rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32).view(torch.float32)
-    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+    # magnitude up with probability (low 16 bits) / 2^16; a finite value's sum never reaches the
+    # sign bit (the largest rounds up to infinity), and an infinity's low bits are zero: it stays
+    out.add_(bits).bitwise_and_(_HIGH16)
+
+
+def _keep_nan_(rounded: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """`rounded` (x rounded by `_round_bits_`), NaN where `x` is NaN: max(r, min(r, x)) is r where x
+    is a number (min(r, x) <= r; signed zeros and infinities included) and NaN where x is NaN
+    (both propagate it): two vectorized operations, no mask."""
+    return torch.maximum(rounded, torch.minimum(rounded, x, out=tmp), out=rounded)
+
+
+def stochastic_round_bf16(x: torch.Tensor, key) -> torch.Tensor:
+    """`x` (float32) rounded to bfloat16 stochastically, with bits hashed from `key` (an int, or an
+    int32 tensor from `rounding_key`) and each value's own bits (deterministic; [Note: bf16
+    optimizer state and its rounding]). Infinities stay as they are, NaNs stay NaN."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty_like(x, dtype=torch.int32)
+    _round_bits_(out, x.view(torch.int32), torch.empty_like(out), key=_int32_key(key))
+    rounded = _keep_nan_(out.view(torch.float32), x, torch.empty_like(x))
+    return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
 def store_(state: torch.Tensor, value: torch.Tensor, key: int) -> None:
@@ -100,9 +204,11 @@ SALT_EXP_AVG, SALT_EXP_AVG_SQ, SALT_MOMENTUM = 1, 2, 3
 
 class AdamWLowState(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments: torch.optim.AdamW's update) with its
-    moments `exp_avg` / `exp_avg_sq` held in `state_dtype` (bfloat16) and `step` a float32 scalar,
-    as torch's; [Note: bf16 optimizer state and its rounding]. Steps whole tensors, and our
-    engine's pieces alike (every operation is elementwise)."""
+    moments `exp_avg` / `exp_avg_sq` held in `state_dtype` (bfloat16) and `step` a float32 scalar
+    tensor on the parameter's device (as torch's capturable AdamW keeps it); [Note: bf16 optimizer
+    state and its rounding]. Steps whole tensors, our engine's pieces and DTensors' local tensors
+    alike (every operation is elementwise), over tensor lists: [Note: the bf16-state AdamW step on
+    tensor lists]."""
 
     # Every operation is elementwise and takes no norm: our engine may step it on the plain local
     # data ([Note: the optimizer step on plain local data] in framework/distributed/fsdp/optim_check.py).
@@ -133,35 +239,163 @@ class AdamWLowState(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW step of every parameter with a gradient: [Note: the bf16-state AdamW step on
+        tensor lists]."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         slot = -1
         for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            b1, b2 = group["betas"]
             if group.get("amsgrad") or group.get("maximize"):
                 raise NotImplementedError("AdamWLowState: amsgrad and maximize are not implemented")
+            todo: Dict[torch.device, List] = {}
             for p in group["params"]:
                 slot += 1  # the parameter's place in the groups: the same on every rank
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    # the count on the parameter's device, as torch's capturable AdamW keeps it
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(
                         p, dtype=self.state_dtype, memory_format=torch.preserve_format
                     )
-                state["step"] += 1
-                n = int(state["step"].item())
-                grad = p.grad.to(torch.float32)
-                m = state["exp_avg"].to(torch.float32).lerp_(grad, 1 - b1)
-                v = state["exp_avg_sq"].to(torch.float32).mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                p.mul_(1 - lr * wd)
-                denom = (v.sqrt() / math.sqrt(1 - b2**n)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - b1**n))
-                store_(state["exp_avg"], m, rounding_key(self.seed, n, slot, SALT_EXP_AVG))
-                store_(state["exp_avg_sq"], v, rounding_key(self.seed, n, slot, SALT_EXP_AVG_SQ))
+                elif state["step"].device != p.device:  # a count loaded where torch's load left it
+                    state["step"] = state["step"].to(p.device)
+                todo.setdefault(p.device, []).append((p, state, slot))
+            for items in todo.values():
+                self._step_tensors(group, items)
         return loss
+
+    def _step_tensors(self, group: dict, items: List) -> None:
+        """The step of `items` ((param, state, slot), all on one device): [Note: the bf16-state
+        AdamW step on tensor lists]."""
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        device = items[0][0].device
+        steps = [st["step"] for _, st, _ in items]
+        torch._foreach_add_(steps, 1.0)
+        count = torch.stack(steps).to(torch.float64)
+        # torch's AdamW makes these with Python floats, which its float32 kernels cast to float32:
+        # the same float64 operations here (pow, subtraction, true division, sqrt), then the cast
+        step_size = torch.full_like(count, lr).div_(torch.pow(b1, count).neg_().add_(1)).neg_().float()
+        bc2_sqrt = torch.pow(b2, count).neg_().add_(1).sqrt_().float().unbind()
+        step_sizes = step_size.unbind() if device.type != "cpu" else None
+        low = self.state_dtype != torch.float32
+        if low:  # each tensor's two rounding keys, 0-d int32 tensors
+            keys = self._keys(device, count, [s for _, _, s in items])
+            mom_keys, sq_keys = keys[0].unbind(), keys[1].unbind()
+        tensors = [_local_tensors(p, st) for p, st, _ in items]
+        sizes, chunks = _chunks(tensors, _chunk_elements(device))
+        # one chunk's float32 moments ([exp_avg of each tensor, exp_avg_sq of each tensor]), and int32 scratch
+        buf = torch.empty(2 * max(sizes), dtype=torch.float32, device=device)
+        hashed, scratch = torch.empty_like(buf, dtype=torch.int32), torch.empty_like(buf, dtype=torch.int32)
+        for size, chunk in zip(sizes, chunks):
+            params, grads, moms, sqs = ([_cut(tensors[i][k], span) for i, span in chunk] for k in range(4))
+            m32, v32 = buf[:size], buf[size : 2 * size]
+            exp_avgs, exp_avg_sqs = _views(m32, moms), _views(v32, sqs)
+            torch._foreach_copy_(exp_avgs + exp_avg_sqs, moms + sqs)
+            # torch's AdamW, operation for operation (tests/unit/test_optim_state_dtype.py)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+            v32.mul_(b2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+            denom_flat = torch.sqrt(v32, out=scratch[:size].view(torch.float32))
+            denom = _views(denom_flat, sqs)
+            torch._foreach_div_(denom, [bc2_sqrt[i] for i, _ in chunk])
+            denom_flat.add_(eps)
+            if lr * wd != 0:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            if device.type == "cpu":  # p + (step_size * m) / denom, in one pass: addcdiv's order
+                torch._foreach_addcdiv_(params, exp_avgs, denom, step_size[[i for i, _ in chunk]])
+            else:  # the same order, without reading the step sizes on the host as addcdiv's list would
+                update = torch._foreach_mul(exp_avgs, [step_sizes[i] for i, _ in chunk])
+                torch._foreach_div_(update, denom)
+                torch._foreach_add_(params, update)
+                del update
+            if not low:  # float32 state: stored as it is
+                torch._foreach_copy_(moms + sqs, exp_avgs + exp_avg_sqs)
+                continue
+            bits, out, tmp = buf[: 2 * size].view(torch.int32), hashed[: 2 * size], scratch[: 2 * size]
+            offset = 0
+            for (i, _), t in zip(chunk, moms):  # bits ^ key, each tensor's keys
+                n = t.numel()
+                for lo, key in ((offset, mom_keys[i]), (size + offset, sq_keys[i])):
+                    torch.bitwise_xor(bits[lo : lo + n], key, out=out[lo : lo + n])
+                offset += n
+            _round_bits_(out, bits, tmp, keyed=True)
+            rounded = _keep_nan_(out.view(torch.float32), buf[: 2 * size], tmp.view(torch.float32))
+            torch._foreach_copy_(moms + sqs, _views(rounded[:size], moms) + _views(rounded[size:], sqs))
+
+    def _keys(self, device: torch.device, count: torch.Tensor, slots: List[int]) -> torch.Tensor:
+        """[2, len(slots)] int32: each tensor's rounding keys of exp_avg and exp_avg_sq at its count."""
+        cached = getattr(self, "_slots_cache", None)
+        if cached is None or cached[0] != (device, slots):  # a host-to-device copy only when they change
+            cached = ((device, slots), torch.tensor(slots, dtype=torch.int64, device=device))
+            self._slots_cache = cached
+        prefix = _key_prefix(self.seed, count, cached[1])
+        return _finish_key(torch.stack([prefix ^ SALT_EXP_AVG, prefix ^ SALT_EXP_AVG_SQ]))
+
+
+def _chunk_elements(device: torch.device) -> int:
+    """The most elements a chunk of the step holds ([Note: the bf16-state AdamW step on tensor lists])."""
+    return CHUNK_CPU if device.type == "cpu" else CHUNK_ACCELERATOR
+
+
+def _chunks(
+    tensors: List[Tuple[torch.Tensor, ...]], limit: int
+) -> Tuple[List[int], List[List[Tuple[int, Optional[Tuple[int, int]]]]]]:
+    """The parameters of `tensors` ((param, grad, exp_avg, exp_avg_sq) each) in chunks of at most
+    `limit` elements: (each chunk's size, each chunk's [(index, None for the whole tensor or
+    (start, end) of its flattened elements)]). A parameter larger than `limit` is cut when its four
+    tensors are contiguous (as the engine and torch make them), else it is a chunk of its own."""
+    sizes: List[int] = []
+    chunks: List[List] = []
+    size, chunk = 0, []
+    for i, four in enumerate(tensors):
+        n = four[0].numel()
+        if n > limit and all(t.is_contiguous() for t in four):
+            spans = [(a, min(a + limit, n)) for a in range(0, n, limit)]
+        else:
+            spans = [None]
+        for span in spans:
+            k = n if span is None else span[1] - span[0]
+            if chunk and size + k > limit:
+                sizes.append(size)
+                chunks.append(chunk)
+                size, chunk = 0, []
+            size += k
+            chunk.append((i, span))
+    if chunk:
+        sizes.append(size)
+        chunks.append(chunk)
+    return sizes, chunks
+
+
+def _cut(t: torch.Tensor, cut: Optional[Tuple[int, int]]) -> torch.Tensor:
+    return t if cut is None else t.view(-1)[cut[0] : cut[1]]
+
+
+def _views(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Consecutive views of `flat`, one of each tensor's shape."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view(t.shape))
+        offset += n
+    return out
+
+
+def _local_tensors(p: torch.Tensor, state: dict) -> Tuple[torch.Tensor, ...]:
+    """(param, float32 grad, exp_avg, exp_avg_sq) as the tensors that hold this rank's elements:
+    a DTensor's local tensor (every operation of the step is elementwise), any other as it is."""
+    grad = p.grad
+    if DTensor is not None and isinstance(p, DTensor):
+        if grad.placements != p.placements:  # e.g. a partial sum: made like the parameter first
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        p, grad = p.to_local(), grad.to_local()
+        state = {k: v.to_local() for k, v in state.items() if k != "step"}
+    if grad.dtype != torch.float32:
+        grad = grad.to(torch.float32)
+    return p, grad, state["exp_avg"], state["exp_avg_sq"]

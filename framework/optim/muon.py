@@ -149,11 +149,11 @@ class MuonAdamW(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=self.state_dtype if low else None)
                 if low:  # the step count that keys its rounding
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             buf = state["momentum_buffer"]
             if low:  # [Note: bf16 optimizer state and its rounding]: updated in float32, stored rounded
                 state["step"] += 1
-                key = rounding_key(self.seed, int(state["step"].item()), slots[id(p)], SALT_MOMENTUM)
+                key = rounding_key(self.seed, state["step"], slots[id(p)], SALT_MOMENTUM)  # on its device
                 buf32 = buf.to(torch.float32).lerp_(p.grad, 1 - m)
                 store_(buf, buf32, key)
                 buf = buf32

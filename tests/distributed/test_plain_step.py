@@ -16,6 +16,18 @@ from tests.distributed.test_torch_contract import Net, _batch, _shard
 VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
+def _optimizer(name, params):
+    """torch's AdamW in each form, and ours with bfloat16 state (`elementwise_step = True`)."""
+    if name == "bf16 state":
+        from framework.optim.lowp import AdamWLowState
+
+        return AdamWLowState(params, lr=1e-2, weight_decay=0.1, seed=7)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **VARIANTS[name])
+
+
+OPTIMIZERS = [*VARIANTS, "bf16 state"]
+
+
 class _NormSGD(torch.optim.SGD):
     """SGD that scales each step by the gradient's norm: a subclass of an elementwise optimizer that
     is not elementwise (its norm must stay global)."""
@@ -49,11 +61,11 @@ def _plain_step_ranks(rank, n):
     from framework.distributed.fsdp import ShardPiece, optimizer_step
 
     out = {}
-    for name, kw in VARIANTS.items():
+    for name in OPTIMIZERS:
         a, b = _shard(Net()), _shard(Net())
-        opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1, **kw)
-        opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, **kw)
-        # the head gets its first gradient at step 3: its state is made then, as pieces
+        opt_a, opt_b = _optimizer(name, a.parameters()), _optimizer(name, b.parameters())
+        # the head gets its first gradient at step 3: its state is made then, as pieces (and its
+        # step count differs from the others' from then on)
         _steps(a, opt_a, rank, n, optimizer_step, frozen_until=3)
         _steps(b, opt_b, rank, n, lambda o: o.step(), frozen_until=3)
         same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters()))
@@ -101,7 +113,7 @@ def _plain_step_ranks(rank, n):
 
 def test_optimizer_step_on_plain_data_is_bit_equal_and_keeps_the_pieces():
     for r in run_ranks(_plain_step_ranks, 2, timeout_s=240):
-        for name in VARIANTS:
+        for name in OPTIMIZERS:
             assert r[name]["bit_equal"], (name, r[name])
             assert r[name]["kinds"] == ["ShardPiece"], (name, r[name])  # parameters and state
             assert r[name]["states"] == r[name]["params"] == 10, (name, r[name])  # the head's too, made at step 3
