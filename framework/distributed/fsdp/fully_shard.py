@@ -31,14 +31,17 @@ from .views import ShardPiece
 # `type(a) is type(b)`, isinstance checks and pickling by qualified name agree across models
 # and across `fully_shard` calls. The value is a pure function of the key (a class made from
 # it, holding no state), so there is nothing per model to own, and an entry lives as long as
-# the class it was made from would anyway (classes are rarely collected).
+# the class it was made from would anyway (classes are rarely collected). Ranks that are threads
+# of one process shard at the same time: the first class stored wins (`setdefault` is atomic), so
+# they too get one class.
 _CLASS_CACHE: Dict[type, type] = {}
 
 
 def _sharded_class(cls: type) -> type:
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
-    return _CLASS_CACHE[cls]
+    found = _CLASS_CACHE.get(cls)
+    if found is None:
+        found = _CLASS_CACHE.setdefault(cls, type(f"Sharded{cls.__name__}", (ShardedModule, cls), {}))
+    return found
 
 
 def fully_shard(
