@@ -167,3 +167,113 @@ def passed(record: Any) -> Any:
 
 def _raised(record: Any) -> bool:
     return isinstance(record, dict) and "error" in record
+
+
+# [Note: ranks as threads of one process]
+# torch's threaded process group (its own tests' `MultiThreadedTestCase`) runs every rank as a
+# thread of one process, each thread with its own default group; only state keyed by the process
+# group, not by the process, works there. torch ships that backend only in
+# `torch.testing._internal.distributed.multi_threaded_pg` (importing it registers the "threaded"
+# backend; no public module offers ranks as threads), so this test harness, and nothing in
+# framework/, imports it. The threads run in a child process of their own (the threaded world
+# replaces c10d's registry for the whole process), which a hang lets the parent kill.
+
+
+def _rank_thread(threaded, store, rank: int, world_size: int, fn: Callable, args: tuple, results, errors) -> None:
+    try:
+        dist.init_process_group("threaded", store=store, rank=rank, world_size=world_size)
+        try:
+            results[rank] = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent; end the other ranks' waits
+        errors[rank] = traceback.format_exc()
+        threaded.ProcessLocalGroup.exception_handle(None)
+
+
+def _rank_threads_child(fn: Callable, world_size: int, args: tuple, repeats: int, timeout_s: float, queue: Any) -> None:
+    import sys
+    import threading
+
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded  # see the note above
+
+    torch.set_num_threads(1)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # group names per thread, as torch's own tests
+    threaded._install_threaded_pg()
+    outs = []
+    try:
+        for rep in range(repeats):
+            threaded.ProcessLocalGroup.reset()
+            store = dist.HashStore()
+            results: list = [None] * world_size
+            errors: dict = {}
+
+            threads = [
+                threading.Thread(
+                    target=_rank_thread,
+                    args=(threaded, store, r, world_size, fn, args, results, errors),
+                    name=f"rank-{r}",
+                    daemon=True,
+                )
+                for r in range(world_size)
+            ]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + timeout_s
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            stuck = [t for t in threads if t.is_alive()]
+            if stuck:
+                frames = sys._current_frames()
+                stacks = "".join(
+                    f"\n--- {t.name} ---\n" + "".join(traceback.format_stack(frames[t.ident])) for t in stuck
+                )
+                raised = "".join(f"\n--- rank-{r} raised ---\n{errors[r]}" for r in sorted(errors))
+                queue.put(
+                    (
+                        False,
+                        f"run {rep + 1} of {repeats}: {[t.name for t in stuck]} still running after "
+                        f"{timeout_s}s:{stacks}{raised}",
+                    )
+                )
+                return
+            if errors:
+                queue.put((False, f"run {rep + 1} of {repeats}:\n" + "\n".join(errors[r] for r in sorted(errors))))
+                return
+            outs.append(results)
+        queue.put((True, outs))
+    except BaseException:  # noqa: BLE001
+        queue.put((False, traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()  # the report is sent before the process ends
+        os._exit(0)  # threads stuck in a collective would keep the process alive
+
+
+def run_rank_threads(
+    fn: Callable, world_size: int, args: tuple = (), repeats: int = 1, timeout_s: float = 60.0
+) -> list[list[Any]]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks that are threads of one process
+    (torch's threaded process group; [Note: ranks as threads of one process]), `repeats` times in
+    a row, each time in a fresh world; returns each run's per-rank results. A run whose ranks do
+    not all finish within `timeout_s` raises `TimeoutError` with the stuck threads' stacks; a rank
+    that raises, `RankFailure` with its traceback."""
+    ctx = _context()
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_rank_threads_child, args=(fn, world_size, args, repeats, timeout_s, queue), daemon=True)
+    proc.start()
+    outer = timeout_s * repeats + 60  # the child reports a stuck run itself; this bounds a child that cannot
+    try:
+        ok, payload = queue.get(timeout=outer)
+    except Exception:  # queue.Empty
+        raise TimeoutError(f"rank threads reported nothing in {outer}s (exit code {proc.exitcode})") from None
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    if not ok:
+        if "still running after" in payload:
+            raise TimeoutError(payload)
+        raise RankFailure(payload)
+    return payload

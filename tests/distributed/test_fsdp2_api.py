@@ -440,6 +440,68 @@ def c_dcp_state_dict_api(rank, n):
     }
 
 
+# ------------------------------------------------------------------------- shard_placement_fn
+def c_shard_placement_fn(rank, n):
+    """Mirrors torch's `test_train_parity_single_group_shard_largest_dim` and
+    `test_dp_state_dict_save_load_shard_placement_fn`: every matrix placed on its last dim
+    (Shard(-1)), biases on the default: training equals one process; the model's and the
+    optimizer's state dicts (torch's functions) give Shard(1) DTensors chunked as torch.chunk;
+    a DCP checkpoint saved so loads into a model with the default placement, and back."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.tensor import Shard
+
+    from framework.distributed.fsdp import prepare_optimizer
+
+    def last_dim(p):
+        return Shard(-1) if p.dim() == 2 else None
+
+    out = _parity(lambda m: _shard_deep(m, shard_placement_fn=last_dim))
+    ref = Deep()
+    placed = _shard_deep(Deep(), shard_placement_fn=last_dim)
+    opt = prepare_optimizer(torch.optim.AdamW(placed.parameters(), lr=0.01))
+    x, y = _batch(0, torch.device("cpu"), rank, n)
+    _mse(placed, 0, x, y).backward()
+    opt.step()
+    sd = get_model_state_dict(placed)
+    out["placements"] = {k: [str(p) for p in v.placements] for k, v in sd.items()}
+    want_local = {k: tuple(t.chunk(n, dim=1)[rank].shape) for k, t in ref.state_dict().items() if k.endswith("weight")}
+    out["local_shapes_ok"] = all(
+        tuple(v.to_local().shape) == want_local[k] for k, v in sd.items() if k.endswith("weight")
+    )
+    osd = get_optimizer_state_dict(placed, opt)
+    out["optim_placements"] = sorted(
+        {str(v.placements[0]) for st in osd["state"].values() for k, v in st.items() if k == "exp_avg"}
+    )
+    where = [tempfile.mkdtemp(prefix="dcp-placement-") if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    dcp.save(sd, checkpoint_id=where[0])
+    plain = _shard_deep(Deep())
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.zero_()
+    plain_sd = get_model_state_dict(plain)
+    dcp.load(plain_sd, checkpoint_id=where[0])
+    set_model_state_dict(plain, plain_sd)
+    full = {k: v.full_tensor() for k, v in sd.items()}
+    out["default_loaded_diff"] = max(
+        (v.full_tensor() - full[k]).abs().max().item() for k, v in plain.state_dict().items()
+    )
+    again = _shard_deep(Deep(), shard_placement_fn=last_dim)
+    again.load_state_dict(plain.state_dict())
+    out["placed_loaded_diff"] = max(
+        (v.full_tensor() - full[k]).abs().max().item() for k, v in again.state_dict().items()
+    )
+    out["moved"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return out
+
+
 # ----------------------------------------------------------------------------- refusals
 def c_refusals(rank, n):
     out = {}
@@ -448,8 +510,10 @@ def c_refusals(rank, n):
     except ValueError as exc:
         out["unshard_in_backward"] = str(exc)
     try:
-        _fs(Deep().layers[0], shard_placement_fn=lambda p: None)
-    except NotImplementedError as exc:
+        from torch.distributed.tensor import Replicate
+
+        _fs(Deep().layers[0], shard_placement_fn=lambda p: Replicate())
+    except ValueError as exc:
         out["shard_placement_fn"] = str(exc)
     m = _shard_deep(Deep())
     m.set_is_last_backward(True)  # accepted: nothing to defer
@@ -570,7 +634,18 @@ def test_reshard_after_backward_false_keeps_parameters_for_the_next_forward(resu
 def test_refusals_name_the_reason(results):
     r = _get(results, "refusals")
     assert r["unshard_in_backward"] == "set_unshard_in_backward: 'no'; give True or False", r
-    assert "shard_placement_fn is not supported" in r["shard_placement_fn"], r
+    assert r["shard_placement_fn"] == (
+        "fully_shard: shard_placement_fn returned Replicate() for 0.weight; return Shard(dim) or None (Shard(0))"
+    ), r
+
+
+def test_shard_placement_fn_trains_and_names_the_checkpoints_split(results):
+    r = _get(results, "shard_placement_fn")
+    _ok(r)
+    for k, placements in r["placements"].items():
+        assert placements == (["S(1)"] if k.endswith("weight") else ["S(0)"]), (k, r)  # str(Shard(1)) is S(1)
+    assert r["local_shapes_ok"] and r["optim_placements"] == ["S(0)", "S(1)"], r
+    assert r["default_loaded_diff"] == 0 and r["placed_loaded_diff"] == 0 and r["moved"] > 0, r
 
 
 def test_reset_iter_state_after_an_exception_mid_forward(results):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -122,13 +123,32 @@ def _compare(init: dict, ref, ours, ref_losses, our_losses) -> dict:
     }
 
 
+# Models seed torch's global generator as they are built; ranks that are threads of one process
+# (tests/distributed/test_engine_threads.py) share it, so they build one at a time, and since
+# another rank's activation checkpointing saves and restores that generator meanwhile
+# (preserve_rng_state), rank 0's weights are then given to every rank (`_same_start`). Sharding
+# and training run concurrently.
+BUILD_LOCK = threading.Lock()
+
+
+def _same_start(ref: nn.Module, model: nn.Module) -> None:
+    """Rank 0's reference weights on every rank, copied into the model to shard (before sharding)."""
+    with torch.no_grad():
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for t in ref.state_dict().values():
+                dist.broadcast(t, 0)
+        model.load_state_dict(ref.state_dict())
+
+
 def _parity(build: Callable, shard: Callable, loss_fn: Callable, rank, n, build_ref=None, **kw) -> dict:
     """Our engine vs the single-process reference, same initial weights, same global batches."""
     dev = _device(rank)
-    ref = (build_ref or build)().to(dev)
+    with BUILD_LOCK:
+        ref, model = (build_ref or build)().to(dev), build().to(dev)
+    _same_start(ref, model)
     init = _snapshot(ref)
     ref_losses = _train(ref, loss_fn, dev, 0, 1, **kw)
-    ours = shard(build().to(dev))
+    ours = shard(model)
     our_losses = _train(ours, loss_fn, dev, rank, n, **kw)
     out = _compare(init, ref, ours, ref_losses, our_losses)
     # what the optimizer sees: plain 1-D tensors, this rank's slice of each unit's flat buffer
@@ -391,11 +411,13 @@ def _optimizer_in_backward(model) -> dict:
 
 def b_post_accumulate_grad_hooks(rank, n):
     dev = _device(rank)
-    ref = Two().to(dev)
+    with BUILD_LOCK:
+        ref, model = Two().to(dev), Two().to(dev)
+    _same_start(ref, model)
     init = _snapshot(ref)
     ref_calls = _optimizer_in_backward(ref)
     ref_losses = _train(ref, _mse, dev, 0, 1, opt=False)
-    ours = _shard_two(Two().to(dev))
+    ours = _shard_two(model)
     our_calls = _optimizer_in_backward(ours)
     our_losses = _train(ours, _mse, dev, rank, n, opt=False)
     out = _compare(init, ref, ours, ref_losses, our_losses)

@@ -54,6 +54,9 @@ class FlatEntry:
     tp: Optional[TPSpec] = None  # set when the parameter is a TP DTensor; shape is then its TP-local shape
     local_lo: int = 0  # intersection of [offset, offset+numel) with this rank's slice, in flat coordinates
     local_hi: int = 0
+    # the dim its checkpoint DTensor is split on (Shard(state_dim), FSDP2's shard_placement_fn);
+    # where it lives in memory does not depend on it: [Note: placements name the checkpoint's split]
+    state_dim: int = 0
 
     @property
     def local_numel(self) -> int:
@@ -125,9 +128,10 @@ def build_layout(
     return FlatLayout(entries=entries, total=total, shard_numel=shard, world=world, rank=rank, boundary=boundary)
 
 
-def dim0_chunk(shape: torch.Size, world: int, rank: int) -> Tuple[int, int]:
-    """Rows [lo, hi) of dim 0 that rank `rank` owns under torch.chunk semantics (DTensor Shard(0))."""
-    rows = shape[0]
+def dim0_chunk(shape: torch.Size, world: int, rank: int, dim: int = 0) -> Tuple[int, int]:
+    """Indices [lo, hi) of dim `dim` (0 unless given) that rank `rank` owns under torch.chunk
+    semantics (DTensor Shard(dim))."""
+    rows = shape[dim]
     per = -(-rows // world) if rows else 0
     lo = min(rank * per, rows)
     return lo, min(lo + per, rows)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..shard_layout import BOUNDARIES
 from . import hooks
@@ -31,14 +31,49 @@ from .views import ShardPiece
 # `type(a) is type(b)`, isinstance checks and pickling by qualified name agree across models
 # and across `fully_shard` calls. The value is a pure function of the key (a class made from
 # it, holding no state), so there is nothing per model to own, and an entry lives as long as
-# the class it was made from would anyway (classes are rarely collected).
+# the class it was made from would anyway (classes are rarely collected). Ranks that are threads
+# of one process shard at the same time: the first class stored wins (`setdefault` is atomic), so
+# they too get one class.
 _CLASS_CACHE: Dict[type, type] = {}
 
 
 def _sharded_class(cls: type) -> type:
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
-    return _CLASS_CACHE[cls]
+    found = _CLASS_CACHE.get(cls)
+    if found is None:
+        found = _CLASS_CACHE.setdefault(cls, type(f"Sharded{cls.__name__}", (ShardedModule, cls), {}))
+    return found
+
+
+# [Note: placements name the checkpoint's split]
+# FSDP2's `shard_placement_fn` picks, per parameter, the dim its shards are cut on (Shard(1) for a
+# wide matrix, the largest dim, ...): there, the layout in memory, the state dict and DCP all
+# follow it. Ours keeps every parameter in its unit's flat buffer whatever the placement (the
+# gathers stay single copies into place, [Note: flat storage] in flat.py), so the placement
+# names what the outside world sees: the model's and the optimizer's state dicts give the
+# parameter as a Shard(d) DTensor over the shard dim (chunked as torch.chunk, as FSDP2's), and any
+# placement loads back (a DTensor is taken whole). Training numerics do not depend on it.
+def _placement_dim(fn: Callable, param: torch.Tensor, e: FlatEntry) -> int:
+    placement = fn(param)
+    name = e.users[0][2]
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for {name}; return Shard(dim) or None (Shard(0))"
+        )
+    ndim = len(e.shape)
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < max(ndim, 1) or ndim == 0:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for {name} of shape {tuple(e.shape)}; "
+            f"give a dim in [-{ndim}, {ndim}) or None"
+        )
+    if e.tp is not None and dim != 0:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn chose Shard({dim}) for the tensor parallel parameter {name}; "
+            f"together with tensor parallelism only Shard(0) (or None) is supported"
+        )
+    return dim
 
 
 def fully_shard(
@@ -69,10 +104,11 @@ def fully_shard(
         OffloadPolicy() or None: no offloading.
     ignored_params: parameters the engine leaves alone (FSDP2's): not sharded, not gathered, their
         gradients not reduced; they stay plain, replicated parameters of the module.
-    shard_placement_fn: refused (FSDP2 uses it for Shard(1) and other per-parameter placements):
-        a unit is one flat buffer cut into equal contiguous pieces, so a parameter cannot be split
-        on another dimension; `shard_boundary` says where the cuts may fall. State dicts are
-        Shard(0) DTensors either way.
+    shard_placement_fn: FSDP2's per-parameter placement: called with each parameter, it returns
+        `Shard(d)` or None (Shard(0)). Here it says how the parameter's checkpoint DTensors (the
+        model's and the optimizer's state dicts) are split, `Shard(d)` over the shard dim, as
+        FSDP2's are; the unit still holds it in its flat buffer, cut where `shard_boundary` lets
+        ranks begin ([Note: placements name the checkpoint's split]). Not with tensor parallel.
     shard_boundary: where a rank's piece may begin or end ([Note: shard boundaries] in
         framework/distributed/shard_layout.py): "anywhere" (tight packing, the default), "rows"
         (each rank holds whole rows of every matrix) or "params" (each parameter whole on one
@@ -80,13 +116,6 @@ def fully_shard(
     """
     if shard_boundary not in BOUNDARIES:
         raise ValueError(f"fully_shard: shard_boundary={shard_boundary!r}; choose one of {', '.join(BOUNDARIES)}")
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "fully_shard: shard_placement_fn is not supported: the engine keeps each unit as one flat buffer cut "
-            "into equal contiguous pieces (docs/engine.md), so a parameter cannot be sharded on another dimension "
-            "(Shard(1)); drop shard_placement_fn (state dicts are Shard(0) DTensors either way), or keep whole rows "
-            "or whole parameters per rank with shard_boundary='rows' or 'params'"
-        )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(
             f"fully_shard: offload_policy={offload_policy!r}; give CPUOffloadPolicy(), OffloadPolicy() or None"
@@ -147,6 +176,9 @@ def fully_shard(
             by_id[id(p)].members.append(k)
     entries = list(by_id.values())
     originals = [params[i] for i in by_id]
+    if shard_placement_fn is not None:
+        for e, i in zip(entries, by_id):
+            e.state_dim = _placement_dim(shard_placement_fn, owners[i], e)
     if not entries:
         device = torch.device("cpu")
     else:

@@ -4,6 +4,7 @@ the one object that owns them (`EngineGroups`); groups are created by every rank
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -43,16 +44,38 @@ def _close_transports(transports: Dict[int, Tuple[weakref.ref, Dict[str, Any]]])
     transports.clear()
 
 
-_current: Optional[EngineGroups] = None  # the current world's; see engine_groups
+# [Note: engine state per world, not per process]
+# A world is a default process group; usually a process has one at a time, but ranks may also be
+# threads of one process, each with its own default group (torch's threaded process group, which
+# its FSDP2 tests use), so `EngineGroups` are kept per world group, never in one module-level slot:
+# with one slot, two rank threads replaced each other's, one rank made its reduction group again
+# (a collective the other never joined) and both waited for good. `_worlds` holds every world's in
+# use, looked up under a lock (ranks of one process make theirs at the same time). A world is let go
+# when the thread that used it sees another world (its own was destroyed: a re-initialised world
+# closes the old one's transports) or when the world group itself has gone. Everything an
+# `EngineGroups` holds is created by its own world's ranks only, in the same order on each.
+_worlds: Dict[int, EngineGroups] = {}  # id(world group) -> its EngineGroups
+_worlds_lock = threading.Lock()
+_last_world = threading.local()  # .key: id() of the world this thread used last
 
 
 def engine_groups() -> EngineGroups:
-    """The current world's `EngineGroups` (made on first use after the world was initialised)."""
-    global _current
+    """The current world's `EngineGroups` (made on first use after the world was initialised);
+    see [Note: engine state per world, not per process]."""
     world = dist.group.WORLD
-    if _current is None or _current.world() is not world:
-        _current = EngineGroups(world)
-    return _current
+    key = id(world)
+    with _worlds_lock:
+        found = _worlds.get(key)
+        if found is None or found.world() is not world:
+            for k in [k for k, e in _worlds.items() if e.world() is None]:
+                del _worlds[k]  # its world group is gone; the finalizer closes its transports
+            found = _worlds[key] = EngineGroups(world)
+        last = getattr(_last_world, "key", None)
+        if last != key:
+            if last is not None:
+                _worlds.pop(last, None)  # this thread's earlier world was destroyed
+            _last_world.key = key
+    return found
 
 
 def mesh_key(mesh: DeviceMesh) -> tuple:

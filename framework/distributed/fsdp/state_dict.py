@@ -1,4 +1,5 @@
-"""Checkpoint views of a sharded model: per-parameter Shard(0) DTensors built on demand.
+"""Checkpoint views of a sharded model: per-parameter Shard(0) DTensors built on demand (Shard(d)
+where `fully_shard`'s shard_placement_fn chose d: [Note: placements name the checkpoint's split]).
 
 The engine stores flat per-unit slices (see [Note: flat storage] in flat.py); checkpoints want
 one DTensor per parameter, split on dim 0 in torch.chunk order, so DCP can reshard across world
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     from .unit import ShardUnit
 
 
-def _placements(unit: "ShardUnit", ndim: int) -> list:
-    inner = Shard(0) if ndim > 0 else Replicate()
+def _placements(unit: "ShardUnit", ndim: int, dim: int = 0) -> list:
+    inner = Shard(dim) if ndim > 0 else Replicate()
     return [Replicate(), inner] if unit.mesh.ndim == 2 else [inner]
 
 
@@ -60,9 +61,10 @@ def _to_dtensor(unit: "ShardUnit", e: FlatEntry, full_flat: torch.Tensor) -> DTe
     if full.dim() == 0:
         local = full.clone()
     else:
-        lo, hi = dim0_chunk(e.shape, unit.N, unit.layout.rank)
-        local = full[lo:hi].clone()
-    return DTensor.from_local(local, unit.mesh, _placements(unit, full.dim()), shape=full.shape, stride=full.stride())
+        lo, hi = dim0_chunk(e.shape, unit.N, unit.layout.rank, e.state_dim)
+        local = full.narrow(e.state_dim, lo, hi - lo).clone(memory_format=torch.contiguous_format)
+    placements = _placements(unit, full.dim(), e.state_dim)
+    return DTensor.from_local(local, unit.mesh, placements, shape=full.shape, stride=full.stride())
 
 
 def _full_value(v) -> torch.Tensor:

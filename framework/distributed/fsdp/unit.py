@@ -36,7 +36,9 @@ from .zeropp import packed_nbytes
 # record is process-wide on purpose: the mistake it catches (a tied or shared parameter passed to
 # two `fully_shard` calls, on modules of one model or of two) spans calls that share no object of
 # ours, and the key is the user's tensor, not ours. Its keys are weak: it holds nothing alive and
-# forgets a parameter when the user drops it, so no owner has anything to free.
+# forgets a parameter when the user drops it, so no owner has anything to free. Ranks that are
+# threads of one process each shard their own model, so they claim distinct tensors; nothing in it
+# depends on which rank or world asks ([Note: engine state per world, not per process] in mesh.py).
 _CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original (pre-sharding) parameter -> owning unit's name
 
 

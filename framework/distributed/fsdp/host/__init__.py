@@ -25,6 +25,9 @@ from .gloo import GlooTransport
 from .shm import open_shared_memory
 
 HOST_TRANSPORTS = ("shm", "gloo")
+# A job-wide choice, the same on every rank (parallelism.host_transport), read when a group's
+# transport is chosen: per process on purpose, and rank threads of one process share it as they
+# share the job's config; the transports it picks are kept per world (mesh.py's EngineGroups).
 _preferred = ["shm"]
 
 
