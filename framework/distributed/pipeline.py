@@ -81,6 +81,7 @@ from torch.distributed.pipelining import (
 )
 
 from framework.config.pipeline import PipelineSchedule, balanced_split, even_split, virtual_stages
+from framework.config.schema import ActivationCheckpointing
 from framework.distributed.parallel_dims import ParallelDims
 from framework.errors import UserInputError
 
@@ -318,29 +319,34 @@ def _held(kept: dict, grad_outputs: tuple) -> tuple:
     return tuple(kept.get(i) for i in range(len(grad_outputs)))
 
 
-def backward_weight(half: _WeightHalf) -> None:
+def backward_weight(half: _WeightHalf, together: bool = False) -> None:
     """The weight half: each group's gradients from the kept ones at its boundary nodes into its
     weights, through autograd's accumulation (so the engine's gradient hooks run as in any
     backward). A group with several boundary nodes holds each at its kept gradients, so a path
     from one to another counts nothing twice; an open one is not held (its kept gradient is the
-    output's alone, to which the paths into it add)."""
-    for bounds, kept, weights, open_nodes in half.groups:
-        edges, grads = [], []
-        for node, gs in zip(bounds, kept):
-            for i, g in (gs or {}).items():
-                edges.append(torch.autograd.graph.GradientEdge(node, i))
-                grads.append(g)
+    output's alone, to which the paths into it add).
+
+    `together`: every group in one autograd call, each boundary node held (open ones excepted).
+    Under activation checkpointing each call recomputes the checkpointed blocks it passes through
+    (the recomputation lives for one call), so one call per group would recompute a block once per
+    group of its weights; one call recomputes it once. The holds make the groups independent: a
+    path from one group's boundary into another group reaches that group's own boundary first."""
+    calls = [half.groups] if together else [[g] for g in half.groups]
+    for groups in calls:
+        edges, grads, weights, handles = [], [], [], []
+        for bounds, kept, group_weights, open_nodes in groups:
+            for node, gs in zip(bounds, kept):
+                for i, g in (gs or {}).items():
+                    edges.append(torch.autograd.graph.GradientEdge(node, i))
+                    grads.append(g)
+            weights += [w.variable for w in group_weights]
+            if len(bounds) > 1 or together:
+                handles += [(node, gs) for node, gs in zip(bounds, kept) if node not in open_nodes]
         if not edges:
             continue
-        handles = []
-        if len(bounds) > 1:
-            handles = [
-                node.register_prehook(functools.partial(_held, gs or {}))
-                for node, gs in zip(bounds, kept)
-                if node not in open_nodes
-            ]
+        handles = [node.register_prehook(functools.partial(_held, gs or {})) for node, gs in handles]
         try:
-            torch.autograd.backward(edges, grads, inputs=[w.variable for w in weights], retain_graph=True)
+            torch.autograd.backward(edges, grads, inputs=weights, retain_graph=True)
         finally:
             for h in handles:
                 h.remove()
@@ -354,6 +360,7 @@ class EngineStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.n_microbatches, self.backwards = n_microbatches, 0
         self.weight_passes = 0  # weight halves run this step (tests read it)
+        self.weight_in_one_call = False  # under activation checkpointing: see `backward_weight`
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if backward_type == "input":  # never the step's last: its weight half follows
@@ -367,7 +374,7 @@ class EngineStage(PipelineStage):
         if backward_type == "weight":
             self.weight_passes += 1
             with self.submod.backward_in_parts():
-                backward_weight(bwd_kwargs["param_groups"])
+                backward_weight(bwd_kwargs["param_groups"], together=self.weight_in_one_call)
             return (), None
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
@@ -435,7 +442,7 @@ class Pipeline:
             )
         self.model = PipelinePart(modules)
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
-        self._shard(dims, mesh, p, family)
+        self._shard(dims, mesh, p, family, family.activation_checkpoint_targets(model))
         if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
             self.model.to_empty(device=device)
             for module in modules:
@@ -460,21 +467,27 @@ class Pipeline:
                     n_microbatches=self.microbatches,
                 )
             )
+            self.stages[-1].weight_in_one_call = p.activation_checkpointing != ActivationCheckpointing.none
         schedule_class = _SCHEDULES[self.schedule_name]
         stages = self.stages if v > 1 else self.stages[0]
         self.losses: List[torch.Tensor] = []
         self.schedule = schedule_class(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
-    def _shard(self, dims, mesh, p, family) -> None:
-        """Tensor parallel over this rank's part, then our engine: every block, the embedding and
-        the norm with the head as units, each stage a root (no parameters of its own)."""
-        from framework.distributed.parallelize import shard_kwargs
+    def _shard(self, dims, mesh, p, family, checkpointed: list) -> None:
+        """Tensor parallel over this rank's part, then activation checkpointing of the model's
+        targets (`checkpointed`, all of them: selective picks by the block's index in the whole
+        model; the ones on other ranks' stages never run here), then our engine: every block, the
+        embedding and the norm with the head as units, each stage a root (no parameters of its
+        own). The order `parallelize` applies them in."""
+        from framework.distributed.parallelize import apply_activation_checkpointing, shard_kwargs
 
         part = self.model
         if dims.tp_enabled:
             from framework.distributed.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(part, mesh["tp"], p, _stage_plans(family.tp_plan))
+        if p.activation_checkpointing != ActivationCheckpointing.none:
+            apply_activation_checkpointing(checkpointed, p.activation_checkpointing)
         fully_shard, kwargs = shard_kwargs(mesh, dims, p)
         reshard = p.strategy.value != "grad_op"
         for stage in part.stages:
