@@ -7,7 +7,8 @@ each block's attention runs (a forward hook on the submodule: the recomputation 
 Without recomputation a block runs once per microbatch. Under 1f1b it runs twice (the forward, the
 backward's recomputation). Under zbv a stage that is not the first splits its backward in two: its
 input half recomputes the block once and its weight half once, all the block's weight groups in one
-autograd call (one call per group recomputed it once per group: 11 runs per microbatch, not 3).
+autograd call (one call per group recomputes it once per group: 11 runs per microbatch, not 3,
+when this was written).
 
 Tolerance 1e-6: the recomputation repeats the forward's operations on the same values, so the
 gradients are those of one process up to the order of float32 sums (the engine's accumulation

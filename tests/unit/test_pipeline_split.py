@@ -77,3 +77,39 @@ def _saved_output(x, w):
 )
 def test_weight_half_equals_a_whole_backward(stage):
     _halves_against_whole(stage)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_weight_half_in_one_call_recomputes_a_checkpointed_block_once(together):
+    """Three weights, each joining the input path at its own matmul: three groups. Each autograd
+    call recomputes the checkpointed block, so the weight half recomputes it once per group, or
+    once in all (`together`, what a stage under activation checkpointing runs); the gradients are
+    the whole backward's either way."""
+    from torch.utils.checkpoint import checkpoint
+
+    runs = []
+
+    def block(x, w):
+        runs.append(1)
+        return torch.tanh(torch.tanh(x @ w[0]) @ w[1]) @ w[2]
+
+    def stage(x, w):
+        return [checkpoint(block, x, w, use_reentrant=False)]
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+    x0 = torch.randn(2, 4)
+    grad = torch.randn(2, 4)
+    stage(x0.clone().requires_grad_(), weights)[0].backward(grad)
+    whole = [w.grad for w in weights]
+    for w in weights:
+        w.grad = None
+    runs.clear()
+    x = x0.clone().requires_grad_()
+    outputs = stage(x, weights)
+    _, half = backward_input(tuple(outputs), [grad], [x])
+    assert len(half.groups) == 3 and len(runs) == 2  # the forward, the input half's recomputation
+    backward_weight(half, together=together)
+    assert len(runs) == 2 + (1 if together else 3)
+    for w, expected in zip(weights, whole):
+        torch.testing.assert_close(w.grad, expected, atol=1e-6, rtol=0)
