@@ -39,7 +39,9 @@ the engine's gradient hooks. `EngineStage` splits them itself (`backward_input`,
 (a leaf that is not a stage input) and, for each, the nodes where its gradient joins the path to
 the inputs (weights sharing such a node are one group). I asks autograd for the inputs'
 gradients only, and a pre-hook on those nodes keeps the gradients that reach them; W starts
-autograd at the kept gradients, one call per group, and accumulates into the group's weights
+autograd at the kept gradients, one call per group (one for all of them under activation
+checkpointing, which each stage's blocks get as `parallelize` gives them: each call recomputes
+the blocks it passes through), and accumulates into the group's weights
 (a group with several such nodes holds each at its kept gradient, so nothing counts twice). A
 stage output computed from weights alone (or a weight returned as it is) is a boundary too, with
 the output's gradient; where the stage also uses it, its gradient from that use arrives in W and

@@ -13,7 +13,7 @@ import torch
 from framework.distributed.pipeline import backward_input, backward_weight
 
 
-def _halves_against_whole(stage, n_weights: int = 3) -> None:
+def _halves_against_whole(stage, together: bool, n_weights: int = 3) -> None:
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(n_weights)]
     x0 = torch.randn(2, 4)
@@ -30,7 +30,7 @@ def _halves_against_whole(stage, n_weights: int = 3) -> None:
     outputs = stage(x, weights)
     (dx,), half = backward_input(tuple(outputs), output_grads, [x])
     assert all(w.grad is None for w in weights), "the input half stored a weight gradient"
-    backward_weight(half)
+    backward_weight(half, together=together)
     torch.testing.assert_close(dx, whole_x, atol=1e-6, rtol=0)
     for i, (w, expected) in enumerate(zip(weights, whole)):
         if expected is None:
@@ -75,8 +75,9 @@ def _saved_output(x, w):
     [_used_output, _weight_as_output, _used_weight_as_output, _chained_outputs, _saved_output],
     ids=["output_also_used", "weight_returned", "weight_returned_and_used", "chained_outputs", "saved_output"],
 )
-def test_weight_half_equals_a_whole_backward(stage):
-    _halves_against_whole(stage)
+@pytest.mark.parametrize("together", [False, True], ids=["per_group", "one_call"])
+def test_weight_half_equals_a_whole_backward(stage, together):
+    _halves_against_whole(stage, together)
 
 
 @pytest.mark.parametrize("together", [False, True])
