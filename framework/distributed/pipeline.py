@@ -39,8 +39,13 @@ the engine's gradient hooks. `EngineStage` splits them itself (`backward_input`,
 (a leaf that is not a stage input) and, for each, the nodes where its gradient joins the path to
 the inputs (weights sharing such a node are one group). I asks autograd for the inputs'
 gradients only, and a pre-hook on those nodes keeps the gradients that reach them; W starts
-autograd at the kept gradients, one call per group, and accumulates into the group's weights
-(a group with several such nodes holds each at its kept gradient, so nothing counts twice). So
+autograd at the kept gradients, one call per group (one for all of them under activation
+checkpointing, which each stage's blocks get as `parallelize` gives them: each call recomputes
+the blocks it passes through), and accumulates into the group's weights
+(a group with several such nodes holds each at its kept gradient, so nothing counts twice). A
+stage output computed from weights alone (or a weight returned as it is) is a boundary too, with
+the output's gradient; where the stage also uses it, its gradient from that use arrives in W and
+adds to the output's (it is not held), and the input half leaves such outputs attached. So
 I stores no weight gradient and fires none of the engine's gradient hooks (only its pre-backward
 hooks, which gather; the final callback after it reduces nothing that is not there), and W does
 the weights' work (a matmul's weight gradient) and fires the post-accumulate-grad hooks that
@@ -64,7 +69,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,6 +83,7 @@ from torch.distributed.pipelining import (
 )
 
 from framework.config.pipeline import PipelineSchedule, balanced_split, even_split, virtual_stages
+from framework.config.schema import ActivationCheckpointing
 from framework.distributed.parallel_dims import ParallelDims
 from framework.errors import UserInputError
 
@@ -184,20 +190,31 @@ def _units_of(module: nn.Module) -> List[nn.Module]:
 class _WeightHalf(NamedTuple):
     """What a microbatch's input-gradient pass leaves for its weight-gradient pass: per group of
     weights, the graph nodes its gradients come through, the gradients that reached them there
-    (one per node output, None where none did) and the weights (leaf tensors)."""
+    (one per node output, None where none did), the weights (leaf tensors) and which of the nodes
+    are open (stage outputs off the input path, whose own gradient adds to what arrives from the
+    group's other nodes)."""
 
-    groups: List[tuple]  # (nodes, their gradients, weights), in the graph's order from the outputs
+    groups: List[tuple]  # (nodes, their gradients, weights, open nodes), in graph order from the outputs
 
 
 def _edge_node(t: torch.Tensor):
     return torch.autograd.graph.get_gradient_edge(t).node
 
 
-def _split(roots: list, input_nodes: list) -> List[tuple]:
+def _split(roots: list, input_nodes: list) -> Tuple[List[tuple], set]:
     """The stage graph's weights grouped by where their gradients join the input path: [Note:
-    zero-bubble schedules on our engine]. Returns (boundary nodes, weights) per group, each list
-    in breadth-first order from `roots` (the same on every rank of a tensor-parallel group, whose
-    weight passes must issue their collectives alike)."""
+    zero-bubble schedules on our engine]. Returns (boundary nodes, weights, open nodes) per group,
+    the lists in breadth-first order from `roots` (the same on every rank of a tensor-parallel
+    group, whose weight passes must issue their collectives alike).
+
+    A boundary is a node on the input path (its gradient, whole, is known after the input half) or
+    a stage output off the input path (a weight's own AccumulateGrad node included, where the stage
+    returns the weight). Such an output is open: its gradient is the output's plus whatever the
+    stage's later use of it sends back, so the walk goes on past it and the weight half adds the two
+    rather than holding it at the output's gradient alone.
+
+    Also returns the roots that the stage uses itself or that are boundaries: their outputs may be
+    saved for the weight half's backward, so the input half must not detach them in place."""
     consumers: Dict = {}  # node -> the nodes whose backward feeds it (towards the outputs)
     order, seen = [], set(roots)
     queue = collections.deque(roots)
@@ -220,16 +237,18 @@ def _split(roots: list, input_nodes: list) -> List[tuple]:
             stack.extend(consumers.get(node, ()))
     inputs = set(input_nodes)
     rank = {node: i for i, node in enumerate(order)}
+    open_nodes = set(roots) - on_input_path  # outputs off the input path (every node above none is one)
     per_weight = []  # (weight, the nodes its gradient joins the input path at, or an output)
     for weight in (n for n in order if hasattr(n, "variable") and n not in inputs):  # AccumulateGrad
         bounds, walk, visited = [], [weight], {weight}
         while walk:
             node = walk.pop()
-            above = consumers.get(node, ())
-            if node is not weight and (node in on_input_path or not above):
+            if node is not weight and node in on_input_path:
                 bounds.append(node)
                 continue
-            for up in above:
+            if node in open_nodes:
+                bounds.append(node)  # and on: the stage may use the output too
+            for up in consumers.get(node, ()):
                 if up not in visited:
                     visited.add(up)
                     walk.append(up)
@@ -252,8 +271,10 @@ def _split(roots: list, input_nodes: list) -> List[tuple]:
         group = grouped.setdefault(find(bounds[0]), (set(), []))
         group[0].update(bounds)
         group[1].append(weight)  # in graph order: `order` is
-    groups = [(sorted(b, key=rank.__getitem__), w) for b, w in grouped.values()]
-    return sorted(groups, key=lambda g: rank[g[0][0]])
+    groups = [(sorted(b, key=rank.__getitem__), w, b & open_nodes) for b, w in grouped.values()]
+    bounds = set().union(*(b for b, _ in grouped.values()))
+    needed = {r for r in roots if r in bounds or r in consumers}
+    return sorted(groups, key=lambda g: rank[g[0][0]]), needed
 
 
 def backward_input(outputs: tuple, output_grads, inputs: list) -> tuple:
@@ -267,9 +288,9 @@ def backward_input(outputs: tuple, output_grads, inputs: list) -> tuple:
             grads.append(torch.ones_like(out) if output_grads is None else output_grads[i])
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     edges = [torch.autograd.graph.get_gradient_edge(t) for t in outs]
-    groups = _split([e.node for e in edges], [_edge_node(t) for t in wanted])
+    groups, needed = _split([e.node for e in edges], [_edge_node(t) for t in wanted])
     kept: Dict = {}  # boundary node -> {its output's index: the gradient that reached it}
-    for e, g in zip(edges, grads):  # an output off the input path is its own boundary
+    for e, g in zip(edges, grads):  # an open boundary keeps the output's own gradient
         kept.setdefault(e.node, {})[e.output_nr] = g
     handles = []
 
@@ -280,43 +301,54 @@ def backward_input(outputs: tuple, output_grads, inputs: list) -> tuple:
         return hook
 
     try:
-        for bounds, _ in groups:
+        for bounds, _, open_nodes in groups:
             for node in bounds:
-                handles.append(node.register_prehook(keep(node)))
+                if node not in open_nodes:  # off the input path: this pass never reaches it
+                    handles.append(node.register_prehook(keep(node)))
         found = torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True) if wanted else ()
     finally:
         for h in handles:
             h.remove()
-    for out in outs:  # the graph above the boundaries is no longer needed
-        if not out._is_view():
+    for out, e in zip(outs, edges):  # the graph above the boundaries is no longer needed
+        if e.node not in needed and not out._is_view():  # (a returned weight is a boundary)
             out.detach_()
     got = iter(found)
     dinputs = tuple(next(got) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
-    return dinputs, _WeightHalf([(b, [kept.get(n) for n in b], w) for b, w in groups])
+    return dinputs, _WeightHalf([(b, [kept.get(n) for n in b], w, o) for b, w, o in groups])
 
 
 def _held(kept: dict, grad_outputs: tuple) -> tuple:
     return tuple(kept.get(i) for i in range(len(grad_outputs)))
 
 
-def backward_weight(half: _WeightHalf) -> None:
+def backward_weight(half: _WeightHalf, together: bool = False) -> None:
     """The weight half: each group's gradients from the kept ones at its boundary nodes into its
     weights, through autograd's accumulation (so the engine's gradient hooks run as in any
     backward). A group with several boundary nodes holds each at its kept gradients, so a path
-    from one to another counts nothing twice."""
-    for bounds, kept, weights in half.groups:
-        edges, grads = [], []
-        for node, gs in zip(bounds, kept):
-            for i, g in (gs or {}).items():
-                edges.append(torch.autograd.graph.GradientEdge(node, i))
-                grads.append(g)
+    from one to another counts nothing twice; an open one is not held (its kept gradient is the
+    output's alone, to which the paths into it add).
+
+    `together`: every group in one autograd call, each boundary node held (open ones excepted).
+    Under activation checkpointing each call recomputes the checkpointed blocks it passes through
+    (the recomputation lives for one call), so one call per group would recompute a block once per
+    group of its weights; one call recomputes it once. The holds make the groups independent: a
+    path from one group's boundary into another group reaches that group's own boundary first."""
+    calls = [half.groups] if together else [[g] for g in half.groups]
+    for groups in calls:
+        edges, grads, weights, handles = [], [], [], []
+        for bounds, kept, group_weights, open_nodes in groups:
+            for node, gs in zip(bounds, kept):
+                for i, g in (gs or {}).items():
+                    edges.append(torch.autograd.graph.GradientEdge(node, i))
+                    grads.append(g)
+            weights += [w.variable for w in group_weights]
+            if len(bounds) > 1 or together:
+                handles += [(node, gs) for node, gs in zip(bounds, kept) if node not in open_nodes]
         if not edges:
             continue
-        handles = []
-        if len(bounds) > 1:
-            handles = [node.register_prehook(functools.partial(_held, gs or {})) for node, gs in zip(bounds, kept)]
+        handles = [node.register_prehook(functools.partial(_held, gs or {})) for node, gs in handles]
         try:
-            torch.autograd.backward(edges, grads, inputs=[w.variable for w in weights], retain_graph=True)
+            torch.autograd.backward(edges, grads, inputs=weights, retain_graph=True)
         finally:
             for h in handles:
                 h.remove()
@@ -330,6 +362,7 @@ class EngineStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.n_microbatches, self.backwards = n_microbatches, 0
         self.weight_passes = 0  # weight halves run this step (tests read it)
+        self.weight_in_one_call = False  # under activation checkpointing: see `backward_weight`
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if backward_type == "input":  # never the step's last: its weight half follows
@@ -343,7 +376,7 @@ class EngineStage(PipelineStage):
         if backward_type == "weight":
             self.weight_passes += 1
             with self.submod.backward_in_parts():
-                backward_weight(bwd_kwargs["param_groups"])
+                backward_weight(bwd_kwargs["param_groups"], together=self.weight_in_one_call)
             return (), None
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
@@ -411,7 +444,7 @@ class Pipeline:
             )
         self.model = PipelinePart(modules)
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
-        self._shard(dims, mesh, p, family)
+        self._shard(dims, mesh, p, family, family.activation_checkpoint_targets(model))
         if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
             self.model.to_empty(device=device)
             for module in modules:
@@ -436,21 +469,27 @@ class Pipeline:
                     n_microbatches=self.microbatches,
                 )
             )
+            self.stages[-1].weight_in_one_call = p.activation_checkpointing != ActivationCheckpointing.none
         schedule_class = _SCHEDULES[self.schedule_name]
         stages = self.stages if v > 1 else self.stages[0]
         self.losses: List[torch.Tensor] = []
         self.schedule = schedule_class(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
-    def _shard(self, dims, mesh, p, family) -> None:
-        """Tensor parallel over this rank's part, then our engine: every block, the embedding and
-        the norm with the head as units, each stage a root (no parameters of its own)."""
-        from framework.distributed.parallelize import shard_kwargs
+    def _shard(self, dims, mesh, p, family, checkpointed: list) -> None:
+        """Tensor parallel over this rank's part, then activation checkpointing of the model's
+        targets (`checkpointed`, all of them: selective picks by the block's index in the whole
+        model; the ones on other ranks' stages never run here), then our engine: every block, the
+        embedding and the norm with the head as units, each stage a root (no parameters of its
+        own). The order `parallelize` applies them in."""
+        from framework.distributed.parallelize import apply_activation_checkpointing, shard_kwargs
 
         part = self.model
         if dims.tp_enabled:
             from framework.distributed.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(part, mesh["tp"], p, _stage_plans(family.tp_plan))
+        if p.activation_checkpointing != ActivationCheckpointing.none:
+            apply_activation_checkpointing(checkpointed, p.activation_checkpointing)
         fully_shard, kwargs = shard_kwargs(mesh, dims, p)
         reshard = p.strategy.value != "grad_op"
         for stage in part.stages:

@@ -67,6 +67,7 @@ class Job:
     block_size: int = 256
     shard_boundary: str = "anywhere"  # where rank boundaries fall: [Note: shard boundaries]
     activation_checkpointing: str = "none"  # none | full | selective
+    recomputations: int = 1  # per microbatch, of each checkpointed block: 2 on a zbv stage past the first (I and W)
     sequence_parallel: bool = False
     gloo: bool = False  # CPU jobs: gloo's reduce-scatter needs receive scratch (collectives.py)
     host_shm: bool = False  # CPU jobs, our engine: a group on one host gathers and reduces through shared memory
@@ -421,7 +422,7 @@ def expert_all_to_all(job: Job) -> tuple[int, int]:
     row_bytes = m.dim * BYTES[job.param_dtype]
     counts = (ep - 1) * (m.n_experts // ep) * 8
     L = m.n_layers
-    recompute = {"none": 0, "full": L, "selective": (L + 1) // 2}[job.activation_checkpointing]
+    recompute = _recomputed_blocks(job)
     forward = 2 * rows * row_bytes + counts
     per_micro = (L + recompute) * forward + L * 2 * rows * row_bytes
     return per_micro * job.accum, (3 * (L + recompute) + 2 * L) * job.accum
@@ -439,7 +440,7 @@ def context_all_to_all(job: Job) -> tuple[int, int]:
     chunk = job.micro_batch * job.seq_len // cp
     per_block = chunk * width * BYTES[job.param_dtype] * (cp - 1) // cp
     L = m.n_layers
-    recompute = {"none": 0, "full": L, "selective": (L + 1) // 2}[job.activation_checkpointing]
+    recompute = _recomputed_blocks(job)
     return (2 * L + recompute) * per_block * job.accum, (8 * L + 4 * recompute) * job.accum
 
 
@@ -542,7 +543,7 @@ def traffic(job: Job, rank: int | None = None) -> Traffic:
         # reduce-scatter of the same total. Recomputation repeats the forward ones.
         act = job.micro_batch * job.seq_len * job.model.dim * pb
         L = job.model.n_layers
-        recompute = {"none": 0, "full": L, "selective": (L + 1) // 2}[job.activation_checkpointing]
+        recompute = _recomputed_blocks(job)
         calls = (4 * L + 2 + 2 * recompute) * job.accum
         tr.add("all_reduce", "tp", _link(job, t), calls * 2 * (t - 1) * act // t, calls)
     return tr
@@ -560,14 +561,20 @@ class Timing:
     peak_tflops: float
 
 
+def _recomputed_blocks(job: Job) -> int:
+    """Block forwards a microbatch's backward repeats (each repeats the forward's collectives)."""
+    L = job.model.n_layers
+    return {"none": 0, "full": L, "selective": (L + 1) // 2}[job.activation_checkpointing] * job.recomputations
+
+
 def timing(job: Job, tr: Traffic | None = None) -> Timing:
     tr = tr or traffic(job)
     dev = job.device
     peak = job.peak_tflops or dev.tflops(job.param_dtype)
     tokens_rank = job.micro_batch * job.seq_len * job.accum  # per data-parallel rank
     fpt = flops_per_token(job.model, job.seq_len)
-    recompute = {"none": 0.0, "full": 1.0, "selective": 0.5}[job.activation_checkpointing]
-    # Forward is a third of 6N: recomputation adds one more forward of the checkpointed blocks.
+    recompute = {"none": 0.0, "full": 1.0, "selective": 0.5}[job.activation_checkpointing] * job.recomputations
+    # Forward is a third of 6N: each recomputation adds one more forward of the checkpointed blocks.
     flops_rank = fpt * tokens_rank * (1 + recompute / 3) / (job.tp * job.cp)
     compute = flops_rank / (peak * 1e12 * dev.efficiency)
     bw = {"intra": dev.intra_node_gbps, "inter": dev.inter_node_gbps}

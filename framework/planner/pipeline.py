@@ -113,6 +113,8 @@ def stage_jobs(
         sj = stage_job(job, start, start + layers, s == 0, s == n - 1, mb)
         sj = replace(sj, global_batch=mb * microbatches * job.dp)  # accum = the microbatches
         rank = s % pp if schedule != PipelineSchedule.zbv else min(s, 2 * pp - 1 - s)  # zbv: a V
+        if schedule == PipelineSchedule.zbv and s > 0:  # its backward in two halves, each recomputing
+            sj = replace(sj, recomputations=2)
         out.append((rank, sj))
     return out
 

@@ -195,3 +195,22 @@ def test_a_stage_ranks_gathers_are_the_planners(tmp_path, case):
     for r in records:
         assert r["gather_bytes"] == gathers, (case, r, planned)
         assert r["comm_bytes"] == gathers + reductions, (case, r, planned)
+
+
+def test_zbv_counts_two_recomputations_past_its_first_stage():
+    """Under activation checkpointing zbv's input and weight halves each recompute a stage's
+    blocks (tests/distributed/test_pipeline_checkpointing.py counts 3 runs per microbatch past the
+    first stage, 2 under 1f1b): a stage of equal layers computes 4/3 + 1/3 of its 1f1b time
+    (forward 1, backward 2, recomputations 1 or 2, in forwards), and stage 0 (one whole backward)
+    its 1f1b time."""
+    from framework.planner.estimate import timing
+
+    job = _job(
+        "model=llama3_1_8b", "cluster.nodes=2", "cluster.nproc_per_node=8", "parallelism.activation_checkpointing=full"
+    )
+    zbv = stage_jobs(job, 2, PipelineSchedule.zbv, 8, split=[8, 8, 8, 8])
+    one = stage_jobs(job, 4, ONE_F_ONE_B, 8, split=[8, 8, 8, 8])
+    assert [sj.recomputations for _, sj in zbv] == [1, 2, 2, 2]
+    for s in range(4):
+        ratio = timing(zbv[s][1]).compute_s / timing(one[s][1]).compute_s
+        assert ratio == pytest.approx(1.0 if s == 0 else (1 + 2 / 3) / (1 + 1 / 3), rel=1e-9), (s, ratio)
