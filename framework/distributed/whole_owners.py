@@ -1,0 +1,157 @@
+"""Which rank orthogonalizes which matrix, and what moves for it: without torch.
+
+[Note: balancing whole-matrix owners]
+An optimizer that transforms whole matrices (Muon's Newton-Schulz iteration) gives each matrix one
+owner among the ranks of its shard group, which receives the pieces the other ranks hold, runs the
+transform and sends each piece of the result back ([Note: whole matrices from pieces] in
+fsdp/whole.py). The owners are chosen over every matrix of the call at once (the optimizer's Muon
+group: the whole model), not unit by unit, so that the work divides over the group:
+  * each matrix costs `newton_schulz_flops` of its whole shape (global over tensor parallel);
+  * largest first, each onto the rank with the least work so far, the lowest rank among equals
+    (LPT scheduling: within 4/3 of the best possible, and within one matrix of the mean);
+  * matrices of equal cost are placed together: the ranks they go to are decided first (one each
+    onto the least-loaded rank, as above), then matched to the matrices, each matrix to the rank
+    among those holding the most of it, where one is among them (the ones held by fewest ranks
+    first), the rest in order. The work per rank is exactly LPT's; the bytes are the fewest this
+    matching finds.
+So a matrix inside one rank's shard may move to another rank: balance comes first, because a
+transform's work cannot overlap anything (the step waits for the slowest rank), while its bytes are
+those of one matrix each way. The alternative, keeping every whole matrix where it lies, left
+rank 0 with 8 Newton-Schulz calls and rank 1 with 2 on 2 ranks, and Llama 3.1 8B's block on 8
+ranks with 2.11x the mean on the busiest rank and nothing on four; measured with this rule,
+`python -m framework.distributed.whole_owners` (its output: bench/results/whole_owners.txt).
+Every input is the same on every rank (shapes, the layout's offsets), and ties break by rank and
+by the order of the call, so every rank computes the same owners with no communication.
+
+Moving only what each owner needs: rank r sends the owner of each matrix its piece of it, and the
+owner sends each piece of the result back; per rank and call, the bytes it sends are its pieces of
+the matrices others own plus, of the matrices it owns, the pieces others hold (x4: fp32). The
+planner (framework/planner/estimate.py) runs the same functions on its own layout, so its bytes and
+work equal the engine's.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+from typing import Dict, List, Sequence
+
+NS_STEPS = 5  # the work's unit: the balance does not depend on the steps (every cost scales alike)
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
+    """FLOPs of `steps` quintic Newton-Schulz steps on a matrix of `shape` (2-D; 3-D: that many
+    stacked matrices, each on its own): per step on the wide orientation m x n (m <= n), X X^T
+    (2 m^2 n), A @ A (2 m^3) and (b A + c A^2) X (2 m^2 n), as framework/optim/muon.py's
+    `orthogonalize` does."""
+    if len(shape) == 3:
+        return shape[0] * newton_schulz_flops(shape[1:], steps)
+    if len(shape) != 2:
+        raise ValueError(f"a matrix's shape is 2-D or stacked 3-D, not {tuple(shape)}")
+    m, n = sorted(int(d) for d in shape)
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def holdings(offset: int, numel: int, shard: int, world: int) -> Dict[int, int]:
+    """{rank: elements} of the ranks whose range [r S, (r+1) S) holds part of [offset, offset + numel)."""
+    out = {}
+    if numel <= 0:
+        return out
+    for r in range(offset // shard, min(world - 1, (offset + numel - 1) // shard) + 1):
+        n = min(offset + numel, (r + 1) * shard) - max(offset, r * shard)
+        if n > 0:
+            out[r] = n
+    return out
+
+
+def assign_owners(costs: Sequence[int], held: Sequence[Dict[int, int]], world: int) -> List[int]:
+    """The owner rank of each matrix: [Note: balancing whole-matrix owners]. `costs[i]`: its work;
+    `held[i]`: {rank: elements} of the ranks holding it."""
+    owners = [0] * len(costs)
+    load = [0] * world
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    for cost, same in groupby(order, key=lambda i: costs[i]):
+        same = list(same)
+        free: Dict[int, int] = {}
+        for _ in same:  # where equal matrices go: one by one onto the least loaded
+            r = min(range(world), key=lambda k: (load[k], k))
+            load[r] += cost
+            free[r] = free.get(r, 0) + 1
+        rest = []
+        for i in sorted(same, key=lambda i: (len(held[i]), i)):
+            near = [r for r in sorted(held[i], key=lambda r: (-held[i][r], r)) if free.get(r)]
+            if near:
+                owners[i] = near[0]
+                free[near[0]] -= 1
+            else:
+                rest.append(i)
+        slots = [r for r in sorted(free) for _ in range(free[r])]
+        for i, r in zip(sorted(rest), slots):
+            owners[i] = r
+    return owners
+
+
+def work_per_rank(costs: Sequence[int], owners: Sequence[int], world: int) -> List[int]:
+    out = [0] * world
+    for c, o in zip(costs, owners):
+        out[o] += c
+    return out
+
+
+def max_over_ideal(work: Sequence[float]) -> float:
+    """The busiest rank's work over the mean (1.0: divided evenly; 1.0 when there is none)."""
+    total = sum(work)
+    return max(work) * len(work) / total if total else 1.0
+
+
+def bytes_sent(held: Sequence[Dict[int, int]], owners: Sequence[int], rank: int, elem: int = 4) -> int:
+    """What `rank` sends per call: its pieces of the matrices others own, and of the matrices it
+    owns the pieces others hold (results going back)."""
+    out = 0
+    for h, o in zip(held, owners):
+        if o == rank:
+            out += sum(n for r, n in h.items() if r != rank)
+        else:
+            out += h.get(rank, 0)
+    return out * elem
+
+
+def moves(held: Sequence[Dict[int, int]], owners: Sequence[int]) -> bool:
+    """Whether any element leaves its rank (else no exchange is needed)."""
+    return any(r != o for h, o in zip(held, owners) for r in h)
+
+
+def _cases() -> None:  # pragma: no cover - the figures quoted in the note above
+    """Max/ideal work and the bytes a rank sends at most per step, for the layouts quoted in
+    [Note: balancing whole-matrix owners], beside the rule it replaced (a matrix inside a rank's
+    shard that rank's, the crossing ones of each unit round-robin; the unit's flat fp32 shard
+    gathered and reduce-scattered where one crossed: 2 (N-1) S x 4 bytes)."""
+    from framework.config import compose_config, to_config
+    from framework.distributed.shard_layout import granule, pack
+    from framework.planner.estimate import _matrix_cost, layouts, muon_tensors, muon_work
+    from framework.planner.plan import job_from_config
+
+    print("model        ranks boundary   max/ideal before  after   max MiB sent per step before    after")
+    for model, ranks in (("debug", 2), ("debug", 4), ("llama3_1_8b", 8), ("llama3_1_8b", 64)):
+        for boundary in ("anywhere", "rows", "params"):
+            overrides = [f"model={model}", "optimizer=muon", f"cluster.nproc_per_node={ranks}"]
+            overrides += [f"parallelism.shard_boundary={boundary}", "trainer.micro_batch_size=1"]
+            job = job_from_config(to_config(compose_config(overrides + [f"trainer.global_batch_size={ranks}"])))
+            w = muon_work(job)
+            old, old_bytes = [0] * ranks, 0
+            for lay in layouts(job):
+                offsets, S = pack([(t.numel, granule(t.numel, t.row, boundary)) for t in lay.unit.tensors], ranks)
+                crossing = 0
+                for o, t, h in zip(offsets, lay.unit.tensors, muon_tensors(lay)):
+                    if h and t.numel:
+                        first, last = o // S, (o + t.numel - 1) // S
+                        old[first if first == last else crossing % ranks] += _matrix_cost(t, 1)
+                        crossing += first != last
+                old_bytes += 2 * (ranks - 1) * S * 4 if crossing else 0
+            print(
+                f"{model:12} {ranks:5} {boundary:9} {max_over_ideal(old):10.3f} {w.max_over_ideal:6.3f} "
+                f"{old_bytes / 2**20:25.1f} {max(w.bytes_sent) / 2**20:8.1f}"
+            )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _cases()
