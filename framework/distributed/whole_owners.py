@@ -32,6 +32,7 @@ work equal the engine's.
 
 from __future__ import annotations
 
+import heapq
 from itertools import groupby
 from typing import Dict, List, Sequence
 
@@ -53,13 +54,14 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
 
 def holdings(offset: int, numel: int, shard: int, world: int) -> Dict[int, int]:
     """{rank: elements} of the ranks whose range [r S, (r+1) S) holds part of [offset, offset + numel)."""
-    out = {}
     if numel <= 0:
-        return out
-    for r in range(offset // shard, min(world - 1, (offset + numel - 1) // shard) + 1):
-        n = min(offset + numel, (r + 1) * shard) - max(offset, r * shard)
-        if n > 0:
-            out[r] = n
+        return {}
+    first, last = offset // shard, min(world - 1, (offset + numel - 1) // shard)
+    if first == last:
+        return {first: numel}
+    out = dict.fromkeys(range(first, last + 1), shard)  # the ranks inside hold S each
+    out[first] = (first + 1) * shard - offset
+    out[last] = min(offset + numel, (last + 1) * shard) - last * shard
     return out
 
 
@@ -67,21 +69,23 @@ def assign_owners(costs: Sequence[int], held: Sequence[Dict[int, int]], world: i
     """The owner rank of each matrix: [Note: balancing whole-matrix owners]. `costs[i]`: its work;
     `held[i]`: {rank: elements} of the ranks holding it."""
     owners = [0] * len(costs)
-    load = [0] * world
+    least = [(0, r) for r in range(world)]  # (work so far, rank): a heap, the least loaded first
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
     for cost, same in groupby(order, key=lambda i: costs[i]):
         same = list(same)
         free: Dict[int, int] = {}
         for _ in same:  # where equal matrices go: one by one onto the least loaded
-            r = min(range(world), key=lambda k: (load[k], k))
-            load[r] += cost
+            load, r = heapq.heappop(least)
+            heapq.heappush(least, (load + cost, r))
             free[r] = free.get(r, 0) + 1
         rest = []
         for i in sorted(same, key=lambda i: (len(held[i]), i)):
-            near = [r for r in sorted(held[i], key=lambda r: (-held[i][r], r)) if free.get(r)]
+            h = held[i]
+            near = [(-h[r], r) for r in free if free[r] and r in h]  # a rank holding most of it
             if near:
-                owners[i] = near[0]
-                free[near[0]] -= 1
+                r = min(near)[1]
+                owners[i] = r
+                free[r] -= 1
             else:
                 rest.append(i)
         slots = [r for r in sorted(free) for _ in range(free[r])]
@@ -103,21 +107,36 @@ def max_over_ideal(work: Sequence[float]) -> float:
     return max(work) * len(work) / total if total else 1.0
 
 
-def bytes_sent(held: Sequence[Dict[int, int]], owners: Sequence[int], rank: int, elem: int = 4) -> int:
-    """What `rank` sends per call: its pieces of the matrices others own, and of the matrices it
-    owns the pieces others hold (results going back)."""
-    out = 0
+def bytes_sent(held: Sequence[Dict[int, int]], owners: Sequence[int], world: int, elem: int = 4) -> List[int]:
+    """What each rank sends per call: its pieces of the matrices others own, and of the matrices it
+    owns the pieces others hold (results going back). `held`: as `holdings` gives them (consecutive
+    ranks in order, S elements each inside)."""
+    out, inner = [0] * world, [0] * (world + 1)  # inner: a difference array of the S-element ranks
     for h, o in zip(held, owners):
-        if o == rank:
-            out += sum(n for r, n in h.items() if r != rank)
-        else:
-            out += h.get(rank, 0)
-    return out * elem
+        n = len(h)
+        first = next(iter(h), o)
+        if n <= 1:
+            if first != o:  # held whole by another rank: there and back
+                out[first] += h[first]
+                out[o] += h[first]
+            continue
+        last = first + n - 1
+        S = h[first + 1] if n > 2 else 0
+        inner[first + 1] += S
+        inner[last] -= S
+        out[first] += h[first]
+        out[last] += h[last]
+        out[o] += h[first] + h[last] + (n - 2) * S - 2 * h.get(o, 0)  # results back, less its own
+    run = 0
+    for r in range(world):
+        run += inner[r]
+        out[r] += run
+    return [n * elem for n in out]
 
 
 def moves(held: Sequence[Dict[int, int]], owners: Sequence[int]) -> bool:
     """Whether any element leaves its rank (else no exchange is needed)."""
-    return any(r != o for h, o in zip(held, owners) for r in h)
+    return any(len(h) > 1 or (h and o not in h) for h, o in zip(held, owners))
 
 
 def _cases() -> None:  # pragma: no cover - the figures quoted in the note above

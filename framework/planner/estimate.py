@@ -483,12 +483,13 @@ def muon_work(job: Job) -> MuonWork:
     align = job.block_size if job.quantized else 1
     T = job.tp
     groups: dict = {}
-    for lay in layouts(job):
-        sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in lay.unit.tensors]
-        offsets, S = pack(sizes, lay.N, align)
-        for o, t, h in zip(offsets, lay.unit.tensors, muon_tensors(lay)):
+    for u in units(job.model, job.tp, job.ep):
+        n = job.dp_shard // job.ep if u.shard == "efsdp" else job.dp_shard * job.cp  # as `layouts`
+        sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in u.tensors]
+        offsets, S = pack(sizes, n, align)
+        for o, t, h in zip(offsets, u.tensors, muon_tensors(UnitLayout(u, u.numel, S, n, 0))):
             if h and t.numel:
-                groups.setdefault(lay.unit.shard, (lay.N, []))[1].append((holdings(o, t.numel, S, lay.N), t))
+                groups.setdefault(u.shard, (n, []))[1].append((holdings(o, t.numel, S, n), t))
     N = job.dp_shard * job.cp
     work, sent, calls, tp_numel, ratio = [0] * (N * T), [0] * N, [0] * N, [0] * N, 1.0
     for shard, (n, mats) in groups.items():
@@ -496,9 +497,13 @@ def muon_work(job: Job) -> MuonWork:
         costs = [_matrix_cost(t, T) for _, t in mats]
         owners = assign_owners(costs, held, n)
         split = [t.tp_split and T > 1 for _, t in mats]
-        tp_owner = [-1] * len(mats)
-        for d in range(n):
-            ks = [k for k in range(len(mats)) if split[k] and owners[k] == d]
+        tp_owner, owned = [-1] * len(mats), [0] * n
+        by_owner: dict = {}
+        for k in range(len(mats)):
+            if split[k]:
+                by_owner.setdefault(owners[k], []).append(k)
+                owned[owners[k]] += mats[k][1].numel
+        for ks in by_owner.values():
             for k, t in zip(ks, assign_owners([costs[k] for k in ks], [{r: 1 for r in range(T)} for _ in ks], T)):
                 tp_owner[k] = t
         mine = [0] * (n * T)
@@ -508,11 +513,12 @@ def muon_work(job: Job) -> MuonWork:
                     mine[o * T + t] += c
         ratio = max(ratio, max_over_ideal(mine))
         moving = moves(held, owners)
+        out = bytes_sent(held, owners, n)
         for r in range(N):
             g = r if shard == "dp_shard" else r // job.ep  # the rank's index in this group
-            sent[r] += bytes_sent(held, owners, g)
+            sent[r] += out[g]
             calls[r] += 2 if moving else 0
-            tp_numel[r] += sum(mats[k][1].numel for k in range(len(mats)) if split[k] and owners[k] == g)
+            tp_numel[r] += owned[g]
             for t in range(T):
                 work[r * T + t] += mine[g * T + t]
     return MuonWork(tuple(work), ratio, tuple(sent), tuple(calls), tuple(tp_numel))

@@ -190,8 +190,11 @@ def _tp_plan(entries: list, costs: list, owners: list, split: list, N: int) -> T
     mesh = next(e.tp.mesh for e, s in zip(entries, split) if s)
     T = mesh.size()
     tp_owner = [-1] * len(entries)
-    for d in range(N):
-        ks = [k for k in range(len(entries)) if split[k] and owners[k] == d]
+    by_owner: Dict[int, List[int]] = {}
+    for k in range(len(entries)):
+        if split[k]:
+            by_owner.setdefault(owners[k], []).append(k)
+    for ks in by_owner.values():
         chosen = assign_owners([costs[k] for k in ks], [{t: 1 for t in range(T)} for _ in ks], T)
         for k, t in zip(ks, chosen):
             tp_owner[k] = t
