@@ -64,8 +64,6 @@ def tp_split_dim(e) -> Optional[int]:
     return d
 
 
-
-
 def whole_shape(e) -> torch.Size:
     """The shape of the matrix `fn` is given for entry `e`: whole over tp where tp splits it."""
     return e.tp.shape if tp_split_dim(e) is not None else e.shape
