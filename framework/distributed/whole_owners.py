@@ -140,16 +140,17 @@ def moves(held: Sequence[Dict[int, int]], owners: Sequence[int]) -> bool:
 
 
 def _cases() -> None:  # pragma: no cover - the figures quoted in the note above
-    """Max/ideal work and the bytes a rank sends at most per step, for the layouts quoted in
-    [Note: balancing whole-matrix owners], beside the rule it replaced (a matrix inside a rank's
-    shard that rank's, the crossing ones of each unit round-robin; the unit's flat fp32 shard
-    gathered and reduce-scattered where one crossed: 2 (N-1) S x 4 bytes)."""
+    """Max/ideal work and the whole matrices' bytes per rank and step (the busiest), for the layouts
+    quoted in [Note: balancing whole-matrix owners], beside the rule it replaced (a matrix inside a
+    rank's shard that rank's, the crossing ones of each unit round-robin; the unit's flat fp32
+    shard gathered and reduce-scattered where one crossed: (N-1) S x 4 bytes received and as many
+    sent); now the bytes the two all-to-alls send (as many are received)."""
     from framework.config import compose_config, to_config
     from framework.distributed.shard_layout import granule, pack
     from framework.planner.estimate import _matrix_cost, layouts, muon_tensors, muon_work
     from framework.planner.plan import job_from_config
 
-    print("model        ranks boundary   max/ideal before  after   max MiB sent per step before    after")
+    print("model        ranks boundary   max/ideal before  after   MiB per rank per step before    after")
     for model, ranks in (("debug", 2), ("debug", 4), ("llama3_1_8b", 8), ("llama3_1_8b", 64)):
         for boundary in ("anywhere", "rows", "params"):
             overrides = [f"model={model}", "optimizer=muon", f"cluster.nproc_per_node={ranks}"]
