@@ -144,13 +144,13 @@ def _cases() -> None:  # pragma: no cover - the figures quoted in the note above
     quoted in [Note: balancing whole-matrix owners], beside the rule it replaced (a matrix inside a
     rank's shard that rank's, the crossing ones of each unit round-robin; the unit's flat fp32
     shard gathered and reduce-scattered where one crossed: (N-1) S x 4 bytes received and as many
-    sent); now the bytes the two all-to-alls send (as many are received)."""
+    sent); now what the two all-to-alls send and receive (as many each way)."""
     from framework.config import compose_config, to_config
     from framework.distributed.shard_layout import granule, pack
     from framework.planner.estimate import _matrix_cost, layouts, muon_tensors, muon_work
     from framework.planner.plan import job_from_config
 
-    print("model        ranks boundary   max/ideal before  after   MiB per rank per step before    after")
+    print("model        ranks boundary   max/ideal before  after   MiB sent + received per rank, step: before    after")
     for model, ranks in (("debug", 2), ("debug", 4), ("llama3_1_8b", 8), ("llama3_1_8b", 64)):
         for boundary in ("anywhere", "rows", "params"):
             overrides = [f"model={model}", "optimizer=muon", f"cluster.nproc_per_node={ranks}"]
@@ -169,7 +169,7 @@ def _cases() -> None:  # pragma: no cover - the figures quoted in the note above
                 old_bytes += 2 * (ranks - 1) * S * 4 if crossing else 0
             print(
                 f"{model:12} {ranks:5} {boundary:9} {max_over_ideal(old):10.3f} {w.max_over_ideal:6.3f} "
-                f"{old_bytes / 2**20:25.1f} {max(w.bytes_sent) / 2**20:8.1f}"
+                f"{old_bytes / 2**20:43.1f} {2 * max(w.bytes_sent) / 2**20:8.1f}"
             )
 
 
