@@ -5,23 +5,29 @@ An optimizer that transforms whole matrices (Muon's Newton-Schulz iteration) giv
 owner among the ranks of its shard group, which receives the pieces the other ranks hold, runs the
 transform and sends each piece of the result back ([Note: whole matrices from pieces] in
 fsdp/whole.py). The owners are chosen over every matrix of the call at once (the optimizer's Muon
-group: the whole model), not unit by unit, so that the work divides over the group:
+group: the whole model; expert parallelism's efsdp group apart from the dense one), not unit by
+unit, so that the work divides over the group:
   * each matrix costs `newton_schulz_flops` of its whole shape (global over tensor parallel);
   * largest first, each onto the rank with the least work so far, the lowest rank among equals
-    (LPT scheduling: within 4/3 of the best possible, and within one matrix of the mean);
+    (LPT scheduling: within 4/3 of the best possible, and at most the mean plus the largest
+    matrix);
   * matrices of equal cost are placed together: the ranks they go to are decided first (one each
     onto the least-loaded rank, as above), then matched to the matrices, each matrix to the rank
     among those holding the most of it, where one is among them (the ones held by fewest ranks
     first), the rest in order. The work per rank is exactly LPT's; the bytes are the fewest this
     matching finds.
 So a matrix inside one rank's shard may move to another rank: balance comes first, because a
-transform's work cannot overlap anything (the step waits for the slowest rank), while its bytes are
-those of one matrix each way. The alternative, keeping every whole matrix where it lies, left
-rank 0 with 8 Newton-Schulz calls and rank 1 with 2 on 2 ranks, and Llama 3.1 8B's block on 8
-ranks with 2.11x the mean on the busiest rank and nothing on four; measured with this rule,
-`python -m framework.distributed.whole_owners` (its output: bench/results/whole_owners.txt).
+transform's work overlaps nothing (the step waits for the busiest rank), while moving a matrix
+there and back costs 8 m n bytes against its 5 (4 m^2 n + 2 m^3) FLOPs, at least 2.5 m FLOPs a
+byte: more than a GPU's FLOP/s over its in-node link's bytes/s for matrices of m >= ~1000 (the
+arithmetic, and where it does not pay: docs/engine.md, "Whole-matrix optimizers"). Owners fixed by
+the layout (a matrix inside a rank's shard that rank's, each unit's crossing ones round-robin)
+gave the debug Llama's 4 ranks 8, 2, 2, 2 of its 14 calls and Llama 3.1 8B on 8 ranks 2.11x the
+mean on the busiest rank and nothing on four; with this rule 3, 3, 4, 4 and 1.00x
+(`python -m framework.distributed.whole_owners`, output: bench/results/whole_owners.txt).
 Every input is the same on every rank (shapes, the layout's offsets), and ties break by rank and
-by the order of the call, so every rank computes the same owners with no communication.
+by the layout's order (the units' module order, then offsets), so every rank computes the same
+owners with no communication.
 
 Moving only what each owner needs: rank r sends the owner of each matrix its piece of it, and the
 owner sends each piece of the result back; per rank and call, the bytes it sends are its pieces of
