@@ -117,7 +117,6 @@ class UnitLayout:
     N: int  # shard-group size
     real: int  # of S, the real elements on the rank planned for
     real_per_tensor: tuple = ()  # of `real`, each tensor's elements there (the unit's order)
-    crossing: tuple = ()  # per tensor: its range crosses a rank boundary (whole-matrix optimizers gather it)
 
     @property
     def padded(self) -> int:
@@ -139,8 +138,7 @@ def layouts(job: Job, rank: int | None = None) -> list[UnitLayout]:
         else:  # the busiest rank (the first of equals)
             at = busiest_rank(offsets, sizes, S, N)
         per = tuple(elements_on(at, [o], [sz], S) for o, sz in zip(offsets, sizes))
-        crossing = tuple(n > 0 and o // S != (o + n - 1) // S for o, (n, _) in zip(offsets, sizes))
-        out.append(UnitLayout(u, u.numel, S, N, sum(per), per, crossing))
+        out.append(UnitLayout(u, u.numel, S, N, sum(per), per))
     return out
 
 
