@@ -14,10 +14,10 @@ medians of the slower rank. The timings come from a shared machine unless the ou
 otherwise: read the ratios, not the seconds.
 
 Bytes are exact, not timed: `comm_stats()` over a whole step (gathers, reductions) and over the
-optimizer step alone (Muon's whole-matrix gather and reduce-scatter, [Note: whole matrices from
-pieces]), and beside them the planner's traffic (`framework.planner.estimate.traffic`) for a job
+optimizer step alone (Muon's whole matrices to their owners and back, two all-to-alls: [Note: whole
+matrices from pieces]), and beside them the planner's traffic (`framework.planner.estimate.traffic`) for a job
 whose units are this model's (its parameters in the engine's order, Muon's marked by the builder's
-rule: framework/param_roles.py). The script asserts the two are equal, per step and per policy.
+rule: framework/param_roles.py). The script asserts the two are equal, per rank, step and policy.
 Writes a table to stdout and JSON to --out.
 """
 
@@ -90,11 +90,11 @@ def plan_job(size: str, world: int, boundary: str, optimizer: str):
     )
 
 
-def theory(size: str, world: int, boundary: str, optimizer: str) -> dict:
-    """The planner's bytes per step per rank, in `comm_stats()`'s keys."""
+def theory(size: str, world: int, boundary: str, optimizer: str, rank: int = 0) -> dict:
+    """The planner's bytes per step on `rank`, in `comm_stats()`'s keys."""
     from framework.planner.estimate import traffic
 
-    return traffic(plan_job(size, world, boundary, optimizer)).engine_counters()
+    return traffic(plan_job(size, world, boundary, optimizer), rank=rank).engine_counters()
 
 
 def _build(size: str, boundary: str, optimizer: str):
@@ -108,7 +108,7 @@ def _build(size: str, boundary: str, optimizer: str):
     return model, build_optimizer(model, cfg, hidden=hidden)
 
 
-KEYS = ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes")
+KEYS = ("allgather_bytes", "reduce_scatter_bytes", "allreduce_bytes", "alltoall_bytes")
 
 
 def _bytes(stats: dict) -> int:
@@ -164,10 +164,9 @@ def run(size: str, ranks: int, steps: int, boundaries, out_path: str, warmup: in
     rows = {}
     for key in res[0]:
         boundary, optimizer = key.split()
-        plan = theory(size, ranks, boundary, optimizer)
-        plan_step = _bytes(plan)
-        plan_whole = plan_step - _bytes(theory(size, ranks, boundary, "adamw"))
         for rank, r in enumerate(res):  # bytes are exact: every step of every rank, equal to the plan
+            plan = theory(size, ranks, boundary, optimizer, rank)
+            plan_whole = _bytes(plan) - _bytes(theory(size, ranks, boundary, "adamw", rank))
             for i in range(steps):
                 got = r[key]["comm"][i]
                 want = {k: plan[k] for k in got}
@@ -179,9 +178,12 @@ def run(size: str, ranks: int, steps: int, boundaries, out_path: str, warmup: in
             "median_step_s": statistics.median(_slowest(res, key, "step_s")),
             "median_opt_step_s": statistics.median(_slowest(res, key, "opt_s")),
             "comm_mb_per_step": res[0][key]["step_bytes"][0] / 2**20,
-            "plan_comm_mb_per_step": plan_step / 2**20,
+            "plan_comm_mb_per_step": _bytes(theory(size, ranks, boundary, optimizer)) / 2**20,
             "whole_matrix_mb_per_step": res[0][key]["opt_bytes"][0] / 2**20,
-            "plan_whole_matrix_mb_per_step": plan_whole / 2**20,
+            "plan_whole_matrix_mb_per_step": (
+                _bytes(theory(size, ranks, boundary, optimizer)) - _bytes(theory(size, ranks, boundary, "adamw"))
+            )
+            / 2**20,
             "comm_bytes": res[0][key]["comm"][0],
         }
     for row in rows.values():

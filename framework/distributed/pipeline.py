@@ -146,8 +146,8 @@ class PipelinePart(nn.Module):
     def comm_stats(self) -> dict:  # the engine's counters, summed over this rank's stages
         out: Dict[str, float] = {}
         for stage in self.stages:
-            for k, val in stage.comm_stats().items():
-                out[k] = out.get(k, 0) + val
+            for k, val in stage.comm_stats().items():  # a ratio: the largest; counters: summed
+                out[k] = max(out.get(k, 0), val) if k.endswith("_over_ideal") else out.get(k, 0) + val
         return out
 
     def reset_comm_stats(self) -> None:

@@ -10,7 +10,8 @@ inside a parameter is the policy:
     rows are its elements): each rank's piece of a matrix is a set of whole rows, what row-wise
     block formats and row-wise optimizers need;
   * "params": no rank boundary cuts a parameter: every parameter lives whole on one rank, so an
-    optimizer that needs whole matrices (Muon, Shampoo) has them locally with no communication.
+    optimizer that needs whole matrices (Muon, Shampoo) has each one whole on some rank (Muon's
+    balanced owners may still take it elsewhere: [Note: balancing whole-matrix owners]).
 The packing keeps the parameters' order and each parameter contiguous (so every full parameter is
 still a view of the gathered buffer: the gather path's copy budget is unchanged). Walking them, a
 parameter that a boundary would cut inside a granule (its row, or the whole parameter) starts a

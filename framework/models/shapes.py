@@ -25,6 +25,9 @@ class Tensor:
     # optimizer=muon steps it with Muon (else AdamW): framework/param_roles.py's rule, which the
     # optimizer builder applies too; None: a family that does not say (a block's tensor with row > 1)
     muon: bool | None = None
+    # the matrix Muon orthogonalizes, whole over tensor parallel (one expert's of stacked experts);
+    # (): this tensor's numel / row x row (what its work costs: framework/distributed/whole_owners.py)
+    matrix: tuple = ()
 
 
 @dataclass(frozen=True)

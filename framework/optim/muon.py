@@ -4,9 +4,11 @@
 Muon (momentum, then each 2-D update orthogonalized by a few Newton-Schulz iterations) is the
 update `torch.optim.Muon` makes on one device; `MuonAdamW` makes the same update, group by group,
 on whole tensors and on our engine's pieces of sharded matrices alike. For the orthogonalization
-it asks the pieces' own type for whole matrices (`type(p).map_whole(updates, fn)`: the engine
-gathers a matrix to one owner only where it crosses ranks, [Note: whole matrices from pieces] in
-framework/distributed/fsdp/whole.py), so this file imports nothing of the engine. Groups with
+it asks the pieces' own type for whole matrices (`type(p).map_whole(updates, fn)`, once per Muon
+group, so over every matrix of the group at once: the engine gives each matrix one owner, balancing
+the work over the ranks, and moves only the pieces the owner lacks, [Note: whole matrices from
+pieces] in framework/distributed/fsdp/whole.py), so this file imports nothing of the engine. The
+optimizer builder makes one Muon group, so the owners are balanced over the whole model. Groups with
 `muon=True` hold the 2-D hidden matrices; the others (embeddings, norms, biases, the output head)
 are stepped by torch's AdamW, which shares this optimizer's groups and state, so one scheduler,
 one state dict and one checkpoint cover both. With `state_dtype=torch.bfloat16` the momentum

@@ -28,6 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from framework.distributed.shard_layout import busiest_rank, elements_on, granule, pack
+from framework.distributed.whole_owners import (
+    assign_owners,
+    bytes_sent,
+    holdings,
+    max_over_ideal,
+    moves,
+    newton_schulz_flops,
+)
 from framework.models.shapes import (
     ModelShape,
     Unit,
@@ -110,7 +118,6 @@ class UnitLayout:
     N: int  # shard-group size
     real: int  # of S, the real elements on the rank planned for
     real_per_tensor: tuple = ()  # of `real`, each tensor's elements there (the unit's order)
-    crossing: tuple = ()  # per tensor: its range crosses a rank boundary (whole-matrix optimizers gather it)
 
     @property
     def padded(self) -> int:
@@ -132,8 +139,7 @@ def layouts(job: Job, rank: int | None = None) -> list[UnitLayout]:
         else:  # the busiest rank (the first of equals)
             at = busiest_rank(offsets, sizes, S, N)
         per = tuple(elements_on(at, [o], [sz], S) for o, sz in zip(offsets, sizes))
-        crossing = tuple(n > 0 and o // S != (o + n - 1) // S for o, (n, _) in zip(offsets, sizes))
-        out.append(UnitLayout(u, u.numel, S, N, sum(per), per, crossing))
+        out.append(UnitLayout(u, u.numel, S, N, sum(per), per))
     return out
 
 
@@ -449,18 +455,72 @@ def _link(job: Job, span: int) -> str:
     return "intra" if span <= job.nproc_per_node else "inter"
 
 
-def muon_tp_numel(job: Job, lay: UnitLayout, rank: int) -> int:
-    """Elements of the tp-local slices of the unit's tp-split Muon matrices that dp index `rank`
-    owns ([Note: whole matrices from pieces] in framework/distributed/fsdp/whole.py): the ones
-    its shard holds whole, and every N-th of those crossing ranks, in layout order (k % N)."""
+@dataclass(frozen=True)
+class MuonWork:
+    """optimizer=muon's whole matrices per step, as the engine balances and moves them
+    ([Note: balancing whole-matrix owners] in framework/distributed/whole_owners.py): per rank of the
+    dense shard group (its dp_shard x cp index)."""
+
+    work: tuple  # per dp x tp rank (dp index x tp + tp rank): FLOPs of its Newton-Schulz calls (5 steps)
+    max_over_ideal: float  # the busiest rank's work over the mean (the largest of the shard groups')
+    bytes_sent: tuple  # per dp index: what its all-to-alls send (to the owners, and the results back)
+    calls: tuple  # per dp index: the all-to-alls it takes part in (two per shard group moving anything)
+    tp_numel: tuple  # per dp index: elements of the tp-local slices of the tp-split matrices it owns
+
+
+def _matrix_cost(t, tp: int) -> int:
+    """Newton-Schulz FLOPs of tensor `t`: its matrices (stacked experts: each), whole over tp."""
+    shape = t.matrix or (t.numel // max(1, t.row), t.row)
+    count = t.numel * (tp if t.tp_split else 1) // max(1, shape[0] * shape[1])
+    return max(1, count) * newton_schulz_flops(shape)
+
+
+def muon_work(job: Job) -> MuonWork:
+    """The engine's owners of the Muon matrices, computed from the planner's own layout (the same
+    functions as fsdp/whole.py's): one assignment per shard group (the dense units' and, with
+    expert parallelism, the efsdp one, whose index is the dp index // ep), in the units' order."""
     align = job.block_size if job.quantized else 1
-    sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in lay.unit.tensors]
-    offsets, S = pack(sizes, lay.N, align)
-    hidden = muon_tensors(lay)
-    muon = sorted((o, t) for o, t, h in zip(offsets, lay.unit.tensors, hidden) if h and t.numel)
-    crossing = [o for o, t in muon if o // S != (o + t.numel - 1) // S]
-    owner = {o: k % lay.N for k, o in enumerate(crossing)}
-    return sum(t.numel for o, t in muon if t.tp_split and owner.get(o, o // S) == rank)
+    T = job.tp
+    groups: dict = {}
+    for u in units(job.model, job.tp, job.ep):
+        n = job.dp_shard // job.ep if u.shard == "efsdp" else job.dp_shard * job.cp  # as `layouts`
+        sizes = [(t.numel, granule(t.numel, t.row, job.shard_boundary)) for t in u.tensors]
+        offsets, S = pack(sizes, n, align)
+        for o, t, h in zip(offsets, u.tensors, muon_tensors(UnitLayout(u, u.numel, S, n, 0))):
+            if h and t.numel:
+                groups.setdefault(u.shard, (n, []))[1].append((holdings(o, t.numel, S, n), t))
+    N = job.dp_shard * job.cp
+    work, sent, calls, tp_numel, ratio = [0] * (N * T), [0] * N, [0] * N, [0] * N, 1.0
+    for shard, (n, mats) in groups.items():
+        held = [h for h, _ in mats]
+        costs = [_matrix_cost(t, T) for _, t in mats]
+        owners = assign_owners(costs, held, n)
+        split = [t.tp_split and T > 1 for _, t in mats]
+        tp_owner, owned = [-1] * len(mats), [0] * n
+        by_owner: dict = {}
+        for k in range(len(mats)):
+            if split[k]:
+                by_owner.setdefault(owners[k], []).append(k)
+                owned[owners[k]] += mats[k][1].numel
+        for ks in by_owner.values():
+            for k, t in zip(ks, assign_owners([costs[k] for k in ks], [{r: 1 for r in range(T)} for _ in ks], T)):
+                tp_owner[k] = t
+        mine = [0] * (n * T)
+        for k, (c, o) in enumerate(zip(costs, owners)):
+            for t in range(T):
+                if not split[k] or tp_owner[k] == t:
+                    mine[o * T + t] += c
+        ratio = max(ratio, max_over_ideal(mine))
+        moving = moves(held, owners)
+        out = bytes_sent(held, owners, n)
+        for r in range(N):
+            g = r if shard == "dp_shard" else r // job.ep  # the rank's index in this group
+            sent[r] += out[g]
+            calls[r] += 2 if moving else 0
+            tp_numel[r] += owned[g]
+            for t in range(T):
+                work[r * T + t] += mine[g * T + t]
+    return MuonWork(tuple(work), ratio, tuple(sent), tuple(calls), tuple(tp_numel))
 
 
 # [Note: gathers of a pipeline stage]
@@ -474,9 +534,9 @@ def muon_tp_numel(job: Job, lay: UnitLayout, rank: int) -> int:
 # 0's gather bytes of a pp=2 x dp_shard=2 job equal this count for each schedule
 # (tests/planner/test_pipeline_plan.py).
 def traffic(job: Job, rank: int | None = None) -> Traffic:
-    """Per rank per step; `rank` (the dp_shard index) matters to optimizer=muon with tp > 1 only,
-    whose tp exchange of whole matrices depends on the matrices that index owns (None: the index
-    owning the most)."""
+    """Per rank per step; `rank` (the dp_shard index) matters to optimizer=muon only, whose
+    exchange of whole matrices depends on the matrices that index owns and holds (None: the index
+    sending the most)."""
     tr = Traffic()
     lays = layouts(job)
     pb, rb = BYTES[job.param_dtype], BYTES[job.reduce_dtype]
@@ -484,7 +544,7 @@ def traffic(job: Job, rank: int | None = None) -> Traffic:
     shard_link = _link(job, N * t)  # the shard group's ranks are tp apart: it spans N x tp ranks
     repl_link = "inter" if job.nodes > 1 and N * t * R > job.nproc_per_node else "intra"
     gathers = ag_bytes = rs_bytes = a2a_bytes = ar_bytes = 0
-    reduces = whole_calls = whole_bytes = 0
+    reduces = 0
     for i, lay in enumerate(lays):
         if lay.N > 1 and not (job.pipeline_stage and lay.T == 0):  # a middle stage's root holds nothing
             # all-gathers per step: per micro-batch one (the root, kept gathered; grad_op) or two
@@ -504,32 +564,31 @@ def traffic(job: Job, rank: int | None = None) -> Traffic:
                 ag_bytes += calls * (n - 1) * lay.S * pb
                 rs_bytes += (n - 1) * lay.S * rb
             reduces += 1
-            if job.optimizer == "muon" and any(c and h for c, h in zip(lay.crossing, muon_tensors(lay))):
-                # its matrices made whole for the orthogonalization: one fp32 gather and one
-                # reduce-scatter of the unit's shard ([Note: whole matrices from pieces])
-                whole_calls += 1  # once per step, after the last micro-batch
-                reduces += 1
-                whole_bytes += (n - 1) * lay.S * 4
-                rs_bytes += (n - 1) * lay.S * 4
         if R > 1:
             esize = 4 if job.quantized else rb  # the int8 path reduces into an fp32 buffer
             ar_bytes += 2 * (R - 1) * lay.S * esize // R
     # With accumulation, forward/backward of every micro-batch gathers (counted above); only the last reduces.
-    tr.add("all_gather", "dp_shard", shard_link, ag_bytes + whole_bytes, gathers + whole_calls)
+    tr.add("all_gather", "dp_shard", shard_link, ag_bytes, gathers)
     if job.quantized:
         tr.add("all_to_all", "dp_shard", shard_link, a2a_bytes, reduces)
     else:
         tr.add("reduce_scatter", "dp_shard", shard_link, rs_bytes, reduces)
     tr.add("all_reduce", "dp_replicate", repl_link, ar_bytes, len(lays) if R > 1 else 0)
-    if job.optimizer == "muon" and t > 1:
-        # tp-split matrices made whole over tp as well: per unit, one fp32 all-gather of the
-        # tp-local slices this dp index owns ((t-1) x M x 4 received) and one reduce-scatter back
-        # ((t-1) x M x 4 sent), in the optimizer step ([Note: whole matrices from pieces])
-        owned = [[muon_tp_numel(job, lay, r) for lay in lays] for r in range(N)]
-        mine = owned[rank] if rank is not None else max(owned, key=sum)
-        tp_link = _link(job, t)
-        tr.add("all_gather", "tp", tp_link, (t - 1) * sum(mine) * 4, sum(1 for m in mine if m), engine=True)
-        tr.add("reduce_scatter", "tp", tp_link, (t - 1) * sum(mine) * 4, sum(1 for m in mine if m), engine=True)
+    if job.optimizer == "muon":
+        # the whole matrices, once per step after the last micro-batch ([Note: whole matrices from
+        # pieces]): the pieces to their owners and the results back (two fp32 all-to-alls over
+        # dp); the tp-split ones also made whole over tp: one fp32 all-gather of the tp-local
+        # slices this dp index owns ((t-1) x M x 4 received) and one reduce-scatter back
+        mw = muon_work(job)
+        at = rank if rank is not None else max(range(len(mw.bytes_sent)), key=lambda r: mw.bytes_sent[r])
+        tr.add("all_to_all", "dp_shard", shard_link, mw.bytes_sent[at], mw.calls[at])
+        if t > 1:
+            if rank is None:
+                at = max(range(len(mw.tp_numel)), key=lambda r: mw.tp_numel[r])
+            tp_link = _link(job, t)
+            M, calls = mw.tp_numel[at], 1 if mw.tp_numel[at] else 0
+            tr.add("all_gather", "tp", tp_link, (t - 1) * M * 4, calls, engine=True)
+            tr.add("reduce_scatter", "tp", tp_link, (t - 1) * M * 4, calls, engine=True)
     if job.ep > 1 and job.model.n_experts:
         bytes_, calls = expert_all_to_all(job)
         tr.add("all_to_all", "ep", _link(job, job.ep * t), bytes_, calls)

@@ -25,6 +25,7 @@ from framework.planner.estimate import (
     Traffic,
     layouts,
     memory,
+    muon_work,
     timing,
     total_params,
     traffic,
@@ -387,6 +388,12 @@ def format_plan(result: PlanResult, model_name: str = "") -> str:
         lines.append(f"  {r['collective']:14} {r['dim']:12} {r['link']:5} {_gib(r['bytes'])} {r['calls']:8d}")
     if not tr.rows:
         lines.append("  none (one rank)")
+    if job.optimizer == "muon":
+        mw = muon_work(job)
+        lines.append(
+            f"  Muon's Newton-Schulz work: busiest rank {max(mw.work) / 1e12:.2f} TFLOP/step, "
+            f"{mw.max_over_ideal:.2f}x the mean (whole matrices to balanced owners and back)"
+        )
     lines += [
         "",
         (
@@ -419,7 +426,7 @@ def plan_json(result: PlanResult) -> dict:
     mem = asdict(est.memory)
     mem.update(model_state=est.memory.model_state, between_steps=est.memory.between_steps, peak=est.memory.peak)
     job = asdict(est.job)
-    return {
+    out = {
         "job": job,
         "params": total_params(est.job),
         "memory_bytes": mem,
@@ -438,6 +445,14 @@ def plan_json(result: PlanResult) -> dict:
         ],
         "notes": result.notes,
     }
+    if est.job.optimizer == "muon":  # the whole matrices' Newton-Schulz work and exchange per step
+        mw = muon_work(est.job)
+        out["muon"] = {
+            "work_max_over_ideal": mw.max_over_ideal,
+            "work_flops_per_rank": list(mw.work),
+            "bytes_sent_per_rank": list(mw.bytes_sent),
+        }
+    return out
 
 
 def fit_problems(cfg: Config, world_size: int | None = None) -> list[str]:

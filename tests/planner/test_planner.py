@@ -33,7 +33,7 @@ from framework.config.schema import (
 from framework.models.llama.shapes import llama_shape
 from framework.models.shapes import param_count, units
 from framework.planner import estimate, job_from_config, zero_model_state_bytes
-from framework.planner.estimate import activation_bytes_per_token, memory, traffic
+from framework.planner.estimate import activation_bytes_per_token, memory, muon_work, traffic
 from tests.distributed.harness import peak_delta_bytes, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,6 +239,7 @@ def _engine_worker(rank: int, world: int, names):
         # the model is sized so that it stays a few per cent of the peak (bench/RESULTS.md).
         peak = persistent + min(peak_delta_bytes(step) for _ in range(3))
         stats.pop("exposed_comm_s")
+        work = (stats.pop("whole_matrix_flops"), stats.pop("whole_matrix_max_over_ideal"))
         out[name] = {
             "tensor_bytes": tb,
             "optimizer": opt_bytes,
@@ -246,6 +247,8 @@ def _engine_worker(rank: int, world: int, names):
             "comm": stats,
             "persistent": persistent,
             "shard_rank": mesh["dp_shard"].get_local_rank(),
+            "tp_rank": mesh["tp"].get_local_rank() if dims.tp > 1 else 0,
+            "work": work,  # Muon's whole-matrix work: this rank's FLOPs, the busiest rank's over the mean
         }
     return out
 
@@ -267,6 +270,12 @@ def test_planner_matches_engine(engine_results, name):
         assert mem.optimizer == got["optimizer"], (name, rank)
         assert mem.grad_pool == tb["grad_pool"], (name, rank)
         assert traffic(job, rank=got["shard_rank"]).engine_counters() == got["comm"], (name, rank)
+        if job.optimizer == "muon":  # the same owners: the same Newton-Schulz work on each rank
+            mw = muon_work(job)
+            mine = mw.work[got["shard_rank"] * job.tp + got["tp_rank"]]
+            assert got["work"] == (mine, mw.max_over_ideal), (name, rank)
+        else:
+            assert got["work"] == (0, 0.0), (name, rank)
         # 10%: the activation and logits terms are per-tensor counts; what they leave out are
         # transient temporaries inside single ops (matmul outputs, softmax workspaces).
         assert abs(mem.peak - got["peak"]) <= 0.10 * got["peak"], (name, rank, mem.peak, got["peak"])

@@ -39,6 +39,10 @@ class CommStats:
     alltoall_bytes: int = 0
     num_collectives: int = 0
     exposed_comm_s: float = 0.0
+    # whole-matrix transforms ([Note: whole matrices from pieces] in whole.py): the FLOPs this rank
+    # ran, and the busiest rank's planned work over the mean (the calls' largest)
+    whole_matrix_flops: int = 0
+    whole_matrix_max_over_ideal: float = 0.0
     # CUDA: (before, after) events around each wait on the compute stream, read by resolve()
     _events: List[Tuple[Any, Any]] = field(default_factory=list, repr=False)
 
@@ -48,8 +52,8 @@ class CommStats:
         on log steps only] in framework/metrics.py)."""
         self._events.clear()
         self.allgather_bytes = self.reduce_scatter_bytes = self.allreduce_bytes = 0
-        self.alltoall_bytes = self.num_collectives = 0
-        self.exposed_comm_s = 0.0
+        self.alltoall_bytes = self.num_collectives = self.whole_matrix_flops = 0
+        self.exposed_comm_s = self.whole_matrix_max_over_ideal = 0.0
 
     def resolve(self, wait: bool = True) -> None:
         """Add the timed CUDA waits to exposed_comm_s: all of them, synchronizing on the last, or
@@ -191,6 +195,26 @@ def all_to_all(
     stats.num_collectives += 1
     with record_function(f"fsdp::all_to_all({label})"):
         work = dist.all_to_all_single(output, chunks, group=group, async_op=True)
+    return Pending(work, output, stats)
+
+
+def all_to_all_v(
+    output: torch.Tensor,
+    sent: torch.Tensor,
+    output_splits: List[int],
+    sent_splits: List[int],
+    group: ProcessGroup,
+    stats: CommStats,
+    label: str,
+) -> Pending:
+    """Async all-to-all of uneven, rank-major chunks: `sent_splits[r]` elements of `sent` go to rank
+    r, `output_splits[r]` come from it (whole matrices to their owners and back). Counts the bytes
+    sent to the other ranks."""
+    me = dist.get_rank(group)
+    stats.alltoall_bytes += (sum(sent_splits) - sent_splits[me]) * sent.element_size()
+    stats.num_collectives += 1
+    with record_function(f"fsdp::all_to_all({label})"):
+        work = dist.all_to_all_single(output, sent, output_splits, sent_splits, group=group, async_op=True)
     return Pending(work, output, stats)
 
 

@@ -139,7 +139,10 @@ class ShardedModule:
 
     # ---------------------------------------------------------------- ours
     def comm_stats(self) -> dict:
-        """Communication since `reset_comm_stats()`, summed over the units at and below this module."""
+        """Communication since `reset_comm_stats()`, summed over the units at and below this module;
+        and the whole-matrix transforms' work ([Note: whole matrices from pieces] in whole.py):
+        `whole_matrix_flops` this rank's, `whole_matrix_max_over_ideal` the busiest rank's over the
+        mean (the largest of the calls; 0.0 when none ran)."""
         keys = (
             "allgather_bytes",
             "reduce_scatter_bytes",
@@ -147,12 +150,16 @@ class ShardedModule:
             "alltoall_bytes",
             "num_collectives",
             "exposed_comm_s",
+            "whole_matrix_flops",
         )
         out = {k: 0 for k in keys}
+        out["whole_matrix_max_over_ideal"] = 0.0
         for u in self._units():
             u.stats.resolve()  # CUDA: read the timed waits (see collectives.wait)
             for k in keys:
                 out[k] += getattr(u.stats, k)
+            ratio = u.stats.whole_matrix_max_over_ideal
+            out["whole_matrix_max_over_ideal"] = max(out["whole_matrix_max_over_ideal"], ratio)
         return out
 
     def reset_comm_stats(self) -> None:

@@ -29,7 +29,9 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
             if id(p) not in seen:
                 seen.add(id(p))
                 name = full_name[id(p)]
-                out.append(Tensor(name, p.numel(), False, row=p[0].numel() if p.dim() >= 2 else 1, muon=name in muon))
+                row = p[0].numel() if p.dim() >= 2 else 1
+                matrix = tuple(p.shape[-2:]) if p.dim() >= 2 else ()  # a replace() keeps it whole over tp
+                out.append(Tensor(name, p.numel(), False, row=row, muon=name in muon, matrix=matrix))
         return tuple(out)
 
     per_unit = [(f"block.{i}", tensors(b)) for i, b in enumerate(blocks(model))]

@@ -31,10 +31,10 @@ def block_tensors(m: ModelShape, tp: int = 1, moe: tuple = ()) -> tuple[Tensor, 
     d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.kv_dim, m.ffn_dim
     attention = (
         Tensor("attention_norm.weight", d, False, muon=NORM),
-        Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1, row=d, muon=MATRIX),
-        Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1, row=d, muon=MATRIX),
-        Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1, row=d, muon=MATRIX),
-        Tensor("attention.wo.weight", d * _split(q, tp), tp > 1, row=_split(q, tp), muon=MATRIX),
+        Tensor("attention.wq.weight", _split(q, tp) * d, tp > 1, row=d, muon=MATRIX, matrix=(q, d)),
+        Tensor("attention.wk.weight", _split(kv, tp) * d, tp > 1, row=d, muon=MATRIX, matrix=(kv, d)),
+        Tensor("attention.wv.weight", _split(kv, tp) * d, tp > 1, row=d, muon=MATRIX, matrix=(kv, d)),
+        Tensor("attention.wo.weight", d * _split(q, tp), tp > 1, row=_split(q, tp), muon=MATRIX, matrix=(d, q)),
         Tensor("ffn_norm.weight", d, False, muon=NORM),
     )
     if moe:
@@ -43,7 +43,7 @@ def block_tensors(m: ModelShape, tp: int = 1, moe: tuple = ()) -> tuple[Tensor, 
         router = is_muon_matrix(2, False, is_output_head("layers.0.feed_forward.router", experts, {m.vocab_size}))
         out = [Tensor("feed_forward.router.weight", experts * d, False, row=d, muon=router)]
         out += [
-            Tensor(f"feed_forward.experts.{w}", experts * ef * d, False, experts, ef * d, muon=MATRIX)
+            Tensor(f"feed_forward.experts.{w}", experts * ef * d, False, experts, ef * d, muon=MATRIX, matrix=(ef, d))
             for w in ("w1", "w3", "w2")
         ]
         if shared:
@@ -55,9 +55,9 @@ def block_tensors(m: ModelShape, tp: int = 1, moe: tuple = ()) -> tuple[Tensor, 
             ]
         return attention + tuple(out)
     return attention + (
-        Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1, row=d, muon=MATRIX),
-        Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1, row=d, muon=MATRIX),
-        Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1, row=_split(f, tp), muon=MATRIX),
+        Tensor("feed_forward.w1.weight", _split(f, tp) * d, tp > 1, row=d, muon=MATRIX, matrix=(f, d)),
+        Tensor("feed_forward.w3.weight", _split(f, tp) * d, tp > 1, row=d, muon=MATRIX, matrix=(f, d)),
+        Tensor("feed_forward.w2.weight", d * _split(f, tp), tp > 1, row=_split(f, tp), muon=MATRIX, matrix=(d, f)),
     )
 
 
