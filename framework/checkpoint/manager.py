@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from enum import Enum
 from typing import Optional
 
 import torch
@@ -36,6 +37,17 @@ from framework.runtime import Runtime
 
 # The stages that train, and so continue a checkpoint of their own stage.
 TRAINING_STAGES = ("training", "fine_tuning", "dpo", "grpo")
+
+# The grpo.* settings that make the objective, and the value each had before it was a setting (a
+# checkpoint whose manifest lacks one was trained with it): a resume of stage=grpo must keep them.
+GRPO_OBJECTIVE = {
+    "loss_type": "grpo",
+    "beta": 0.04,
+    "epsilon": 0.2,
+    "epsilon_high": None,
+    "scale_rewards": "group",
+    "kl_bias_correction": True,
+}
 
 # [Note: a checkpoint of another stage]
 # A checkpoint records the stage that saved it (its manifest's config.stage). A training stage
@@ -79,10 +91,12 @@ class CheckpointManager:
         self.tokenizer = None  # the job's tokenizer (set by the trainer), written next to an export
         c = cfg.checkpoint
         self.root = c.dir if os.path.isabs(c.dir) else os.path.join(run_dir, c.dir)
+        self.run_dir = run_dir
         self.engine = cfg.parallelism.engine
         self._sharded = engine_of(self.engine)  # its state dicts (framework/distributed/engines.py)
         self._last_saved = -1
         self._start = False  # start_of_run's answer once known (False: not yet asked)
+        self._start_recorded = None  # the start as the resumed checkpoint's train_state.json wrote it
         self._announced = None  # the other stage's checkpoint whose weights were loaded and said so
         self._pending = None  # (future, tmp_dir, step) of an async save not yet committed
         # Async saves run their collectives in a background thread: they get their own gloo group,
@@ -142,7 +156,7 @@ class CheckpointManager:
                         "scheduler": state.scheduler.state_dict(),
                         "train_loader": state.train_loader.state_dict(),
                         "optimizer_param_groups": groups,
-                        "start": start,  # [Note: a checkpoint of another stage]
+                        "start": self._recorded_start(start, step),  # [Note: a checkpoint of another stage]
                     },
                 )
 
@@ -323,12 +337,42 @@ class CheckpointManager:
             else:
                 start = contents.read_train_state(path).get("start")  # absent: a start without one
                 start = start if isinstance(start, str) and start else None
+                if start is not None:  # relative: to the step directory that recorded it
+                    self._start_recorded = start
+                    start = os.path.normpath(os.path.join(os.path.abspath(path), start))
         except layout.CheckpointError:  # a damaged checkpoint: load() says so, naming the previous good one
             start = None
         except ValueError as exc:
             self._refuse(str(exc))
         self._start = start
         return start
+
+    def _recorded_start(self, start: Optional[str], step: int) -> Optional[str]:
+        """`start` as train_state.json records it: relative to the step directory when it lies in
+        the directory that holds this run's directory (a sibling stage's run: the two move
+        together), absolute otherwise."""
+        if start is None:
+            return None
+        run = os.path.abspath(self.run_dir)
+        tree = os.path.dirname(run)
+        inside = lambda p, d: os.path.commonpath([d, p]) == d  # noqa: E731
+        root = os.path.abspath(self.root)
+        if tree == os.path.dirname(tree) or not inside(root, run) or not inside(start, tree):
+            return start  # the tree is the filesystem root, or the checkpoints live outside the run
+        return os.path.relpath(start, os.path.join(root, layout.step_dir_name(step)))
+
+    def _load_start(self, state, announce: bool = True) -> None:
+        """The weights of the other stage's checkpoint this run started from (start_of_run, not
+        None); refused in one line, naming the path looked for, when that directory is gone."""
+        start = self._start
+        if not os.path.isdir(start):
+            recorded = self._start_recorded
+            said = f"{recorded} (looked for {start})" if recorded and recorded != start else start
+            self._refuse(
+                f"checkpoint.resume: this run started from the weights of {said}, which is gone; the reference "
+                "model (or, with LoRA, the frozen base) is those weights: restore that directory, or start afresh"
+            )
+        self.load(state, start, weights_only=True, announce=announce)
 
     def load_starting_weights(self, state) -> None:
         """The weights this run started from into `state.model`, before any resume: the other
@@ -342,12 +386,7 @@ class CheckpointManager:
                 if source:
                     self.import_weights(state, source)
                 return
-            if not os.path.isdir(start):
-                self._refuse(
-                    f"checkpoint.resume: this run started from the weights of {start}, which is gone; the reference "
-                    "model is those weights: restore that directory, or start afresh"
-                )
-            self.load(state, start, weights_only=True)
+            self._load_start(state)
         except (layout.CheckpointError, ValueError) as exc:
             self._refuse(str(exc))
 
@@ -355,7 +394,6 @@ class CheckpointManager:
         """Restore `state` from the checkpoint checkpoint.resume names (auto: the latest complete
         one); import checkpoint.init_from on a fresh start; only the weights of a checkpoint of
         another stage ([Note: a checkpoint of another stage]). Returns the step to continue from."""
-        c = self.cfg.checkpoint
         self.start_of_run()  # kept for this run's saves
         try:
             path = self._resume_path()
@@ -367,8 +405,15 @@ class CheckpointManager:
             if self._other_stage(path):
                 self.load(state, path, weights_only=True)
                 return 0
-            if self.cfg.peft.lora.enabled and c.init_from:
-                self.import_weights(state, c.init_from)  # the frozen base; the checkpoint holds the adapters
+            if self.cfg.peft.lora.enabled:  # the frozen base first; the checkpoint holds the adapters
+                if self._start is not None:  # the other stage's checkpoint this run started from
+                    self._load_start(state, announce=False)
+                    if self.rt.is_main:
+                        print(f"the frozen base: the weights of {self._start}", file=sys.stderr, flush=True)
+                else:
+                    source = self._imported_source()  # checkpoint.init_from, else model.path's weights
+                    if source:
+                        self.import_weights(state, source)
             return self.load(state, path)
         except (layout.CheckpointError, ValueError) as exc:
             self._refuse(str(exc))
@@ -379,7 +424,7 @@ class CheckpointManager:
             print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_BAD_CHECKPOINT)
 
-    def load(self, state, path: str, weights_only: bool = False) -> int:
+    def load(self, state, path: str, weights_only: bool = False, announce: bool = True) -> int:
         """Restore `state` from the step directory `path`; with `weights_only`, the model's weights
         alone (the optimizer, LR schedule, data position and RNG stay this job's fresh ones)."""
         path = os.path.abspath(path)
@@ -398,7 +443,7 @@ class CheckpointManager:
         # The small files each rank reads are checked on every rank, and the ranks agree, before
         # anything is loaded: a lie in one rank's RNG file is refused by all, in one line.
         if weights_only:
-            return self._load_weights(state, path, manifest)
+            return self._load_weights(state, path, manifest, announce)
         saved, rng, problem = None, None, None
         try:
             saved = contents.read_train_state(path)
@@ -413,6 +458,7 @@ class CheckpointManager:
             raise layout.CheckpointError(problem)
         self._check_same_model(path, manifest)
         self._check_same_optimizer(path, manifest)
+        self._check_same_objective(path, manifest)
         model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
         optim_tensors, _ = split_optim(optim_sd)
         lora = self.cfg.peft.lora.enabled  # LoRA checkpoints hold the adapters; the rest stays as it is
@@ -438,7 +484,7 @@ class CheckpointManager:
             )
         return int(saved["step"])
 
-    def _load_weights(self, state, path: str, manifest: dict) -> int:
+    def _load_weights(self, state, path: str, manifest: dict, announce: bool = True) -> int:
         self._check_same_model(path, manifest)
         saved = manifest.get("config", {})
         if saved.get("peft", {}).get("lora", {}).get("enabled"):
@@ -452,7 +498,8 @@ class CheckpointManager:
         dcp_load(app, path)
         self._sharded.set_state_dicts(state.model, state.optimizer, {**app["model"], **adapters}, optim_sd)
         state.optimizer.state.clear()  # a fresh optimizer, as after an import (import_weights)
-        if self.rt.is_main and self._announced != path:  # said once (the reference's load, then the resume's)
+        # said once (the reference's load, then the resume's); a resume's base load says its own line
+        if announce and self.rt.is_main and self._announced != path:
             self._announced = path
             print(
                 f"initialised the model from {path} (saved by stage={saved.get('stage')} at step "
@@ -461,6 +508,27 @@ class CheckpointManager:
                 flush=True,
             )
         return 0
+
+    def _check_same_objective(self, path: str, manifest: dict) -> None:
+        """stage=grpo: refuse a resume whose grpo.* objective differs from the one the checkpoint was
+        trained with (the defaults moved to TRL's: a resume would switch objective mid-run)."""
+        saved = manifest.get("config", {})
+        if self.cfg.stage.value != "grpo" or saved.get("stage") != "grpo":
+            return
+        given, before = dataclasses.asdict(self.cfg.grpo), saved.get("grpo", {})
+        differ = []
+        for name, earlier in GRPO_OBJECTIVE.items():
+            was = before.get(name, earlier)  # absent: saved before the field existed, with that value
+            now = given[name]
+            was, now = (v.value if isinstance(v, Enum) else v for v in (was, now))
+            if was != now:
+                differ.append((f"grpo.{name}={was}", f"{now}"))
+        if differ:
+            raise layout.CheckpointError(
+                f"checkpoint.resume: {path} was trained with {' '.join(d[0] for d in differ)} (this job: "
+                f"{', '.join(d[1] for d in differ)}; the defaults are TRL's since beta 0.0, loss_type dapo): set "
+                "those to continue its objective, or start afresh"
+            )
 
     def _check_same_optimizer(self, path: str, manifest: dict) -> None:
         """Refuse an optimizer that cannot take the saved state (before any state is touched); say

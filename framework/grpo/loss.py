@@ -39,14 +39,23 @@ import torch
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group", batch_std=None) -> torch.Tensor:
     """(prompts * group,) rewards, a prompt's completions adjacent -> their advantages, divided by
-    grpo.scale_rewards' std (`batch_std`: the global batch's, for "batch")."""
+    grpo.scale_rewards' std (`batch_std`: the global batch's, for "batch"). A NaN reward (every
+    reward function returned None) is left out of its group's mean and std; its advantage is 0."""
     grouped = rewards.view(-1, group)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    centred = grouped - grouped.nanmean(dim=1, keepdim=True)  # NaN: a completion with no reward, left out
     if scale == "group":
-        centred = centred / (grouped.std(dim=1, keepdim=True) + 1e-4)
+        centred = centred / (nan_std(grouped, dim=1) + 1e-4)
     elif scale == "batch":
         centred = centred / (batch_std + 1e-4)
-    return centred.flatten()
+    return torch.nan_to_num(centred.flatten(), nan=0.0)  # no reward: no advantage (as TRL)
+
+
+def nan_std(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """The std (Bessel's) along `dim` of the values that are not NaN (kept dim)."""
+    present = ~torch.isnan(values)
+    count = present.sum(dim=dim, keepdim=True).to(values.dtype)
+    deviations = torch.where(present, values - values.nanmean(dim=dim, keepdim=True), 0.0)
+    return ((deviations * deviations).sum(dim=dim, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
 
 
 def grpo_loss(

@@ -17,15 +17,21 @@ A completion's reward is the weighted sum (grpo.reward_weights, default 1 each) 
   [{"role": "assistant", "content": text}]; `completion_ids` their token ids (the end-of-text
   included when sampled); and every other column of the records by its name. A function written
   for TRL's GRPOTrainer (`def fn(completions, **kwargs)`) runs unchanged. It runs the user's code
-  in every rank. A function that raises is the user's code failing: its traceback is shown and the
-  job exits with status 1 on every rank. One that returns anything but one finite number per
-  completion ends the job in one `error:` line (status 2).
+  in every rank. Its signature is checked when it is loaded (and against the records' columns on
+  its first call): one that cannot take those keywords (the earlier form fn(prompts, completions,
+  answers)) is refused in one `error:` line (status 2) before training. A function that raises is
+  the user's code failing: its traceback is shown and the job exits with status 1 on every rank.
+  It returns one finite number or None per completion; None is TRL's "not applicable": NaN, left out
+  of the weighted sum (TRL's nansum), and a completion that every reward leaves out has no reward
+  (NaN: out of its group's mean and std, advantage 0). Anything else ends the job in one `error:`
+  line (status 2).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -77,6 +83,33 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
+# The keywords a reward function is called with besides the records' columns (TRL's GRPOTrainer's)
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
+
+
+def check_calling_form(fn: Callable, spec: str, columns: Optional[Sequence[str]] = None) -> None:
+    """Refuse in one line a function that cannot be called as TRL calls a reward function: with
+    CALL_KEYWORDS (when loaded), then with the records' `columns` too (on the first call)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): called as it is
+        return
+    given = dict.fromkeys((*CALL_KEYWORDS, *(columns or ())))
+    try:
+        if columns is None:
+            signature.bind_partial(**given)
+        else:
+            signature.bind(**given)
+    except TypeError as exc:
+        name = getattr(fn, "__name__", "the function")
+        raise UserInputError(
+            f"grpo.reward_module={spec!r}: {name}{signature} cannot be called as a reward function is now ({exc}): "
+            "write it in TRL's form fn(prompts, completions, completion_ids, **kwargs), each other column of the "
+            "records a keyword argument by its name (answer, ...); the earlier form fn(prompts, completions, "
+            "answers) is no longer called"
+        ) from None
+
+
 class Rewards:
     """Scores completions by [Note: the GRPO rewards]."""
 
@@ -84,6 +117,9 @@ class Rewards:
         self.cfg = cfg
         self.prompt_field = prompt_field  # the records' prompt column (data.hf.prompt_field)
         self.user = load_reward_function(cfg.reward_module) if cfg.reward_module else None
+        if self.user is not None:
+            check_calling_form(self.user, cfg.reward_module)
+        self._checked = set()  # the column sets the user's function was checked against
         count = len(cfg.rewards) + (self.user is not None)
         self.weights = cfg.reward_weights or [1.0] * count
         self.names = list(cfg.rewards) + (["user"] if self.user is not None else [])
@@ -103,7 +139,7 @@ class Rewards:
         if self.user is not None:
             columns.append(self._user(prompts, list(texts), token_ids))
         self.last = dict(zip(self.names, columns))  # each reward's own scores, unweighted (for the metrics)
-        return [sum(w * col[i] for w, col in zip(self.weights, columns)) for i in range(len(texts))]
+        return combine(columns, self.weights)
 
     def _user(self, prompts: Sequence, texts: list, token_ids: Sequence[Sequence[int]]) -> List[float]:
         """The user's function called as TRL's GRPOTrainer calls one. What it raises propagates: the
@@ -116,14 +152,28 @@ class Rewards:
         reserved = (field, "prompts", "completions", "completion_ids")  # the columns that are not passed as such
         names = [k for k in dict.fromkeys(k for r in records for k in r) if k not in reserved]
         kwargs = {name: [r.get(name) for r in records] for name in names}
+        if tuple(names) not in self._checked:
+            check_calling_form(self.user, spec, names)
+            self._checked.add(tuple(names))
         out = self.user(prompts=given, completions=completions, completion_ids=[list(i) for i in token_ids], **kwargs)
         try:
-            values = [float(v) for v in out]
+            values = [math.nan if v is None else float(v) for v in out]  # None: not applicable (NaN, as TRL)
         except (TypeError, ValueError):
             values = []
-        if len(values) != len(texts) or not all(math.isfinite(v) for v in values):
+        given = [v for v, raw in zip(values, out) if raw is not None]
+        if len(values) != len(texts) or not all(math.isfinite(v) for v in given):
             raise UserInputError(
-                f"grpo.reward_module={spec!r} returned {str(out)[:80]!r}; return one finite number per completion "
-                f"({len(texts)})"
+                f"grpo.reward_module={spec!r} returned {str(out)[:80]!r}; return one finite number (or None: not "
+                f"applicable) per completion ({len(texts)})"
             )
         return values
+
+
+def combine(columns: Sequence[Sequence[float]], weights: Sequence[float]) -> List[float]:
+    """Each completion's weighted sum of its rewards, NaN (None: not applicable) left out, as TRL's
+    nansum; NaN when every reward left it out (TRL's unscorable completion)."""
+    out = []
+    for i in range(len(columns[0]) if columns else 0):
+        terms = [w * col[i] for w, col in zip(weights, columns) if not math.isnan(col[i])]
+        out.append(sum(terms) if terms else math.nan)
+    return out

@@ -24,6 +24,7 @@ those of the run it continues. Tensor-parallel ranks of one group pass the same 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List
 
 import torch
@@ -35,7 +36,7 @@ from framework.finetune.reference import build_reference, copy_policy_into, disa
 from framework.finetune.reference import token_logps as _token_logps
 from framework.generation import generate
 from framework.grpo.data import build_grpo_data
-from framework.grpo.loss import group_advantages, grpo_loss
+from framework.grpo.loss import group_advantages, grpo_loss, nan_std
 from framework.grpo.rewards import Rewards
 from framework.models.tasks import IGNORE_INDEX
 from framework.trainer import Trainer
@@ -168,7 +169,10 @@ class GRPOTrainer(Trainer):
         indices = [int(i) for _ in range(accum) for i in loader.next_batch()["index"]]
         prompts, done = self.rollouts(step, indices)
         rewards = torch.tensor(self._scores(prompts, done, group), dtype=torch.float32)
-        parts = [sum(self.rewards.last.get(name, [])) for name in self.rewards.names]
+        parts = []  # each reward's sum and count over the completions it scored (None: not applicable)
+        for name in self.rewards.names:
+            scored = [v for v in self.rewards.last.get(name, []) if not math.isnan(v)]
+            parts += [sum(scored), float(len(scored))]
         spread = self._batch_std(rewards) if g.scale_rewards == "batch" else None
         advantages = group_advantages(rewards, group, g.scale_rewards, spread).to(device)
         per_micro = len(done) // accum
@@ -235,6 +239,7 @@ class GRPOTrainer(Trainer):
     def _batch_std(self, rewards: torch.Tensor) -> torch.Tensor:
         """The std (Bessel's) of the global batch's rewards (grpo.scale_rewards=batch)."""
         r = rewards.double()
+        r = r[~torch.isnan(r)]  # a completion with no reward is left out (as TRL's nanstd)
         sums = torch.stack([r.new_tensor(float(r.numel())), r.sum(), (r * r).sum()]).to(self.rt.device)
         dist.all_reduce(sums)  # tensor-parallel ranks hold the same rewards: each sum tp times
         n, total, squares = (sums / self.dims.tp).tolist()
@@ -249,16 +254,18 @@ class GRPOTrainer(Trainer):
         group = self.cfg.grpo.num_generations
         grouped = rewards.view(-1, group).double()
         lengths = float(sum(len(c.token_ids) for c in done))
+        scored = float((~torch.isnan(grouped)).sum())  # a completion no reward applied to is left out (TRL's nanmean)
+        spread = float(nan_std(grouped, dim=1).sum())
         sums = torch.tensor(
-            [float(grouped.sum()), float(grouped.std(dim=1).sum()), grouped.numel(), grouped.shape[0], lengths],
-            dtype=torch.float64,
+            [float(grouped.nansum()), spread, grouped.numel(), grouped.shape[0], lengths, scored], dtype=torch.float64
         ).to(stats.device)
         sums = torch.cat([sums, stats, torch.tensor(parts, dtype=torch.float64, device=stats.device)])
         dist.all_reduce(sums)
-        reward, spread, count, groups, length, kl, kl_tokens, clipped, tokens = sums.tolist()[:9]
-        out = {"reward": reward / count, "reward_std": spread / groups, "completion_length": length / count}
-        for name, total in zip(self.rewards.names, sums.tolist()[9:]):
-            out[f"rewards/{name}"] = total / count
+        reward, spread, count, groups, length, scored, kl, kl_tokens, clipped, tokens = sums.tolist()[:10]
+        out = {"reward": reward / max(scored, 1.0), "reward_std": spread / groups, "completion_length": length / count}
+        each = sums.tolist()[10:]
+        for name, total, counted in zip(self.rewards.names, each[0::2], each[1::2]):
+            out[f"rewards/{name}"] = total / max(counted, 1.0)
         if self.cfg.grpo.beta != 0:
             out["kl"] = kl / max(kl_tokens, 1.0)
         out["clip_fraction"] = clipped / max(tokens, 1.0)
@@ -274,6 +281,7 @@ class GRPOTrainer(Trainer):
         if mine:
             done = generate(self.model, [p.ids for p in mine], g.max_new_tokens, eos_ids=[tok.eod], decode=tok.decode)
         scores = self._scores(mine, done, 1)
+        scores = [v for v in scores if not math.isnan(v)]  # no reward applied: left out (TRL's nanmean)
         sums = torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64, device=self.rt.device)
         dist.all_reduce(sums)
         return {"val_reward": float(sums[0] / sums[1].clamp(min=1))}

@@ -160,6 +160,68 @@ def test_a_resume_of_a_run_started_from_pretraining_continues_it_with_the_same_r
             assert mine[name] == theirs[name], (name, mine, theirs)
 
 
+@pytest.fixture(scope="module")
+def lora_from_pretraining(pairs):
+    """stage=dpo with LoRA for 4 steps from the pre-training run's checkpoint (the frozen base),
+    a checkpoint after step 2 (the adapters only); on 1 rank."""
+    from conftest import pretraining_checkpoint, run_main
+
+    start = pairs / "pretraining" / "checkpoints" / "step_00000004"
+    if not start.is_dir():
+        start = pretraining_checkpoint(pairs, pairs / "tok.json")
+    run = pairs / "lora_from_pretraining"
+    extra = [f"checkpoint.resume={start}", "checkpoint.interval=2", "cluster.nproc_per_node=1", "trainer.max_steps=4"]
+    out = run_main(_dpo(pairs, run, "peft.lora.enabled=true", *extra), pairs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, _records(run)
+
+
+def _resume_lora(pairs, step_dir, run_dir):
+    from conftest import run_main
+
+    extra = [f"checkpoint.resume={step_dir}", "cluster.nproc_per_node=1", "trainer.max_steps=4"]
+    return run_main(_dpo(pairs, run_dir, "peft.lora.enabled=true", *extra), pairs)
+
+
+def test_a_lora_resume_of_a_run_started_from_pretraining_reloads_its_frozen_base(pairs, lora_from_pretraining):
+    run, straight = lora_from_pretraining
+    resumed = pairs / "lora_from_pretraining_resumed"
+    out = _resume_lora(pairs, run / "checkpoints" / "step_00000002", resumed)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records] == [3, 4]
+    for mine, theirs in zip(records, straight[2:]):  # the base (and LoRA's reference) is the pre-trained model
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+            assert mine[name] == theirs[name], (name, mine, theirs)
+
+
+def test_a_moved_run_tree_resumes_and_a_missing_start_is_refused_naming_the_path(pairs, lora_from_pretraining):
+    import shutil
+
+    run, straight = lora_from_pretraining
+    state = json.loads((run / "checkpoints" / "step_00000002" / "train_state.json").read_text())
+    assert not state["start"].startswith("/"), state  # the sibling run's step directory, relative
+    moved = pairs / "moved"
+    shutil.copytree(pairs / "pretraining", moved / "pretraining")
+    shutil.copytree(run, moved / run.name)
+    away = pairs / "pretraining.away"
+    (pairs / "pretraining").rename(away)  # the original tree is gone while the copy resumes
+    try:
+        out = _resume_lora(pairs, moved / run.name / "checkpoints" / "step_00000002", moved / "resumed")
+        assert out.returncode == 0, out.stderr[-3000:]
+        records = _records(moved / "resumed")
+        assert [r["loss"] for r in records] == [r["loss"] for r in straight[2:]]
+        shutil.rmtree(moved / "pretraining")
+        out = _resume_lora(pairs, moved / run.name / "checkpoints" / "step_00000002", moved / "refused")
+    finally:
+        away.rename(pairs / "pretraining")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    looked = moved / "pretraining" / "checkpoints" / "step_00000004"
+    assert f"{state['start']} (looked for {looked})" in errors[0] and "which is gone" in errors[0], errors
+    assert "Traceback" not in out.stderr
+
+
 def test_with_lora_the_reference_is_the_policy_without_its_adapters(pairs):
     from conftest import run_main
 

@@ -114,6 +114,21 @@ def test_a_resume_after_two_of_four_steps_is_exact(two_ranks, prompts):
             assert mine[name] == theirs[name], (name, mine, theirs)
 
 
+def test_a_resume_with_other_objective_settings_is_refused_naming_the_saved_ones(two_ranks, prompts):
+    """The checkpoint was trained with grpo.beta=0.1 and loss_type dapo: a resume at beta 0 (the
+    default) with loss_type grpo would switch objective mid-run."""
+    from conftest import run_main
+
+    run, _ = two_ranks
+    step = run / "checkpoints" / "step_00000002"
+    args = [a for a in _grpo(prompts, prompts / "switched", f"checkpoint.resume={step}") if a != "grpo.beta=0.1"]
+    error = _one_error(run_main(args + ["grpo.loss_type=grpo", "cluster.nproc_per_node=1"], prompts))
+    assert error.startswith(
+        f"error: checkpoint.resume: {step} was trained with grpo.loss_type=dapo grpo.beta=0.1 (this job: grpo, 0.0;"
+    ), error
+    assert not (prompts / "switched" / "checkpoints" / "step_00000003").exists()
+
+
 @pytest.fixture(scope="module")
 def from_pretraining(prompts):
     """stage=grpo for 4 steps from a pre-training run's checkpoint (saved at its step 4), a checkpoint
@@ -225,3 +240,31 @@ def test_a_reward_function_written_for_trl_runs_unchanged(prompts):
         assert "kl" not in r and r["grad_norm"] > 0, r
         assert r["rewards/user"] == r["rewards/exact_match"], r
         assert r["reward"] == pytest.approx(r["rewards/exact_match"] * 2 + r["rewards/format"], abs=1e-9)
+
+
+def test_a_reward_function_of_the_earlier_form_is_refused_and_one_returning_none_runs(prompts):
+    """fn(prompts, completions, answers) is refused in one line before training (status 2); a TRL
+    function that returns None for some completions (not applicable) is left out of those sums."""
+    from conftest import run_main
+
+    module = (prompts / "forms").with_suffix(".py")
+    module.write_text(
+        "def old(prompts, completions, answers):\n"
+        "    return [0.0] * len(completions)\n"
+        "def sometimes(completions, **kwargs):\n"
+        "    return [None if i % 2 else 1.0 for i in range(len(completions))]\n"
+    )
+    run = prompts / "old_form"
+    extra = ["grpo.trust_reward_code=true", "cluster.nproc_per_node=1", "trainer.max_steps=2"]
+    error = _one_error(run_main(_grpo(prompts, run, f"grpo.reward_module={module}:old", *extra), prompts))
+    named = f"error: grpo.reward_module='{module}:old': old(prompts, completions, answers) cannot be called"
+    assert error.startswith(named), error
+    assert "fn(prompts, completions, completion_ids, **kwargs)" in error, error
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
+    run = prompts / "none_reward"
+    out = run_main(_grpo(prompts, run, f"grpo.reward_module={module}:sometimes", *extra), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in _records(run):  # the user's mean over the completions it scored: each 1.0
+        assert r["rewards/user"] == 1.0 and r["grad_norm"] > 0, r
+        # every completion is scored by the built-ins: the reward mean counts the user's 1.0 on half
+        assert r["reward"] == pytest.approx(r["rewards/exact_match"] + r["rewards/format"] + 0.5, abs=1e-9), r

@@ -3,6 +3,8 @@ rewards against values computed by hand, the rollout seeds (the jobs: tests/fine
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -267,3 +269,93 @@ def test_a_reward_function_gets_trls_arguments_for_plain_and_chat_prompts(tmp_pa
 def test_rollout_seeds_differ_by_each_of_their_parts():
     seeds = {rollout_seed(s, step, i, k) for s in (0, 1) for step in (1, 2) for i in (0, 1) for k in (0, 1)}
     assert len(seeds) == 16 and all(0 <= s < 2**63 for s in seeds)
+
+
+def _trl_advantages(per_func: torch.Tensor, weights: torch.Tensor, group: int, scale: str) -> tuple:
+    """TRL 1.16's GRPOTrainer combination (sum_then_normalize) of rewards per function, NaN where a
+    function returned None: (the rewards, the advantages)."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(per_func).all(dim=1)
+    rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group)
+    return rewards, torch.nan_to_num((rewards - mean) / (std + 1e-4), nan=0.0)
+
+
+def test_a_reward_function_returning_none_is_combined_as_trl_combines_it(tmp_path):
+    """None is TRL's "not applicable": left out of the weighted sum, and a completion no reward
+    applies to is left out of its group's mean and std with advantage 0."""
+    from framework.grpo.data import Prompt
+
+    module = (tmp_path / "none_reward").with_suffix(".py")
+    module.write_text(
+        "def score(completions, **kwargs):\n"
+        "    return [None if c.startswith('n') else float(len(c)) for c in completions]\n"
+        "def other(completions, **kwargs):\n"
+        "    return [None if c.endswith('!') else 0.5 * len(c) for c in completions]\n"
+    )
+    from framework.grpo.rewards import combine, load_reward_function
+
+    texts = ["n1", "abc", "n!", "x!", "ab", "n2"]  # "n!": neither function applies
+    score, other = (load_reward_function(f"{module}:{name}") for name in ("score", "other"))
+    columns = [[float("nan") if v is None else v for v in fn(completions=texts)] for fn in (score, other)]
+    per_func = torch.tensor(columns).T  # (completions, functions), as TRL's rewards_per_func
+    mine = torch.tensor(combine(columns, [1.0, 3.0]))
+    for scale in ("group", "batch"):
+        theirs, trl_adv = _trl_advantages(per_func, torch.tensor([1.0, 3.0]), 3, scale)
+        torch.testing.assert_close(mine, theirs, equal_nan=True)
+        batch_std = mine[~torch.isnan(mine)].std() if scale == "batch" else None
+        torch.testing.assert_close(group_advantages(mine, 3, scale, batch_std), trl_adv)
+    # through Rewards: the built-in format reward (never None) plus the function, its None left out
+    cfg = GRPOConfig(rewards=["format"], format_regex="b", reward_module=f"{module}:score", trust_reward_code=True)
+    ours = Rewards(dataclasses.replace(cfg, reward_weights=[0.5, 2.0]))
+    combined = ours([Prompt([1], "p", "")] * len(texts), texts, [[1]] * len(texts))
+    assert torch.isnan(mine[2]) and float(group_advantages(mine, 3)[2]) == 0.0
+    # through Rewards: the built-in format reward (no None) plus the function's None left out
+    assert combined == [0.5 * 0 + 0.0, 0.5 * 1 + 2.0 * 3, 0.5 * 0, 0.5 * 0 + 2.0 * 2, 0.5 * 1 + 2.0 * 2, 0.0]
+    assert ours.last["user"][0] != ours.last["user"][0]  # NaN recorded for the metrics' nanmean
+
+
+def test_the_batch_std_of_scale_rewards_batch_is_trls():
+    """grpo.scale_rewards=batch: the global batch's std, gathered over the ranks (one here), equals
+    TRL's nanstd of the batch's rewards, a completion with no reward left out."""
+    import types
+
+    import torch.distributed as dist
+    from trl.trainer.utils import nanstd
+
+    from framework.grpo.trainer import GRPOTrainer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    rewards = torch.tensor([0.25, 1.5, -2.0, 3.0, 0.0, 0.75, float("nan"), 2.5])
+    fake = types.SimpleNamespace(rt=types.SimpleNamespace(device=torch.device("cpu")), dims=types.SimpleNamespace(tp=1))
+    ours = GRPOTrainer._batch_std(fake, rewards)
+    # float64 sums then float32: within float32 rounding of TRL's float32 two-pass std
+    torch.testing.assert_close(ours, nanstd(rewards), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(GRPOTrainer._batch_std(fake, rewards[:6]), rewards[:6].std(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_reward_function_of_the_earlier_form_is_refused_when_loaded(tmp_path):
+    from framework.grpo.data import Prompt
+
+    module = (tmp_path / "old_reward").with_suffix(".py")
+    module.write_text(
+        "def old(prompts, completions, answers):\n    return [0.0] * len(completions)\n"
+        "def needs(prompts, completions, completion_ids, level):\n    return [0.0] * len(completions)\n"
+    )
+    with pytest.raises(UserInputError) as refused:
+        Rewards(GRPOConfig(rewards=[], reward_module=f"{module}:old", trust_reward_code=True))
+    message = str(refused.value)
+    assert message.startswith(f"grpo.reward_module='{module}:old': old(prompts, completions, answers) cannot be")
+    assert "fn(prompts, completions, completion_ids, **kwargs)" in message
+    assert "fn(prompts, completions, answers) is no longer called" in message and "\n" not in message
+    # one that takes no **kwargs: checked against the records' columns on its first call
+    rewards = Rewards(GRPOConfig(rewards=[], reward_module=f"{module}:needs", trust_reward_code=True))
+    with pytest.raises(UserInputError, match=r"needs\(prompts, completions, completion_ids, level\) cannot be called"):
+        rewards([Prompt([1], "p", "", record={"prompt": "p", "answer": 1})], ["x"], [[1]])
