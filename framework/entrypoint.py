@@ -142,7 +142,8 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
     if cfg.stage != Stage.data_preparation:
-        from framework.models.families import check_model, job_model_problems
+        from framework.models.checks import check_model
+        from framework.models.families import job_model_problems
 
         problems += job_model_problems(cfg)  # the model's arguments against the job (no torch)
         problems += [p for p in check_model(cfg.model) if p not in problems]  # the family's own refusals

@@ -109,22 +109,3 @@ def plan_shape(cfg, vocab_size: int):
         f"model.name={cfg.name}: stage=plan has no shapes for this family (its folder has no shapes.py, "
         "or its model.family_module defines no NAMES and plan_shape); train it without stage=plan"
     )
-
-
-def check_model(cfg) -> List[str]:
-    """Every refusal of the model section (an unknown name, the family's own checks), as lines:
-    from the family's spec where it has `check` (no torch: [Note: no torch before the config is
-    accepted] in framework/entrypoint.py), else from its record."""
-    spec = spec_of(cfg.name)
-    try:
-        if spec is not None and hasattr(spec, "check"):
-            spec.check(cfg)
-            return []
-        from framework.models.registry import family_of
-
-        family = family_of(cfg)
-        family.args_of(cfg)
-        family.check(cfg)
-    except UserInputError as exc:
-        return [str(exc)]
-    return []

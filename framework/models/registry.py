@@ -37,7 +37,7 @@ from torch import nn
 
 from framework.config.schema import ModelConfig
 from framework.errors import UserInputError
-from framework.models.families import check_model, family_names, import_family_module, spec_of, unknown_name  # noqa: F401
+from framework.models.families import family_names, import_family_module, spec_of, unknown_name  # noqa: F401
 from framework.models.record import ModelFamily, StateDictAdapter  # noqa: F401 - what a family outside registers
 
 # Families registered by the modules `model.family_module` names (the ones of framework/models/

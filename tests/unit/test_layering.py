@@ -12,10 +12,10 @@ from conftest import REPO
 # nothing below the trainer imports it. A new package must be placed here.
 LAYERS = [
     {"errors"},
-    {"config", "fileio", "offline", "task_files", "param_roles"},
+    {"config", "fileio", "offline", "task_files", "param_roles", "recompute"},
     {"loss_plot"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
-    {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation"},
+    {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation", "routing"},
     {"trainer"},
     {"generate", "evaluate", "dpo", "grpo"},
     {"entrypoint"},
