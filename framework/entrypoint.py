@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint.run_lock import entries, leave_as_found, lock_run_dir
+from framework.checkpoint.run_lock import entries, leave_as_found, lock_run_dir, remove_empty_run_dir
 from framework.config import Stage, to_config, validate
 from framework.errors import EXIT_BAD_INPUT, UserInputError
 
@@ -43,10 +43,7 @@ def _refuse(problems: List[str], run_dir: str) -> int:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
     # Hydra created the run directory before calling us; leave no trace of a refused job.
-    try:
-        os.removedirs(run_dir)  # removes only empty directories, walking up while they are empty
-    except OSError:
-        pass
+    remove_empty_run_dir(run_dir)
     return EXIT_BAD_INPUT
 
 

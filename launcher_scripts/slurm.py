@@ -236,10 +236,11 @@ def render_sbatch(cfg: Config, job: Job, stage: Stage = Stage.training) -> str:
             '    wait "$step_pid"',
             "    status=$?",
             "fi",
-            *cleanup,  # before the requeue, which ends this script
             'if [ "$preempted" = 1 ]; then',
+            "    # No sweep step here: Slurm is ending the job; the requeued job's start sweeps.",
             '    echo "requeueing job ${SLURM_JOB_ID}; it resumes from the latest checkpoint" >&2',
             '    scontrol requeue "$SLURM_JOB_ID"',
+            *(["else", *("    " + line.replace("\n", "\n    ") for line in cleanup)] if cleanup else []),
             "fi",
             'exit "$status"',
         ]
@@ -262,7 +263,7 @@ def _snapshot_cleanup(cfg: Config, job: Job, stage: Stage) -> List[str]:
         srun.append(f"--chdir={job.repo_dir}")
     sweep = [job.python, f"{job.repo_dir}/framework/checkpoint/shm_names.py", "--sweep", *dirs]
     return [
-        "# Memory snapshots nothing removed (ranks killed with their sweeper), on every node.",
+        "# On every node, the memory snapshots of ranks killed with their sweeper removed.",
         shell_command(srun, container_args(cfg, job, stage), sweep) + " || true",
     ]
 

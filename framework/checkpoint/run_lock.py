@@ -56,8 +56,26 @@ def lock_run_dir(run_dir: str) -> None:
 # run directory before the lock is taken (`entries`); after a refusal the process that holds the
 # lock removes what is new there (no other job could have made it: the lock kept them out), drops
 # the lock, and removes the run directory itself when nothing else is left in it (Hydra made it
-# for this job). What was there before, `.lock` of an earlier run included, stays. A crash (status
-# 1) keeps everything: its files are what one debugs.
+# for this job) and the empty folders above it inside the working directory (Hydra's
+# outputs/<date>/), never the working directory or anything above it.
+# What was there before, `.lock` of an earlier run included, stays. A crash (status 1) keeps
+# everything: its files are what one debugs.
+
+
+def remove_empty_run_dir(run_dir: str) -> None:
+    """Remove `run_dir` if it is empty, then each folder above it while it is empty and lies inside
+    the working directory (Hydra made `outputs/<date>/<time>` for the job); the working directory
+    and whatever is above it stay, empty or not: they are the user's."""
+    cwd = os.path.abspath(os.getcwd())
+    path = os.path.abspath(run_dir)
+    while path != cwd and (path == os.path.abspath(run_dir) or path.startswith(cwd + os.sep)):
+        try:
+            os.rmdir(path)  # only an empty folder
+        except OSError:
+            return
+        path = os.path.dirname(path)
+        if not path.startswith(cwd + os.sep):
+            return
 
 
 def entries(run_dir: str) -> frozenset:
@@ -85,5 +103,4 @@ def leave_as_found(run_dir: str, found: frozenset) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
     held.close()
-    with contextlib.suppress(OSError):
-        os.removedirs(run_dir)  # only if empty, and its parents while they are (Hydra made them)
+    remove_empty_run_dir(run_dir)

@@ -66,7 +66,8 @@ def _mesh_from(grid: torch.Tensor, device_type: str, names):
             group = _group_of(tuple(row))
             if me in row:
                 mine.append(group)
-    return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=names)
+    # A 1-D mesh from its one group (torch's list form asks for names, which a default mesh has not).
+    return DeviceMesh.from_group(mine[0] if grid.ndim == 1 else mine, device_type, mesh=grid, mesh_dim_names=names)
 
 
 def init_mesh(device_type: str, shape: Sequence[int], mesh_dim_names: Optional[Sequence[str]] = None):

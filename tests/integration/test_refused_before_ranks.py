@@ -131,6 +131,7 @@ def test_refused_by_the_real_command_line_without_importing_torch(tmp_path, case
     # Once unmeasured first: on a fresh clone the first command compiles every module's bytecode
     # (a one-time cost of the install, ~1 CPU second), which is not the refusal's.
     subprocess.run(cmd, cwd=tmp_path, env=main_env(), capture_output=True, timeout=120)
+    assert tmp_path.is_dir()  # the refusal removed the run directory it made, not the user's empty cwd
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, cwd=tmp_path, env=main_env(), capture_output=True, text=True, timeout=120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

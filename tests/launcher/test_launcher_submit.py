@@ -61,7 +61,8 @@ def test_sbatch_script_hands_the_injection_to_main_py_as_one_argument(tmp_path):
     env = _env(tmp_path, bin_dir, SLURM_JOB_ID="77", SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_NUM_NODES="1")
     out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    (argv,) = _calls(tmp_path, "srun")
+    argv, sweep = _calls(tmp_path, "srun")  # the training step, then the snapshot sweep on every node
+    assert sweep[-2:] == ["--sweep", "/dev/shm"]
     assert f"checkpoint.dir={INJECTED_VALUE[:0]}'{INJECTED_VALUE}'" in argv  # verbatim, one argument
     # The rendezvous port comes from the job id: 15000 + 77 % 15000.
     assert "--rdzv-endpoint=node-a:15077" in argv and "--rdzv-id=77" in argv
