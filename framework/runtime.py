@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -543,8 +544,17 @@ def _start_local(fn: Callable[[Any], int], arg: Any, nprocs: int, timeout_s: flo
     first: tuple[int, int] | None = None  # (rank, exit code) of the first rank that ended badly
     stopped: list[int] = []
     try:
-        for p in procs:
-            p.start()
+        # [Note: forked ranks never collect what they inherit] A forked rank holds a copy of every
+        # object of this process, garbage included: a TCPStore left in a reference cycle by an
+        # earlier job run in this process, say. Collected in the rank, its destructor joins the
+        # store's thread, which a fork does not copy, and the rank hangs for good. Frozen objects
+        # are never collected, so the ranks start with everything inherited frozen.
+        gc.freeze()
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            gc.unfreeze()
         if port_pipe is not None:
             store = host_store()
             os.close(port_pipe[0])
