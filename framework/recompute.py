@@ -17,16 +17,22 @@ def recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
-@contextlib.contextmanager
-def _recompute_region():
-    token = _RECOMPUTING.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTING.reset(token)
+class _RecomputeRegion:
+    """The mark around a recompute. Re-enterable: a block may be recomputed more than once from
+    one forward (zbv's input and weight halves each recompute a checkpointed block), and torch
+    enters the same context object each time."""
+
+    def __init__(self) -> None:
+        self._tokens: list = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_RECOMPUTING.set(True))
+
+    def __exit__(self, *exc) -> None:
+        _RECOMPUTING.reset(self._tokens.pop())
 
 
 def recompute_contexts():
     """`context_fn` for torch.utils.checkpoint: nothing around the first forward, the mark around
-    the recompute."""
-    return contextlib.nullcontext(), _recompute_region()
+    each recompute."""
+    return contextlib.nullcontext(), _RecomputeRegion()

@@ -144,6 +144,9 @@ def test_refused_by_the_real_command_line_without_importing_torch(tmp_path, case
     assert "torch" not in imported, [m for m in imported if m.startswith("torch")][:5]
     assert not run.exists()
     # CPU seconds, not wall time: on a loaded 2-core machine the wall time of a 0.5 s job is
-    # several times that. Measured unloaded-ish: 0.5 s for a config field, 1.4 s for a task name
-    # (lm-eval's index of its own tasks, ~1 s); with torch it was ~4.4 s.
-    assert cpu < 2, f"{case}: {cpu:.2f} CPU seconds"
+    # several times that. Measured on a quiet machine (`/usr/bin/time`, warm): 0.5 s for a config
+    # field, 0.8 s for a task name (lm-eval's index of its own tasks); with torch it was ~4.4 s.
+    # The bound leaves room for what the suite's load does to CPU time too (a cache shared with
+    # another worker's ranks: the task name took 2.45 CPU s at load 20); the torch check above
+    # is what keeps it fast.
+    assert cpu < 3, f"{case}: {cpu:.2f} CPU seconds"
