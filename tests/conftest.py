@@ -316,3 +316,18 @@ def pytest_collection_modifyitems(config, items):
         if rel(item) in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
     items.sort(key=lambda item: rank.get(rel(item), len(LONG_FILES)))  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_outlives_its_module(request):
+    """A test module that leaves torch's default process group up fails here, by name, and the group
+    is destroyed: left up, every later in-process group of the same pytest worker refused to start
+    ("trying to initialize the default process group twice") and forked ranks inherited it."""
+    yield
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.name} left torch's default process group initialised", pytrace=False)

@@ -327,18 +327,23 @@ def test_the_batch_std_of_scale_rewards_batch_is_trls():
     import types
 
     import torch.distributed as dist
+    from conftest import free_port
     from trl.trainer.utils import nanstd
 
     from framework.grpo.trainer import GRPOTrainer
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    rewards = torch.tensor([0.25, 1.5, -2.0, 3.0, 0.0, 0.75, float("nan"), 2.5])
-    fake = types.SimpleNamespace(rt=types.SimpleNamespace(device=torch.device("cpu")), dims=types.SimpleNamespace(tp=1))
-    ours = GRPOTrainer._batch_std(fake, rewards)
-    # float64 sums then float32: within float32 rounding of TRL's float32 two-pass std
-    torch.testing.assert_close(ours, nanstd(rewards), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(GRPOTrainer._batch_std(fake, rewards[:6]), rewards[:6].std(), rtol=1e-6, atol=1e-6)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:  # the group goes with the test: a later in-process group of this worker could not start
+        rewards = torch.tensor([0.25, 1.5, -2.0, 3.0, 0.0, 0.75, float("nan"), 2.5])
+        rt = types.SimpleNamespace(device=torch.device("cpu"))
+        fake = types.SimpleNamespace(rt=rt, dims=types.SimpleNamespace(tp=1))
+        ours = GRPOTrainer._batch_std(fake, rewards)
+        # float64 sums then float32: within float32 rounding of TRL's float32 two-pass std
+        torch.testing.assert_close(ours, nanstd(rewards), rtol=1e-6, atol=1e-6)
+        six = GRPOTrainer._batch_std(fake, rewards[:6])
+        torch.testing.assert_close(six, rewards[:6].std(), rtol=1e-6, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_reward_function_of_the_earlier_form_is_refused_when_loaded(tmp_path):
