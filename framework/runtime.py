@@ -208,9 +208,18 @@ def _generation(store, rank: int, world: int, timeout: datetime.timedelta) -> in
 def shutdown() -> None:
     _Heartbeat.stop()
     # After a crash the peers may be gone or stuck: tearing the group down could hang or abort
-    # ("terminate called without an active exception"); the process is about to end anyway.
-    if dist.is_initialized() and not _crashed:
+    # ("terminate called without an active exception"); the process is about to end anyway. A
+    # world of one has no peers: its group goes, so a process that runs jobs one after the other
+    # (a sweep, a test session) starts the next one clean after a crash.
+    if dist.is_initialized() and (not _crashed or dist.get_world_size() == 1):
         dist.destroy_process_group()
+
+
+def forget_crash() -> None:
+    """A new job in this process starts with no crash reported: an earlier job's crash (in a
+    process that runs jobs one after the other) must not change how this one ends."""
+    global _crashed
+    _crashed = False
 
 
 def note_step(step: int) -> None:

@@ -32,7 +32,7 @@ from framework.models.tasks import IGNORE_INDEX, RunView, to_device
 from framework.optim import build_optimizer, build_scheduler, hidden_matrix_names, no_decay_names
 from framework.profiling import StepProfiler
 from framework.routing import RouterSteps
-from framework.runtime import Runtime, init_distributed, report_crash, shutdown
+from framework.runtime import Runtime, forget_crash, init_distributed, report_crash, shutdown
 from framework.stop import StopPolicy
 from framework.train_state import TrainState
 
@@ -470,6 +470,7 @@ def run(cfg: Config, claim=None, body=None, record=None, trainer_class=None) -> 
     the exit status. `claim` (under torchrun, where rank 0 is not a parent of the others): rank 0
     takes the run directory once the ranks can talk, and a refusal there ends every rank with 2.
     `record`: writes the job's config (see `_train`)."""
+    forget_crash()
     rt = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     if claim is not None:
         problem = [claim() if rt.rank == 0 else None]

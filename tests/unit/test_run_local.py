@@ -113,3 +113,30 @@ def test_ranks_do_not_collect_a_store_their_parent_left_as_garbage():
     )
     result, failure = _run_local("_collect_then_sum", 10, before=before, timeout_s=60)
     assert failure is None and result == [[0, 2, 30.0, "gloo"], [1, 2, 30.0, "gloo"]], (result, failure)
+
+
+def test_a_crashed_job_in_process_leaves_no_process_group_for_the_next():
+    # A process that runs jobs one after the other (a test session, a sweep): a job that crashed
+    # kept its world-of-one group up, and the crash mark stayed set, so every later job in the
+    # process left its group up too (a later module of the same pytest worker found torch's default
+    # group already initialised).
+    code = (
+        "import torch.distributed as dist\n"
+        "from framework import runtime\n"
+        "rt = runtime.init_distributed('cpu')\n"
+        "try:\n"
+        "    raise RuntimeError('this job failed')\n"
+        "except RuntimeError as exc:\n"
+        "    runtime.report_crash(exc)\n"
+        "runtime.shutdown()\n"
+        "print('after crash', dist.is_initialized())\n"
+        "runtime.forget_crash()\n"
+        "runtime.init_distributed('cpu')\n"
+        "runtime.shutdown()\n"
+        "print('next job', dist.is_initialized())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["after crash False", "next job False"], done.stdout
