@@ -281,7 +281,8 @@ def _print_ratios(results: dict, repeats: int) -> None:
                 ratios = [a / b for a, b in zip(slowest(f"{key}{suffix}"), plain)]
                 q1, _, q3 = statistics.quantiles(ratios, n=4)
                 parts.append(f"{suffix.strip() or 'opt.step()'} {statistics.median(ratios):.3f} ({q1:.2f}-{q3:.2f})")
-        print(f"  {key:28} " + "   ".join(parts))
+        if parts:  # a plain-tensors row alone (the bf16 state's torch operations) has no ratio here
+            print(f"  {key:28} " + "   ".join(parts))
 
 
 if __name__ == "__main__":

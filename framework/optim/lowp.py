@@ -398,7 +398,8 @@ def _sqrt(x: torch.Tensor, out: torch.Tensor, *, exact: bool) -> torch.Tensor:
     AdamW step in one pass on a CPU] in lowp_cpu.py): torch's float32 sqrt on a CPU (MKL's) is 1 ulp
     off in a fifth of the values, so there it is taken in float64 and rounded once (a float64
     root within 1 ulp rounds to the correct float32: no float32 root comes within 2^-50 of a
-    midpoint); CUDA's float32 sqrt is correctly rounded. Without, torch's sqrt, as torch's AdamW
+    midpoint); elsewhere torch's float32 sqrt (CUDA's is correctly rounded by NVIDIA's documented
+    default; not checked on a GPU here). Without, torch's sqrt, as torch's AdamW
     takes it (the float32 state's step, bit for bit)."""
     if exact and x.device.type == "cpu":
         return out.copy_(x.double().sqrt_())

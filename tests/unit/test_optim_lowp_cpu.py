@@ -79,6 +79,14 @@ def test_compiled_loop_steps_the_torch_paths_bits(fresh):
             for k, (x, y) in enumerate(zip(a, b)):
                 assert _same_bits(x, y), (threads, step, k // 3, ("param", "exp_avg", "exp_avg_sq")[k % 3])
     assert torch.isnan(got[-1][3 * 3 + 1].float()).any()  # the NaN reached the state and stayed NaN
+    p = torch.nn.Parameter(torch.ones(5))
+    p.grad = torch.ones(5)
+    opt = lowp.AdamWLowState([p], lr=0.1, cpu_kernel=True)
+    opt.step()
+    before = [t._version for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+    opt.step()  # the loop writes behind autograd's back: the in-place writes are counted all the same
+    after = [t._version for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+    assert all(a > b for a, b in zip(after, before)), (before, after)
     x = torch.randn(300_001, generator=torch.Generator().manual_seed(1))
     x[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
     key = lowp.rounding_key(3, torch.tensor(5.0), 2, lowp.SALT_MOMENTUM)  # as Muon's rounding takes it
