@@ -1,6 +1,8 @@
 """One process's AdamW step with bfloat16 state (`AdamWLowState`, framework/optim/lowp.py) against
-torch's AdamW (foreach and for-loop, float32 state) on the same 2.6M parameters, per chunk size of
-the step ([Note: the bf16-state AdamW step on tensor lists]): every optimizer stepped in turn,
+torch's AdamW (foreach and for-loop, float32 state) on the same 2.6M parameters: in the compiled
+CPU loop ([Note: the bf16-state AdamW step in one pass on a CPU], where it can be built) and made
+by torch's operations per chunk size of that step ([Note: the bf16-state AdamW step on tensor
+lists]; `cpu_kernel=False`, the path a GPU takes): every optimizer stepped in turn,
 interleaved call by call, one compute thread; the median wall and process-CPU time of each, and
 the median ratio to torch's foreach step call by call.
 
