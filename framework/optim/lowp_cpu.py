@@ -297,19 +297,19 @@ def library() -> Optional[ctypes.CDLL]:
     (the torch path) where there is no compiler, the compile fails, or any bit differs."""
     with _lock:
         if "lib" not in _state:
-            _state["lib"], _state["why"] = None, None
-            cc = compiler()
+            lib, why, cc = None, None, compiler()
             if cc is None:
-                _state["why"] = "no C compiler ($CC or cc)"
+                why = "no C compiler ($CC or cc)"
             else:
                 try:
                     lib = _load(_build(cc))
-                    _state["why"] = _self_check(lib)
-                    _state["lib"] = lib if _state["why"] is None else None
                 except (OSError, _BuildError, subprocess.SubprocessError) as e:
-                    _state["why"] = f"compile or load failed: {e}"
-            if _state["why"] is not None:
-                log.info("bf16-state AdamW on CPU: the torch path (%s)", _state["why"])
+                    why = f"compile or load failed: {e}"
+                else:  # anything the check raises is a bug of ours: it keeps its traceback
+                    why = _self_check(lib)
+            if why is not None:
+                log.info("bf16-state AdamW on CPU: the torch path (%s)", why)
+            _state.update(lib=lib if why is None else None, why=why)
         return _state["lib"]
 
 
