@@ -1,6 +1,8 @@
 """One process's AdamW step with bfloat16 state (`AdamWLowState`, framework/optim/lowp.py) against
-torch's AdamW (foreach and for-loop, float32 state) on the same 2.6M parameters, per chunk size of
-the step ([Note: the bf16-state AdamW step on tensor lists]): every optimizer stepped in turn,
+torch's AdamW (foreach and for-loop, float32 state) on the same 2.6M parameters: in the compiled
+CPU loop ([Note: the bf16-state AdamW step in one pass on a CPU], where it can be built) and made
+by torch's operations per chunk size of that step ([Note: the bf16-state AdamW step on tensor
+lists]; `cpu_kernel=False`, the path a GPU takes): every optimizer stepped in turn,
 interleaved call by call, one compute thread; the median wall and process-CPU time of each, and
 the median ratio to torch's foreach step call by call.
 
@@ -43,8 +45,8 @@ def _params() -> list:
     return ps
 
 
-def _low(chunk: int):
-    opt = lowp.AdamWLowState(_params(), lr=1e-6, weight_decay=0.1)
+def _low(chunk: int, cpu_kernel: bool = False):
+    opt = lowp.AdamWLowState(_params(), lr=1e-6, weight_decay=0.1, cpu_kernel=cpu_kernel)
 
     def step():
         saved, lowp.CHUNK_CPU = lowp.CHUNK_CPU, chunk
@@ -84,8 +86,14 @@ def main() -> None:
     }
     if args.before:
         calls[f"bf16 state at {args.before}"] = _before(args.before)
+    from framework.optim import lowp_cpu
+
+    if lowp_cpu.library() is not None:
+        calls["bf16 state, compiled loop"] = _low(lowp.CHUNK_CPU, cpu_kernel=True)
+    else:
+        print(f"no compiled loop: {lowp_cpu.unavailable_reason()}")
     for c in args.chunks:
-        calls[f"bf16 state, chunks of 2^{c}"] = _low(1 << c)
+        calls[f"bf16 state, torch ops, chunks of 2^{c}"] = _low(1 << c)
     for step in calls.values():
         step()  # state allocated outside the timing
     load = os.getloadavg()

@@ -14,7 +14,9 @@ Run it at two commits to compare (the JSON names the commit). Writes a table to 
 
 AdamW with bfloat16 state (`optimizer.state_dtype=bf16`, framework/optim/lowp.py) is timed beside
 torch's foreach AdamW on the same parameters, interleaved call by call, with each call's process
-CPU time beside its wall time (on a shared machine the wall time counts others' use of the cores):
+CPU time beside its wall time (on a shared machine the wall time counts others' use of the cores);
+on a CPU it steps in its compiled loop where one was built (framework/optim/lowp_cpu.py), and
+"torch ops" is the same step made by torch's operations, as on a GPU:
 
     .venv/bin/python bench/optimizer_step.py --boundaries anywhere --repeats 15 --skip-muon \
         --out bench/results/optimizer_step_bf16.json
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import os
 import statistics
@@ -48,8 +51,6 @@ def _worker(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import inspect
-
     from framework.distributed.fsdp import fully_shard
 
     takes_boundary = "shard_boundary" in inspect.signature(fully_shard).parameters
@@ -142,6 +143,8 @@ def _bf16_state_rows(out: dict, boundary: str, params: list, plain: list, optimi
         "foreach (beside bf16 state)": torch.optim.AdamW(params, lr=1e-6, foreach=True),
         "foreach plain tensors (beside bf16 state)": torch.optim.AdamW(plain, lr=1e-6, foreach=True),
     }
+    if "cpu_kernel" in inspect.signature(AdamWLowState).parameters:  # the torch operations, as a GPU steps
+        opts["bf16 state torch ops plain tensors"] = AdamWLowState(plain, lr=1e-6, weight_decay=0.1, cpu_kernel=False)
     for opt in opts.values():
         opt.step()  # state allocated outside the timing
     calls = {k: opt.step for k, opt in opts.items()}
@@ -171,6 +174,7 @@ def _print_bf16_ratios(results: dict, repeats: int) -> None:
         "opt.step()": ("bf16 state", "foreach (beside bf16 state)"),
         "optimizer_step": ("bf16 state optimizer_step", "foreach optimizer_step (beside bf16 state)"),
         "plain tensors": ("bf16 state plain tensors", "foreach plain tensors (beside bf16 state)"),
+        "plain, torch ops": ("bf16 state torch ops plain tensors", "foreach plain tensors (beside bf16 state)"),
     }
     boundaries = sorted({k.split(" ", 1)[0] for k in results[0] if k.endswith(" bf16 state")})
     if not boundaries:
@@ -232,6 +236,13 @@ def main() -> None:
         f"GPT {args.model_size}, {args.ranks} gloo ranks, CPU fp32, commit {commit}: median of {args.repeats} calls, ms"
     )
     print(f"  {_cpu_name()}, load average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    try:
+        from framework.optim import lowp_cpu
+    except ImportError:  # a commit before the compiled loop
+        pass
+    else:
+        why = lowp_cpu.unavailable_reason()
+        print(f"  bf16 state on the CPU: {'the compiled loop' if why is None else 'the torch operations: ' + why}")
     for key, ms in rows.items():
         print(f"  {key:52} {ms:9.2f}")
     _print_ratios(results, args.repeats)
@@ -270,7 +281,8 @@ def _print_ratios(results: dict, repeats: int) -> None:
                 ratios = [a / b for a, b in zip(slowest(f"{key}{suffix}"), plain)]
                 q1, _, q3 = statistics.quantiles(ratios, n=4)
                 parts.append(f"{suffix.strip() or 'opt.step()'} {statistics.median(ratios):.3f} ({q1:.2f}-{q3:.2f})")
-        print(f"  {key:28} " + "   ".join(parts))
+        if parts:  # a plain-tensors row alone (the bf16 state's torch operations) has no ratio here
+            print(f"  {key:28} " + "   ".join(parts))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ together. Per chunk: both moments are read into one float32 buffer, updated ther
 AdamW operations in torch's order (the bias corrections and step sizes are made in float64 from
 the count tensor, as torch makes them in Python floats, and cast to float32 as its kernels cast
 those: the same bits, tests/unit/test_optim_state_dtype.py, against torch's AdamW with float32
-state), the parameters updated from them, then the whole buffer rounded by one run of the int32
+state; with bf16 state the square root is the correctly rounded one, `_sqrt`, which on a CPU
+torch's is not), the parameters updated from them, then the whole buffer rounded by one run of the int32
 hash (each tensor's key xor-ed into its span first) and written back as bfloat16. The chunk
 bounds the step's scratch (four buffers of twice its size) and, on a CPU, keeps them in cache
 between the dozen operations of the rounding: on 2.6M parameters (bench/results/lowp_step.txt,
@@ -52,6 +53,10 @@ a loaded 2-core machine, CPU time) 2^17-element chunks took 42 ms a step where 2
 (torch's foreach AdamW with float32 state: 19.5 ms; this step before the lists: 227 ms). On a CPU the
 update is addcdiv with the step sizes as a CPU tensor (its C++ reads them); elsewhere the same
 order (step size x m, / denom, + p) in three list operations, which read nothing on the host.
+These torch operations are the step on a GPU (and on a CPU without a C compiler). On a CPU with
+one, bf16 state is stepped by one compiled loop instead, the same bits in one pass over memory:
+[Note: the bf16-state AdamW step in one pass on a CPU] in lowp_cpu.py (0.3x torch's foreach
+AdamW's time where these operations take 3x: bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from framework.optim import lowp_cpu
 
 try:
     from torch.distributed.tensor import DTensor
@@ -171,10 +178,23 @@ def _keep_nan_(rounded: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor) -> tor
 def stochastic_round_bf16(x: torch.Tensor, key) -> torch.Tensor:
     """`x` (float32) rounded to bfloat16 stochastically, with bits hashed from `key` (an int, or an
     int32 tensor from `rounding_key`) and each value's own bits (deterministic; [Note: bf16
-    optimizer state and its rounding]). Infinities stay as they are, NaNs stay NaN."""
+    optimizer state and its rounding]). Infinities stay as they are, NaNs stay NaN. On a CPU with
+    the compiled loop ([Note: the bf16-state AdamW step in one pass on a CPU]) in one pass, the
+    same bits."""
     x = x.to(torch.float32).contiguous()
+    key = _int32_key(key)
+    if x.device.type == "cpu" and (not isinstance(key, torch.Tensor) or key.device.type == "cpu"):
+        lib = lowp_cpu.library()
+        if lib is not None:
+            return lowp_cpu.round_bf16(lib, x, key)
+    return _torch_round(x, key)
+
+
+def _torch_round(x: torch.Tensor, key) -> torch.Tensor:
+    """`stochastic_round_bf16` in torch operations (any device): `x` contiguous float32, `key` an
+    int32 value or 0-d int32 tensor."""
     out = torch.empty_like(x, dtype=torch.int32)
-    _round_bits_(out, x.view(torch.int32), torch.empty_like(out), key=_int32_key(key))
+    _round_bits_(out, x.view(torch.int32), torch.empty_like(out), key=key)
     rounded = _keep_nan_(out.view(torch.float32), x, torch.empty_like(x))
     return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
@@ -208,7 +228,8 @@ class AdamWLowState(torch.optim.Optimizer):
     tensor on the parameter's device (as torch's capturable AdamW keeps it); [Note: bf16 optimizer
     state and its rounding]. Steps whole tensors, our engine's pieces and DTensors' local tensors
     alike (every operation is elementwise), over tensor lists: [Note: the bf16-state AdamW step on
-    tensor lists]."""
+    tensor lists]; bf16 state on a CPU in one compiled loop where it can be built (`cpu_kernel`,
+    [Note: the bf16-state AdamW step in one pass on a CPU]), the same bits."""
 
     # Every operation is elementwise and takes no norm: our engine may step it on the plain local
     # data ([Note: the optimizer step on plain local data] in framework/distributed/fsdp/optim_check.py).
@@ -224,6 +245,7 @@ class AdamWLowState(torch.optim.Optimizer):
         *,
         state_dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
+        cpu_kernel: bool = True,
     ) -> None:
         # torch's AdamW's settings, so that the param groups (which a resume compares with the
         # checkpoint's) have the same keys with either state dtype; amsgrad, maximize and the
@@ -232,6 +254,9 @@ class AdamWLowState(torch.optim.Optimizer):
         super().__init__(params, like.defaults)
         self.state_dtype = state_dtype
         self.seed = seed
+        # bf16 state on a CPU: step in the compiled loop where it is available and checked ([Note:
+        # the bf16-state AdamW step in one pass on a CPU]); False: always the torch operations
+        self.cpu_kernel = cpu_kernel
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -245,6 +270,14 @@ class AdamWLowState(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        low_on_cpu = self.state_dtype == torch.bfloat16 and any(
+            p.grad is not None and p.device.type == "cpu" for group in self.param_groups for p in group["params"]
+        )
+        self._step(lowp_cpu.library() if self.cpu_kernel and low_on_cpu else None)
+        return loss
+
+    def _step(self, lib) -> None:
+        """The step, with the compiled CPU loop `lib` (for the parameters it `fits`) or None."""
         slot = -1
         for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize"):
@@ -266,12 +299,12 @@ class AdamWLowState(torch.optim.Optimizer):
                     state["step"] = state["step"].to(p.device)
                 todo.setdefault(p.device, []).append((p, state, slot))
             for items in todo.values():
-                self._step_tensors(group, items)
-        return loss
+                self._step_tensors(group, items, lib)
 
-    def _step_tensors(self, group: dict, items: List) -> None:
+    def _step_tensors(self, group: dict, items: List, lib=None) -> None:
         """The step of `items` ((param, state, slot), all on one device): [Note: the bf16-state
-        AdamW step on tensor lists]."""
+        AdamW step on tensor lists]; with `lib`, those it `fits` in the compiled CPU loop ([Note:
+        the bf16-state AdamW step in one pass on a CPU])."""
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         b1, b2 = group["betas"]
         device = items[0][0].device
@@ -281,13 +314,35 @@ class AdamWLowState(torch.optim.Optimizer):
         # torch's AdamW makes these with Python floats, which its float32 kernels cast to float32:
         # the same float64 operations here (pow, subtraction, true division, sqrt), then the cast
         step_size = torch.full_like(count, lr).div_(torch.pow(b1, count).neg_().add_(1)).neg_().float()
-        bc2_sqrt = torch.pow(b2, count).neg_().add_(1).sqrt_().float().unbind()
+        bc2_sqrt_all = torch.pow(b2, count).neg_().add_(1).sqrt_().float()
+        bc2_sqrt = bc2_sqrt_all.unbind()
         step_sizes = step_size.unbind() if device.type != "cpu" else None
         low = self.state_dtype != torch.float32
         if low:  # each tensor's two rounding keys, 0-d int32 tensors
             keys = self._keys(device, count, [s for _, _, s in items])
             mom_keys, sq_keys = keys[0].unbind(), keys[1].unbind()
         tensors = [_local_tensors(p, st) for p, st, _ in items]
+        if low and lib is not None and device.type == "cpu":
+            fit = [i for i, four in enumerate(tensors) if lowp_cpu.fits(*four)]
+            if fit:
+                idx = None if len(fit) == len(tensors) else torch.tensor(fit)
+                pick = (lambda t: t.contiguous()) if idx is None else (lambda t: t[idx].contiguous())  # noqa: E731
+                lowp_cpu.adamw_step(
+                    lib,
+                    [tensors[i] for i in fit],
+                    pick(keys[0]),
+                    pick(keys[1]),
+                    pick(step_size),
+                    pick(bc2_sqrt_all),
+                    lr=lr,
+                    betas=(b1, b2),
+                    eps=eps,
+                    weight_decay=wd,
+                )
+                rest = set(range(len(tensors))) - set(fit)
+                tensors = [t if i in rest else None for i, t in enumerate(tensors)]
+            if not any(t is not None for t in tensors):
+                return
         sizes, chunks = _chunks(tensors, _chunk_elements(device))
         # one chunk's float32 moments ([exp_avg of each tensor, exp_avg_sq of each tensor]), and int32 scratch
         buf = torch.empty(2 * max(sizes), dtype=torch.float32, device=device)
@@ -301,7 +356,7 @@ class AdamWLowState(torch.optim.Optimizer):
             torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
             v32.mul_(b2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
-            denom_flat = torch.sqrt(v32, out=scratch[:size].view(torch.float32))
+            denom_flat = _sqrt(v32, scratch[:size].view(torch.float32), exact=low)
             denom = _views(denom_flat, sqs)
             torch._foreach_div_(denom, [bc2_sqrt[i] for i, _ in chunk])
             denom_flat.add_(eps)
@@ -338,6 +393,19 @@ class AdamWLowState(torch.optim.Optimizer):
         return _finish_key(torch.stack([prefix ^ SALT_EXP_AVG, prefix ^ SALT_EXP_AVG_SQ]))
 
 
+def _sqrt(x: torch.Tensor, out: torch.Tensor, *, exact: bool) -> torch.Tensor:
+    """sqrt(x) into `out`, float32. With `exact`, the correctly rounded root ([Note: the bf16-state
+    AdamW step in one pass on a CPU] in lowp_cpu.py): torch's float32 sqrt on a CPU (MKL's) is 1 ulp
+    off in a fifth of the values, so there it is taken in float64 and rounded once (a float64
+    root within 1 ulp rounds to the correct float32: no float32 root comes within 2^-50 of a
+    midpoint); elsewhere torch's float32 sqrt (CUDA's is correctly rounded by NVIDIA's documented
+    default; not checked on a GPU here). Without, torch's sqrt, as torch's AdamW
+    takes it (the float32 state's step, bit for bit)."""
+    if exact and x.device.type == "cpu":
+        return out.copy_(x.double().sqrt_())
+    return torch.sqrt(x, out=out)
+
+
 def _chunk_elements(device: torch.device) -> int:
     """The most elements a chunk of the step holds ([Note: the bf16-state AdamW step on tensor lists])."""
     return CHUNK_CPU if device.type == "cpu" else CHUNK_ACCELERATOR
@@ -349,11 +417,14 @@ def _chunks(
     """The parameters of `tensors` ((param, grad, exp_avg, exp_avg_sq) each) in chunks of at most
     `limit` elements: (each chunk's size, each chunk's [(index, None for the whole tensor or
     (start, end) of its flattened elements)]). A parameter larger than `limit` is cut when its four
-    tensors are contiguous (as the engine and torch make them), else it is a chunk of its own."""
+    tensors are contiguous (as the engine and torch make them), else it is a chunk of its own.
+    A None in `tensors` (stepped elsewhere) is left out."""
     sizes: List[int] = []
     chunks: List[List] = []
     size, chunk = 0, []
     for i, four in enumerate(tensors):
+        if four is None:
+            continue
         n = four[0].numel()
         if n > limit and all(t.is_contiguous() for t in four):
             spans = [(a, min(a + limit, n)) for a in range(0, n, limit)]

@@ -175,7 +175,9 @@ def test_adamw_low_state_steps_on_a_device_without_host_reads():
 @torch.no_grad()
 def _reference_adamw_step(params, state, groups_of, seed, b1=0.9, b2=0.95, lr=3e-3, eps=1e-8):
     """AdamW with bf16 state one parameter at a time, as first written: Python-int counts and
-    keys, the int64 rounding above."""
+    keys, the int64 rounding above; the square root correctly rounded (taken in float64: torch's
+    float32 sqrt on a CPU is 1 ulp off in a fifth of the values, CUDA's and the compiled CPU
+    loop's are not)."""
     for slot, p in enumerate(params):
         if p.grad is None:
             continue
@@ -186,19 +188,26 @@ def _reference_adamw_step(params, state, groups_of, seed, b1=0.9, b2=0.95, lr=3e
         m = st["m"].float().lerp_(p.grad, 1 - b1)
         v = st["v"].float().mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
         p.mul_(1 - lr * groups_of[slot])
-        denom = (v.sqrt() / math.sqrt(1 - b2**n)).add_(eps)
+        denom = (v.double().sqrt().float() / math.sqrt(1 - b2**n)).add_(eps)
         p.addcdiv_(m, denom, value=-lr / (1 - b1**n))
         st["m"] = _round_reference(m, _key_reference(seed, n, slot, 1))
         st["v"] = _round_reference(v, _key_reference(seed, n, slot, 2))
 
 
-def test_foreach_chunked_step_equals_the_per_parameter_step_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["torch-ops", "compiled-loop"])
+def test_foreach_chunked_step_equals_the_per_parameter_step_bit_for_bit(monkeypatch, cpu_kernel):
     """The step over tensor lists, in chunks (small ones here, so that tensors are cut and packed:
     [Note: the bf16-state AdamW step on tensor lists]), equals AdamW with bf16 state stepped one
     parameter at a time with the rounding's definition: parameters and state, bit for bit, over
     steps where a parameter has no gradient (counts that differ), a transposed parameter (not
-    cut), two groups, and a NaN and an infinity in a gradient."""
-    from framework.optim import lowp
+    cut), two groups, and a NaN and an infinity in a gradient. With the compiled CPU loop ([Note:
+    the bf16-state AdamW step in one pass on a CPU]; where there is a compiler) the same, the
+    transposed parameter stepped by the torch operations beside it."""
+    from framework.optim import lowp, lowp_cpu
+
+    if cpu_kernel and lowp_cpu.compiler() is None:
+        pytest.skip("no C compiler: the compiled loop cannot be built")
+    assert not cpu_kernel or lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
 
     monkeypatch.setattr(lowp, "CHUNK_CPU", 1000)
     g = torch.Generator().manual_seed(0)
@@ -213,6 +222,7 @@ def test_foreach_chunked_step_equals_the_per_parameter_step_bit_for_bit(monkeypa
         betas=(0.9, 0.95),
         weight_decay=0.1,
         seed=99,
+        cpu_kernel=cpu_kernel,
     )
     state: dict = {}
     for step in range(5):
