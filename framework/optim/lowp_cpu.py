@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -256,15 +257,31 @@ def _cache_dir() -> str:
     return os.path.join(base, "framework", "kernels")
 
 
+def _private(path: str) -> bool:
+    """True for a real file or folder (not a link) this user owns that no one else can write to: a
+    library is loaded, i.e. its code run, only from such a file in such a folder."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(cc: str) -> str:
     """The shared library's path, compiled into the cache unless it is there already."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     digest = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version, _cpu_id()]).encode()).hexdigest()[:16]
     folder = _cache_dir()
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if not _private(folder):
+        # A cache another user can write to (or a link in its place) could hold a library of theirs:
+        # build into a folder of this process's own instead (a second's compile, every process).
+        folder = tempfile.mkdtemp(prefix="framework-kernels-")
     path = os.path.join(folder, f"lowp_{digest}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(folder, exist_ok=True)
+    if os.path.lexists(path):
+        if _private(path):
+            return path
+        os.unlink(path)  # not ours, or writable by others: replaced by our own build
     # written under a name of its own, then renamed: ranks compiling at once each install a whole file
     fd, src = tempfile.mkstemp(suffix=".c", dir=folder)
     with os.fdopen(fd, "w") as f:
@@ -274,6 +291,7 @@ def _build(cc: str) -> str:
         done = subprocess.run([cc, *_FLAGS, src, "-o", tmp], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise _BuildError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # whatever the umask: no one else may change what is loaded
         os.replace(tmp, path)
     finally:
         for leftover in (src, tmp):

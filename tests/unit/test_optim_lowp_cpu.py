@@ -67,6 +67,35 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_cc
+def test_a_library_someone_else_could_have_written_is_never_loaded(fresh):
+    """A library in the cache is code run by every bf16-state job: one behind a link, or writable by
+    others, is replaced by this process's own build; a cache folder others can write to is not
+    used at all (a private folder of this process's instead)."""
+    assert lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+    (built,) = fresh.glob("framework/kernels/lowp_*.so")
+    planted = fresh / "planted.so"
+    planted.write_bytes(b"not a library")
+    built.unlink()
+    built.symlink_to(planted)
+    lowp_cpu._state.clear()
+    assert lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+    assert not built.is_symlink() and planted.read_bytes() == b"not a library"
+    built.chmod(0o777)
+    lowp_cpu._state.clear()
+    assert lowp_cpu.library() is not None and built.stat().st_mode & 0o777 == 0o755
+    folder = built.parent
+    folder.chmod(0o777)
+    try:
+        for leftover in folder.iterdir():
+            leftover.unlink()
+        lowp_cpu._state.clear()
+        assert lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+        assert not list(folder.iterdir()), "built in a folder others can write to"
+    finally:
+        folder.chmod(0o700)
+
+
+@needs_cc
 def test_compiled_loop_steps_the_torch_paths_bits(fresh):
     """Where a compiler is found the loop is built, passes its check, and every parameter and
     state bit equals the torch path's over four steps (one and two threads)."""
