@@ -139,7 +139,7 @@ def test_a_system_package_that_does_not_install_fails_ci_before_the_tests(tmp_pa
     """apt-get failing to install what the Slurm tests need is CI's failure, not skipped tests."""
     out = _ci_with_apt(tmp_path, apt_install_status=100, tools=())
     assert out.returncode == 1, (out.stdout, out.stderr)
-    assert "error: apt-get install slurm-wlm munge shellcheck failed" in out.stderr
+    assert "error: apt-get install slurm-wlm munge shellcheck gcc failed" in out.stderr
     assert not (tmp_path / "make.log").exists()  # neither the venv nor the tests ran
 
 
@@ -151,5 +151,5 @@ def test_an_installed_package_without_its_command_fails_ci(tmp_path):
 
 
 def test_installed_system_packages_lead_on_to_the_tests(tmp_path):
-    out = _ci_with_apt(tmp_path, apt_install_status=0, tools=("slurmctld", "slurmd", "munged"))
+    out = _ci_with_apt(tmp_path, apt_install_status=0, tools=("slurmctld", "slurmd", "munged", "cc"))
     assert (tmp_path / "make.log").read_text().splitlines()[:2] == ["make venv", "make lint"], out.stderr
