@@ -36,6 +36,26 @@ BASE = {
 FAMILIES = {
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4),
     "qwen3_moe": dict(BASE, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=24),
+    # MLA attention, a dense first block, shared experts, group-limited routing with the router's bias
+    "deepseek_v3": dict(
+        BASE,
+        model_type="deepseek_v3",
+        num_key_value_heads=4,  # MLA: as many key/value heads as query heads
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=24,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # biased experts with a clamped gate, attention sinks, sliding-window layers
+    "gpt_oss": dict(BASE, model_type="gpt_oss", num_local_experts=4, head_dim=8, sliding_window=8),
 }
 TOL = 1e-5  # see the module docstring
 STEPS = 5
@@ -127,13 +147,104 @@ def _rank(rank, world, run_dir, parallelism):
         }
         trainer.ckpt.close()
         del trainer
+        if label in SOURCES:
+            out[label]["from_files"] = _start_from_files(rank, world, f"{run_dir}/{label}", parallelism)
     return out
+
+
+SOURCES = ("mixtral", "gpt_oss")  # files of one tensor per expert (merged on load), and stacked ones
+READ = {  # the expert tensors of a block as save_pretrained writes them
+    "mixtral": ["w1", "w2", "w3"],
+    "gpt_oss": ["down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"],
+}
+
+
+def _start_from_files(rank, world, run_dir, parallelism):
+    """Start from a save_pretrained directory; return the largest difference between the job's
+    gathered weights and transformers' own load of it, and the experts this rank read per tensor."""
+    import re
+
+    import transformers
+
+    import framework.checkpoint.hf as files
+    from framework.runtime import Runtime
+    from framework.trainer import Trainer
+
+    read: dict[str, set] = {}
+
+    def note(key, rows):
+        match = re.search(r"layers\.1\.\w+\.experts\.(\d+\.)?(\w+)", key)
+        if match:
+            read.setdefault(match.group(2), set()).update(rows)
+
+    class Slice:
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, index):
+            rows = index[0] if isinstance(index, tuple) else index
+            note(self.key, range(*rows.indices(self.inner.get_shape()[0])))
+            return self.inner[index]
+
+    class Spy:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, key):
+            if "experts" in key:
+                expert = re.search(r"experts\.(\d+)\.", key)
+                note(key, [int(expert.group(1))] if expert else range(self.inner.get_slice(key).get_shape()[0]))
+            return self.inner.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def get_slice(self, key):
+            return Slice(key, self.inner.get_slice(key))
+
+    opener = files.open_safetensors
+    files.open_safetensors = lambda path, where: Spy(opener(path, where))
+    try:
+        cfg = make_config({}, "causal_lm", parallelism, run_dir, path=f"{run_dir}/source")
+        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        assert trainer.ckpt.resume(trainer.state) == 0
+    finally:
+        files.open_safetensors = opener
+    truth = transformers.AutoModelForCausalLM.from_pretrained(f"{run_dir}/source").state_dict()
+    worst = 0.0
+    for name, value in trainer.model.state_dict().items():
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+        worst = max(worst, (whole - truth[name]).abs().max().item())
+    trainer.ckpt.close()
+    return {"worst": worst, "read": {k: sorted(v) for k, v in read.items()}}
 
 
 @pytest.mark.parametrize("world, parallelism", [(2, {"ep": 2}), (4, {"ep": 2, "dp_shard": 4})], ids=["ep2", "ep2_dp2"])
 def test_hf_moe_split_by_expert_equals_transformers_on_one_process(tmp_path, world, parallelism):
+    import transformers
+
     from tests.distributed.harness import run_ranks
 
+    for label in SOURCES:
+        config = dict(FAMILIES[label])
+        torch.manual_seed(3)
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        )
+        model.save_pretrained(tmp_path / label / "source")
     results = run_ranks(_rank, world_size=world, args=(str(tmp_path), parallelism), timeout_s=300)
     for label in FAMILIES:
         for rank in range(world):
@@ -150,6 +261,16 @@ def test_hf_moe_split_by_expert_equals_transformers_on_one_process(tmp_path, wor
         loaded = results[0][label]["loaded"]
         assert loaded["missing"] == [] and loaded["unexpected"] == [], (label, loaded)
         assert loaded["worst"] <= TOL, (label, loaded)
+    # Started from save_pretrained files, the weights are transformers' own load of them exactly, and
+    # each rank read only its slice of each expert tensor: 4 / world experts, no two ranks the same.
+    for label in SOURCES:
+        starts = [results[rank][label]["from_files"] for rank in range(world)]
+        assert all(s["worst"] == 0.0 for s in starts), (label, starts)
+        assert sorted(starts[0]["read"]) == READ[label], (label, starts[0]["read"])
+        for tensor in starts[0]["read"]:
+            held = [s["read"][tensor] for s in starts]
+            assert all(len(h) == 4 // world for h in held), (label, tensor, held)
+            assert sorted(e for h in held for e in h) == [0, 1, 2, 3], (label, tensor, held)
 
 
 def test_an_ep_that_does_not_divide_the_experts_is_refused_before_start(tmp_path):
