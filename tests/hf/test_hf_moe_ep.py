@@ -290,3 +290,26 @@ def test_an_ep_that_does_not_divide_the_experts_is_refused_before_start(tmp_path
     ]
     assert "(num_experts=6)" in model_problems(on_disk, 1, 16, 0, ep=4)[0]
     assert model_problems(inline, 1, 16, 0, ep=2) == model_problems(on_disk, 1, 16, 0, ep=3) == []
+
+
+def test_the_planner_splits_each_blocks_experts_over_ep():
+    """stage=plan's units at ep=2: each block's stacked experts a unit of their own, half of them,
+    sharded over the efsdp ranks (as the engine lays them out), the rest of the block unchanged."""
+    from framework.config.schema import ModelConfig
+    from framework.models.hf.shapes import plan_shape
+    from framework.models.shapes import units
+
+    shape = plan_shape(ModelConfig(name="hf", config=FAMILIES["qwen3_moe"]), 128)
+    whole = {u.name: u for u in units(shape, 1, 1)}
+    split = {u.name: u for u in units(shape, 1, 2)}
+    for block in ("block.0", "block.1"):
+        experts = split[f"{block}.model.layers.{block[-1]}.mlp.experts"]
+        assert experts.shard == "efsdp" and sorted(t.name.rpartition(".")[2] for t in experts.tensors) == [
+            "down_proj",
+            "gate_up_proj",
+        ]
+        # 4 experts of (48 x 32) gate-up and (32 x 24) down, half of them per ep rank
+        assert sum(t.numel for t in experts.tensors) == 4 * (48 * 32 + 32 * 24) // 2
+        assert sum(t.numel for t in split[block].tensors) + 2 * sum(t.numel for t in experts.tensors) == sum(
+            t.numel for t in whole[block].tensors
+        )
