@@ -68,9 +68,9 @@ def _split_forward(base: type, self, hidden_states: torch.Tensor, top_k_index: t
     outputs = dispatch(inputs, lambda per_expert: _run_held(base, self, per_expert))
     weights = top_k_weights.reshape(-1)
     place = torch.cat(routed)
-    weighted = torch.cat(outputs) * weights[place, None].to(hidden_states.dtype)
-    pairs = hidden_states.new_zeros((tokens * k, hidden_states.shape[-1])).index_copy(0, place, weighted)
-    return pairs.view(tokens, k, -1).sum(dim=1)
+    weighted = torch.cat(outputs) * weights[place, None]  # in the weights' precision, as transformers
+    pairs = weighted.new_zeros((tokens * k, weighted.shape[-1])).index_copy(0, place, weighted)
+    return pairs.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def _run_held(base: type, module: nn.Module, per_expert: list) -> list:
@@ -81,6 +81,10 @@ def _run_held(base: type, module: nn.Module, per_expert: list) -> list:
     ids = torch.repeat_interleave(torch.arange(len(sizes), device=rows.device), torch.tensor(sizes, device=rows.device))
     ones = rows.new_ones((rows.shape[0], 1))
     out = base.forward(held, rows, ids[:, None], ones)
+    if rows.requires_grad and not out.requires_grad:
+        # No row came (transformers' eager loop then skips every expert): the rows' gradient must
+        # still flow back through the all-to-all, which every rank of the group joins in backward.
+        out = out + rows * 0
     return list(out.split(sizes))
 
 
