@@ -7,10 +7,13 @@ expert sharded over 2 ranks besides), and a plain transformers model trained on 
 same initial weights on the same global batches gives the reference: the losses, the gradient
 norms and every weight after 5 steps agree within 1e-5 (fp32). The sharded run sums the gradient in
 another order (2 micro-batches per rank, the all-to-all's and reduce-scatter's sums) and the experts
-multiply rows batched otherwise; that moves fp32 results by ~1e-7 a step, and 1e-5 leaves room for
-5 steps of it and nothing more: an expert computed on another rank's weights, a lost row, or an
-expert gradient scaled by 1/ep moves the loss by more than 1e-3. Every export (written by the ep
-job) loads in transformers with no missing or unexpected key and holds the job's weights.
+multiply rows batched otherwise; that moves fp32 results by ~1e-7 a step (5e-7 at most seen), and
+1e-5 leaves room for 5 steps of it while the losses themselves move by more than 0.1 over the 5
+steps (asserted > 1e-3), so a step that trains otherwise shows. On 2 ranks Mixtral runs once more
+with its blocks recomputed in backward (the all-to-alls run again inside the recomputation). Every
+export (written by the ep job) loads in transformers with no missing or unexpected key and holds
+the job's weights; Mixtral (one file tensor per expert) and gpt-oss (stacked files) also start from
+save_pretrained directories, each rank reading only its slice of the experts.
 """
 
 from __future__ import annotations
@@ -111,8 +114,8 @@ def _rank(rank, world, run_dir, parallelism):
     from framework.trainer import Trainer
 
     out = {}
-    for label, config in FAMILIES.items():
-        cfg = make_config(config, "causal_lm", parallelism, f"{run_dir}/{label}")
+    for label, (config, extra) in _cases(world).items():
+        cfg = make_config(config, "causal_lm", {**parallelism, **extra}, f"{run_dir}/{label}")
         cfg.checkpoint.export_safetensors = True  # the job's export, written by every rank
         reference, ref_losses, ref_norms = _reference(cfg)
         trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
@@ -150,6 +153,15 @@ def _rank(rank, world, run_dir, parallelism):
         if label in SOURCES:
             out[label]["from_files"] = _start_from_files(rank, world, f"{run_dir}/{label}", parallelism)
     return out
+
+
+def _cases(world: int) -> dict:
+    """{label: (config, parallelism beside ep)}: every family, and on 2 ranks Mixtral with its blocks
+    recomputed in backward (the all-to-alls run again inside the recomputation)."""
+    cases = {label: (config, {}) for label, config in FAMILIES.items()}
+    if world == 2:
+        cases["mixtral_recomputed"] = (FAMILIES["mixtral"], {"activation_checkpointing": "full"})
+    return cases
 
 
 SOURCES = ("mixtral", "gpt_oss")  # files of one tensor per expert (merged on load), and stacked ones
@@ -246,7 +258,7 @@ def test_hf_moe_split_by_expert_equals_transformers_on_one_process(tmp_path, wor
         )
         model.save_pretrained(tmp_path / label / "source")
     results = run_ranks(_rank, world_size=world, args=(str(tmp_path), parallelism), timeout_s=300)
-    for label in FAMILIES:
+    for label in _cases(world):
         for rank in range(world):
             r = results[rank][label]
             # each expert on one rank of the ep pair only (and sharded over the 2 efsdp ranks beside)
