@@ -13,7 +13,10 @@ appended by rank 0 and dropped. No rank ever holds more than one full tensor. Mo
 Import needs no communication and never reads a whole tensor it does not keep: every rank opens
 the files lazily (`safe_open`) and reads only its own slice of each tensor (`get_slice`), computed
 from the DTensor's placements (torch.chunk sizes per mesh dim, left to right), so a model larger
-than one rank's memory loads.
+than one rank's memory loads. A tensor transformers stacks from one file tensor per expert
+(Mixtral's `experts.3.w1.weight`, Qwen3-MoE's `experts.3.gate_proj.weight`, ...) is read by its
+experts: a rank reads only the experts its slice of dim 0 holds (under `parallelism.ep`, its own),
+stacks and joins them as transformers does, and keeps its slice of the other dims.
 """
 
 from __future__ import annotations
@@ -313,8 +316,12 @@ def import_safetensors(
                 except Exception as exc:  # noqa: BLE001 - a lying header shows when the bytes are read
                     raise UserInputError(f"{where}: {path}: tensor {key} cannot be read ({_first_line(exc)})") from None
     for name, (operations, groups) in merges.items():
-        full = _merge(files, operations, groups, where)
         like = model_sd[name]
+        box = _expert_box(like, operations, groups)
+        if box is not None:  # this rank's experts only (see [Note: sliced import])
+            out[name] = _merged_piece(files, operations, groups, where, like, box, name)
+            continue
+        full = _merge(files, operations, groups, where)
         if tuple(full.shape) != tuple(like.shape):
             raise UserInputError(
                 f"{where}: {groups[0][0]} and the tensors merged with it make shape {tuple(full.shape)}, "
@@ -322,6 +329,41 @@ def import_safetensors(
             )
         out[name] = _from_full(full.to(like.dtype), like)
     return out, len(out)
+
+
+def _expert_box(like: torch.Tensor, operations, groups: list[list[str]]):
+    """This rank's box of a tensor stacked per expert on dim 0 (MergeModulelist(0), then joins on
+    other dims) from one file tensor per expert; None when the merge is another or `like` whole."""
+    kinds = [(type(op).__name__, getattr(op, "dim", 0)) for op in operations]
+    stacked = bool(kinds) and kinds[0] == ("MergeModulelist", 0) and all(d != 0 for _, d in kinds[1:])
+    if not stacked or not hasattr(like, "device_mesh") or any(len(g) != like.shape[0] for g in groups):
+        return None
+    return _local_box(like)
+
+
+def _merged_piece(files, operations, groups, where: str, like: torch.Tensor, box, name: str) -> torch.Tensor:
+    """The piece `box` of a per-expert merge, reading only the experts in box[0]."""
+    from torch.distributed.tensor import DTensor
+
+    lo, hi = box[0]
+    part = _merge(files, operations, [g[lo:hi] for g in groups], where) if hi > lo else None
+    if part is None:  # no expert here (more ranks than experts on this dim): an empty piece
+        local = torch.empty([b - a for a, b in box], dtype=like.dtype)
+    else:
+        if tuple(part.shape[1:]) != tuple(like.shape[1:]):
+            raise UserInputError(
+                f"{where}: {groups[0][0]} and the tensors merged with it make shape "
+                f"{(like.shape[0], *part.shape[1:])}, the model needs {tuple(like.shape)} (our {name})"
+            )
+        local = part[(slice(None), *(slice(a, b) for a, b in box[1:]))].to(like.dtype).contiguous()
+    return DTensor.from_local(
+        local.to(like.device_mesh.device_type),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def _merge(files: dict[str, str], operations, groups: list[list[str]], where: str) -> torch.Tensor:

@@ -9,10 +9,12 @@ holding it ({0, 2} and {1, 3}). Every rank still reads its own samples (data par
 dp_shard ranks) and keeps the rest of the model sharded over all of them.
 
 A model opts in by giving each group of experts the shape of `framework.models.llama.moe.Experts`:
-stacked tensors with the expert on dim 0, a `dispatch` attribute, and a forward from a list of
-rows per held expert to a list of outputs. `apply_expert_parallel` replaces each tensor with a
-DTensor holding this rank's slice (`Shard(0)` on the ep mesh; sliced from the full value every
-rank built with the same seed, so the numbers do not depend on the layout), and sets `dispatch`.
+stacked tensors with the expert on dim 0 (every tensor the module itself holds) and a `dispatch`
+attribute, which the module calls with the rows of each expert and a function from the rows per
+held expert to their outputs (transformers' experts: framework/models/hf/moe.py).
+`apply_expert_parallel` replaces each tensor with a DTensor holding this rank's slice (`Shard(0)`
+on the ep mesh; sliced from the full value every rank built with the same seed, so the numbers do
+not depend on the layout), and sets `dispatch`.
 
 One step of a block, on every rank of an ep group, for its own tokens:
   1. the router picks experts (as without ep); the rows for expert e are grouped by e, which
@@ -51,7 +53,9 @@ __all__ = ["apply_expert_parallel", "expert_groups", "AllToAllCounter"]
 
 def expert_groups(model: nn.Module) -> List[nn.Module]:
     """The modules holding stacked experts (see [Note: the layout of expert parallelism])."""
-    return [m for m in model.modules() if hasattr(m, "dispatch") and isinstance(getattr(m, "w1", None), torch.Tensor)]
+    return [
+        m for m in model.modules() if hasattr(m, "dispatch") and next(m.parameters(recurse=False), None) is not None
+    ]
 
 
 class AllToAllCounter:

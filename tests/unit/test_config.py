@@ -257,7 +257,6 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
             "model=moe_debug parallelism.ep=4 model.args.n_experts=6",
             "parallelism.ep=4 does not divide model.args.n_experts=6",
         ),
-        ("model=hf model.path=/x parallelism.ep=2", "parallelism.ep=2 with model=hf"),
         ("parallelism.cp=2 data.seq_len=129", "data.seq_len=129 is not divisible by parallelism.cp=2"),
         ("parallelism.cp=4 model.args.n_heads=6", "parallelism.cp=4 does not divide the 6 attention heads"),
         (

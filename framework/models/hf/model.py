@@ -181,6 +181,9 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
             f"model.task={task}: transformers has no such model for "
             f"model_type={config.model_type} ({str(exc).splitlines()[0]})"
         ) from None
+    from framework.models.hf.moe import make_splittable
+
+    make_splittable(model)  # splittable by expert (parallelism.ep); computes the same until split
     return model
 
 

@@ -22,6 +22,10 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
     seen: set = set()
     full_name = {id(p): n for n, p in model.named_parameters()}
     muon = hidden_matrix_names(model)  # optimizer=muon's matrices, as the optimizer builder takes them
+    from framework.models.hf.moe import is_hf_experts
+
+    # stacked experts (split by parallelism.ep: [Note: Hugging Face experts by expert]): their count
+    stacked = {id(p): m.num_experts for m in model.modules() if is_hf_experts(m) for p in m.parameters(recurse=False)}
 
     def tensors(module) -> tuple:
         out = []
@@ -31,7 +35,8 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
                 name = full_name[id(p)]
                 row = p[0].numel() if p.dim() >= 2 else 1
                 matrix = tuple(p.shape[-2:]) if p.dim() >= 2 else ()  # a replace() keeps it whole over tp
-                out.append(Tensor(name, p.numel(), False, row=row, muon=name in muon, matrix=matrix))
+                experts = stacked.get(id(p), 0)
+                out.append(Tensor(name, p.numel(), False, row=row, muon=name in muon, matrix=matrix, experts=experts))
         return tuple(out)
 
     per_unit = [(f"block.{i}", tensors(b)) for i, b in enumerate(blocks(model))]
