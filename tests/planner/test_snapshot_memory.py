@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from framework.checkpoint.memory import fit_problem
+from framework.checkpoint.snapshot_files import fit_problem
 from framework.config import compose_config, to_config
 from framework.planner.plan import fit_problems, make_plan
 from framework.planner.snapshot_fit import planned_snapshots
@@ -73,7 +73,7 @@ def test_snapshots_larger_than_the_free_space_of_memory_dir_are_refused(tmp_path
 
 def test_the_planned_snapshot_memory_is_what_the_ranks_allocate(tmp_path):
     """Two torchrun agents stand for two nodes (one rank each), snapshots every 5 steps, 20 steps.
-    tests/reliability/inject counts in each rank every tensor framework/checkpoint/memory.py makes
+    tests/reliability/inject counts in each rank every tensor the snapshot code makes
     (the host buffers a snapshot is copied into, the exchange's send and receive buffers) while it
     lives, and the bytes of the `.data` files in each node's memory_dir: the peaks equal the
     planner's count for the same job, byte for byte (the manifests, a few KB of JSON, are not

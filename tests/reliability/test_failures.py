@@ -99,7 +99,7 @@ def test_float8_job_ends_cleanly_on_a_dead_rank_and_a_full_disk(tmp_path, fault,
 
 
 def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys):
-    from framework.runtime import _print_failures
+    from framework.local_ranks import _print_failures
 
     class Proc:
         def __init__(self, exitcode):

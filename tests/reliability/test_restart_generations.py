@@ -20,7 +20,7 @@ runtime.init_distributed("cpu", collective_timeout_s=20)
 dist.barrier()
 first = not (marks / f"ran{rank}").exists()
 (marks / f"ran{rank}").touch()
-print(f"rank {rank} restart count {os.environ['TORCHELASTIC_RESTART_COUNT']} met in {runtime._attempt}", flush=True)
+print(f"rank {rank} restart count {os.environ['TORCHELASTIC_RESTART_COUNT']} met in {runtime.attempt()}", flush=True)
 if first:
     if rank == 1:
         sys.exit(3)
