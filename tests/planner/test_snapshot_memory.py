@@ -80,10 +80,9 @@ def test_the_planned_snapshot_memory_is_what_the_ranks_allocate(tmp_path):
     counted on either side)."""
     import json
     import subprocess
-    import sys
     from pathlib import Path
 
-    from conftest import REPO, TINY, free_port
+    from conftest import REPO, TINY, free_port, main_env, torchrun
 
     inject = REPO / "tests" / "reliability" / "inject"
     args = TINY + ["trainer.eval_interval=0", "checkpoint.memory_interval=5", "trainer.max_steps=20"]
@@ -94,16 +93,11 @@ def test_the_planned_snapshot_memory_is_what_the_ranks_allocate(tmp_path):
             d.mkdir()
         dirs.append(shm)
         measured.append(out)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1"]
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=measure"]
-        cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(
-            PYTHONPATH=f"{inject}{os.pathsep}{REPO}",
-            OMP_NUM_THREADS="1",
-            FRAMEWORK_TEST_SNAPSHOT_DIR=str(shm),
-            FRAMEWORK_TEST_MEASURE_SNAPSHOTS=str(out),
-        )
+        flags = ["--nnodes=2", "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
+        flags += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=measure"]
+        cmd = torchrun(flags, [*args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"])
+        measure_env = {"FRAMEWORK_TEST_SNAPSHOT_DIR": str(shm), "FRAMEWORK_TEST_MEASURE_SNAPSHOTS": str(out)}
+        env = main_env({"PYTHONPATH": f"{inject}{os.pathsep}{REPO}", **measure_env})
         agents.append(
             subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         )
