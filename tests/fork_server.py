@@ -55,9 +55,25 @@ PRELOAD = [
 
 
 def context():
-    """This test process's fork server (started on first use, with `PRELOAD`)."""
+    """This test process's fork server, started on first use with `PRELOAD` and one compute thread.
+
+    The server is started in this process's environment with OMP_NUM_THREADS=1, as a user's shell
+    gives `main.py` (conftest's `main_env`): OpenMP reads it once, when torch loads it into the
+    server, and every process forked from there keeps that pool; with the variable unset a job ran
+    its steps on two OpenMP threads and took 16-21 s instead of 4-6 s on the loaded 2-core machine."""
+    from multiprocessing import forkserver
+
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()  # a no-op once it runs
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
     return ctx
 
 

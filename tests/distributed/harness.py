@@ -41,6 +41,7 @@ from tests.fork_server import PRELOAD, context
 def run_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results."""
     device = "cuda" if "nccl" in os.environ.get("TEST_DIST_BACKEND", "gloo") else "cpu"
+    context()  # the tests' fork server, started as tests/fork_server.py starts it
     return run_local(
         fn,
         world_size,
