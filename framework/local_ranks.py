@@ -142,7 +142,8 @@ def run_local(
     [Note: local ranks are forked on CPU builds]). "forkserver" forks every rank from one clean
     process per parent that imported `preload` once, before its first rank: a parent that ran
     autograd or held process groups (a test process) passes neither to its ranks, and the ranks
-    import nothing again (the tests start a few hundred jobs)."""
+    import nothing again (the tests start a few hundred jobs). Such ranks are the server's children:
+    they die with it (`_die_with_parent`), and it ends with this process."""
     import pickle
     import tempfile
 
