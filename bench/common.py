@@ -2,7 +2,7 @@
 bytes peers put on the wire, and measuring a step's peak memory.
 
 The same code runs on CPU (gloo, one compute thread per rank) and on CUDA (NCCL, one GPU per rank):
-the ranks are started as `main.py` starts its own (`framework.runtime.run_local`), which picks by
+the ranks are started as `main.py` starts its own (`framework.local_ranks.run_local`), which picks by
 what the machine has. Nothing here comes from tests/.
 """
 
@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from framework.local_ranks import run_local
 from framework.profiling import peak_delta_bytes  # noqa: F401  (the benchmarks' peak reader)
-from framework.runtime import run_local
 
 SIZES = {  # name: (vocab, d_model, layers, heads, seq, micro_batch per rank)
     "tiny": (1024, 128, 2, 4, 64, 4),
@@ -249,7 +249,7 @@ def _with_device(rank: int, world: int, fn: Callable, *args) -> Any:
 
 def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 3600) -> list:
     """Run `fn(rank, world, device, *args)` on `world` ranks; return the per-rank results. The
-    ranks are started as `main.py` starts its own (`framework.runtime.run_local`): one compute
+    ranks are started as `main.py` starts its own (`framework.local_ranks.run_local`): one compute
     thread each on CPU, gloo there, NCCL beside gloo on CUDA with one GPU per rank, with the NCCL
     settings `main.py`'s ranks run with ([Note: a hung rank on NCCL] in framework/runtime.py)."""
     return run_local(_with_device, world, args=(fn, *args), device="auto", timeout_s=timeout_s)

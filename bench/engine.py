@@ -47,7 +47,7 @@ from bench.common import (  # noqa: E402
     reset_rss_peak,
     rss_mb,
 )
-from framework.runtime import run_local  # noqa: E402
+from framework.local_ranks import run_local  # noqa: E402
 
 # ------------------------------------------------------------------ engines
 # our engine's variants: ours_gloo over gloo's TCP instead of shared memory

@@ -37,7 +37,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import SIZES, batch, build_engine, build_gpt, loss_of  # noqa: E402
-from framework.runtime import run_local  # noqa: E402
+from framework.local_ranks import run_local  # noqa: E402
 
 BOUNDARIES = ("anywhere", "rows", "params")
 OPTIMIZERS = ("adamw", "muon")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import reset_rss_peak, rss_mb  # noqa: E402
-from framework.runtime import run_local  # noqa: E402
+from framework.local_ranks import run_local  # noqa: E402
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 FEATURES = {"lora": ("full", "lora"), "quantized": ("plain", "int8")}  # feature: (A, B)

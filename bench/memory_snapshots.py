@@ -36,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import SIZES, batch, build_engine, gpt_params  # noqa: E402
-from framework.runtime import run_local  # noqa: E402
+from framework.local_ranks import run_local  # noqa: E402
 
 
 class _Position:

@@ -30,8 +30,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config.schema import Engine, ModelConfig, ParallelismConfig  # noqa: E402
+from framework.local_ranks import run_local  # noqa: E402
 from framework.models.llama.args import llama_args  # noqa: E402
-from framework.runtime import run_local  # noqa: E402
 
 MODEL = ModelConfig(
     name="bench",

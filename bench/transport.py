@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework.runtime import run_local  # noqa: E402
+from framework.local_ranks import run_local  # noqa: E402
 
 
 def worker(rank: int, world: int, transport: str, numel: int, iters: int) -> tuple:

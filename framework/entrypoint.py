@@ -168,7 +168,8 @@ def _run(cfg, dict_cfg: DictConfig, problems: List[str]) -> int:
     """Claim the run directory and run the stage: in this process, on local ranks, or as this
     torchrun rank."""
     # written by rank 0 when the job is past its refusals ([Note: one config.yaml per run])
-    from framework.runtime import run_rank, spawn_local
+    from framework.local_ranks import spawn_local
+    from framework.runtime import run_rank
 
     record = functools.partial(
         record_config, cfg.run_dir, config_name(cfg.stage), OmegaConf.to_yaml(dict_cfg, resolve=True)

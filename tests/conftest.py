@@ -35,19 +35,27 @@ def main_env(env=None) -> dict:
     """The environment a user's shell gives `main.py`: this repository importable, one compute
     thread per rank, and no rank variables of an enclosing job."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env.pop("RANK", None)
-    full_env.pop("WORLD_SIZE", None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        full_env.pop(name, None)
     return full_env
 
 
+def torchrun(flags: List[str], args: List[str], script=REPO / "main.py") -> List[str]:
+    """The command that runs `script args` (main.py by default) under torchrun with `flags`: how
+    the tests start ranks under torchrun (its restarts, several agents standing for nodes), in the
+    environment `main_env` gives. Ranks without torchrun start as main.py starts them
+    (framework/local_ranks.py): `run_main`, or `tests/distributed/harness.py`'s `run_ranks`."""
+    return [sys.executable, "-m", "torch.distributed.run", *flags, str(script), *args]
+
+
 def run_main(args: List[str], cwd: Path, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
-    """`python main.py args...` in `cwd`, capturing output; never hangs the suite. Through the
-    tests' main.py server when the environment allows (see [Note: the tests' main.py server] in
-    tests/main_server.py), else a subprocess; the result is the same CompletedProcess."""
+    """`python main.py args...` in `cwd`, capturing output; never hangs the suite. Forked from the
+    tests' fork server when the environment allows (see [Note: the tests' fork server] in
+    tests/fork_server.py), else a subprocess; the result is the same CompletedProcess."""
     full_env = main_env(env)
     cmd = [sys.executable, str(REPO / "main.py"), *args]
     if _server_can_run(full_env):
-        return _MainServer.run(cmd, args, cwd, full_env, timeout)
+        return _ServerJob.run(cmd, args, cwd, full_env, timeout)
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -59,56 +67,30 @@ def _server_can_run(env: dict) -> bool:
     return in_use and last == str(REPO) and all(Path(h, "sitecustomize.py").is_file() for h in hooks)
 
 
-class _MainServer:
-    """The client side of tests/main_server.py: one server per test process, started on first use."""
+class _ServerJob:
+    """A main.py job the tests' fork server forked, running in the background, with the part of
+    `subprocess.Popen` the tests use: pid, poll, wait, communicate, send_signal, terminate, kill."""
 
-    proc: subprocess.Popen | None = None
+    running: "_ServerJob | None" = None  # the job started last: ended before the next one starts
 
-    @classmethod
-    def _server(cls) -> subprocess.Popen:
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen(
-                [sys.executable, str(REPO / "tests" / "main_server.py")],
-                cwd=REPO,
-                env=main_env(),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            assert "ready" in json.loads(cls.proc.stdout.readline())
-        return cls.proc
-
-    @classmethod
-    def _reply(cls, proc: subprocess.Popen, timeout: float) -> dict | None:
-        import select
-
-        ready, _, _ = select.select([proc.stdout], [], [], max(timeout, 0.0))
-        if not ready:
-            return None
-        line = proc.stdout.readline()
-        assert line, "the tests' main.py server ended"
-        return json.loads(line)
-
-    @classmethod
-    def start(cls, cmd, args, cwd, env) -> "_ServerJob":
+    def __init__(self, cmd, args, cwd, env) -> None:
         import tempfile
 
-        cls._finish_running()
-        proc = cls._server()
-        tmp = tempfile.TemporaryDirectory(prefix="main-run-")
-        out, err = os.path.join(tmp.name, "out"), os.path.join(tmp.name, "err")
-        request = {"argv": list(args), "cwd": str(cwd), "env": env, "out": out, "err": err}
-        proc.stdin.write(json.dumps(request) + "\n")
-        proc.stdin.flush()
-        cls.running = _ServerJob(cmd, proc, cls._reply(proc, 60)["pid"], tmp)
-        return cls.running
+        from tests.fork_server import context, main_job
 
-    running: "_ServerJob | None" = None
+        _ServerJob._finish_running()
+        self._tmp = tempfile.TemporaryDirectory(prefix="main-run-")
+        out, err = os.path.join(self._tmp.name, "out"), os.path.join(self._tmp.name, "err")
+        request = {"argv": list(args), "cwd": str(cwd), "env": env, "out": out, "err": err}
+        self._proc = context().Process(target=main_job, args=(request,), name="main.py")
+        self._proc.start()
+        self.args, self.pid, self.returncode, self._output = cmd, self._proc.pid, None, ("", "")
+        _ServerJob.running = self
 
     @classmethod
     def _finish_running(cls) -> None:
         """A job started in the background and left running (its test failed): end it, so that
-        the server's next reply is the next request's."""
+        it does not take the next job's cores."""
         import signal
 
         job, cls.running = cls.running, None
@@ -120,7 +102,7 @@ class _MainServer:
     def run(cls, cmd, args, cwd, env, timeout: float) -> subprocess.CompletedProcess:
         import signal
 
-        job = cls.start(cmd, args, cwd, env)
+        job = cls(cmd, args, cwd, env)
         try:
             out, err = job.communicate(timeout)
         except subprocess.TimeoutExpired:
@@ -132,28 +114,17 @@ class _MainServer:
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
         return subprocess.CompletedProcess(cmd, job.returncode, out, err)
 
-
-class _ServerJob:
-    """A main.py job the tests' server forked, running in the background, with the part of
-    `subprocess.Popen` the tests use: pid, poll, wait, communicate, send_signal, terminate, kill."""
-
-    def __init__(self, cmd, server: subprocess.Popen, pid: int, tmp) -> None:
-        self.args, self.pid, self.returncode = cmd, pid, None
-        self._server, self._tmp, self._output = server, tmp, ("", "")
-
     def poll(self):
-        if self.returncode is None:
-            reply = _MainServer._reply(self._server, 0)
-            if reply is not None:
-                self._ended(reply["rc"])
+        if self.returncode is None and self._proc.exitcode is not None:
+            self._ended(self._proc.exitcode)
         return self.returncode
 
     def wait(self, timeout=None):
         if self.returncode is None:
-            reply = _MainServer._reply(self._server, 10**9 if timeout is None else timeout)
-            if reply is None:
+            self._proc.join(timeout)
+            if self._proc.exitcode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self._ended(reply["rc"])
+            self._ended(self._proc.exitcode)
         return self.returncode
 
     def communicate(self, timeout=None):
@@ -161,7 +132,7 @@ class _ServerJob:
         return self._output
 
     def send_signal(self, sig) -> None:
-        if self.returncode is None:  # not yet reaped by the server: the pid is still this job's
+        if self.poll() is None:  # not yet reaped by the fork server: the pid is still this job's
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
@@ -181,19 +152,19 @@ class _ServerJob:
 
         self.returncode, self._output = rc, (read("out"), read("err"))
         self._tmp.cleanup()
-        if _MainServer.running is self:
-            _MainServer.running = None
+        if _ServerJob.running is self:
+            _ServerJob.running = None
 
 
-def start_main(args: List[str], cwd: Path, env=None, launcher: List[str] = ()):
-    """`python [launcher...] main.py args...` started in the background (the caller signals it,
-    and waits for or communicates with it); `launcher` is e.g. torchrun's module and flags. Without
-    a launcher, through the tests' main.py server when `run_main` would use it (a `_ServerJob`, whose
-    pid is main.py's), else a `subprocess.Popen` with text pipes."""
+def start_main(args: List[str], cwd: Path, env=None):
+    """`python main.py args...` started in the background (the caller signals it, and waits for or
+    communicates with it): forked from the tests' fork server when `run_main` would use it (a
+    `_ServerJob`, whose pid is main.py's), else a `subprocess.Popen` with text pipes. Under
+    torchrun: `torchrun`."""
     full_env = main_env(env)
-    cmd = [sys.executable, *launcher, str(REPO / "main.py"), *args]
-    if not launcher and _server_can_run(full_env):
-        return _MainServer.start(cmd, args, cwd, full_env)
+    cmd = [sys.executable, str(REPO / "main.py"), *args]
+    if _server_can_run(full_env):
+        return _ServerJob(cmd, args, cwd, full_env)
     return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -1,7 +1,8 @@
 """Host memory for in-memory snapshots (checkpoint.memory_interval), counted from the planner's
-estimate as framework/checkpoint/memory.py allocates it. One rank's snapshot is its parameter
-shards and optimizer state (what the planner counts as `params` and `optimizer` per rank) and the
-model's buffers (whole on every rank: the family's `buffer_bytes`). Per rank, the host holds:
+estimate as framework/checkpoint/memory.py and its snapshot_*.py parts allocate it. One rank's
+snapshot is its parameter shards and optimizer state (what the planner counts as `params` and
+`optimizer` per rank) and the model's buffers (whole on every rank: the family's `buffer_bytes`).
+Per rank, the host holds:
 - in checkpoint.memory_dir, its own snapshot in up to two generations (the newest committed and the
   one being written: [Note: a snapshot counts once committed]), and with more than one node as
   many copies held for the rank of the same local rank on the node before ([Note: the peer copy]);

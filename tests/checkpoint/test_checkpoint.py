@@ -359,11 +359,12 @@ def _kill_in_commit_rank(rank, world, run_dir):
 
 
 def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(source, tmp_path):
-    from tests.distributed.harness import RankFailure, run_ranks
+    from framework.local_ranks import RanksFailed
+    from tests.distributed.harness import run_ranks
 
     run = tmp_path / "run"
     shutil.copytree(source / "checkpoints", run / "checkpoints")
-    with pytest.raises(RankFailure):
+    with pytest.raises(RanksFailed):
         run_ranks(_kill_in_commit_rank, world_size=2, args=(str(run),), timeout_s=120)
     ckpts = run / "checkpoints"
     assert [p.name for p in ckpts.iterdir() if p.name.startswith("step_00000014.tmp-")], (

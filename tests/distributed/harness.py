@@ -6,16 +6,21 @@ Usage::
     results = run_ranks(my_fn, world_size=2, args=(cfg,), timeout_s=120)
     # results[r] is what my_fn(rank, world_size, *args) returned on rank r
 
-`my_fn` must be defined at module level (it is pickled for the child processes). The process
-group is initialised before `my_fn` runs and destroyed after. A failure on any rank raises
-`RankFailure` here with that rank's traceback (several cases in one spawn: see `recorded`); a
-rank that does not finish within `timeout_s` makes every rank get killed and `TimeoutError`
-raised, so a deadlocked collective never hangs the test suite. Each rank runs with one compute
-thread (as torchrun does) so gloo's communication threads get a core.
+The ranks start as every rank of the framework does, through `framework.local_ranks.run_local`
+(the process group `init_distributed` makes, its failure report, its time limit); `run_ranks` only
+gives it the tests' choices: the ranks are forked from the tests' fork server, which imported
+torch and the engine once, never from the test process (which ran autograd and opened process
+groups: [Note: the tests' fork server] in tests/fork_server.py), and `timeout_s` bounds the whole
+run and every collective in it. `my_fn` must be defined at module level (it is pickled for the
+fork server). The process group is initialised before `my_fn` runs and destroyed after. A failure
+on any rank raises `RanksFailed` here with that rank's traceback (several cases in one spawn: see
+`recorded`); a rank that does not finish within `timeout_s` is killed and named in `RanksFailed`,
+so a deadlocked collective never hangs the test suite. Each rank runs with one compute thread (as
+torchrun does) so gloo's communication threads get a core.
 
-The backend is gloo unless `TEST_DIST_BACKEND` says otherwise when `run_ranks` is called (e.g.
-`cpu:gloo,cuda:nccl` on a GPU machine: CPU tensors still use gloo, CUDA tensors NCCL); with a
-CUDA backend each rank takes GPU `rank % device_count` as its current device.
+The backend is gloo unless `TEST_DIST_BACKEND` names NCCL when `run_ranks` is called (e.g.
+`cpu:gloo,cuda:nccl` on a GPU machine: CPU tensors still use gloo, CUDA tensors NCCL, each rank on
+the GPU of its local rank, as `main.py`'s ranks).
 """
 
 from __future__ import annotations
@@ -27,104 +32,26 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from framework.local_ranks import RanksFailed, run_local
 from framework.profiling import peak_delta_bytes  # noqa: F401 - the tests' peak reader, the benchmarks' too
+from tests.fork_server import PRELOAD, context
 
 
-class RankFailure(RuntimeError):
-    """A rank raised; the message carries its traceback."""
-
-
-def _child(
-    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int, backend: str = "gloo"
-) -> None:
-    try:
-        torch.set_num_threads(threads)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        if "nccl" in backend:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)  # the parent hosts it
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, True, out))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, False, traceback.format_exc()))
-
-
-# Imported once by the fork server, so each rank starts with them instead of importing torch anew.
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",  # ~1.7 s: the engine's hooks import it (torch.compiler.disable), so does a meta fill
-    "framework.distributed",
-    "framework.distributed.fsdp",
-    "framework.models",
-    "framework.trainer",
-]
-
-
-def _context():
-    """Ranks come from a fork server: a clean process (it never ran autograd or opened a process
-    group, unlike this test process) that imports torch and the engine once and forks every rank
-    of every test from there; a spawned rank would import them again (seconds per rank)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-def run_ranks(
-    fn: Callable,
-    world_size: int,
-    args: tuple = (),
-    timeout_s: float = 120.0,
-    threads_per_rank: int = 1,
-) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results."""
-    ctx = _context()
-    queue = ctx.Queue()
-    # The store on a port the kernel picks and keeps: no other test process can take it meanwhile
-    # (a port found free and released could be, with pytest-xdist workers beside this one).
-    host = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = host.port
-    backend = os.environ.get("TEST_DIST_BACKEND", "gloo")
-    procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads_per_rank, backend), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout_s}s"
-                )
-            try:
-                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty: check for ranks that died without reporting
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    codes = [procs[r].exitcode for r in dead]
-                    raise RankFailure(f"rank(s) {dead} died with exit codes {codes}") from None
-                continue
-            if not ok:
-                raise RankFailure(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(results) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [results[r] for r in range(world_size)]
+    device = "cuda" if "nccl" in os.environ.get("TEST_DIST_BACKEND", "gloo") else "cpu"
+    context()  # the tests' fork server, started as tests/fork_server.py starts it
+    return run_local(
+        fn,
+        world_size,
+        args=args,
+        device=device,
+        timeout_s=timeout_s,
+        collective_timeout_s=timeout_s,
+        start="forkserver",
+        preload=PRELOAD,
+    )
 
 
 # [Note: one spawn, many cases, each failing with its own traceback]
@@ -257,8 +184,8 @@ def run_rank_threads(
     (torch's threaded process group; [Note: ranks as threads of one process]), `repeats` times in
     a row, each time in a fresh world; returns each run's per-rank results. A run whose ranks do
     not all finish within `timeout_s` raises `TimeoutError` with the stuck threads' stacks; a rank
-    that raises, `RankFailure` with its traceback."""
-    ctx = _context()
+    that raises, `RanksFailed` with its traceback."""
+    ctx = context()
     queue = ctx.Queue()
     proc = ctx.Process(target=_rank_threads_child, args=(fn, world_size, args, repeats, timeout_s, queue), daemon=True)
     proc.start()
@@ -275,5 +202,5 @@ def run_rank_threads(
     if not ok:
         if "still running after" in payload:
             raise TimeoutError(payload)
-        raise RankFailure(payload)
+        raise RanksFailed(payload)
     return payload

@@ -121,7 +121,7 @@ def test_torchao_and_transformers_import_without_notices():
     """A fresh interpreter, as a rank on a GPU-less node starts: importing the framework, then
     transformers (which imports torchao) and torchao's float8, prints none of torchao's import-time
     notices (GPU kernels a CPU build cannot load, a torch pytree enum notice). Checked here, not in
-    the jobs: the tests' main.py server has these modules imported already."""
+    the jobs: the tests' fork server has these modules imported already."""
     code = "import framework, transformers.modeling_utils, torchao.float8"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=main_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.constants as constants
 from conftest import TINY
 
-from framework.runtime import run_local
+from framework.local_ranks import run_local
 
 c10d = dist.distributed_c10d
 

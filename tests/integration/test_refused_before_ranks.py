@@ -41,7 +41,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory) -> None:
-    """The tests' main.py server started (once per test process), so the wall times below are the
+    """The tests' fork server started (once per test process), so the wall times below are the
     jobs' own."""
     tmp = tmp_path_factory.mktemp("warm")
     assert run_main([*TINY, "trainer.max_steps=0"], tmp).returncode == 2

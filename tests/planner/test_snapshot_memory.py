@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from framework.checkpoint.memory import fit_problem
+from framework.checkpoint.snapshot_files import fit_problem
 from framework.config import compose_config, to_config
 from framework.planner.plan import fit_problems, make_plan
 from framework.planner.snapshot_fit import planned_snapshots
@@ -73,17 +73,16 @@ def test_snapshots_larger_than_the_free_space_of_memory_dir_are_refused(tmp_path
 
 def test_the_planned_snapshot_memory_is_what_the_ranks_allocate(tmp_path):
     """Two torchrun agents stand for two nodes (one rank each), snapshots every 5 steps, 20 steps.
-    tests/reliability/inject counts in each rank every tensor framework/checkpoint/memory.py makes
+    tests/reliability/inject counts in each rank every tensor the snapshot code makes
     (the host buffers a snapshot is copied into, the exchange's send and receive buffers) while it
     lives, and the bytes of the `.data` files in each node's memory_dir: the peaks equal the
     planner's count for the same job, byte for byte (the manifests, a few KB of JSON, are not
     counted on either side)."""
     import json
     import subprocess
-    import sys
     from pathlib import Path
 
-    from conftest import REPO, TINY, free_port
+    from conftest import REPO, TINY, free_port, main_env, torchrun
 
     inject = REPO / "tests" / "reliability" / "inject"
     args = TINY + ["trainer.eval_interval=0", "checkpoint.memory_interval=5", "trainer.max_steps=20"]
@@ -94,16 +93,11 @@ def test_the_planned_snapshot_memory_is_what_the_ranks_allocate(tmp_path):
             d.mkdir()
         dirs.append(shm)
         measured.append(out)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1"]
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=measure"]
-        cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(
-            PYTHONPATH=f"{inject}{os.pathsep}{REPO}",
-            OMP_NUM_THREADS="1",
-            FRAMEWORK_TEST_SNAPSHOT_DIR=str(shm),
-            FRAMEWORK_TEST_MEASURE_SNAPSHOTS=str(out),
-        )
+        flags = ["--nnodes=2", "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
+        flags += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=measure"]
+        cmd = torchrun(flags, [*args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"])
+        measure_env = {"FRAMEWORK_TEST_SNAPSHOT_DIR": str(shm), "FRAMEWORK_TEST_MEASURE_SNAPSHOTS": str(out)}
+        env = main_env({"PYTHONPATH": f"{inject}{os.pathsep}{REPO}", **measure_env})
         agents.append(
             subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         )

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, rank_pids, read_metrics, run_main, start_main
+from conftest import REPO, TINY, main_env, rank_pids, read_metrics, run_main, start_main, torchrun
 
 from framework.distributed.fsdp.host import HOST_TRANSPORTS, shm
 
@@ -52,13 +52,11 @@ def _on(transport: str) -> list:
 
 
 def _env(fault: str = "") -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=f"{INJECT}{os.pathsep}{REPO}", OMP_NUM_THREADS="1", FRAMEWORK_TEST_FAULT=fault)
-    return env
+    return main_env({"PYTHONPATH": f"{INJECT}{os.pathsep}{REPO}", "FRAMEWORK_TEST_FAULT": fault})
 
 
 def _torchrun(args, cwd, env, timeout=300, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *extra, str(REPO / "main.py"), *args]
+    cmd = torchrun(["--nproc_per_node=2", *extra], args)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -99,7 +97,7 @@ def test_float8_job_ends_cleanly_on_a_dead_rank_and_a_full_disk(tmp_path, fault,
 
 
 def test_failure_report_orders_ranks_dedupes_and_names_signals(tmp_path, capsys):
-    from framework.runtime import _print_failures
+    from framework.local_ranks import _print_failures
 
     class Proc:
         def __init__(self, exitcode):
@@ -289,21 +287,9 @@ def test_a_refusal_on_another_node_is_said_in_that_nodes_log(tmp_path):
     for node in (0, 1):
         cwd = tmp_path / f"node{node}"
         cwd.mkdir()
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            "--nproc_per_node=1",
-            f"--node_rank={node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=refusal",
-            str(REPO / "main.py"),
-            *SHORT,
-            "trainer.collective_timeout_s=20",
-            f"hydra.run.dir={tmp_path}/run",
-        ]
+        flags = ["--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv-backend=c10d"]
+        flags += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=refusal"]
+        cmd = torchrun(flags, [*SHORT, "trainer.collective_timeout_s=20", f"hydra.run.dir={tmp_path}/run"])
         agents.append(
             subprocess.Popen(
                 cmd, cwd=cwd, env=_env("refuse:1:1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -326,23 +312,10 @@ def test_two_nodes_on_default_data_settings_train_to_the_end(tmp_path):
     for node in (0, 1):
         cwd = tmp_path / f"node{node}"
         cwd.mkdir()
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            "--nproc_per_node=1",
-            f"--node_rank={node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=defaults",
-            str(REPO / "main.py"),
-            *[a for a in TINY if not a.startswith("data=")],
-            "data.seq_len=64",
-            "trainer.eval_interval=0",
-            "trainer.max_steps=3",
-            f"hydra.run.dir={tmp_path}/run",
-        ]
+        flags = ["--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv-backend=c10d"]
+        flags += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=defaults"]
+        args = [*[a for a in TINY if not a.startswith("data=")], "data.seq_len=64", "trainer.eval_interval=0"]
+        cmd = torchrun(flags, [*args, "trainer.max_steps=3", f"hydra.run.dir={tmp_path}/run"])
         agents.append(
             subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -364,9 +337,9 @@ def test_a_refused_config_is_said_in_every_nodes_log(tmp_path):
     for node in (0, 1):
         cwd = tmp_path / f"node{node}"
         cwd.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
-        cmd += [f"--node_rank={node}", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
-        cmd += [str(REPO / "main.py"), *SHORT, "+optimizer.lrr=1", f"hydra.run.dir={tmp_path}/run"]
+        flags = ["--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv-backend=static"]
+        flags += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+        cmd = torchrun(flags, [*SHORT, "+optimizer.lrr=1", f"hydra.run.dir={tmp_path}/run"])
         agents.append(
             subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, read_metrics, run_main
+from conftest import REPO, TINY, main_env, read_metrics, run_main, torchrun
 
 INJECT = Path(__file__).resolve().parent / "inject"
 ARGS = TINY + [
@@ -27,14 +27,8 @@ ARGS = TINY + [
 
 
 def _env(fault: str, shm: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(
-        PYTHONPATH=f"{INJECT}{os.pathsep}{REPO}",
-        OMP_NUM_THREADS="1",
-        FRAMEWORK_TEST_FAULT=fault,
-        FRAMEWORK_TEST_SNAPSHOT_DIR=str(shm),
-    )
-    return env
+    fault_env = {"FRAMEWORK_TEST_FAULT": fault, "FRAMEWORK_TEST_SNAPSHOT_DIR": str(shm)}
+    return main_env({"PYTHONPATH": f"{INJECT}{os.pathsep}{REPO}", **fault_env})
 
 
 def _without_snapshots(args: list) -> list:
@@ -68,9 +62,8 @@ def test_torchrun_restart_resumes_from_memory_then_from_disk_when_the_snapshot_i
 
     shm = tmp_path / "shm"
     shm.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=2"]
-    cmd += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(REPO / "main.py"), *args]
-    cmd += [f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
+    flags = ["--nproc_per_node=2", "--max-restarts=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+    cmd = torchrun(flags, [*args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"])
     out = subprocess.run(
         cmd,
         cwd=tmp_path,
@@ -103,9 +96,10 @@ def test_a_failed_job_leaves_no_snapshot_behind(tmp_path):
     after its restart, and the sweeper removes both ranks' snapshots once torchrun has ended."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1"]
-    cmd += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(REPO / "main.py"), *ARGS]
-    cmd += ["trainer.max_steps=9", f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
+    flags = ["--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+    cmd = torchrun(
+        flags, [*ARGS, "trainer.max_steps=9", f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
+    )
     out = subprocess.run(
         cmd, cwd=tmp_path, env=_env("corrupt:1:7:0,corrupt:1:7:1", shm), capture_output=True, text=True, timeout=300
     )
@@ -135,12 +129,12 @@ def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node(tmp_path
         cwd.mkdir()
         shm.mkdir()
         dirs.append(shm)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
         # A c10d rendezvous, whose agents count restarts differently (an agent restarts its healthy
         # rank for the other node's failure without counting it): the faults name their attempt by
         # its generation ([Note: one store, many attempts]).
-        cmd += ["--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=peer"]
-        cmd += [str(REPO / "main.py"), *args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
+        flags = ["--nnodes=2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d"]
+        flags += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=peer"]
+        cmd = torchrun(flags, [*args, f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"])
         env = _env("wipe:1:12:g1,corrupt:1:7:g2,corruptheld:0:7:g3,wipe:1:7:g3", shm)
         agents.append(
             subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -242,10 +236,10 @@ def test_a_finished_job_removes_the_copies_it_held_for_the_other_node(tmp_path):
         shm.mkdir()
         cwd = tmp_path / f"node{node}"
         cwd.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1"]
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=done"]
-        cmd += [str(REPO / "main.py"), *ARGS, "trainer.max_steps=12", f"checkpoint.memory_dir={shm}"]
-        cmd += [f"hydra.run.dir={tmp_path}/run"]
+        flags = ["--nnodes=2", "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
+        flags += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=done"]
+        args = [*ARGS, "trainer.max_steps=12", f"checkpoint.memory_dir={shm}", f"hydra.run.dir={tmp_path}/run"]
+        cmd = torchrun(flags, args)
         agents.append(
             subprocess.Popen(
                 cmd, cwd=cwd, env=_env("", shm), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True

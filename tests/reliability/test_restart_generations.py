@@ -3,11 +3,9 @@ agents' restart counts differ: see framework/runtime.py, [Note: one store, many 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
-from conftest import REPO, free_port
+from conftest import free_port, main_env, torchrun
 
 # Node 1's rank fails on its first attempt while node 0's stays healthy (asleep): under c10d, node
 # 1's agent counts a restart and node 0's restarts its rank as a membership change, uncounted.
@@ -20,7 +18,7 @@ runtime.init_distributed("cpu", collective_timeout_s=20)
 dist.barrier()
 first = not (marks / f"ran{rank}").exists()
 (marks / f"ran{rank}").touch()
-print(f"rank {rank} restart count {os.environ['TORCHELASTIC_RESTART_COUNT']} met in {runtime._attempt}", flush=True)
+print(f"rank {rank} restart count {os.environ['TORCHELASTIC_RESTART_COUNT']} met in {runtime.attempt()}", flush=True)
 if first:
     if rank == 1:
         sys.exit(3)
@@ -35,13 +33,12 @@ runtime.shutdown()
 def test_ranks_restarted_by_c10d_agents_whose_restart_counts_differ_meet_at_once(tmp_path):
     script = tmp_path.joinpath("worker").with_suffix(".py")
     script.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = main_env()
     port, agents = free_port(), []
     for _ in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=3"]
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=generations"]
-        cmd += ["--monitor-interval=1", str(script), str(tmp_path)]
+        flags = ["--nnodes=2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d"]
+        flags += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=generations", "--monitor-interval=1"]
+        cmd = torchrun(flags, [str(tmp_path)], script=script)
         agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [a.communicate(timeout=240) for a in agents]
     logs = [out + err for out, err in outs]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, run_main, start_main
+from conftest import TINY, main_env, run_main, start_main, torchrun
 
 from framework.runtime import Runtime, free_port
 
@@ -319,11 +319,8 @@ def test_a_job_refused_in_its_ranks_leaves_a_fresh_run_directory_absent(tmp_path
     run = tmp_path / "outputs" / "run"
     args = [*TINY, "trainer.max_steps=2", f"checkpoint.resume={_broken_checkpoint(tmp_path)}", f"hydra.run.dir={run}"]
     if how == "torchrun":
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d"]
-        cmd += ["--rdzv-endpoint=127.0.0.1:0", str(Path(__file__).resolve().parents[2] / "main.py"), *args]
-        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        cmd = torchrun(["--nproc_per_node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"], args)
+        out = subprocess.run(cmd, cwd=tmp_path, env=main_env(), capture_output=True, text=True, timeout=300)
         assert out.returncode != 0 and "no manifest.json" in out.stderr, out.stderr[-3000:]
     else:
         out = run_main([*args, f"cluster.nproc_per_node={1 if how == 'one rank' else 2}"], tmp_path)

@@ -3,7 +3,7 @@ exported and the network blocked (tests/security/no_network: resolving a name or
 address that is not loopback is recorded, then fails), a hub dataset name, a hub model name and a
 built-in lm-eval task whose data is on the hub are each refused in one line, and no connection was
 attempted: the job put Hugging Face's libraries offline itself, including the ones imported before
-it started (the tests' main.py server has transformers imported, as a user's process may)."""
+it started (the tests' fork server has transformers imported, as a user's process may)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Snapshot segments: whose they are, which are swept, which are never read (framework/checkpoint/
-shm_names.py, memory.py; [Note: snapshot segments outlive the rank, not the job])."""
+shm_names.py, snapshot_files.py; [Note: snapshot segments outlive the rank, not the job])."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from framework.checkpoint import shm_names
-from framework.checkpoint.memory import SnapshotRefused, _create_private, _open_ours
+from framework.checkpoint.snapshot_files import create_private, open_ours
+from framework.checkpoint.snapshot_format import SnapshotRefused
 
 
 def _dead_creator() -> str:
@@ -58,9 +59,9 @@ def test_creator_alive_needs_the_same_start_time():
 
 def test_a_segment_is_created_private_and_read_only_if_private_and_ours(tmp_path):
     path = tmp_path / "seg.data"
-    os.close(_create_private(str(path)))
+    os.close(create_private(str(path)))
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    os.close(_open_ours(str(path)))
+    os.close(open_ours(str(path)))
 
     target = tmp_path / "elsewhere"
     target.write_bytes(b"secret")
@@ -68,22 +69,22 @@ def test_a_segment_is_created_private_and_read_only_if_private_and_ours(tmp_path
     link = tmp_path / "link.data"
     link.symlink_to(target)
     with pytest.raises(SnapshotRefused, match="link.data"):
-        _open_ours(str(link))  # never read through a link
-    os.close(_create_private(str(link)))  # a planted link of ours is replaced, not written through
+        open_ours(str(link))  # never read through a link
+    os.close(create_private(str(link)))  # a planted link of ours is replaced, not written through
     assert target.read_bytes() == b"secret" and not os.path.islink(link)
 
     shared = tmp_path / "shared.data"
     shared.write_bytes(b"x")
     os.chmod(shared, 0o644)
     with pytest.raises(SnapshotRefused, match="not a private file of uid"):
-        _open_ours(str(shared))
+        open_ours(str(shared))
     if os.getuid() == 0:
         theirs = tmp_path / "theirs.data"
         theirs.write_bytes(b"x")
         os.chmod(theirs, 0o600)
         os.chown(theirs, 4242, 4242)
         with pytest.raises(SnapshotRefused, match="not a private file of uid"):
-            _open_ours(str(theirs))
+            open_ours(str(theirs))
 
 
 def test_the_sweeper_removes_a_jobs_segments_once_its_creator_ends(tmp_path):

@@ -1,4 +1,4 @@
-"""`framework.runtime.run_local`: the ranks `main.py` would start (spawn_local, init_distributed),
+"""`framework.local_ranks.run_local`: the ranks `main.py` would start (spawn_local, init_distributed),
 returning each rank's result; the benchmarks start their ranks with it.
 
 Each case runs `run_local` in a fresh interpreter, as `main.py` and the benchmarks do: on a CPU
@@ -42,7 +42,7 @@ def _run_local(fn: str, *args, before: str = "", **kwargs):
     there: (result, RanksFailed's message)."""
     code = (
         "import json, sys\n"
-        "from framework.runtime import RanksFailed, run_local\n"
+        "from framework.local_ranks import RanksFailed, run_local\n"
         f"from tests.unit.test_run_local import {fn}\n"
         f"{before}\n"
         "try:\n"

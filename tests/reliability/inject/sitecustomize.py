@@ -16,7 +16,8 @@ g<n> names the attempt by the generation its ranks meet in instead (framework/ru
 c10d rendezvous the nodes' restart counts differ, see [Note: one store, many attempts]).
 
 FRAMEWORK_TEST_MEASURE_SNAPSHOTS=<directory> measures what the snapshot code allocates: from the
-rank's first loss on, every tensor framework/checkpoint/memory.py makes with torch.empty is
+rank's first loss on, every tensor the snapshot code (framework/checkpoint/memory.py and the
+snapshot_*.py modules it puts together) makes with torch.empty is
 counted while it lives, and at every loss the bytes of the `.data` files in
 FRAMEWORK_TEST_SNAPSHOT_DIR; the peaks go to <directory>/rank<N>.json as they rise.
 """
@@ -45,7 +46,7 @@ if _measure:
         _live[0] -= nbytes
 
     class _CountingTorch:
-        """torch as framework/checkpoint/memory.py sees it: torch.empty counted, the rest as is."""
+        """torch as the snapshot code sees it: torch.empty counted, the rest as is."""
 
         def __getattr__(self, name):
             return getattr(torch, name)
@@ -61,9 +62,10 @@ if _measure:
     _measured_cross_entropy = F.cross_entropy
 
     def _measuring_cross_entropy(*args, **kwargs):
-        memory = sys.modules.get("framework.checkpoint.memory")
-        if memory is not None and not isinstance(memory.torch, _CountingTorch):
-            memory.torch = _CountingTorch()
+        for name, module in list(sys.modules.items()):
+            snapshot_code = name == "framework.checkpoint.memory" or name.startswith("framework.checkpoint.snapshot_")
+            if snapshot_code and hasattr(module, "torch") and not isinstance(module.torch, _CountingTorch):
+                module.torch = _CountingTorch()
         d = os.environ["FRAMEWORK_TEST_SNAPSHOT_DIR"]
         sizes = 0
         for name in os.listdir(d):
@@ -96,7 +98,7 @@ if _spec:
             if attempt.startswith("g"):
                 from framework import runtime
 
-                now = runtime._attempt == f"generation_{attempt[1:]}"
+                now = runtime.attempt() == f"generation_{attempt[1:]}"
             else:
                 now = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt
             if os.environ.get("RANK") == rank and _calls[0] == call and now:

@@ -1,5 +1,5 @@
 """Test-only: a process that starts with this folder on PYTHONPATH (main.py, its ranks; the tests'
-main.py server imports it for the job it forks) cannot reach the network. Resolving a name other
+fork server imports it for the main.py job it forks) cannot reach the network. Resolving a name other
 than localhost, or connecting a socket to an address that is not loopback, is appended to the file
 $FRAMEWORK_TEST_NETWORK_LOG and fails as an unreachable network would. Nothing in the framework
 knows about it."""
