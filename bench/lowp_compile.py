@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework.optim import lowp_cpu  # noqa: E402
+from framework.optim import lowp, lowp_cpu  # noqa: E402
 
 N = 2628096  # bench/lowp_step.py's parameter count, as one flat tensor
 MIX, HIGH16 = 0x45D9F3B, -65536
@@ -57,7 +57,7 @@ def main() -> None:
     compiled(pc, grad, mc, vc, ss[0], bc[0], km[0], kv[0], *scalars)
     first = time.perf_counter() - t
 
-    lib = lowp_cpu.library()
+    lib = lowp.cpu_library()
     if lib is None:
         raise SystemExit(f"no compiled loop: {lowp_cpu.unavailable_reason()}")
     pl, ml, vl = p0.clone(), m0.clone(), v0.clone()

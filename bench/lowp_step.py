@@ -88,7 +88,7 @@ def main() -> None:
         calls[f"bf16 state at {args.before}"] = _before(args.before)
     from framework.optim import lowp_cpu
 
-    if lowp_cpu.library() is not None:
+    if lowp.cpu_library() is not None:
         calls["bf16 state, compiled loop"] = _low(lowp.CHUNK_CPU, cpu_kernel=True)
     else:
         print(f"no compiled loop: {lowp_cpu.unavailable_reason()}")

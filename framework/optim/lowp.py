@@ -184,7 +184,7 @@ def stochastic_round_bf16(x: torch.Tensor, key) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()
     key = _int32_key(key)
     if x.device.type == "cpu" and (not isinstance(key, torch.Tensor) or key.device.type == "cpu"):
-        lib = lowp_cpu.library()
+        lib = cpu_library()
         if lib is not None:
             return lowp_cpu.round_bf16(lib, x, key)
     return _torch_round(x, key)
@@ -273,7 +273,7 @@ class AdamWLowState(torch.optim.Optimizer):
         low_on_cpu = self.state_dtype == torch.bfloat16 and any(
             p.grad is not None and p.device.type == "cpu" for group in self.param_groups for p in group["params"]
         )
-        self._step(lowp_cpu.library() if self.cpu_kernel and low_on_cpu else None)
+        self._step(cpu_library() if self.cpu_kernel and low_on_cpu else None)
         return loss
 
     def _step(self, lib) -> None:
@@ -470,3 +470,37 @@ def _local_tensors(p: torch.Tensor, state: dict) -> Tuple[torch.Tensor, ...]:
     if grad.dtype != torch.float32:
         grad = grad.to(torch.float32)
     return p, grad, state["exp_avg"], state["exp_avg_sq"]
+
+
+def cpu_library():
+    """The compiled bf16-state loop checked against this module's torch path, or None: see
+    lowp_cpu.library."""
+    return lowp_cpu.library(check_cpu_loop)
+
+
+@torch.no_grad()
+def check_cpu_loop(lib) -> Optional[str]:
+    """None when the loop gives the torch path's bits on this machine, else what differed."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, generator=g) * torch.exp(torch.randn(5000, generator=g) * 3)
+    x[:6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 3.3895e38])
+    for key in (0, -1, 123456789):
+        if not lowp_cpu.same_bits(lowp_cpu.round_bf16(lib, x, key), _torch_round(x, key)):
+            return f"the rounding differs from the torch path (key {key})"
+    shapes = [(37, 29), (1,), (1000,), (4099,)]
+    for betas, wd in (((0.9, 0.95), 0.1), ((0.3, 0.999), 0.0)):
+        runs = []
+        for use in (lib, None):
+            gen = torch.Generator().manual_seed(1)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+            opt = AdamWLowState(params, lr=3e-3, betas=betas, weight_decay=wd, seed=5)
+            for step in range(3):
+                for i, p in enumerate(params):
+                    p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** (i - 2)
+                    if step == 1 and i == 2:
+                        p.grad[3], p.grad[4] = float("nan"), float("inf")
+                opt._step(use)
+            runs.append([t for p in params for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])])
+        if not all(lowp_cpu.same_bits(a, b) for a, b in zip(*runs)):
+            return f"the AdamW step differs from the torch path (betas {betas}, weight decay {wd})"
+    return None

@@ -44,7 +44,7 @@ import stat
 import subprocess
 import tempfile
 import threading
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -310,9 +310,11 @@ def _load(path: str) -> ctypes.CDLL:
     return lib
 
 
-def library() -> Optional[ctypes.CDLL]:
-    """The compiled loop, built, loaded and checked against the torch path once per process; None
-    (the torch path) where there is no compiler, the compile fails, or any bit differs."""
+def library(check: Callable[[ctypes.CDLL], Optional[str]]) -> Optional[ctypes.CDLL]:
+    """The compiled loop, built, loaded and checked against the torch path once per process
+    (`check(lib)`: None when its bits are the torch path's, else what differed; lowp.py's
+    `cpu_library` passes its own); None (the torch path) where there is no compiler, the compile
+    fails, or any bit differs."""
     with _lock:
         if "lib" not in _state:
             lib, why, cc = None, None, compiler()
@@ -324,7 +326,7 @@ def library() -> Optional[ctypes.CDLL]:
                 except (OSError, _BuildError, subprocess.SubprocessError) as e:
                     why = f"compile or load failed: {e}"
                 else:  # anything the check raises is a bug of ours: it keeps its traceback
-                    why = _self_check(lib)
+                    why = check(lib)
             if why is not None:
                 log.info("bf16-state AdamW on CPU: the torch path (%s)", why)
             _state.update(lib=lib if why is None else None, why=why)
@@ -332,9 +334,8 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def unavailable_reason() -> Optional[str]:
-    """Why `library()` is None (after it was asked), else None."""
-    library()
-    return _state["why"]
+    """Why `library(...)` was None, once it was asked; else None."""
+    return _state.get("why")
 
 
 def _ptr(ts: List[torch.Tensor]) -> torch.Tensor:
@@ -405,39 +406,9 @@ def round_bf16(lib: ctypes.CDLL, x: torch.Tensor, key) -> torch.Tensor:
     return out
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit where not NaN, NaN at the same places (a NaN's payload is not kept: torch's
     own conversions to bfloat16 make 0x7FC0 or 0xFFFF)."""
     a, b = a.float(), b.float()
     nan = torch.isnan(a)
     return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
-
-
-@torch.no_grad()
-def _self_check(lib: ctypes.CDLL) -> Optional[str]:
-    """None when the loop gives the torch path's bits on this machine, else what differed."""
-    from framework.optim import lowp
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5000, generator=g) * torch.exp(torch.randn(5000, generator=g) * 3)
-    x[:6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 3.3895e38])
-    for key in (0, -1, 123456789):
-        if not _same_bits(round_bf16(lib, x, key), lowp._torch_round(x, key)):
-            return f"the rounding differs from the torch path (key {key})"
-    shapes = [(37, 29), (1,), (1000,), (4099,)]
-    for betas, wd in (((0.9, 0.95), 0.1), ((0.3, 0.999), 0.0)):
-        runs = []
-        for use in (lib, None):
-            gen = torch.Generator().manual_seed(1)
-            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-            opt = lowp.AdamWLowState(params, lr=3e-3, betas=betas, weight_decay=wd, seed=5)
-            for step in range(3):
-                for i, p in enumerate(params):
-                    p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** (i - 2)
-                    if step == 1 and i == 2:
-                        p.grad[3], p.grad[4] = float("nan"), float("inf")
-                opt._step(use)
-            runs.append([t for p in params for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])])
-        if not all(_same_bits(a, b) for a, b in zip(*runs)):
-            return f"the AdamW step differs from the torch path (betas {betas}, weight decay {wd})"
-    return None

@@ -71,25 +71,25 @@ def test_a_library_someone_else_could_have_written_is_never_loaded(fresh):
     """A library in the cache is code run by every bf16-state job: one behind a link, or writable by
     others, is replaced by this process's own build; a cache folder others can write to is not
     used at all (a private folder of this process's instead)."""
-    assert lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+    assert lowp.cpu_library() is not None, lowp_cpu.unavailable_reason()
     (built,) = fresh.glob("framework/kernels/lowp_*.so")
     planted = fresh / "planted.so"
     planted.write_bytes(b"not a library")
     built.unlink()
     built.symlink_to(planted)
     lowp_cpu._state.clear()
-    assert lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+    assert lowp.cpu_library() is not None, lowp_cpu.unavailable_reason()
     assert not built.is_symlink() and planted.read_bytes() == b"not a library"
     built.chmod(0o777)
     lowp_cpu._state.clear()
-    assert lowp_cpu.library() is not None and built.stat().st_mode & 0o777 == 0o755
+    assert lowp.cpu_library() is not None and built.stat().st_mode & 0o777 == 0o755
     folder = built.parent
     folder.chmod(0o777)
     try:
         for leftover in folder.iterdir():
             leftover.unlink()
         lowp_cpu._state.clear()
-        assert lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+        assert lowp.cpu_library() is not None, lowp_cpu.unavailable_reason()
         assert not list(folder.iterdir()), "built in a folder others can write to"
     finally:
         folder.chmod(0o700)
@@ -99,7 +99,7 @@ def test_a_library_someone_else_could_have_written_is_never_loaded(fresh):
 def test_compiled_loop_steps_the_torch_paths_bits(fresh):
     """Where a compiler is found the loop is built, passes its check, and every parameter and
     state bit equals the torch path's over four steps (one and two threads)."""
-    assert lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+    assert lowp.cpu_library() is not None, lowp_cpu.unavailable_reason()
     assert list(fresh.glob("framework/kernels/lowp_*.so")), "built into the user's cache folder"
     want = _run(cpu_kernel=False, threads=1)  # torch's operations: the same bits on any number of threads
     for threads in (1, 2):
@@ -126,7 +126,7 @@ def test_without_a_compiler_the_step_is_the_torch_paths(fresh, monkeypatch):
     """No compiler (`$CC` names none): no loop, the reason said, and the step is made by the torch
     operations, the same bits as with the loop."""
     monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
-    assert lowp_cpu.library() is None
+    assert lowp.cpu_library() is None
     assert lowp_cpu.unavailable_reason() == "no C compiler ($CC or cc)"
     got = _run(cpu_kernel=True)
     want = _run(cpu_kernel=False)
@@ -136,7 +136,7 @@ def test_without_a_compiler_the_step_is_the_torch_paths(fresh, monkeypatch):
 def test_a_failed_compile_keeps_the_torch_path(fresh, monkeypatch):
     """A compiler that fails (here `false`): no loop, the reason names the compiler, the step runs."""
     monkeypatch.setenv("CC", "false")
-    assert lowp_cpu.library() is None
+    assert lowp.cpu_library() is None
     assert lowp_cpu.unavailable_reason().startswith("compile or load failed")
     p = torch.nn.Parameter(torch.ones(5))
     p.grad = torch.ones(5)
@@ -150,7 +150,7 @@ def test_a_loop_that_differs_from_the_torch_path_is_not_used(fresh, monkeypatch)
     """The check against the torch path at load refuses a loop whose bits differ (here its hash's
     multiplier changed): the torch path steps."""
     monkeypatch.setattr(lowp_cpu, "_SOURCE", lowp_cpu._SOURCE.replace("0x45D9F3Bu", "0x45D9F3Du"))
-    assert lowp_cpu.library() is None
+    assert lowp.cpu_library() is None
     assert "differs from the torch path" in lowp_cpu.unavailable_reason()
 
 
@@ -167,7 +167,7 @@ def test_stochastic_rounding_is_unbiased(path):
     if path == "compiled-loop":
         if lowp_cpu.compiler() is None:
             pytest.skip("no C compiler: the compiled loop cannot be built")
-        lib = lowp_cpu.library()
+        lib = lowp.cpu_library()
         assert lib is not None, lowp_cpu.unavailable_reason()
         rnd = lambda x, key: lowp_cpu.round_bf16(lib, x, key)  # noqa: E731
     else:

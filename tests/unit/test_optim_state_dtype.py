@@ -207,7 +207,7 @@ def test_foreach_chunked_step_equals_the_per_parameter_step_bit_for_bit(monkeypa
 
     if cpu_kernel and lowp_cpu.compiler() is None:
         pytest.skip("no C compiler: the compiled loop cannot be built")
-    assert not cpu_kernel or lowp_cpu.library() is not None, lowp_cpu.unavailable_reason()
+    assert not cpu_kernel or lowp.cpu_library() is not None, lowp_cpu.unavailable_reason()
 
     monkeypatch.setattr(lowp, "CHUNK_CPU", 1000)
     g = torch.Generator().manual_seed(0)
