@@ -90,9 +90,10 @@ def test_the_reference_is_built_by_build_job_and_holds_the_imported_weights(tmp_
     second.stop.close()
 
 
-def test_generate_builds_no_optimizer(tmp_path, one_rank, monkeypatch, stdlib_cache, capsys):
-    """A checkpoint of a 2-step training job, then stage=generate on it: no optimizer is constructed
-    (the probe counts every torch optimizer's construction, and sees the training job's)."""
+def test_generate_and_evaluate_build_no_optimizer(tmp_path, one_rank, monkeypatch, stdlib_cache, capsys):
+    """A checkpoint of a 2-step training job, then stage=generate and stage=evaluate on it: no
+    optimizer is constructed (the probe counts every torch optimizer's construction, and sees the
+    training job's); evaluate's tasks run on the job with the checkpoint's step."""
     from conftest import TINY
 
     from framework.stages import stage_of
@@ -117,3 +118,17 @@ def test_generate_builds_no_optimizer(tmp_path, one_rank, monkeypatch, stdlib_ca
     assert _train(generate, one_rank, stage_of("generate")) == 0
     assert made == []
     assert "generating from step 2" in capsys.readouterr().err
+
+    import framework.evaluate
+    from framework.job import Job
+
+    ran = []  # lm-eval itself is tests/integration/test_evaluate.py's
+    monkeypatch.setattr(
+        framework.evaluate, "run_tasks", lambda job, tasks, step, trackers: ran.append((job, tasks, step))
+    )
+    evaluate = _config(
+        quiet + ["stage=evaluate", f"checkpoint.resume={step}", "evaluate.tasks=[a_task]"], tmp_path / "e"
+    )
+    assert _train(evaluate, one_rank, stage_of("evaluate")) == 0
+    assert made == []
+    assert [(type(job), tasks, at) for job, tasks, at in ran] == [(Job, ["a_task"], 2)]
