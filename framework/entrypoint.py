@@ -54,11 +54,12 @@ def run_dir_link_problems(cfg, run_dir: str) -> List[str]:
     that trains, `<run>/eval` for one that runs lm-eval tasks."""
     from framework.fileio import directory_link_problem
 
-    checks, trains = [], stage_of(cfg.stage).trains
+    stage = stage_of(cfg.stage)
+    checks, trains = [], stage.trains
     if trains:
         c = cfg.checkpoint
         checks.append((os.path.join(run_dir, c.dir), f"checkpoint.dir={c.dir}"))  # join keeps an absolute dir
-    if cfg.stage.value == "evaluate" or (trains and cfg.trainer.eval_tasks):
+    if stage.runs_tasks or (trains and cfg.trainer.eval_tasks):
         checks.append((os.path.join(run_dir, "eval"), "hydra.run.dir"))
     return [p for p in (directory_link_problem(path, field) for path, field in checks) if p]
 
@@ -119,7 +120,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
     stage = stage_of(cfg.stage)
-    if stage.name != "data_preparation":  # the data's own stage checks no model
+    if stage.checks_model:
         from framework.models.checks import check_model
         from framework.models.families import job_model_problems
 
@@ -130,7 +131,7 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
 
         problems += preflight_problems(cfg, under_torchrun())  # what the ranks would refuse, found now
     problems += run_dir_link_problems(cfg, run_dir)
-    if problems and stage.name != "plan":  # the plan shows them beside the numbers
+    if problems and stage.refuses:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
     found = entries(cfg.run_dir)  # [Note: a refused job leaves the run directory as it found it]

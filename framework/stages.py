@@ -37,6 +37,9 @@ class StageRecord:
     # (cfg, problems) -> exit status: a stage that runs in the launching process, no ranks
     local: Optional[str] = None
     evaluates: str = ""  # what trainer.eval_interval reports
+    checks_model: bool = True  # the model's arguments are checked against the job before it starts
+    runs_tasks: bool = False  # runs lm-eval tasks whatever trainer.eval_tasks says (writes <run>/eval)
+    refuses: bool = True  # a problem found before the start refuses the job (the plan shows them instead)
 
     @property
     def needs_optimizer(self) -> bool:
@@ -86,9 +89,9 @@ STAGES: Dict[str, StageRecord] = {
             evaluates="val_reward: one greedy completion of each validation prompt",
         ),
         StageRecord("generate", body="framework.generate:generate_stage"),
-        StageRecord("evaluate", body="framework.evaluate:evaluate_stage"),
-        StageRecord("plan", local="framework.planner:run_plan"),
-        StageRecord("data_preparation", local="framework.stages:prepare_data"),
+        StageRecord("evaluate", body="framework.evaluate:evaluate_stage", runs_tasks=True),
+        StageRecord("plan", local="framework.planner:run_plan", refuses=False),
+        StageRecord("data_preparation", local="framework.stages:prepare_data", checks_model=False),
     )
 }
 
