@@ -32,6 +32,11 @@ def test_the_records_say_what_each_stage_needs_and_writes():
         if record.objective is not None:  # the loss (or rollout then loss) and what it evaluates
             assert issubclass(record.load("objective"), Objective) and record.evaluates, name
     assert stage_of("training").load("data_builder") is None  # the data section's
+    assert [n for n in ("training", "generate", "evaluate", "plan", "data_preparation") if stage_of(n).runs_tasks] == [
+        "evaluate"
+    ]
+    assert not stage_of("plan").refuses and stage_of("generate").refuses  # the plan shows its problems
+    assert not stage_of("data_preparation").checks_model and stage_of("grpo").checks_model
     from framework.dpo.data import build_dpo_data
     from framework.dpo.stage import DPOObjective
     from framework.generate import generate_stage
