@@ -46,12 +46,12 @@ def _lm_eval():
     return lm_eval, LM
 
 
-def make_sharded_lm(trainer, batch_size: int, max_gen_tokens: int):
-    """An lm-eval `LM` over the trainer's (sharded) model and tokenizer."""
+def make_sharded_lm(job, batch_size: int, max_gen_tokens: int):
+    """An lm-eval `LM` over the job's (sharded) model and tokenizer."""
     from framework.distributed.tensor_parallel import full
 
     _, LM = _lm_eval()
-    tok, model, device, seq_len = trainer.data.tokenizer, trainer.model, trainer.rt.device, trainer.cfg.data.seq_len
+    tok, model, device, seq_len = job.data.tokenizer, job.model, job.rt.device, job.cfg.data.seq_len
 
     class ShardedLM(LM):
         def __init__(self):
@@ -184,13 +184,13 @@ def _sandboxed_templates(trusted: bool):
         utils.env = own
 
 
-def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, Dict[str, float]]:
-    """lm-eval's `tasks` on the trainer's model (every rank); rank 0 prints, writes and logs."""
-    e = trainer.cfg.evaluate
+def run_tasks(job, tasks: List[str], step: int, trackers=None) -> Dict[str, Dict[str, float]]:
+    """lm-eval's `tasks` on the job's model (framework/job.py) (every rank); rank 0 prints, writes and logs."""
+    e = job.cfg.evaluate
     lm_eval, _ = _lm_eval()
     from lm_eval.tasks import TaskManager
 
-    if trainer.data.tokenizer is None:
+    if job.data.tokenizer is None:
         raise UserInputError(
             "evaluation needs a tokenizer: the data's (data=stdlib, data=hf, data.tokenizer=...) "
             "or the model directory's"
@@ -216,9 +216,9 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
             f"evaluate.tasks: no lm-eval task {', '.join(unknown)}; local tasks: a YAML in "
             "evaluate.include_path (`lm-eval ls tasks` lists lm-eval's own)"
         )
-    lm = make_sharded_lm(trainer, e.batch_size, e.max_gen_tokens)
-    was_training = trainer.model.training
-    trainer.model.eval()
+    lm = make_sharded_lm(job, e.batch_size, e.max_gen_tokens)
+    was_training = job.model.training
+    job.model.eval()
     try:
         with _sandboxed_templates(e.trust_task_code):
             results = lm_eval.simple_evaluate(
@@ -229,7 +229,7 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
                 task_manager=manager,
                 log_samples=False,
                 bootstrap_iters=0,
-                random_seed=trainer.cfg.trainer.seed,
+                random_seed=job.cfg.trainer.seed,
                 verbosity="ERROR",
             )
     except SecurityError as exc:
@@ -243,20 +243,20 @@ def run_tasks(trainer, tasks: List[str], step: int, trackers=None) -> Dict[str, 
             "a task whose data is not on this machine cannot run here"
         ) from None
     finally:
-        trainer.model.train(was_training)
+        job.model.train(was_training)
     if results is None:  # lm-eval aggregates on each node's first rank only; the forwards were everyone's
         return {}
     scores = {  # "acc,none" -> "acc"; standard errors (not computed: bootstrap_iters=0) left out
         task: {k.split(",")[0]: float(v) for k, v in metrics.items() if _is_score(k, v)}
         for task, metrics in results["results"].items()
     }
-    if trainer.rt.is_main:
+    if job.rt.is_main:
         from lm_eval.utils import make_table
 
         print(make_table(results), file=sys.stderr, flush=True)
         from framework.fileio import create_temporary, users_directory
 
-        out_dir = users_directory(os.path.join(trainer.cfg.run_dir, "eval"), "hydra.run.dir")
+        out_dir = users_directory(os.path.join(job.cfg.run_dir, "eval"), "hydra.run.dir")
         path = os.path.join(out_dir, f"results_step_{step:08d}.json")
 
         with create_temporary(path + ".tmp") as handle:

@@ -10,8 +10,9 @@ from typing import List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint.run_lock import entries, leave_as_found, lock_run_dir, remove_empty_run_dir
-from framework.config import Stage, to_config, validate
+from framework.config import to_config, validate
 from framework.errors import EXIT_BAD_INPUT, UserInputError
+from framework.stages import stage_of
 
 # [Note: no torch before the config is accepted]
 # A refused config, and every refusal found before any rank starts (framework/preflight.py), is
@@ -53,11 +54,12 @@ def run_dir_link_problems(cfg, run_dir: str) -> List[str]:
     that trains, `<run>/eval` for one that runs lm-eval tasks."""
     from framework.fileio import directory_link_problem
 
-    checks, trains = [], cfg.stage in (Stage.training, Stage.fine_tuning, Stage.dpo, Stage.grpo)
+    stage = stage_of(cfg.stage)
+    checks, trains = [], stage.trains
     if trains:
         c = cfg.checkpoint
         checks.append((os.path.join(run_dir, c.dir), f"checkpoint.dir={c.dir}"))  # join keeps an absolute dir
-    if cfg.stage == Stage.evaluate or (trains and cfg.trainer.eval_tasks):
+    if stage.runs_tasks or (trains and cfg.trainer.eval_tasks):
         checks.append((os.path.join(run_dir, "eval"), "hydra.run.dir"))
     return [p for p in (directory_link_problem(path, field) for path, field in checks) if p]
 
@@ -83,12 +85,6 @@ def claim_run_dir(run_dir: str) -> Optional[str]:
 # replaced by a job that did not run it.
 
 
-def config_name(stage: Stage) -> str:
-    """The file a job of `stage` records its resolved config in: see [Note: one config.yaml per run]."""
-    trains = (Stage.training, Stage.fine_tuning, Stage.dpo, Stage.grpo)
-    return "config.yaml" if stage in trains else f"config.{stage.value}.yaml"
-
-
 def record_config(run_dir: str, name: str, config_yaml: str) -> None:
     """Write `<run_dir>/<name>` (never through a planted link: framework/fileio.py)."""
     from framework.fileio import replace_file
@@ -108,21 +104,6 @@ def _recorded(code: int, record) -> int:
     return code
 
 
-def _training_run(cfg):
-    """The per-rank entry of a stage that trains: the trainer's, with stage=dpo's or stage=grpo's class."""
-    from framework.trainer import run
-
-    if cfg.stage == Stage.dpo:
-        from framework.dpo.trainer import DPOTrainer
-
-        return functools.partial(run, trainer_class=DPOTrainer)
-    if cfg.stage == Stage.grpo:
-        from framework.grpo.trainer import GRPOTrainer
-
-        return functools.partial(run, trainer_class=GRPOTrainer)
-    return run
-
-
 def start(dict_cfg: DictConfig, run_dir: str) -> int:
     """Validate, record the resolved config, then run the stage on every rank."""
     from framework.checkpoint.shm_names import sweep_job_start
@@ -138,18 +119,19 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
     except UserInputError as exc:  # a section's own check; anything else is a bug (see errors.py)
         return _refuse([str(exc)], run_dir)
     problems = validate(cfg)
-    if cfg.stage != Stage.data_preparation:
+    stage = stage_of(cfg.stage)
+    if stage.checks_model:
         from framework.models.checks import check_model
         from framework.models.families import job_model_problems
 
         problems += job_model_problems(cfg)  # the model's arguments against the job (no torch)
         problems += [p for p in check_model(cfg.model) if p not in problems]  # the family's own refusals
-    if cfg.stage not in (Stage.data_preparation, Stage.plan):
+    if stage.local is None:  # a stage that starts ranks
         from framework.preflight import preflight_problems
 
         problems += preflight_problems(cfg, under_torchrun())  # what the ranks would refuse, found now
     problems += run_dir_link_problems(cfg, run_dir)
-    if problems and cfg.stage != Stage.plan:  # the plan shows them beside the numbers
+    if problems and stage.refuses:  # the plan shows them beside the numbers
         return _refuse(problems, run_dir)
     cfg.run_dir = os.path.abspath(run_dir)
     found = entries(cfg.run_dir)  # [Note: a refused job leaves the run directory as it found it]
@@ -167,42 +149,26 @@ def start(dict_cfg: DictConfig, run_dir: str) -> int:
 def _run(cfg, dict_cfg: DictConfig, problems: List[str]) -> int:
     """Claim the run directory and run the stage: in this process, on local ranks, or as this
     torchrun rank."""
-    # written by rank 0 when the job is past its refusals ([Note: one config.yaml per run])
     from framework.local_ranks import spawn_local
     from framework.runtime import run_rank
+    from framework.trainer import run
 
-    record = functools.partial(
-        record_config, cfg.run_dir, config_name(cfg.stage), OmegaConf.to_yaml(dict_cfg, resolve=True)
-    )
-    if under_torchrun() and cfg.stage not in (Stage.plan, Stage.data_preparation, Stage.generate, Stage.evaluate):
+    stage = stage_of(cfg.stage)
+    # written by rank 0 when the job is past its refusals ([Note: one config.yaml per run])
+    record = functools.partial(record_config, cfg.run_dir, stage.config_file, OmegaConf.to_yaml(dict_cfg, resolve=True))
+    if under_torchrun() and stage.trains:
         # Every rank is its own process: rank 0 claims the run directory once the ranks can talk,
         # and a refusal there ends every rank with the same status (trainer.run).
-        run = _training_run(cfg)
-        return run_rank(functools.partial(run, claim=lambda: claim_run_dir(cfg.run_dir), record=record), cfg)
+        claim = lambda: claim_run_dir(cfg.run_dir)  # noqa: E731
+        return run_rank(functools.partial(run, stage=stage, claim=claim, record=record), cfg)
     if os.environ.get("RANK", "0") == "0":
         problem = claim_run_dir(cfg.run_dir)
         if problem:
             print(f"error: {problem}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
-    if cfg.stage == Stage.plan:
-        from framework.planner import run_plan
-
-        return _recorded(run_plan(cfg, problems), record)
-    if cfg.stage == Stage.data_preparation:
-        from framework.data.prepare import prepare_data
-
-        return _recorded(prepare_data(cfg), record)
-
-    run = _training_run(cfg)
-    if cfg.stage == Stage.generate:
-        from framework.generate import run_generate
-
-        run = run_generate  # noqa: F811 - the same per-rank entry shape as training's
-    if cfg.stage == Stage.evaluate:
-        from framework.evaluate import run_evaluate
-
-        run = run_evaluate  # noqa: F811
-    run = functools.partial(run, record=record)  # noqa: F811 - rank 0 records the config
+    if stage.local is not None:  # the plan, data preparation: in this process
+        return _recorded(stage.load("local")(cfg, problems), record)
+    rank = functools.partial(run, stage=stage, record=record)  # rank 0 records the config
     if under_torchrun() or cfg.cluster.nproc_per_node == 1:
-        return run_rank(run, cfg)  # a crash prints its rank and traceback (and torchrun's error file)
-    return spawn_local(run, cfg, cfg.cluster.nproc_per_node)
+        return run_rank(rank, cfg)  # a crash prints its rank and traceback (and torchrun's error file)
+    return spawn_local(rank, cfg, cfg.cluster.nproc_per_node)

@@ -3,16 +3,17 @@
     python main.py stage=generate checkpoint.resume=runs/exp1/checkpoints/step_00000100 \\
         'generate.prompts=["def add(a, b):"]' generate.max_new_tokens=40 cluster.nproc_per_node=1
 
-The model, its sharding and the tokenizer are built as for training from the same config; the
-weights come from `checkpoint.resume` (a DCP step directory, resharded to this world size, so a
-checkpoint of 2 ranks loads on 1) or `checkpoint.init_from` / `model.path` (an export). Every rank
-generates for every prompt (tensor-parallel ranks need the same ones) through framework/generation:
-generate.batch_size prompts at a time (left-padded, one KV cache); each stops at the tokenizer's
-end-of-text, before the first of generate.stop_strings, or after max_new_tokens. Rank 0 prints each
-prompt and its completion, streamed a token at a time when a batch is one prompt, and writes them
-to generate.output_file (JSON lines) if named. Sampling: temperature (0: greedy), then top-k, then
-top-p, each prompt from its own generator (generate.seed + its index in the job), so a prompt's
-text does not depend on the batch size.
+The model, its sharding and the tokenizer are built as for training from the same config (the job of
+framework/job.py; no optimizer is built); the weights come from `checkpoint.resume` (a DCP step
+directory, resharded to this world size, so a checkpoint of 2 ranks loads on 1) or
+`checkpoint.init_from` / `model.path` (an export). Every rank generates for every prompt
+(tensor-parallel ranks need the same ones) through framework/generation: generate.batch_size prompts
+at a time (left-padded, one KV cache); each stops at the tokenizer's end-of-text, before the first
+of generate.stop_strings, or after max_new_tokens. Rank 0 prints each prompt and its completion,
+streamed a token at a time when a batch is one prompt, and writes them to generate.output_file (JSON
+lines) if named. Sampling: temperature (0: greedy), then top-k, then top-p, each prompt from its own
+generator (generate.seed + its index in the job), so a prompt's text does not depend on the batch
+size.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _without_prefix(ids: List[int], tok) -> List[int]:
     return ids[len(prefix) :] if prefix and ids[: len(prefix)] == prefix else ids
 
 
-def generate(trainer, prompts: List[str], is_main: bool) -> List[dict]:
+def generate(job, prompts: List[str], is_main: bool) -> List[dict]:
     """Every rank: the prompts' completions through framework/generation (KV cache, stop at the
     tokenizer's end-of-text or a stop string), `generate.batch_size` prompts at a time; rank 0
     prints each prompt with its completion, streamed a token at a time when the batch is one
@@ -89,8 +90,8 @@ def generate(trainer, prompts: List[str], is_main: bool) -> List[dict]:
     from framework.generation import generate as complete
     from framework.generation.decoders import max_tokens
 
-    g = trainer.cfg.generate
-    tok, model = trainer.data.tokenizer, trainer.model
+    g = job.cfg.generate
+    tok, model = job.data.tokenizer, job.model
     ids = []
     for prompt in prompts:  # as `tokenizer(prompt)` encodes it: its BOS first, where it adds one
         ids.append(list(tok.encode(prompt, specials=True)))
@@ -157,16 +158,18 @@ def write_records(path: str, records: List[dict]) -> None:
         ) from None
 
 
-def _generate_stage(trainer) -> int:
-    """The stage on a built trainer (every rank): load the weights, generate. Refusals raise."""
-    cfg = trainer.cfg
+def generate_stage(job) -> int:
+    """The stage on a built job (every rank): load the weights, generate. Refusals raise."""
+    from framework.job import load_trained_weights
+
+    cfg = job.cfg
     prompts = prompts_of(cfg)
     if cfg.parallelism.sequence_parallel and cfg.parallelism.tp > 1:
         raise UserInputError(
             "stage=generate with parallelism.sequence_parallel=true: decoding feeds one token at a time, which "
             "cannot be split over the tp ranks; set parallelism.sequence_parallel=false (tp stays)"
         )
-    if trainer.data.tokenizer is None:
+    if job.data.tokenizer is None:
         raise UserInputError(
             "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "
             "or the model directory's"
@@ -174,20 +177,11 @@ def _generate_stage(trainer) -> int:
     problem = generate_output_problem(cfg)  # found before the ranks started too; here for direct callers
     if problem:
         raise UserInputError(problem)
-    step = trainer.load_weights("generate")
-    if trainer.rt.is_main:
+    step = load_trained_weights(job, "generate")
+    if job.rt.is_main:
         print(f"generating from {'step ' + str(step) if step else 'the imported weights'}", file=sys.stderr)
-    records = generate(trainer, prompts, trainer.rt.is_main)
-    if cfg.generate.output_file and trainer.rt.is_main:
+    records = generate(job, prompts, job.rt.is_main)
+    if cfg.generate.output_file and job.rt.is_main:
         write_records(cfg.generate.output_file, records)
         print(f"wrote {len(records)} completions to {cfg.generate.output_file}", file=sys.stderr)
-    trainer.ckpt.close()
     return 0
-
-
-def run_generate(cfg: Config, record=None) -> int:
-    """Every rank: the training job's build and failure handling (`run` in framework/trainer.py), with
-    generation in place of training; rank 0 then `record`s the job's config. Exit status."""
-    from framework.trainer import run
-
-    return run(cfg, body=_generate_stage, record=record)

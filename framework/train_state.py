@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -12,7 +12,8 @@ from torch import nn
 @dataclass
 class TrainState:
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    # None, None, None: a stage that trains nothing (generate, evaluate): a checkpoint's weights alone
+    optimizer: Optional[torch.optim.Optimizer]
     scheduler: Any  # torch.optim.lr_scheduler.LRScheduler
     train_loader: Any  # framework.data.GlobalBatchLoader
     step: int = 0  # optimizer steps completed

@@ -378,7 +378,7 @@ class CheckpointManager:
         """The weights this run started from into `state.model`, before any resume: the other
         stage's checkpoint (start_of_run), else the import (checkpoint.init_from, model.path), else
         nothing (the seeded initialisation stays). stage=dpo and stage=grpo copy them into their
-        reference ([Note: the reference model] in framework/dpo/trainer.py)."""
+        reference ([Note: the reference model] in framework/dpo/stage.py)."""
         start = self.start_of_run()
         try:
             if start is None:
@@ -448,7 +448,8 @@ class CheckpointManager:
         try:
             saved = contents.read_train_state(path)
             rng = contents.read_rng(path, self.rt.rank)
-            _check_fits(path, saved, state)
+            if state.optimizer is not None:
+                _check_fits(path, saved, state)
         except layout.CheckpointError as exc:
             problem = str(exc)
         problems = [None] * self.rt.world_size
@@ -457,21 +458,21 @@ class CheckpointManager:
         if problem:
             raise layout.CheckpointError(problem)
         self._check_same_model(path, manifest)
-        self._check_same_optimizer(path, manifest)
-        self._check_same_objective(path, manifest)
-        model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
-        optim_tensors, _ = split_optim(optim_sd)
+        trains = state.optimizer is not None  # else a stage that uses the trained model: its weights alone
+        if trains:
+            self._check_same_optimizer(path, manifest)
+            self._check_same_objective(path, manifest)
+        model_sd, optim_sd = self._state_dicts(state)
         lora = self.cfg.peft.lora.enabled  # LoRA checkpoints hold the adapters; the rest stays as it is
-        app = {"model": adapter_state(model_sd) if lora else model_sd, "optim": optim_tensors}
+        app = {"model": adapter_state(model_sd) if lora else model_sd}
+        if trains:
+            app["optim"] = split_optim(optim_sd)[0]
         dcp_load(app, path)
-        self._sharded.set_state_dicts(
-            state.model,
-            state.optimizer,
-            {**model_sd, **app["model"]},
-            join_optim(app["optim"], saved["optimizer_param_groups"]),
-        )
-        state.scheduler.load_state_dict(saved["scheduler"])
-        state.train_loader.load_state_dict(saved["train_loader"])
+        optim_sd = join_optim(app["optim"], saved["optimizer_param_groups"]) if trains else None
+        self._set_state_dicts(state, {**model_sd, **app["model"]}, optim_sd)
+        if trains:
+            state.scheduler.load_state_dict(saved["scheduler"])
+            state.train_loader.load_state_dict(saved["train_loader"])
         set_rng_state(rng)
         self._last_saved = saved["step"]
         if self.rt.is_main:
@@ -492,12 +493,13 @@ class CheckpointManager:
                 f"checkpoint.resume: {path} holds LoRA adapters only (stage={saved.get('stage')}); start from its "
                 "merged model instead: its export (checkpoint.export_safetensors=true) as checkpoint.init_from"
             )
-        model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
+        model_sd, optim_sd = self._state_dicts(state)
         adapters = {k: v for k, v in model_sd.items() if is_adapter(k)}  # LoRA's own: not in the file
         app = {"model": {k: v for k, v in model_sd.items() if not is_adapter(k)}}
         dcp_load(app, path)
-        self._sharded.set_state_dicts(state.model, state.optimizer, {**app["model"], **adapters}, optim_sd)
-        state.optimizer.state.clear()  # a fresh optimizer, as after an import (import_weights)
+        self._set_state_dicts(state, {**app["model"], **adapters}, optim_sd)
+        if state.optimizer is not None:
+            state.optimizer.state.clear()  # a fresh optimizer, as after an import (import_weights)
         # said once (the reference's load, then the resume's); a resume's base load says its own line
         if announce and self.rt.is_main and self._announced != path:
             self._announced = path
@@ -604,7 +606,7 @@ class CheckpointManager:
     def export(self, state, out_dir: Optional[str] = None) -> Optional[str]:
         """model.safetensors + config.json under `<checkpoint.dir>/export` (every rank calls it)."""
         out_dir = out_dir or os.path.join(self.root, "export")
-        model_sd, _ = self._sharded.get_state_dicts(state.model, state.optimizer)
+        model_sd, _ = self._state_dicts(state)
         if self.cfg.peft.lora.enabled:  # a plain model: the adapters folded into their weights
             lora = self.cfg.peft.lora
             model_sd = merged_sharded_state(model_sd, lora.alpha / lora.rank)
@@ -619,7 +621,7 @@ class CheckpointManager:
         return path
 
     def import_weights(self, state, directory: str) -> None:
-        model_sd, optim_sd = self._sharded.get_state_dicts(state.model, state.optimizer)
+        model_sd, optim_sd = self._state_dicts(state)
         adapters = {k: v for k, v in model_sd.items() if is_adapter(k)}  # LoRA's, not in the file
         model_sd = {k: v for k, v in model_sd.items() if not is_adapter(k)}
         where = (
@@ -634,13 +636,26 @@ class CheckpointManager:
         # parallelism.pp: each rank reads its stages' tensors; every tensor is used by some rank
         elsewhere = _used_by_any_rank if self.cfg.parallelism.pp > 1 else None
         loaded, count = import_safetensors(directory, model_sd, adapter, where, elsewhere)
-        self._sharded.set_state_dicts(state.model, state.optimizer, {**loaded, **adapters}, optim_sd)
+        self._set_state_dicts(state, {**loaded, **adapters}, optim_sd)
         # Getting the state dicts made optimizer state (a zero-lr step, so a load has a template);
         # imported weights start training as in a plain loop: no moments, step counter 0 (a
         # counter of 1 would change AdamW's bias correction from the first step).
-        state.optimizer.state.clear()
+        if state.optimizer is not None:
+            state.optimizer.state.clear()
         if self.rt.is_main:
             print(f"initialised {count} tensors from {directory}", file=sys.stderr, flush=True)
+
+    def _state_dicts(self, state):
+        """(model_sd, optim_sd) of `state`; a stage that trains nothing has no optimizer: (model_sd, None)."""
+        if state.optimizer is None:
+            return self._sharded.get_model_state_dict(state.model), None
+        return self._sharded.get_state_dicts(state.model, state.optimizer)
+
+    def _set_state_dicts(self, state, model_sd, optim_sd) -> None:
+        if state.optimizer is None:
+            self._sharded.set_model_state_dict(state.model, model_sd)
+        else:
+            self._sharded.set_state_dicts(state.model, state.optimizer, model_sd, optim_sd)
 
     # ---- the end ----
 

@@ -59,6 +59,13 @@ class ShardingEngine:
     def set_state_dicts(self, model: nn.Module, optimizer, model_sd, optim_sd) -> None:
         raise NotImplementedError
 
+    def get_model_state_dict(self, model: nn.Module) -> Dict[str, Any]:
+        """`get_state_dicts`'s model_sd alone, for a job with no optimizer (generate, evaluate)."""
+        return model.state_dict()
+
+    def set_model_state_dict(self, model: nn.Module, model_sd) -> None:
+        model.load_state_dict(model_sd)
+
     def step_counters(self, model: nn.Module) -> Dict[str, float]:
         """Communication since `reset_counters`: exposed_comm_s, comm_bytes ({} if not counted)."""
         return {}
@@ -176,6 +183,16 @@ class TorchEngine(ShardingEngine):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    def get_model_state_dict(self, model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)
+
+    def set_model_state_dict(self, model, model_sd):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, model_sd)
 
     def shards(self, model):
         from torch.distributed.fsdp import FSDPModule

@@ -1,7 +1,8 @@
 """What the stages that compare a policy with a frozen reference share (stage=dpo, stage=grpo):
-per-token log-probabilities of labelled tokens, and the reference copy of the policy.
+per-token log-probabilities of labelled tokens, and the reference's weights (the reference itself
+is built by framework/job.py's `build_job(cfg, rt, reference_of=policy)`).
 
-See [Note: the reference model] in framework/dpo/trainer.py for what the reference is and when
+See [Note: the reference model] in framework/dpo/stage.py for what the reference is and when
 none is built (LoRA's base with the adapters switched off; SimPO; GRPO's beta=0).
 """
 
@@ -11,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.distributed.parallelize import parallelize
 from framework.models.tasks import IGNORE_INDEX, logits_of
 
 
@@ -31,24 +31,6 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
-
-
-def build_reference(trainer) -> nn.Module:
-    """A frozen copy of `trainer`'s policy layout (the same family, tensor-parallel plan and engine
-    over the same mesh), in eval mode, dropout off; its weights come from `copy_policy_into`."""
-    cfg, family = trainer.cfg, trainer.family
-    model_cfg = family.with_vocab_size(cfg.model, trainer.data.vocab_size)
-    meta = cfg.model.meta_init if cfg.model.meta_init is not None else 4 * trainer.num_params > 4 * 2**30
-    reference = family.build(model_cfg, "meta" if meta else "cpu")
-    for param in reference.parameters():
-        param.requires_grad_(False)
-    reference = parallelize(reference, trainer.dims, trainer.mesh, cfg.parallelism, family)
-    if meta:
-        reference.to_empty(device=trainer.rt.device)
-    elif trainer.rt.device.type != "cpu":
-        reference.to(trainer.rt.device)
-    disable_dropout(reference)
-    return reference.eval()
 
 
 @torch.no_grad()

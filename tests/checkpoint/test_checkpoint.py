@@ -312,11 +312,12 @@ def _import_rank(rank, world, export_dir, run_dir):
     from framework.distributed.engines import engine_of
     from framework.models.llama.adapter import to_hf_name
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     cfg = to_config(compose_config(COMMON + ["parallelism.engine=torch", f"checkpoint.init_from={export_dir}"]))
     cfg.run_dir = run_dir
-    trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+    trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
     assert trainer.ckpt.resume(trainer.state) == 0
     model_sd, _ = engine_of(cfg.parallelism.engine).get_state_dicts(trainer.model, trainer.optimizer)
     different, compared = [], 0
@@ -345,7 +346,8 @@ def _kill_in_commit_rank(rank, world, run_dir):
     from framework.config import to_config
     from framework.config.compose import compose_config
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -355,7 +357,7 @@ def _kill_in_commit_rank(rank, world, run_dir):
         compose_config(COMMON + ["parallelism.engine=torch", "checkpoint.resume=auto", "trainer.max_steps=14"])
     )
     cfg.run_dir = run_dir
-    Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu"))).fit()
+    build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage)).fit()
 
 
 def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(source, tmp_path):

@@ -76,6 +76,7 @@ def test_a_job_run_in_this_process_leaves_torch_as_it_was(tmp_path, monkeypatch)
     from framework.config import to_config
     from framework.config.compose import compose_config
     from framework.data import indexed
+    from framework.stages import stage_of
     from framework.trainer import run
 
     seen = []
@@ -104,7 +105,7 @@ def test_a_job_run_in_this_process_leaves_torch_as_it_was(tmp_path, monkeypatch)
         )
     )
     cfg.run_dir = str(tmp_path / "run")
-    assert run(cfg) == 0
+    assert run(cfg, stage_of(cfg.stage)) == 0
     assert seen, "megatron's builder did not run"
     for torch_sees, megatron_sees, during in seen:
         assert torch_sees is True and megatron_sees is False  # only megatron was shown "alone"

@@ -13,7 +13,7 @@ from framework.errors import UserInputError
 from framework.finetune.reference import token_logps
 from framework.grpo.loss import group_advantages, grpo_loss
 from framework.grpo.rewards import Rewards, exact_match, length_reward
-from framework.grpo.trainer import rollout_seed, sequences
+from framework.grpo.stage import rollout_seed, sequences
 from framework.models.tasks import IGNORE_INDEX
 
 
@@ -330,17 +330,17 @@ def test_the_batch_std_of_scale_rewards_batch_is_trls():
     from conftest import free_port
     from trl.trainer.utils import nanstd
 
-    from framework.grpo.trainer import GRPOTrainer
+    from framework.grpo.stage import GRPOObjective
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:  # the group goes with the test: a later in-process group of this worker could not start
         rewards = torch.tensor([0.25, 1.5, -2.0, 3.0, 0.0, 0.75, float("nan"), 2.5])
         rt = types.SimpleNamespace(device=torch.device("cpu"))
         fake = types.SimpleNamespace(rt=rt, dims=types.SimpleNamespace(tp=1))
-        ours = GRPOTrainer._batch_std(fake, rewards)
+        ours = GRPOObjective._batch_std(fake, rewards)
         # float64 sums then float32: within float32 rounding of TRL's float32 two-pass std
         torch.testing.assert_close(ours, nanstd(rewards), rtol=1e-6, atol=1e-6)
-        six = GRPOTrainer._batch_std(fake, rewards[:6])
+        six = GRPOObjective._batch_std(fake, rewards[:6])
         torch.testing.assert_close(six, rewards[:6].std(), rtol=1e-6, atol=1e-6)
     finally:
         dist.destroy_process_group()

@@ -153,13 +153,14 @@ def _plain_loop(cfg, task_name: str):
 
 def _families_rank(rank, world, run_dir, dirs):
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     out = {}
     for label, (_, _, task) in FAMILIES.items():
         cfg = _adamw_config(dirs[label], task, run_dir)
         ref_losses, ref_weights = _plain_loop(cfg, task)
-        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
         assert trainer.ckpt.resume(trainer.state) == 0
         losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
         worst, compared, where = 0.0, 0, ""
@@ -245,12 +246,13 @@ def _lora_rank(rank, world, run_dir, directory):
     import transformers
 
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     cfg = _adamw_config(directory, "causal_lm", run_dir)
     cfg.peft.lora.enabled, cfg.peft.lora.rank, cfg.peft.lora.alpha = True, 4, 8.0
     cfg.peft.lora.targets = ["q_proj", "v_proj"]
-    trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+    trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
     assert trainer.ckpt.resume(trainer.state) == 0
     adapters = {}
     for name, value in trainer.model.state_dict().items():

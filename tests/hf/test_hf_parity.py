@@ -143,13 +143,14 @@ def _probe(cfg):
 
 def _parity_rank(rank, world, run_dir, source):
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     out = {}
     for label, model_config, task, parallelism in CASES:
         cfg = make_config(model_config, task, parallelism, run_dir)
         initial, ref_losses = _reference(cfg, 5)
-        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
         with torch.no_grad():
             ours = trainer.model(**_probe(cfg)).logits
             ref = initial(**_probe(cfg)).logits
@@ -173,10 +174,11 @@ def _load_from_path(rank, world, run_dir, source, engine) -> float:
     from safetensors import safe_open
 
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     cfg = make_config({}, "causal_lm", {"engine": engine}, run_dir, path=source)
-    trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+    trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
     assert trainer.ckpt.resume(trainer.state) == 0
     worst, tied = 0.0, trainer.ckpt._adapter(trainer.model.state_dict(), "model.path")[1].tied
     with safe_open(f"{source}/model.safetensors", framework="pt") as f:

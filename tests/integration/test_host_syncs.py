@@ -31,11 +31,12 @@ def _count_reads(rank, world, run_dir, overrides):
     their step counters, which live on the host unless `capturable`)."""
     from framework.config import compose_config, to_config
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     cfg = to_config(compose_config(TINY + overrides))
     cfg.run_dir = run_dir
-    trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+    trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
     reads = collections.defaultdict(list)
     starting = [False]  # from the step's first act (resetting the counters) to the end of train_step
 

@@ -11,13 +11,14 @@ from framework.runtime import Runtime
 
 def _train_raising(monkeypatch, exc: BaseException) -> int:
     import framework.trainer as trainer
+    from framework.stages import stage_of
 
-    class Raises:
-        def __init__(self, cfg, rt):
-            raise exc
+    def raises(cfg, rt, data=None):
+        raise exc
 
-    monkeypatch.setattr(trainer, "Trainer", Raises)
-    return trainer._train(Config(), Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    monkeypatch.setattr(trainer, "build_job", raises)
+    rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return trainer._train(Config(), rt, stage_of("training"))
 
 
 def test_refused_input_is_one_line_and_status_2(monkeypatch, capsys):

@@ -16,8 +16,11 @@ LAYERS = [
     {"loss_plot"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
     {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation", "routing", "local_ranks"},
+    {"steps", "step_callbacks"},
+    {"job"},
     {"trainer"},
     {"generate", "evaluate", "dpo", "grpo"},
+    {"stages"},
     {"entrypoint"},
 ]
 

@@ -162,7 +162,8 @@ def _sharded_groups(rank, world, run_dir):
     and whether the engine's pieces were 1-D (the shape weight decay must not be judged by)."""
     from framework.config import compose_config, to_config
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     layouts = {
         "native": [],
@@ -174,7 +175,7 @@ def _sharded_groups(rank, world, run_dir):
         overrides = ["model=debug", "data=synthetic", "optimizer.weight_decay=0.1", "checkpoint.save_final=false"]
         cfg = to_config(compose_config(overrides + extra))
         cfg.run_dir = f"{run_dir}/{label}"
-        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
         names = {id(p): n for n, p in trainer.model.named_parameters()}
         groups = trainer.optimizer.param_groups
         out[label] = {

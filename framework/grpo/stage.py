@@ -11,7 +11,7 @@ One trainer step is one batch of rollouts and grpo.iterations optimizer steps on
 5. grpo.iterations times: the loss of [Note: the GRPO objective] (framework/grpo/loss.py) over the
    trainer.micro_batch_size-prompt micro-batches, gradients accumulated, clipped, one optimizer
    step. The learning-rate schedule advances once per trainer step.
-The reference is the one of [Note: the reference model] (framework/dpo/trainer.py): LoRA's base
+The reference is the one of [Note: the reference model] (framework/dpo/stage.py): LoRA's base
 with its adapters off, else a frozen sharded copy of the starting model; grpo.beta=0 builds none.
 
 [Note: the rollout seeds]
@@ -23,7 +23,6 @@ those of the run it continues. Tensor-parallel ranks of one group pass the same 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Dict, List
 
@@ -32,14 +31,14 @@ import torch.distributed as dist
 
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import UserInputError
-from framework.finetune.reference import build_reference, copy_policy_into, disable_dropout, load_starting_weights
+from framework.finetune.reference import copy_policy_into, disable_dropout, load_starting_weights
 from framework.finetune.reference import token_logps as _token_logps
 from framework.generation import generate
-from framework.grpo.data import build_grpo_data
 from framework.grpo.loss import group_advantages, grpo_loss, nan_std
 from framework.grpo.rewards import Rewards
+from framework.job import build_job
 from framework.models.tasks import IGNORE_INDEX
-from framework.trainer import Trainer
+from framework.trainer import Objective, StepWork
 
 
 def rollout_seed(seed: int, step: int, index: int, k: int) -> int:
@@ -65,12 +64,22 @@ def sequences(prompts: List[List[int]], completions: List[List[int]], pad_id: in
     return ids, targets
 
 
-class GRPOTrainer(Trainer):
-    data_builder = staticmethod(build_grpo_data)  # prompts through data=hf
+class GRPOObjective(Objective):
+    """A step: rollouts of the step's prompts, their rewards and advantages, then grpo.iterations
+    passes of the clipped-ratio loss over them (each followed by the trainer's step tail)."""
 
-    def __init__(self, cfg, rt):
-        super().__init__(cfg, rt)
-        g = cfg.grpo
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        job = self.job
+        cfg, g = job.cfg, job.cfg.grpo
+        self.cfg, self.model, self.data, self.rt, self.dims, self.dp_rank = (
+            cfg,
+            job.model,
+            job.data,
+            job.rt,
+            job.dims,
+            job.dp_rank,
+        )
         if g.disable_dropout:
             disable_dropout(self.model)
         self.train_prompts, self.valid_prompts = self.data.prompts
@@ -79,8 +88,9 @@ class GRPOTrainer(Trainer):
         self._check_positions()
         self.reference = None
         if g.beta != 0 and not cfg.peft.lora.enabled:
-            self.reference = build_reference(self)  # weights in `fit`
-        self.task = dataclasses.replace(self.task, end_of_run=None)  # the rewards show how it does
+            self.reference = build_job(cfg, job.rt, reference_of=job).model  # weights in `start`
+        self.end_of_run = None  # the rewards show how it does
+        self._step = None  # the step's rollouts, rewards and statistics, for its metrics
 
     def _check_positions(self) -> None:
         from framework.generation.decoders import max_tokens
@@ -97,11 +107,10 @@ class GRPOTrainer(Trainer):
         if largest >= vocab:
             raise UserInputError(f"stage=grpo: a prompt has token id {largest}, past the model's {vocab} ids")
 
-    def fit(self, started=None) -> int:
+    def start(self) -> None:
         if self.reference is not None:
-            load_starting_weights(self)  # before any resume (a fresh start's reads them again)
+            load_starting_weights(self.trainer)  # before any resume (a fresh start's reads them again)
             copy_policy_into(self.model, self.reference)
-        return super().fit(started)
 
     def _logps(self, model, ids, targets):
         return _token_logps(model, ids, targets, full, self.cfg.grpo.temperature)
@@ -161,11 +170,11 @@ class GRPOTrainer(Trainer):
         )
         return prompts, done
 
-    def train_step(self, read: bool = True) -> Dict[str, float]:
+    def work(self, step: int) -> StepWork:
+        """The step's rollouts, rewards and advantages; grpo.iterations passes of the loss over them."""
         g, model, device = self.cfg.grpo, self.model, self.rt.device
         group, loader = g.num_generations, self.data.train
         accum = loader.accum_steps
-        step = self.state.step + 1
         indices = [int(i) for _ in range(accum) for i in loader.next_batch()["index"]]
         prompts, done = self.rollouts(step, indices)
         rewards = torch.tensor(self._scores(prompts, done, group), dtype=torch.float32)
@@ -192,49 +201,46 @@ class GRPOTrainer(Trainer):
         # dapo: the global batch's completion tokens per micro-batch and data-parallel rank
         tokens = torch.tensor(float(sum(len(c.token_ids) for c in done)), dtype=torch.float64, device=device)
         dist.all_reduce(tokens)  # tensor-parallel ranks count their group's tokens too: divided by tp
-        per_micro_tokens = float(tokens) / self.dims.tp / (accum * self.dims.dp)
-        out = {"lr": self.scheduler.get_last_lr()[0]}
+        self._per_micro_tokens = float(tokens) / self.dims.tp / (accum * self.dims.dp)
         # kl and its tokens over the first iteration (the rollout policy against the reference);
         # clipped tokens and tokens over every iteration (the first clips nothing: its ratios are 1)
         stats = torch.zeros(4, device=device, dtype=torch.float64)
-        for iteration in range(g.iterations):
-            total = torch.zeros((), device=device)
-            for m, (ids, targets, old, ref, adv) in enumerate(micro):
-                model.set_requires_gradient_sync(m == accum - 1)
-                with loss_context(model):
-                    logps = self._logps(model, ids, targets)
-                    mask = targets != IGNORE_INDEX
-                    old = logps.detach() if old is None else old
-                    loss, sums = grpo_loss(
-                        logps,
-                        old,
-                        ref,
-                        adv,
-                        mask,
-                        g.epsilon,
-                        g.beta,
-                        g.kl_bias_correction,
-                        loss_type=g.loss_type,
-                        epsilon_high=g.epsilon_high,
-                        max_completion_length=g.max_new_tokens,
-                        tokens_per_micro_batch=per_micro_tokens,
-                    )
-                    (loss / accum).backward()
-                total += full(loss.detach()) / accum
-                first = float(iteration == 0)
-                kl_part = [sums["kl"] * first, sums["tokens"] * first]
-                stats += torch.stack([*kl_part, sums["clipped"], sums["tokens"]]).double()
-            grad_norm = self.engine.clip_grad_norm(model, self.cfg.optimizer.clip_grad_norm)
-            if iteration == 0:  # the loss and gradient norm logged: the rollout policy's own
-                self.watch.observe(step, _world_mean(total), grad_norm)
-                if read:  # raises TrainingDiverged, before the optimizer step, if the loss was not finite
-                    out["loss"], out["grad_norm"] = self.watch.read(step)
-            self.engine.optimizer_step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        if read:
-            out.update(self._rollout_metrics(rewards, done, stats, parts))
-        return out
+        self._step, self._calls = (rewards, done, stats, parts), 0
+        # the routers (a mixture-of-experts policy's) do not route the rollouts' micro-batches ahead:
+        # the loss, logged and observed, is the first iteration's (the rollout policy's own)
+        return StepWork(self.clipped_loss, accum, micro=micro, passes=g.iterations, routed=False)
+
+    def clipped_loss(self, batch) -> torch.Tensor:
+        """[Note: the GRPO objective] on one micro-batch of rollouts; its statistics added to the step's."""
+        g = self.cfg.grpo
+        ids, targets, old, ref, adv = batch
+        iteration = self._calls // self.data.train.accum_steps
+        self._calls += 1
+        logps = self._logps(self.model, ids, targets)
+        mask = targets != IGNORE_INDEX
+        old = logps.detach() if old is None else old
+        loss, sums = grpo_loss(
+            logps,
+            old,
+            ref,
+            adv,
+            mask,
+            g.epsilon,
+            g.beta,
+            g.kl_bias_correction,
+            loss_type=g.loss_type,
+            epsilon_high=g.epsilon_high,
+            max_completion_length=g.max_new_tokens,
+            tokens_per_micro_batch=self._per_micro_tokens,
+        )
+        first = float(iteration == 0)
+        kl_part = [sums["kl"] * first, sums["tokens"] * first]
+        self._step[2].add_(torch.stack([*kl_part, sums["clipped"], sums["tokens"]]).double())
+        return loss
+
+    def step_metrics(self, read: bool) -> Dict[str, float]:
+        step, self._step = self._step, None
+        return self._rollout_metrics(*step) if read else {}
 
     def _batch_std(self, rewards: torch.Tensor) -> torch.Tensor:
         """The std (Bessel's) of the global batch's rewards (grpo.scale_rewards=batch)."""
@@ -285,8 +291,3 @@ class GRPOTrainer(Trainer):
         sums = torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64, device=self.rt.device)
         dist.all_reduce(sums)
         return {"val_reward": float(sums[0] / sums[1].clamp(min=1))}
-
-
-def _world_mean(value: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(value)
-    return value / dist.get_world_size()

@@ -1,0 +1,127 @@
+"""The step runners: how one optimizer step's micro-batches go forward and backward on the job's
+layout, chosen once by `build_job` (framework/job.py), so the trainer and the stages never ask
+which layout they run on.
+
+- `PlainSteps`: every rank holds its shards of the whole model (sharded data parallel, tensor,
+  context and expert parallel): each micro-batch's loss and backward in turn, gradients
+  synchronised on the last, a mixture-of-experts model's routers around them (framework/routing.py).
+- `ScheduleSteps`: the model cut into stages over `parallelism.pp` (framework/distributed/pipeline.py):
+  the step's micro-batches through torch's schedule at once, its loss the task's cross-entropy on
+  the last stage (pipelines train causal language models only: refused otherwise at the build).
+
+Both return the step's loss summed over this rank's micro-batches (each divided by their number),
+on the device; the trainer owns what follows (clip, observe, optimizer step, zero_grad).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, List, Optional
+
+import torch
+
+from framework.distributed.tensor_parallel import full, loss_context
+from framework.models.tasks import IGNORE_INDEX, to_device
+from framework.routing import RouterSteps
+
+
+class PlainSteps:
+    whole_model = True  # each rank runs the whole model's forward: generation, a task's metrics
+
+    def __init__(self, model, dims, mesh):
+        self.model, self.dims, self.mesh = model, dims, mesh
+        self.routers = RouterSteps.of(model)  # a mixture-of-experts model's, around each step
+        self._routed = False
+
+    def sequences_split(self):
+        """Under context parallelism each rank's chunk of every row ([Note: context parallelism by all-to-all])."""
+        if self.dims.cp == 1:
+            return contextlib.nullcontext()
+        from framework.distributed.context_parallel import active
+
+        return active(self.model)
+
+    def task_loss(self, task) -> Callable:
+        """batch -> the task's loss; under context parallelism this rank's share of it, from its
+        chunk of every row (see [Note: context parallelism by all-to-all])."""
+        cp, model = self.dims.cp, self.model
+        if cp == 1:
+            return lambda batch: task.loss(model, batch)
+        from framework.distributed.context_parallel import split_batch
+
+        def loss(batch):
+            part, labelled = split_batch(batch, self.mesh.get_local_rank("cp"), cp, IGNORE_INDEX)
+            return task.summed_loss(model, part) * cp / labelled.clamp(min=1)
+
+        return loss
+
+    def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
+        """`accum` micro-batches from `next_batch()` (on the device), each's `loss(batch) / accum`
+        backward; `routed`: the routers count and balance them ([Note: global-batch load balancing])."""
+        model = self.model
+        total = torch.zeros((), device=device)
+        ahead: List = []  # the step's micro-batches, when the routers route them first
+        self._routed = routed and self.routers is not None
+        if self._routed:
+            if self.routers.routes_ahead:
+                ahead = [next_batch() for _ in range(accum)]
+            with loss_context(model), self.sequences_split():
+                self.routers.begin(ahead, loss)
+        for micro in range(accum):
+            model.set_requires_gradient_sync(micro == accum - 1)
+            batch = ahead[micro] if ahead else next_batch()
+            with loss_context(model), self.sequences_split():  # tensor / context parallel
+                part = loss(batch) / accum
+                part.backward()
+            total += full(part.detach())
+        return total
+
+    def end(self, read: bool) -> dict:
+        """After the step's backward passes: the routers' bias update and, with `read`, their statistics."""
+        if not self._routed:
+            return {}
+        self._routed = False
+        return self.routers.end(read)
+
+    @torch.no_grad()
+    def eval_total(self, batches: list, per_step: int, loss: Callable, device):
+        """The sum of the batches' losses (no backward)."""
+        total = torch.zeros((), device=device)
+        for batch in batches:
+            with loss_context(self.model), self.sequences_split():  # tensor / context parallel
+                total += full(loss(to_device(batch, device)))
+        return total
+
+
+class ScheduleSteps:
+    whole_model = False  # each rank holds its stages only
+
+    def __init__(self, schedule):
+        self.schedule, self.model = schedule, schedule.model
+
+    def task_loss(self, task) -> Callable:
+        return lambda batch: task.loss(self.model, batch)  # the schedule computes the loss itself
+
+    def sequences_split(self):
+        return contextlib.nullcontext()
+
+    def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
+        """Every micro-batch through the stages: one schedule step (its loss the task's cross-entropy)."""
+        return self.schedule.train_batches([next_batch() for _ in range(accum)])
+
+    def end(self, read: bool) -> dict:
+        return {}  # the stages compute no load-balancing loss and keep no router statistics
+
+    def eval_total(self, batches: list, per_step: int, loss: Callable, device):
+        """Forward-only passes of the schedule, `per_step` batches (a step's) each."""
+        return self.schedule.eval_total([to_device(b, device) for b in batches], per_step)
+
+
+def schedule_for(model, dims, mesh, cfg, family, device, accum: int, task) -> Optional[ScheduleSteps]:
+    """`ScheduleSteps` over the model's stages when `parallelism.pp` > 1, else None (the plain loop)."""
+    if dims.pp == 1:
+        return None
+    from framework.distributed.pipeline import Pipeline
+    from framework.models.tasks import cross_entropy
+
+    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy))
