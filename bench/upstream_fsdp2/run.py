@@ -97,6 +97,46 @@ def run_engine(engine: str, files: list, args, workdir: Path) -> dict:
     return out
 
 
+def _repeated(engine: str, files: list, args, workdir: Path) -> dict:
+    """`--repeat N` runs: a test passes only if it passed every run ("passed" then says N/N)."""
+    runs = [run_engine(engine, files, args, workdir) for _ in range(args.repeat)]
+    if args.repeat == 1:
+        return runs[0]
+    out = {}
+    for t in set().union(*runs):
+        seen = [r.get(t, ("absent", "")) for r in runs]
+        passes = sum(o == "passed" for o, _ in seen)
+        failed = [w for o, w in seen if o != "passed"]
+        if passes == len(runs):
+            out[t] = ("passed", f"{passes}/{len(runs)}")
+        else:
+            outcome = "skipped" if all(o == "skipped" for o, _ in seen) else "failed"
+            out[t] = (outcome, f"{passes}/{len(runs)} passed; {failed[0]}")
+    return out
+
+
+def summarise(results: dict, repeat: int = 1) -> str:
+    """The table of outcomes per engine and, with both engines, how many of the tests torch's
+    engine passes ours passes too."""
+    engines = list(results)
+    tests = sorted(set().union(*results.values()))
+    lines = ["| test | " + " | ".join(engines) + " |", "|---|" + "---|" * len(engines)]
+    for t in tests:
+        cells = []
+        for e in engines:
+            outcome, why = results[e].get(t, ("absent", ""))
+            cells.append(outcome + (f": {why}" if why and (outcome == "failed" or repeat > 1) else ""))
+        lines.append(f"| {t} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    for e in engines:
+        n = sum(1 for o, _ in results[e].values() if o == "passed")
+        lines.append(f"{e}: {n} passed of {len(results[e])} collected")
+    if "torch" in results and "ours" in results:
+        base = [t for t in tests if results["torch"].get(t, ("",))[0] == "passed"]
+        ours = [t for t in base if results["ours"].get(t, ("",))[0] == "passed"]
+        lines.append(f"ours passes {len(ours)} of the {len(base)} tests torch's fully_shard passes")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("tests_dir", type=Path, help="folder with torch's test/distributed/_composable/fsdp/ files")
@@ -104,6 +144,7 @@ def main() -> None:
     p.add_argument("-k", default=None, help="pytest -k expression")
     p.add_argument("--engine", choices=("ours", "torch", "both"), default="both")
     p.add_argument("--timeout", type=int, default=600, help="seconds per test")
+    p.add_argument("--repeat", type=int, default=1, help="run each engine's tests N times; pass = every run")
     p.add_argument("--no-cpu-rewrite", action="store_true")
     p.add_argument("--cpu-ranks", type=int, default=2, help="gloo ranks for tests sized by the device count")
     p.add_argument("--json", type=Path, default=None)
@@ -118,25 +159,10 @@ def main() -> None:
         if missing:
             _refuse(f"--files: not in {args.tests_dir}: {', '.join(missing)}")
         engines = ("torch", "ours") if args.engine == "both" else (args.engine,)
-        results = {e: run_engine(e, files, args, work) for e in engines}
+        results = {e: _repeated(e, files, args, work) for e in engines}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    tests = sorted(set().union(*results.values()))
-    print("| test | " + " | ".join(engines) + " |")
-    print("|---|" + "---|" * len(engines))
-    for t in tests:
-        cells = []
-        for e in engines:
-            outcome, why = results[e].get(t, ("absent", ""))
-            cells.append(outcome + (f": {why}" if outcome == "failed" and why else ""))
-        print(f"| {t} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    for e in engines:
-        n = sum(1 for o, _ in results[e].values() if o == "passed")
-        print(f"{e}: {n} passed of {len(results[e])} collected", file=sys.stderr)
-    if len(engines) == 2:
-        base = [t for t in tests if results["torch"].get(t, ("",))[0] == "passed"]
-        ours = [t for t in base if results["ours"].get(t, ("",))[0] == "passed"]
-        print(f"\nours passes {len(ours)} of the {len(base)} tests torch's fully_shard passes")
+    print(summarise(results, args.repeat))
     if args.json:
         args.json.write_text(json.dumps({e: {t: list(v) for t, v in r.items()} for e, r in results.items()}, indent=1))
 

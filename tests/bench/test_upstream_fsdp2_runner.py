@@ -4,6 +4,7 @@ adjustments make CUDA-only files take CPU ranks, and a bad folder is refused in 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -51,12 +52,14 @@ _FILE = textwrap.dedent(
 )
 
 
-def test_runner_counts_each_engine_on_cpu_ranks(tmp_path):
+def test_the_shim_hands_spawned_ranks_our_engine_on_cpu(tmp_path):
+    """One run under `--engine ours` (torch's engine is the same command with `torch`): the
+    spawned ranks' imports reach our engine, the CPU adjustments let the CUDA-written test run."""
     tests = tmp_path / "fsdp"
     tests.mkdir()
     (tests / "test_which_engine.py").write_text(_FILE)
     p = subprocess.run(
-        [sys.executable, str(RUNNER), str(tests), "--timeout", "300"],
+        [sys.executable, str(RUNNER), str(tests), "--engine", "ours", "--timeout", "300"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -64,9 +67,37 @@ def test_runner_counts_each_engine_on_cpu_ranks(tmp_path):
     )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {line.split("|")[1].strip(): line for line in p.stdout.splitlines() if "::test_" in line}
-    assert rows["TestWhichEngine::test_names_reach_the_engine"].count("passed") == 2, p.stdout
-    assert "failed: " in rows["TestPlain::test_fails_on_purpose"], p.stdout
-    assert "ours passes 1 of the 1 tests torch's fully_shard passes" in p.stdout, p.stdout
+    assert "| passed |" in rows["TestWhichEngine::test_names_reach_the_engine"], p.stdout
+    assert "failed: AssertionError: a failure the table names" in rows["TestPlain::test_fails_on_purpose"], p.stdout
+
+
+def test_cpu_adjustments_and_the_count(tmp_path):
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "test_a.py").write_text(
+        'm = init_device_mesh("cuda", (2,))\nx = torch.randn(2, device="cuda").cuda()\n@skip_if_lt_x_gpu(2)\n'
+    )
+    out = run.materialise(src, rewrite=True)
+    try:
+        assert (out / "test_a.py").read_text() == (
+            'm = init_device_mesh("cpu", (2,))\nx = torch.randn(2, device="cpu").cpu()\n'
+            "@skip_if_lt_x_gpu(2, allow_cpu=True)\n"
+        )
+        assert not str(out).startswith(str(REPO))  # the copies never land in the repository
+    finally:
+        shutil.rmtree(out)
+    results = {
+        "torch": {"A::a": ("passed", ""), "A::b": ("passed", ""), "A::c": ("failed", "x")},
+        "ours": {"A::a": ("passed", ""), "A::b": ("failed", "y"), "A::c": ("passed", "")},
+    }
+    table = run.summarise(results)
+    assert "| A::b | passed | failed: y |" in table
+    assert table.endswith("ours passes 1 of the 2 tests torch's fully_shard passes")
 
 
 def test_runner_refuses_a_missing_folder(tmp_path):
