@@ -52,3 +52,14 @@ if _cpu_ranks:
         _cf.DEVICE_COUNT = _cpu_ranks
         _cf.FSDPTest._run = _cf.FSDPTestMixin.__dict__["_run"]  # the classmethod itself, rebound to FSDPTest
         _torch.cpu.device_count = lambda: _cpu_ranks
+
+# Test files newer than the installed torch tag their classes with `HardwareClassification`
+# (torch.testing._internal.common_utils grew it after 2.13); a tag only, so an enum of the same
+# names lets those files import. Only added where torch lacks it.
+if os.environ.get("UPSTREAM_FSDP2_ENGINE"):
+    import enum as _enum
+
+    import torch.testing._internal.common_utils as _cu
+
+    if not hasattr(_cu, "HardwareClassification"):
+        _cu.HardwareClassification = _enum.Enum("HardwareClassification", "GENERIC ACCELERATOR")
