@@ -1,8 +1,8 @@
 """What a sharded module is, as FSDP2's own `test_fully_shard_state.py` checks it (torch's
 `test/distributed/_composable/fsdp/`, run on our engine by bench/upstream_fsdp2/run.py), on 2 rank
 threads of one process: the class `fully_shard` gives a module, a slice of a sharded container,
-`fully_shard.state(module)`, deep-copying a sharded module, and sharding a container that has
-no forward."""
+`fully_shard.state(module)`, deep-copying a sharded module, sharding one twice, and sharding a
+container that has no forward."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ def _module_api(rank, n):
     out["states"] = (all(s is not None for s in states), len({id(s) for s in states}))
     out["state_of_plain"] = fully_shard.state(nn.Linear(2, 2))
 
+    try:
+        fully_shard(model)
+        out["twice"] = "sharded again"
+    except AssertionError as e:  # FSDP2's type; ours is also the ValueError of every refusal
+        out["twice"] = (isinstance(e, ValueError), str(e))
     out["containers"] = []
     for container in (nn.ModuleList([MLP(8)]), nn.ModuleDict({"a": MLP(8)})):
         try:
@@ -73,6 +78,11 @@ def test_sharded_module_class_slices_state_and_deepcopy():
             assert out["slice_children_sharded"] == [True, True]
             assert out["states"] == (True, 4)  # one distinct state per fully_shard call
             assert out["state_of_plain"] is None
+            twice_is_value_error, twice = out["twice"]
+            assert twice_is_value_error and twice.startswith(
+                "Each distinct composable distributed API can only be applied to a module once. "
+                "fully_shard: FSDPMLP is already sharded"
+            )
             # a container without forward would never be gathered: refused, as FSDP2 does
             assert out["containers"] == ["fully_shard does not support containers that do not implement forward"] * 2
             assert out["deepcopy"].startswith("FSDP does not support deepcopy: FSDPMLP is sharded;")

@@ -38,6 +38,12 @@ from .views import ShardPiece
 _CLASS_CACHE: Dict[type, type] = {}
 
 
+class ShardedTwiceError(ValueError, AssertionError):
+    """`fully_shard` applied to a module it already took. A ValueError, as the engine's other
+    refusals of bad input are, and FSDP2's AssertionError (with its sentence first), which code
+    written for FSDP2 catches."""
+
+
 def _sharded_class(cls: type) -> type:
     found = _CLASS_CACHE.get(cls)
     if found is None:
@@ -135,7 +141,8 @@ def fully_shard(
                 "(for layer in model.layers: fully_shard(layer)) or as one group (fully_shard(list(model.layers)))"
             )
         if getattr(m, "_fsdp_unit", None) is not None:
-            raise ValueError(
+            raise ShardedTwiceError(
+                "Each distinct composable distributed API can only be applied to a module once. "
                 f"fully_shard: {type(m).__name__} is already sharded; apply fully_shard once per module, bottom-up"
             )
     if not isinstance(reshard_after_forward, (bool, int)):
