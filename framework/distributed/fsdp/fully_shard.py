@@ -25,7 +25,8 @@ from .unit import ShardUnit, claim, claimed_by, owner_of, piece_spec
 from .views import ShardPiece
 
 # [Note: one sharded class per module class, for the process]
-# `fully_shard` swaps a module's class for `Sharded<Class>` (ShardedModule first in the MRO). The
+# `fully_shard` swaps a module's class for `FSDP<Class>` (ShardedModule first in the MRO; FSDP2's
+# name for it). The
 # table below is process-wide on purpose, as FSDP2's own class cache is: every instance of a
 # class, whichever model or world it belongs to, must get the *same* sharded class, so that
 # `type(a) is type(b)`, isinstance checks and pickling by qualified name agree across models
@@ -37,10 +38,17 @@ from .views import ShardPiece
 _CLASS_CACHE: Dict[type, type] = {}
 
 
+class ShardedTwiceError(ValueError, AssertionError):
+    """`fully_shard` applied to a module it already took. A ValueError, as the engine's other
+    refusals of bad input are, and FSDP2's AssertionError (with its sentence first), which code
+    written for FSDP2 catches."""
+
+
 def _sharded_class(cls: type) -> type:
     found = _CLASS_CACHE.get(cls)
     if found is None:
-        found = _CLASS_CACHE.setdefault(cls, type(f"Sharded{cls.__name__}", (ShardedModule, cls), {}))
+        made = type(f"FSDP{cls.__name__}", (ShardedModule, cls), {"_plain_cls": cls})
+        found = _CLASS_CACHE.setdefault(cls, made)
     return found
 
 
@@ -126,8 +134,15 @@ def fully_shard(
     if not members or not all(isinstance(m, nn.Module) for m in members):
         raise ValueError(f"fully_shard: {module!r}; give a module or a non-empty list of modules")
     for m in members:
-        if getattr(m, "_fsdp_unit", None) is not None:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: {type(m).__name__} "
+                "has none, so no forward would gather it; shard its members one by one "
+                "(for layer in model.layers: fully_shard(layer)) or as one group (fully_shard(list(model.layers)))"
+            )
+        if getattr(m, "_fsdp_unit", None) is not None:
+            raise ShardedTwiceError(
+                "Each distinct composable distributed API can only be applied to a module once. "
                 f"fully_shard: {type(m).__name__} is already sharded; apply fully_shard once per module, bottom-up"
             )
     if not isinstance(reshard_after_forward, (bool, int)):
@@ -262,3 +277,12 @@ def fully_shard(
         hooks.register(unit, m)
         register_state_dict_hooks(unit, m, k)
     return module
+
+
+def _state(module: nn.Module):
+    """FSDP2's `fully_shard.state(module)`: what the `fully_shard` call that took `module` made (our
+    unit, unit.py's `ShardUnit`; the members of a group share one), None where none took it."""
+    return getattr(module, "_fsdp_unit", None)
+
+
+fully_shard.state = _state

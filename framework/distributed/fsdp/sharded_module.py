@@ -34,6 +34,27 @@ class UnshardHandle:
 class ShardedModule:
     """Methods added to every module that `fully_shard` was applied to (FSDP2's `FSDPModule`)."""
 
+    # [Note: only the sharded module itself is sharded]
+    # `fully_shard` swaps the class of the module it is given (fully_shard.py's `_sharded_class`);
+    # a new instance made through that class is not sharded by anything, so constructing one gives
+    # the module's own class: slicing a sharded `nn.Sequential` (`model[:2]`, which calls
+    # `self.__class__(...)`) gives a plain `nn.Sequential`, as under FSDP2. A deep copy would copy
+    # the unit's buffers and hooks half-way (a piece cannot be deep-copied alone) and is refused
+    # with FSDP2's words and exception type, which code written for FSDP2 checks.
+    def __new__(cls, *args, **kwargs):
+        plain = cls.__dict__.get("_plain_cls")
+        if plain is None:  # ShardedModule itself, or a class a user derived from a sharded one
+            return super().__new__(cls)
+        module = plain.__new__(plain)
+        module.__init__(*args, **kwargs)  # not called by Python: the result is not a `cls`
+        return module
+
+    def __deepcopy__(self, memo):
+        raise AssertionError(
+            f"FSDP does not support deepcopy: {type(self).__name__} is sharded; deep-copy the model before "
+            "fully_shard, or build a new one and load this one's state_dict()"
+        )
+
     def _units(self) -> List[ShardUnit]:
         return sharded_units(self)
 
