@@ -32,18 +32,47 @@ MODEL = {
     "moe_ffn_dim": 32,
     "n_shared_experts": 1,
 }
+# transformers' DeepSeek-V3 at a tiny size (built locally): MLA attention, a shared expert, the
+# first block dense (no experts, no all-to-all), every token routed to all 4 experts
+DEEPSEEK = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 4,
+    "first_k_dense_replace": 1,
+    "tie_word_embeddings": False,
+}
 SEQ, MICRO = 16, 2
 CASES = {  # name: (parallelism overrides, micro-batches per step)
     "ep2": ({"ep": 2}, 1),
     "ep4": ({"ep": 4}, 1),
     "ep2_ckpt_accum": ({"ep": 2, "activation_checkpointing": "full"}, 2),
+    "hf_deepseek_ep2": ({"ep": 2}, 1),
 }
 
 
 def _config(name: str) -> Config:
     over, accum = CASES[name]
+    if name.startswith("hf_"):
+        model = ModelConfig(name="hf", config=DEEPSEEK, args={"max_seq_len": SEQ})
+    else:
+        model = ModelConfig(name="moe_debug", args=MODEL)
     return Config(
-        model=ModelConfig(name="moe_debug", args=MODEL),
+        model=model,
         parallelism=ParallelismConfig(strategy="full", dp_shard=4, **over),
         data=DataConfig(name="synthetic", seq_len=SEQ),
         trainer=TrainerConfig(micro_batch_size=MICRO, global_batch_size=MICRO * 4 * accum),
@@ -58,6 +87,7 @@ def _step(model, opt, g, accum: int) -> None:
         model.set_requires_gradient_sync(micro == accum - 1)  # as the trainer accumulates
         tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ + 1), generator=g)
         logits = model(tokens[:, :-1])
+        logits = getattr(logits, "logits", logits)  # transformers' output
         F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1)).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -69,6 +99,7 @@ def _worker(rank: int, world: int, names):
     from framework.distributed.parallel_dims import build_mesh
     from framework.distributed.parallelize import parallelize
     from framework.models import family_of
+    from framework.models.hf.model import build_hf
     from framework.models.llama import build_llama
 
     out = {}
@@ -77,8 +108,11 @@ def _worker(rank: int, world: int, names):
         dims = parallel_dims_of(cfg, world)
         mesh = build_mesh(dims, "cpu")
         torch.manual_seed(0)
-        model = build_llama(cfg.model)
-        model.init_weights(0)
+        if name.startswith("hf_"):
+            model = build_hf(cfg.model)
+        else:
+            model = build_llama(cfg.model)
+            model.init_weights(0)
         model = parallelize(model, dims, mesh, cfg.parallelism, family_of(cfg.model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         g = torch.Generator().manual_seed(rank)
@@ -111,3 +145,23 @@ def test_expert_all_to_all_matches_engine(engine_results, name):
         # Exact: top_k = n_experts sends every row to every expert, so (ep-1)/ep of them leave.
         assert (ep_rows[0]["bytes"], ep_rows[0]["calls"]) == tuple(got["a2a"]), (name, rank)
         assert tr.engine_counters() == got["comm"], (name, rank)
+
+
+def test_pipeline_proposed_where_the_family_cuts_experts_into_stages():
+    """A transformers MoE at ep=1 is cut into stages by its family (framework/models/hf/pipeline.py
+    accepts it), so where sharding alone does not fit the planner still proposes pp for it, as
+    before its experts were counted; our Llama with experts is refused with pp, so never; and
+    with ep > 1 the mesh refuses pp (framework/config/degrees.py), so never."""
+    from dataclasses import replace
+
+    from framework.planner.estimate import memory
+    from framework.planner.pipeline import propose_pipeline
+
+    hf = replace(job_from_config(_config("hf_deepseek_ep2")), ep=1)
+    assert hf.model.n_experts == 4 and hf.model.pipeline
+    tight = replace(hf, memory_gib=0.9 * memory(hf).peak / 2**30)  # sharding alone misses by 10%
+    assert propose_pipeline(tight) is not None
+    assert propose_pipeline(replace(tight, ep=2)) is None
+    llama = job_from_config(_config("ep2"))
+    assert not llama.model.pipeline
+    assert propose_pipeline(replace(llama, ep=1, memory_gib=0.9 * memory(llama).peak / 2**30)) is None
