@@ -165,3 +165,21 @@ def test_pipeline_proposed_where_the_family_cuts_experts_into_stages():
     llama = job_from_config(_config("ep2"))
     assert not llama.model.pipeline
     assert propose_pipeline(replace(llama, ep=1, memory_gib=0.9 * memory(llama).peak / 2**30)) is None
+
+
+def test_advice_splits_the_experts_where_that_fits():
+    """A mixture of experts that misses its memory with every rank gathering whole blocks of
+    experts: the advice names parallelism.ep (the experts' gathers then cover 1/ep of them), and
+    the job with it fits."""
+    from dataclasses import replace
+
+    from framework.planner.estimate import memory
+    from framework.planner.plan import advise
+
+    job = replace(job_from_config(_config("ep2")), ep=1, param_dtype="bfloat16")
+    split = memory(replace(job, ep=4)).peak
+    assert split < memory(job).peak
+    tight = replace(job, memory_gib=split / 2**30)
+    changes = advise(tight)
+    eps = [c for c in changes if any(o.startswith("parallelism.ep=") for o in c.overrides)]
+    assert eps and all(c.estimate.fits for c in eps), [c.overrides for c in changes]
