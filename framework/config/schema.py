@@ -583,13 +583,13 @@ class ClusterConfig:
     nodes: int = 1  # machines; every one runs a torchrun agent with nproc_per_node ranks
     nproc_per_node: int = 2  # processes (ranks) per node
     gpus_per_node: int = 0  # 0: CPU job (no GPU request); otherwise at least nproc_per_node
-    gpu_type: str = "auto"  # planner's device table: auto (h100 with GPUs, else cpu) | h100 | h200 | a100 | cpu
+    gpu_type: str = "auto"  # planner's device table: auto (h100 with GPUs, else cpu) | h100 | h200 | h800 | a100 | cpu
     gpu_memory_gib: float = 0.0  # memory per rank the planner plans for; 0: the gpu_type's
 
     def __post_init__(self) -> None:
         _positive("cluster", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
-        if self.gpu_type not in ("auto", "h100", "h200", "a100", "cpu"):
-            raise UserInputError(f"cluster.gpu_type={self.gpu_type!r}: choose auto, h100, h200, a100 or cpu")
+        if self.gpu_type not in ("auto", "h100", "h200", "h800", "a100", "cpu"):
+            raise UserInputError(f"cluster.gpu_type={self.gpu_type!r}: choose auto, h100, h200, h800, a100 or cpu")
         for name in ("gpus_per_node", "gpu_memory_gib"):
             if getattr(self, name) < 0:
                 raise UserInputError(f"cluster.{name}={getattr(self, name)}: must be >= 0")

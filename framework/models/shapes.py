@@ -67,6 +67,9 @@ class ModelShape:
     # Bytes of the module's buffers (a rotary table): whole on every rank, never sharded; part of
     # what an in-memory snapshot holds (framework/planner/snapshots.py). 0: a family that does not say
     buffer_bytes: int = 0
+    # Its family cuts it into pipeline stages (its pipeline.py's `check_pipeline` accepts it): the
+    # planner proposes parallelism.pp only then (framework/planner/pipeline.py)
+    pipeline: bool = True
 
     @property
     def head_dim(self) -> int:

@@ -35,6 +35,9 @@ class Device:
 DEVICES: dict[str, Device] = {
     "h100": Device("H100 80GB SXM", 80.0, 989.0, 67.0, 450.0, 50.0, 0.5, 0.8, 2048.0),
     "h200": Device("H200 141GB SXM", 141.0, 989.0, 67.0, 450.0, 50.0, 0.5, 0.8, 2048.0),
+    # H800: the H100's compute and memory with NVLink cut to 400 GB/s (200 per direction); DeepSeek-V3
+    # trained on 2048 of them, 8 per node, one 400 Gb/s InfiniBand NIC per GPU (arXiv 2412.19437)
+    "h800": Device("H800 80GB SXM", 80.0, 989.0, 67.0, 200.0, 50.0, 0.5, 0.8, 2048.0),
     "a100": Device("A100 80GB SXM", 80.0, 312.0, 19.5, 300.0, 25.0, 0.5, 0.8, 1024.0),
     # Measured here (2 cores shared with other jobs, load ~15): a 1024^3 matmul on one thread runs
     # at 20 GFLOP/s in fp32 and 130 GFLOP/s in bf16; we plan with 40 GFLOP/s fp32 for a quiet

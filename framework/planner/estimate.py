@@ -422,13 +422,17 @@ def expert_all_to_all(job: Job) -> tuple[int, int]:
     (framework/distributed/expert_parallel.py), with the routing spread evenly over the experts:
     a micro-batch's micro x seq x top_k rows leave for other ranks with probability (ep-1)/ep,
     in forward to the experts and back (2 exchanges, plus the row counts), in backward their
-    gradients the same way (2); recomputed blocks repeat the forward ones."""
+    gradients the same way (2); recomputed blocks repeat the forward ones. Only the blocks holding
+    experts exchange (DeepSeek-V3's first dense blocks do not)."""
     m, ep = job.model, job.ep
     rows = job.micro_batch * job.seq_len * m.top_k * (ep - 1) // ep
     row_bytes = m.dim * BYTES[job.param_dtype]
     counts = (ep - 1) * (m.n_experts // ep) * 8
-    L = m.n_layers
-    recompute = _recomputed_blocks(job)
+    moe = [i for i, u in enumerate(m.layout(m, job.tp)[1:]) if any(t.experts for t in u.tensors)]
+    L = len(moe)
+    # recomputed: every checkpointed block (full), the even ones (selective: `block_activation_bytes`)
+    per = {"none": 0, "full": L, "selective": sum(1 for i in moe if i % 2 == 0)}[job.activation_checkpointing]
+    recompute = per * job.recomputations
     forward = 2 * rows * row_bytes + counts
     per_micro = (L + recompute) * forward + L * 2 * rows * row_bytes
     return per_micro * job.accum, (3 * (L + recompute) + 2 * L) * job.accum

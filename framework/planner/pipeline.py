@@ -174,18 +174,33 @@ class Proposal:
     checkpointing: str = "none"
 
 
+def _degrees_take_pp(job: Job) -> bool:
+    """The mesh accepts a pipeline beside `job`'s ep and cp (framework/config/degrees.py decides)."""
+    from framework.config.degrees import ParallelDims
+    from framework.errors import UserInputError
+
+    try:
+        world = 2 * job.dp_shard * job.cp * job.tp
+        ParallelDims(dp_replicate=1, dp_shard=job.dp_shard, tp=job.tp, ep=job.ep, cp=job.cp, pp=2, world_size=world)
+    except UserInputError:
+        return False
+    return True
+
+
 def propose_pipeline(job: Job, schedule: PipelineSchedule = PipelineSchedule.one_f_one_b) -> Optional[Proposal]:
     """A layout with pp for `job` (a pp=1 job) when sharding alone does not fit, or when its step
     waits on communication more than it computes; None when sharding alone is fine, no pp fits,
-    or the job has what pipelines refuse (experts, context parallelism, tied embeddings).
+    or the job has what pipelines refuse: a model its family does not cut into stages
+    (`ModelShape.pipeline`: our Llama with experts, tied embeddings), or degrees the mesh refuses
+    with pp (framework/config/degrees.py: expert and context parallelism today).
 
     Candidates: pp in 2, 4, 8, ... dividing the world (and leaving a layer per stage), tp as
     `job`'s (tensor parallel stays inside a node), the rest sharded; microbatches of one sample
     each (the most the batch allows: the least bubble and activations). The smallest pp that
     fits wins (the least bubble and the fewest stages to balance), with `job`'s activation
     checkpointing, else with full checkpointing."""
-    if job.ep > 1 or job.cp > 1 or job.model.n_experts or job.model.tie_embeddings:
-        return None  # what the trainer refuses with pp (framework/distributed/pipeline.py)
+    if not job.model.pipeline or job.model.tie_embeddings or not _degrees_take_pp(job):
+        return None  # what the trainer refuses with pp
     peak, t = memory(job).peak, timing(job)
     fits = peak <= job.budget_bytes
     bandwidth_bound = t.exposed_s > t.compute_s

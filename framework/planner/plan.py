@@ -154,6 +154,20 @@ def _tp_ok(job: Job, tp: int) -> bool:
     )
 
 
+def _degrees_take(job: Job, **change: int) -> bool:
+    """The mesh accepts `job`'s degrees with `change` (framework/config/degrees.py decides)."""
+    from framework.config.degrees import ParallelDims
+    from framework.errors import UserInputError
+
+    d = dict(dp_replicate=job.dp_replicate, dp_shard=job.dp_shard, tp=job.tp, ep=job.ep, cp=job.cp)
+    d.update(change)
+    try:
+        ParallelDims(world_size=job.world, **d)
+    except UserInputError:
+        return False
+    return True
+
+
 def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
     """Families of changes, each a list of settings from the smallest change up."""
     fams: list[tuple[str, list[tuple[list[str], str, Job]]]] = []
@@ -215,6 +229,16 @@ def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
                 cps.append(([f"parallelism.cp={cp}"], f"split each sequence over {cp} ranks (context parallel)", new))
     if cps:
         fams.append(("cp", cps))
+    eps = []
+    ep = job.ep * 2
+    while job.model.n_experts and ep <= min(job.model.n_experts, job.dp_shard):
+        if job.model.n_experts % ep == 0 and job.dp_shard % ep == 0 and _degrees_take(job, ep=ep):
+            eps.append(
+                ([f"parallelism.ep={ep}"], f"split the experts over {ep} ranks (expert parallel)", replace(job, ep=ep))
+            )
+        ep *= 2
+    if eps:
+        fams.append(("ep", eps))
     if job.param_dtype == "float32":
         fams.append(
             (
@@ -254,7 +278,8 @@ def _candidates(job: Job) -> list[tuple[str, list[tuple[list[str], str, Job]]]]:
 
 def advise(job: Job, limit: int = 4) -> list[Change]:
     """The smallest change of each kind that makes the job fit, fastest first; if no single change
-    does, the smallest number of ranks that fits with checkpointing and bf16 compute."""
+    does, the smallest number of ranks that fits with checkpointing and bf16 compute; for a model
+    with experts also the fastest expert-parallel degree that fits with them."""
     found: list[Change] = []
     for _, options in _candidates(job):
         for overrides, why, new in options:
@@ -271,13 +296,22 @@ def advise(job: Job, limit: int = 4) -> list[Change]:
         if job.param_dtype == "float32":
             base_ov.append("parallelism.param_dtype=bfloat16")
             base = replace(base, param_dtype="bfloat16")
-        options = [([], "same ranks", base)] + dict(_candidates(base))["ranks"]
+        fams = dict(_candidates(base))
+        options = [([], "same ranks", base)] + fams.get("ep", []) + fams["ranks"]
         for overrides, why, new in options:
             est = estimate(new)
             if est.fits:
                 if overrides or not found:  # with the same ranks it only repeats the single changes
                     found.append(Change(base_ov + overrides, f"{why}, with checkpointing and bf16 compute", est))
                 break
+        # Experts: the fastest ep that fits with those activations too (the larger ep, the fewer
+        # expert bytes each rank gathers, against more rows sent to other ranks)
+        fitting = [(estimate(new), ov, why) for ov, why, new in fams.get("ep", [])]
+        fitting = [f for f in fitting if f[0].fits]
+        if fitting:
+            est, ov, why = min(fitting, key=lambda f: f[0].timing.step_s)
+            if all(c.overrides != base_ov + ov for c in found):
+                found.append(Change(base_ov + ov, f"{why}, with checkpointing and bf16 compute", est))
     found.sort(key=lambda c: c.estimate.timing.step_s)
     kept = found[:limit]
     # A sequence too long for one rank's activations: say so even when other changes are faster.

@@ -57,6 +57,11 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
     heads = int(getattr(text, "num_attention_heads", 1) or 1)
     ffn = getattr(text, "intermediate_size", None) or getattr(text, "d_ff", None) or getattr(text, "n_inner", None)
     emb = model.get_input_embeddings()
+    # Mixture of experts: the routed experts a token does not use count as inactive (FLOPs), and
+    # n_experts / top_k size expert parallelism's all-to-alls (framework/planner/estimate.py)
+    n_experts = max(stacked.values(), default=0)
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0) if n_experts else 0
+    expert_numel = sum(t.numel for _, ts in per_unit for t in ts if t.experts)
     return ModelShape(
         vocab_size=int(getattr(text, "vocab_size", vocab_size) or vocab_size),
         dim=dim,
@@ -67,7 +72,23 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         layout=layout,
         embedding_numel=emb.weight.numel() if emb is not None else 0,
         tensor_parallel=plan is not None,
+        n_experts=n_experts,
+        top_k=top_k,
+        inactive_params=expert_numel * (n_experts - top_k) // n_experts if n_experts else 0,
+        pipeline=_pipeline_ok(model),
     )
+
+
+def _pipeline_ok(model) -> bool:
+    """What framework/models/hf/pipeline.py's `check_pipeline` says of `model` (True: it cuts it)."""
+    from framework.errors import UserInputError
+    from framework.models.hf.pipeline import check_pipeline
+
+    try:
+        check_pipeline(model, 2)
+    except UserInputError:
+        return False
+    return True
 
 
 def _plan_or_none(model):
