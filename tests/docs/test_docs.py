@@ -215,9 +215,23 @@ def test_every_path_named_in_docs_and_comments_exists():
 BARE = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|md|sh))\b")
 
 
+# Files of another project, named on purpose: PyTorch's own FSDP2 test files, which
+# bench/upstream_fsdp2/run.py reads from a folder the user gives (nothing of them is stored here),
+# and the stand-ins tests write into a temporary folder.
+ELSEWHERE = re.compile(r"test_fully_shard_\w+\.py")
+WRITTEN_BY = {"tests/bench/test_upstream_fsdp2_runner.py", "tests/unit/test_module_state.py"}
+
+
 def test_every_bare_file_name_in_docs_and_comments_exists():
     names = {p.name for p in REPO.rglob("*") if not {".venv", ".git"} & set(p.parts)}
-    missing = sorted({f"{where}: {ref}" for where, text in _texts() for ref in BARE.findall(text) if ref not in names})
+    missing = sorted(
+        {
+            f"{where}: {ref}"
+            for where, text in _texts()
+            for ref in BARE.findall(text)
+            if ref not in names and not ELSEWHERE.fullmatch(ref) and where not in WRITTEN_BY
+        }
+    )
     assert not missing, "files named that exist nowhere in the repository:\n" + "\n".join(missing)
 
 

@@ -72,7 +72,7 @@ def test_a_library_someone_else_could_have_written_is_never_loaded(fresh):
     others, is replaced by this process's own build; a cache folder others can write to is not
     used at all (a private folder of this process's instead)."""
     assert lowp.cpu_library() is not None, lowp_cpu.unavailable_reason()
-    (built,) = fresh.glob("framework/kernels/lowp_*.so")
+    (built,) = (fresh / "framework" / "kernels").glob("lowp_*.so")
     planted = fresh / "planted.so"
     planted.write_bytes(b"not a library")
     built.unlink()
@@ -100,7 +100,7 @@ def test_compiled_loop_steps_the_torch_paths_bits(fresh):
     """Where a compiler is found the loop is built, passes its check, and every parameter and
     state bit equals the torch path's over four steps (one and two threads)."""
     assert lowp.cpu_library() is not None, lowp_cpu.unavailable_reason()
-    assert list(fresh.glob("framework/kernels/lowp_*.so")), "built into the user's cache folder"
+    assert list((fresh / "framework" / "kernels").glob("lowp_*.so")), "built into the user's cache folder"
     want = _run(cpu_kernel=False, threads=1)  # torch's operations: the same bits on any number of threads
     for threads in (1, 2):
         got = _run(cpu_kernel=True, threads=threads)
