@@ -121,11 +121,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
             "peft.lora.enabled=true with parallelism.float8=true: the adapters wrap the linears float8 "
             "would convert; set parallelism.float8=false"
         )
-    if cfg.peft.lora.enabled and p.tp > 1:
-        errors.append(
-            "peft.lora.enabled=true with parallelism.tp > 1: the adapters are not split for tensor "
-            "parallelism; use parallelism.tp=1 (the base weights are still sharded)"
-        )
 
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none", "") and not os.path.exists(resume):

@@ -1,0 +1,96 @@
+"""LoRA and float8 composed with tensor parallel (and sharding) train like one process: each step's
+loss and gradient norm and the parameters after 5 steps (tests/tp/combo_cases.py runs them).
+
+Two spawns for the module: 2 ranks (tp=2, +-sequence parallel, both engines) and 4 ranks
+(dp_shard=2 x tp=2).
+
+[Note: tolerance of the combination comparisons]
+fp32, 1e-5 absolute on losses (~5.5), gradient norms and every parameter, as
+tests/tp/test_tp_training.py ([Note: tolerance of the tensor-parallel comparisons]): the parallel
+runs add the same products in another order (a row-wise layer's partial sums, the adapters'
+partial A x, the vocabulary-parallel log-softmax, the dp average), a few ulps per step, which
+5 SGD steps with momentum carry to ~1e-6. A missing reduction or a mis-split adapter moves the
+first step's gradient norm, and the losses from step 2 on, by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, read_metrics, run_main
+
+from tests.distributed.harness import run_ranks
+from tests.tp.combo_cases import Case, rank_main, reference
+
+TOL = 1e-5  # see [Note: tolerance of the combination comparisons]
+
+TWO_RANK = [Case(1, 2, sp, engine, lora=True) for engine in ("torch", "native") for sp in (False, True)]
+FOUR_RANK = [Case(2, 2, sp, "native", lora=True) for sp in (False, True)] + [Case(2, 2, False, "torch", lora=True)]
+
+
+@pytest.fixture(scope="module")
+def two_rank():
+    return run_ranks(rank_main, 2, args=(TWO_RANK,), timeout_s=240)[0]
+
+
+@pytest.fixture(scope="module")
+def four_rank():
+    return run_ranks(rank_main, 4, args=(FOUR_RANK,), timeout_s=240)[0]
+
+
+_refs: dict = {}
+
+
+def _reference(case: Case) -> dict:
+    key = (case.lora, case.float8, case.float8_recipe)
+    if key not in _refs:
+        _refs[key] = reference(case)
+    return _refs[key]
+
+
+def _check(result: dict, case: Case, tol: float = TOL) -> None:
+    ref = _reference(case)
+    for step, (got, want) in enumerate(zip(result["losses"], ref["losses"], strict=True), start=1):
+        assert abs(got - want) <= tol, f"step {step}: loss {got:.8f}, one process {want:.8f}"
+    for step, (got, want) in enumerate(zip(result["norms"], ref["norms"], strict=True), start=1):
+        assert abs(got - want) <= tol, f"step {step}: gradient norm {got:.8f}, one process {want:.8f}"
+    assert set(result["params"]) == set(ref["params"])
+    for name, want in ref["params"].items():
+        got = torch.from_numpy(result["params"][name])
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+        err = (got - want).abs().max().item()
+        assert err <= tol, f"{name}: max |diff| {err:.2e} from one process"
+
+
+@pytest.mark.parametrize("case", TWO_RANK, ids=lambda c: c.name)
+def test_two_ranks_match_one_process(two_rank, case):
+    _check(two_rank[case.name], case)
+
+
+@pytest.mark.parametrize("case", FOUR_RANK, ids=lambda c: c.name)
+def test_four_ranks_match_one_process(four_rank, case):
+    _check(four_rank[case.name], case)
+
+
+def test_lora_job_at_tp2_trains_and_exports_as_one_process(tmp_path):
+    """`peft.lora.enabled=true parallelism.tp=2` through main.py, adapters on column-wise (q, up)
+    and row-wise (o, down) layers: the losses and gradient norms of 3 steps equal the one-rank
+    job's, and the merged export (B A folded into each weight, W split on its columns for the
+    row-wise layers) equals its export (1e-5: see [Note: tolerance of the combination comparisons])."""
+    from safetensors.torch import load_file
+
+    args = [*TINY, "peft.lora.enabled=true", "peft.lora.targets=[q_proj,o_proj,up_proj,down_proj]"]
+    args += ["trainer.max_steps=3", "trainer.eval_interval=0", "checkpoint.export_safetensors=true"]
+    runs = {}
+    for tp in (1, 2):
+        run = tmp_path / f"tp{tp}"
+        layout = [f"parallelism.tp={tp}", f"cluster.nproc_per_node={tp}", f"hydra.run.dir={run}"]
+        out = run_main([*args, *layout], tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[tp] = (read_metrics(run), load_file(str(run / "checkpoints" / "export" / "model.safetensors")))
+    (one, one_w), (two, two_w) = runs[1], runs[2]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=TOL), key
+    assert set(one_w) == set(two_w)
+    for name, want in one_w.items():
+        assert (two_w[name] - want).abs().max().item() <= TOL, name
