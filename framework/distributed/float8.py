@@ -47,8 +47,8 @@ def all_gather_in_float8(cfg) -> bool:
     tensor-wise recipe, unless the shards are offloaded to the CPU)."""
     if not cfg.float8:
         return False
-    if cfg.float8_all_gather is None:
-        return cfg.float8_recipe == "tensorwise" and not cfg.cpu_offload
+    if cfg.float8_all_gather is None:  # tp > 1: see [Note: float8 under tensor parallelism]
+        return cfg.float8_recipe == "tensorwise" and not cfg.cpu_offload and cfg.tp == 1
     return bool(cfg.float8_all_gather)
 
 
@@ -64,6 +64,71 @@ def convertible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
         return module.out_features not in vocab
 
     return keep
+
+
+# [Note: float8 under tensor parallelism]
+# With parallelism.tp > 1 the linears are converted before the plan is applied, and the plan's
+# column-/row-wise styles on a float8 linear gain the float8 casts (`float8_tp_plan`), as
+# torchao's float8 TP styles do: the input is cast to float8 in the style's input hook, the
+# output's gradient in its output hook, and the weight by the linear. Each cast is tensor-wise with its
+# scale from the absmax over the *whole* tensor (DTensor's amax reduces over the tp ranks: one
+# all-reduce of a scalar per cast), so every rank casts with the scale one process computes and
+# the float8 values are one process's; only the sums' order differs (a row-wise layer's partial
+# products). Unlike torchao's styles, ours cast after the input's redistribution and before the
+# output's (in backward): sequence parallelism's gathers move full-precision values, since gloo
+# has no float8 collectives (float8 gathers under SP are a GPU saving left for later). Not with
+# the row-wise recipe: torchao's styles cast tensor-wise, and a row-wise
+# layer's per-row scales would span the tp ranks' columns. The engine's float8 gather stays off
+# under tp: its scale is agreed over the dp ranks only, so the gathered float8 values would not
+# be those the linear casts with the whole-tensor scale.
+
+
+def _float8_styles():
+    """(column-wise, row-wise) styles for a float8 linear: torch's, plus the float8 casts of the
+    input (after the input's redistribution) and of the output's gradient (before the output's
+    redistribution runs backward), so every collective moves full-precision values."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_scaling_utils import NoopFwToFloat8BwDynamic, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def styled(base):
+        class Float8Style(base):
+            @staticmethod
+            def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+                x = base._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+                dtype = mod.config.cast_config_input.target_dtype
+                return hp_tensor_to_float8_dynamic(x, dtype, mod.linear_mm_config, gemm_input_role=GemmInputRole.INPUT)
+
+            @staticmethod
+            def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+                dtype = mod.config.cast_config_grad_output.target_dtype
+                outputs = NoopFwToFloat8BwDynamic.apply(outputs, mod.linear_mm_config, dtype)
+                return base._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+        Float8Style.__name__ = f"Float8{base.__name__}"
+        return Float8Style
+
+    return {ColwiseParallel: styled(ColwiseParallel), RowwiseParallel: styled(RowwiseParallel)}
+
+
+def float8_tp_plan(model: nn.Module, plan: dict) -> dict:
+    """`plan` with float8 styles on the float8 linears: see [Note: float8 under tensor
+    parallelism]."""
+    styles = _float8_styles()
+    out = {}
+    for name, style in plan.items():
+        kind = styles.get(type(style))
+        if kind is not None and is_float8_linear(model.get_submodule(name)):
+            twin = kind(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+            if hasattr(style, "desired_input_layouts"):  # column-wise: what its input is redistributed to
+                twin.desired_input_layouts = style.desired_input_layouts
+            style = twin
+        out[name] = style
+    return out
 
 
 def is_float8_linear(module: nn.Module) -> bool:

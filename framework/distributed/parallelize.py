@@ -64,10 +64,20 @@ def shard_kwargs(mesh, dims: ParallelDims, cfg: ParallelismConfig) -> tuple:
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConfig, family) -> nn.Module:
     """`family` is the model's registry record (`framework/models/registry.py`): its `blocks`
     (the sharding units), `tp_plan` and activation-checkpoint targets; this module knows no model."""
+    engine = engine_of(cfg.engine)
+    if cfg.float8:  # see [Note: float8 training]; before the tp plan: [Note: float8 under tensor parallelism]
+        from framework.distributed.float8 import apply_float8
+
+        apply_float8(model, cfg, mesh.device_type, torchao_gathers=engine.float8_gather_by_torchao)
     if dims.tp_enabled:
         from framework.distributed.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], cfg, family.tp_plan)
+        plan_fn = family.tp_plan
+        if cfg.float8 and plan_fn is not None:
+            from framework.distributed.float8 import float8_tp_plan
+
+            plan_fn = lambda m, sp, f=family.tp_plan: float8_tp_plan(m, f(m, sp))  # noqa: E731
+        apply_tensor_parallel(model, mesh["tp"], cfg, plan_fn)
     expert_mesh = None
     if dims.ep > 1:  # see [Note: the layout of expert parallelism]
         from framework.distributed.expert_parallel import apply_expert_parallel
@@ -77,11 +87,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         from framework.distributed.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh["cp"])
-    engine = engine_of(cfg.engine)
-    if cfg.float8:  # see [Note: float8 training]
-        from framework.distributed.float8 import apply_float8
-
-        apply_float8(model, cfg, mesh.device_type, torchao_gathers=engine.float8_gather_by_torchao)
     blocks = family.blocks(model)
     if cfg.activation_checkpointing != ActivationCheckpointing.none:
         apply_activation_checkpointing(family.activation_checkpoint_targets(model), cfg.activation_checkpointing)

@@ -77,7 +77,10 @@ def _trained(model) -> list:
 
 
 def reference(case: Case) -> dict:
-    """One process, the case's features (LoRA, float8 on CPU emulation), plain torch."""
+    """One process, the case's features (LoRA, float8 on CPU emulation), plain torch. With float8
+    the global batch runs as `dp_shard` accumulated micro-batches, the rows each dp rank holds:
+    an activation's float8 scale is its absmax over the rows a forward sees, so a dp rank's
+    scales are those of its micro-batch (the weights' scales are whole-tensor either way)."""
     model = _model(case)
     if case.float8:
         from framework.distributed.float8 import apply_float8
@@ -85,8 +88,9 @@ def reference(case: Case) -> dict:
         apply_float8(model, _parallelism(case), "cpu", torchao_gathers=False)
     opt = torch.optim.SGD(_trained(model), lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
+    micro = case.dp_shard if case.float8 else 1
     for inputs, labels in batches(VOCAB)[:STEPS]:
-        loss = loss_fn(model(inputs), labels)
+        loss = sum(loss_fn(model(x), y) for x, y in zip(inputs.chunk(micro), labels.chunk(micro))) / micro
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(_trained(model), MAX_NORM).item())
         opt.step()

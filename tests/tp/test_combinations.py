@@ -1,5 +1,6 @@
 """LoRA and float8 composed with tensor parallel (and sharding) train like one process: each step's
-loss and gradient norm and the parameters after 5 steps (tests/tp/combo_cases.py runs them).
+loss and gradient norm and the parameters after 5 steps (tests/tp/combo_cases.py runs them);
+float8 within its own tolerance (F8_TOL below).
 
 Two spawns for the module: 2 ranks (tp=2, +-sequence parallel, both engines) and 4 ranks
 (dp_shard=2 x tp=2).
@@ -23,9 +24,20 @@ from tests.distributed.harness import run_ranks
 from tests.tp.combo_cases import Case, rank_main, reference
 
 TOL = 1e-5  # see [Note: tolerance of the combination comparisons]
+# float8: the parallel run's float8 values are one process's (whole-tensor scales, [Note: float8
+# under tensor parallelism]), but a cast rounds to e4m3's 3 mantissa bits, so a value that the
+# reordered fp32 sums move by one ulp across a rounding boundary changes by 1/16 of itself. One
+# such flip appears at step 5 of dp1 x tp2 (native): loss 1.3e-5, gradient norm 7.4e-5, weights
+# 2.1e-4 off (measured; every other step and layout within 5e-7). So: the first step at TOL
+# (before any flip can be carried: a wrong scale moves most float8 values and the first gradient
+# norm by 1e-3 and more), later steps at F8_TOL, weights at F8_WEIGHTS_TOL.
+F8_TOL, F8_WEIGHTS_TOL = 1e-4, 1e-3
 
-TWO_RANK = [Case(1, 2, sp, engine, lora=True) for engine in ("torch", "native") for sp in (False, True)]
+ENGINES = ("torch", "native")
+TWO_RANK = [Case(1, 2, sp, engine, lora=True) for engine in ENGINES for sp in (False, True)]
+TWO_RANK += [Case(1, 2, sp, engine, float8=True) for engine in ENGINES for sp in (False, True)]
 FOUR_RANK = [Case(2, 2, sp, "native", lora=True) for sp in (False, True)] + [Case(2, 2, False, "torch", lora=True)]
+FOUR_RANK += [Case(2, 2, sp, "native", float8=True) for sp in (False, True)] + [Case(2, 2, True, "torch", float8=True)]
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +54,27 @@ _refs: dict = {}
 
 
 def _reference(case: Case) -> dict:
-    key = (case.lora, case.float8, case.float8_recipe)
+    key = (case.lora, case.float8, case.float8_recipe, case.dp_shard if case.float8 else 1)
     if key not in _refs:
         _refs[key] = reference(case)
     return _refs[key]
 
 
-def _check(result: dict, case: Case, tol: float = TOL) -> None:
+def _check(result: dict, case: Case) -> None:
     ref = _reference(case)
+    tol, weights_tol = (F8_TOL, F8_WEIGHTS_TOL) if case.float8 else (TOL, TOL)
     for step, (got, want) in enumerate(zip(result["losses"], ref["losses"], strict=True), start=1):
-        assert abs(got - want) <= tol, f"step {step}: loss {got:.8f}, one process {want:.8f}"
+        limit = TOL if step == 1 else tol
+        assert abs(got - want) <= limit, f"step {step}: loss {got:.8f}, one process {want:.8f}"
     for step, (got, want) in enumerate(zip(result["norms"], ref["norms"], strict=True), start=1):
-        assert abs(got - want) <= tol, f"step {step}: gradient norm {got:.8f}, one process {want:.8f}"
+        limit = TOL if step == 1 else tol
+        assert abs(got - want) <= limit, f"step {step}: gradient norm {got:.8f}, one process {want:.8f}"
     assert set(result["params"]) == set(ref["params"])
     for name, want in ref["params"].items():
         got = torch.from_numpy(result["params"][name])
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
         err = (got - want).abs().max().item()
-        assert err <= tol, f"{name}: max |diff| {err:.2e} from one process"
+        assert err <= weights_tol, f"{name}: max |diff| {err:.2e} from one process"
 
 
 @pytest.mark.parametrize("case", TWO_RANK, ids=lambda c: c.name)
