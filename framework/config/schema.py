@@ -208,12 +208,6 @@ class ParallelismConfig:
                 "parallelism.float8=true with parallelism.quantized_comm=true: the gather is float8 or "
                 "int8, not both; set parallelism.quantized_comm=false"
             )
-        if self.float8 and self.tp > 1 and self.float8_recipe != "tensorwise":
-            raise UserInputError(
-                f"parallelism.float8_recipe={self.float8_recipe} with parallelism.tp={self.tp}: float8 linears are "
-                "split for tensor parallelism with one scale per tensor (a row-wise layer's per-row scales would "
-                "span the tp ranks); set parallelism.float8_recipe=tensorwise"
-            )
         if self.float8_all_gather and self.tp > 1:
             raise UserInputError(
                 f"parallelism.float8_all_gather=true with parallelism.tp={self.tp}: the float8 gather's scale is "

@@ -67,68 +67,18 @@ def convertible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
 
 
 # [Note: float8 under tensor parallelism]
-# With parallelism.tp > 1 the linears are converted before the plan is applied, and the plan's
-# column-/row-wise styles on a float8 linear gain the float8 casts (`float8_tp_plan`), as
-# torchao's float8 TP styles do: the input is cast to float8 in the style's input hook, the
-# output's gradient in its output hook, and the weight by the linear. Each cast is tensor-wise with its
-# scale from the absmax over the *whole* tensor (DTensor's amax reduces over the tp ranks: one
-# all-reduce of a scalar per cast), so every rank casts with the scale one process computes and
-# the float8 values are one process's; only the sums' order differs (a row-wise layer's partial
-# products). Unlike torchao's styles, ours cast after the input's redistribution and before the
-# output's (in backward): sequence parallelism's gathers move full-precision values, since gloo
-# has no float8 collectives (float8 gathers under SP are a GPU saving left for later). Not with
-# the row-wise recipe: torchao's styles cast tensor-wise, and a row-wise
-# layer's per-row scales would span the tp ranks' columns. The engine's float8 gather stays off
-# under tp: its scale is agreed over the dp ranks only, so the gathered float8 values would not
-# be those the linear casts with the whole-tensor scale.
-
-
-def _float8_styles():
-    """(column-wise, row-wise) styles for a float8 linear: torch's, plus the float8 casts of the
-    input (after the input's redistribution) and of the output's gradient (before the output's
-    redistribution runs backward), so every collective moves full-precision values."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    from torchao.float8.float8_scaling_utils import NoopFwToFloat8BwDynamic, hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
-    def styled(base):
-        class Float8Style(base):
-            @staticmethod
-            def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-                x = base._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-                dtype = mod.config.cast_config_input.target_dtype
-                return hp_tensor_to_float8_dynamic(x, dtype, mod.linear_mm_config, gemm_input_role=GemmInputRole.INPUT)
-
-            @staticmethod
-            def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-                dtype = mod.config.cast_config_grad_output.target_dtype
-                outputs = NoopFwToFloat8BwDynamic.apply(outputs, mod.linear_mm_config, dtype)
-                return base._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-
-        Float8Style.__name__ = f"Float8{base.__name__}"
-        return Float8Style
-
-    return {ColwiseParallel: styled(ColwiseParallel), RowwiseParallel: styled(RowwiseParallel)}
-
-
-def float8_tp_plan(model: nn.Module, plan: dict) -> dict:
-    """`plan` with float8 styles on the float8 linears: see [Note: float8 under tensor
-    parallelism]."""
-    styles = _float8_styles()
-    out = {}
-    for name, style in plan.items():
-        kind = styles.get(type(style))
-        if kind is not None and is_float8_linear(model.get_submodule(name)):
-            twin = kind(
-                input_layouts=style.input_layouts[0],
-                output_layouts=style.output_layouts[0],
-                use_local_output=style.use_local_output,
-            )
-            if hasattr(style, "desired_input_layouts"):  # column-wise: what its input is redistributed to
-                twin.desired_input_layouts = style.desired_input_layouts
-            style = twin
-        out[name] = style
-    return out
+# With parallelism.tp > 1 the linears are converted before the plan is applied, so the plan's
+# torch styles split torchao's float8 linears (their weight a DTensor): the linear casts its input,
+# its weight and its output's gradient as DTensors, each tensor-wise with the scale from the absmax
+# over the *whole* tensor (DTensor's amax reduces over the tp ranks: one all-reduce of a scalar
+# per cast). Every rank casts with the scale one process computes, so the float8 values are one
+# process's and only the sums' order differs (a row-wise layer's partial products). torchao's
+# float8 styles would cast before the input's redistribution, to gather float8 under sequence
+# parallelism: a GPU saving (gloo has no float8 collectives), not taken here; our collectives move
+# full-precision values. The row-wise recipe likewise: a row-wise layer's per-row scales span the
+# tp ranks' columns, and DTensor's amax over that dim reduces across them. The engine's float8
+# gather stays off under tp: its scale is agreed over the dp ranks only, so the gathered float8
+# values would not be those the linear casts with the whole-tensor scale.
 
 
 def is_float8_linear(module: nn.Module) -> bool:

@@ -72,12 +72,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     if dims.tp_enabled:
         from framework.distributed.tensor_parallel import apply_tensor_parallel
 
-        plan_fn = family.tp_plan
-        if cfg.float8 and plan_fn is not None:
-            from framework.distributed.float8 import float8_tp_plan
-
-            plan_fn = lambda m, sp, f=family.tp_plan: float8_tp_plan(m, f(m, sp))  # noqa: E731
-        apply_tensor_parallel(model, mesh["tp"], cfg, plan_fn)
+        apply_tensor_parallel(model, mesh["tp"], cfg, family.tp_plan)
     expert_mesh = None
     if dims.ep > 1:  # see [Note: the layout of expert parallelism]
         from framework.distributed.expert_parallel import apply_expert_parallel

@@ -38,6 +38,9 @@ TWO_RANK = [Case(1, 2, sp, engine, lora=True) for engine in ENGINES for sp in (F
 TWO_RANK += [Case(1, 2, sp, engine, float8=True) for engine in ENGINES for sp in (False, True)]
 FOUR_RANK = [Case(2, 2, sp, "native", lora=True) for sp in (False, True)] + [Case(2, 2, False, "torch", lora=True)]
 FOUR_RANK += [Case(2, 2, sp, "native", float8=True) for sp in (False, True)] + [Case(2, 2, True, "torch", float8=True)]
+ROWWISE = dict(float8=True, float8_recipe="rowwise")
+TWO_RANK += [Case(1, 2, False, "native", **ROWWISE), Case(1, 2, True, "torch", **ROWWISE)]
+FOUR_RANK += [Case(2, 2, True, "native", **ROWWISE)]
 
 
 @pytest.fixture(scope="module")

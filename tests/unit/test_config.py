@@ -292,10 +292,6 @@ def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, l
         ("parallelism.float8_all_gather=true", "parallelism.float8_all_gather=true needs parallelism.float8=true"),
         ("parallelism.float8=true parallelism.quantized_comm=true", "the gather is float8 or int8, not both"),
         (
-            "parallelism.float8=true parallelism.float8_recipe=rowwise parallelism.tp=2",
-            "parallelism.float8_recipe=rowwise with parallelism.tp=2: float8 linears are split",
-        ),
-        (
             "parallelism.float8=true parallelism.float8_all_gather=true parallelism.tp=2",
             "parallelism.float8_all_gather=true with parallelism.tp=2",
         ),
