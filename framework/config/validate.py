@@ -116,11 +116,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         from framework.config.grpo import grpo_problems
 
         errors += grpo_problems(cfg)
-    if cfg.peft.lora.enabled and p.float8:
-        errors.append(
-            "peft.lora.enabled=true with parallelism.float8=true: the adapters wrap the linears float8 "
-            "would convert; set parallelism.float8=false"
-        )
 
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none", "") and not os.path.exists(resume):

@@ -66,6 +66,15 @@ def convertible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
     return keep
 
 
+# [Note: LoRA over a float8 base]
+# LoRA adds its adapters to the plain model first; conversion then replaces each adapted linear by
+# a float8 one holding the same (frozen) weight, and the adapter moves to it (`move_adapter`): the
+# base product is float8 (input, weight and output gradient cast as above), the adapter's two thin
+# products stay in the adapter's own precision (fp32), reading the layer's full-precision input, as
+# a LoRA over a quantized base does. Under tensor parallelism the adapter is split as its base
+# ([Note: adapters under tensor parallelism] in framework/peft/lora.py).
+
+
 # [Note: float8 under tensor parallelism]
 # With parallelism.tp > 1 the linears are converted before the plan is applied, so the plan's
 # torch styles split torchao's float8 linears (their weight a DTensor): the linear casts its input,
@@ -94,7 +103,14 @@ def apply_float8(model: nn.Module, cfg, device_type: str, torchao_gathers: bool)
         changes["enable_fsdp_float8_all_gather"] = True
     config = dataclasses.replace(config, **changes)
     before = sum(1 for m in model.modules() if is_float8_linear(m))
+    adapted = {name: m for name, m in model.named_modules() if "lora_a" in m._parameters}  # LoRA's layers
     f8.convert_to_float8_training(model, config=config, module_filter_fn=convertible(model))
+    for name, old in adapted.items():  # [Note: LoRA over a float8 base]
+        new = model.get_submodule(name)
+        if new is not old:
+            from framework.peft.lora import move_adapter
+
+            move_adapter(old, new)
     converted = sum(1 for m in model.modules() if is_float8_linear(m)) - before
     if converted == 0:
         raise UserInputError(

@@ -137,6 +137,16 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.lora_off = False
 
 
+def move_adapter(old: nn.Module, new: nn.Module) -> None:
+    """Give `new` the adapter of `old`, the layer it replaces (float8 conversion swaps each linear
+    for a float8 one holding the same weight): the same A and B parameters, scale, dropout and hook."""
+    new.register_parameter("lora_a", old._parameters.pop("lora_a"))
+    new.register_parameter("lora_b", old._parameters.pop("lora_b"))
+    new.lora_scale, new.lora_dropout = old.lora_scale, old.lora_dropout
+    old.lora_hook.remove()
+    new.lora_hook = new.register_forward_hook(_lora_hook)
+
+
 def take_adapters(model: nn.Module) -> dict[nn.Module, tuple[nn.Parameter, nn.Parameter]]:
     """Remove every adapter pair from its layer and return them ({layer: (A, B)}): tensor
     parallelism splits a layer's own parameters by its style, then `split_adapters` puts the

@@ -2,8 +2,8 @@
 loss and gradient norm and the parameters after 5 steps (tests/tp/combo_cases.py runs them);
 float8 within its own tolerance (F8_TOL below).
 
-Two spawns for the module: 2 ranks (tp=2, +-sequence parallel, both engines) and 4 ranks
-(dp_shard=2 x tp=2).
+Two spawns for the module: 2 ranks (tp=2, +-sequence parallel, both engines; LoRA over float8
+also at dp2 without tp) and 4 ranks (dp_shard=2 x tp=2).
 
 [Note: tolerance of the combination comparisons]
 fp32, 1e-5 absolute on losses (~5.5), gradient norms and every parameter, as
@@ -34,13 +34,20 @@ TOL = 1e-5  # see [Note: tolerance of the combination comparisons]
 F8_TOL, F8_WEIGHTS_TOL = 1e-4, 1e-3
 
 ENGINES = ("torch", "native")
-TWO_RANK = [Case(1, 2, sp, engine, lora=True) for engine in ENGINES for sp in (False, True)]
-TWO_RANK += [Case(1, 2, sp, engine, float8=True) for engine in ENGINES for sp in (False, True)]
-FOUR_RANK = [Case(2, 2, sp, "native", lora=True) for sp in (False, True)] + [Case(2, 2, False, "torch", lora=True)]
-FOUR_RANK += [Case(2, 2, sp, "native", float8=True) for sp in (False, True)] + [Case(2, 2, True, "torch", float8=True)]
+# Each feature at tp=2 with our engine +-sequence parallel and with torch's under sequence parallel
+# (the plain tp=2 layouts of both engines are tests/tp/test_tp_training.py's); at dp2 x tp2 likewise.
+LAYOUTS_2 = [(False, "native"), (True, "native"), (True, "torch")]
+TWO_RANK = [Case(1, 2, sp, engine, lora=True) for sp, engine in LAYOUTS_2]
+TWO_RANK += [Case(1, 2, sp, engine, float8=True) for sp, engine in LAYOUTS_2]
+FOUR_RANK = [Case(2, 2, True, "native", lora=True), Case(2, 2, False, "torch", lora=True)]
+FOUR_RANK += [Case(2, 2, False, "native", float8=True), Case(2, 2, True, "torch", float8=True)]
 ROWWISE = dict(float8=True, float8_recipe="rowwise")
 TWO_RANK += [Case(1, 2, False, "native", **ROWWISE), Case(1, 2, True, "torch", **ROWWISE)]
 FOUR_RANK += [Case(2, 2, True, "native", **ROWWISE)]
+# LoRA over a float8 base: without tp (dp2), at tp=2 and at dp2 x tp2.
+TWO_RANK += [Case(2, 1, False, "native", lora=True, float8=True), Case(1, 2, True, "native", lora=True, float8=True)]
+TWO_RANK += [Case(1, 2, False, "torch", lora=True, float8=True)]
+FOUR_RANK += [Case(2, 2, True, "native", lora=True, float8=True)]
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +119,20 @@ def test_lora_job_at_tp2_trains_and_exports_as_one_process(tmp_path):
     assert set(one_w) == set(two_w)
     for name, want in one_w.items():
         assert (two_w[name] - want).abs().max().item() <= TOL, name
+
+
+def test_lora_over_float8_is_not_lora_alone():
+    """The LoRA + float8 reference really runs a float8 base (its linears converted, the adapters
+    moved onto them): its losses differ from LoRA's over the full-precision base from step 1."""
+    from framework.distributed.float8 import is_float8_linear
+    from tests.tp.combo_cases import _model, _parallelism
+
+    both, lora = _reference(Case(1, 1, lora=True, float8=True)), _reference(Case(1, 1, lora=True))
+    assert abs(both["losses"][0] - lora["losses"][0]) > 1e-4, (both["losses"], lora["losses"])
+    from framework.distributed.float8 import apply_float8
+
+    model = _model(Case(1, 1, lora=True))
+    apply_float8(model, _parallelism(Case(1, 1, float8=True)), "cpu", torchao_gathers=False)
+    adapted = [m for m in model.modules() if "lora_a" in m._parameters]
+    assert adapted and all(is_float8_linear(m) for m in adapted)
+    assert all(len(m._forward_hooks) == 1 for m in adapted)

@@ -299,7 +299,6 @@ def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, l
             "parallelism.float8=true parallelism.float8_all_gather=true parallelism.cpu_offload=true",
             "offloaded shards are gathered in the param dtype",
         ),
-        ("parallelism.float8=true peft.lora.enabled=true", "the adapters wrap the linears float8 would convert"),
     ],
 )
 def test_float8_settings_are_checked_in_one_line(override, line):
