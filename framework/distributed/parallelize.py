@@ -19,12 +19,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def dp_mesh_of(mesh, dims: ParallelDims):
-    """1-D shard mesh for full/grad_op (dp_shard x cp flattened under context parallelism: the
-    weights are sharded over every rank but the tensor-parallel ones), 2-D (replicate, shard) for
-    hybrid and no_shard."""
+    """1-D shard mesh for full/grad_op, 2-D (replicate, shard) for hybrid and no_shard; under
+    context parallelism the shard dim is dp_shard x cp flattened (the cp ranks are data-parallel
+    ranks for the weights)."""
     if dims.cp > 1:
-        from framework.distributed.groups import flatten
+        from framework.distributed.groups import flatten, replicate_and_flat
 
+        if dims.dp_replicate > 1:
+            return replicate_and_flat(mesh, "dp_replicate", ("dp_shard", "cp"), "dp_shard_cp")
         return flatten(mesh["dp_shard", "cp"], "dp_shard_cp")
     if dims.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]

@@ -260,10 +260,6 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
         ("model=hf model.path=/x parallelism.ep=2", "parallelism.ep=2 with model=hf"),
         ("parallelism.cp=2 data.seq_len=129", "data.seq_len=129 is not divisible by parallelism.cp=2"),
         ("parallelism.cp=4 model.args.n_heads=6", "parallelism.cp=4 does not divide the 6 attention heads"),
-        (
-            "parallelism.strategy=hybrid parallelism.dp_replicate=2 parallelism.dp_shard=1 parallelism.cp=2",
-            "parallelism.cp=2 with parallelism.dp_replicate=2",
-        ),
         ("model=moe_debug parallelism.cp=2", "parallelism.cp=2 with model.args.n_experts=4: not together yet"),
         ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
     ],
