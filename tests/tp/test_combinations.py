@@ -97,28 +97,36 @@ def test_four_ranks_match_one_process(four_rank, case):
     _check(four_rank[case.name], case)
 
 
-def test_lora_job_at_tp2_trains_and_exports_as_one_process(tmp_path):
-    """`peft.lora.enabled=true parallelism.tp=2` through main.py, adapters on column-wise (q, up)
-    and row-wise (o, down) layers: the losses and gradient norms of 3 steps equal the one-rank
-    job's, and the merged export (B A folded into each weight, W split on its columns for the
-    row-wise layers) equals its export (1e-5: see [Note: tolerance of the combination comparisons])."""
+def test_lora_job_resumed_at_tp2_trains_and_exports_as_one_process(tmp_path):
+    """`peft.lora.enabled=true` through main.py, adapters on column-wise (q, up) and row-wise (o,
+    down) layers: 3 steps on one rank saving the adapters' checkpoint, resumed at tp=2 for steps
+    4-5. The losses and gradient norms of all 5 steps equal the uninterrupted one-rank job's, and
+    the merged export written at tp=2 (B A folded into each weight, W split on its columns for the
+    row-wise layers) equals its export (1e-5: see [Note: tolerance of the combination
+    comparisons])."""
     from safetensors.torch import load_file
 
     args = [*TINY, "peft.lora.enabled=true", "peft.lora.targets=[q_proj,o_proj,up_proj,down_proj]"]
-    args += ["trainer.max_steps=3", "trainer.eval_interval=0", "checkpoint.export_safetensors=true"]
-    runs = {}
-    for tp in (1, 2):
-        run = tmp_path / f"tp{tp}"
-        layout = [f"parallelism.tp={tp}", f"cluster.nproc_per_node={tp}", f"hydra.run.dir={run}"]
-        out = run_main([*args, *layout], tmp_path)
+    args += ["trainer.eval_interval=0", "checkpoint.export_safetensors=true"]
+    one, split = tmp_path / "one", tmp_path / "split"
+    jobs = [
+        (one, ["trainer.max_steps=5"]),
+        (split, ["trainer.max_steps=3", "checkpoint.export_safetensors=false", "checkpoint.save_final=true"]),
+        (split, ["trainer.max_steps=5", "parallelism.tp=2", "cluster.nproc_per_node=2", "checkpoint.resume=auto"]),
+    ]
+    for run, extra in jobs:
+        out = run_main([*args, "cluster.nproc_per_node=1", *extra, f"hydra.run.dir={run}"], tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
-        runs[tp] = (read_metrics(run), load_file(str(run / "checkpoints" / "export" / "model.safetensors")))
-    (one, one_w), (two, two_w) = runs[1], runs[2]
+    assert "resumed from" in out.stdout + out.stderr and "tp=2" in out.stderr, out.stderr[-2000:]
+    want, got = read_metrics(one), read_metrics(split)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     for key in ("loss", "grad_norm"):
-        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=TOL), key
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=TOL), key
+    one_w = load_file(str(one / "checkpoints" / "export" / "model.safetensors"))
+    two_w = load_file(str(split / "checkpoints" / "export" / "model.safetensors"))
     assert set(one_w) == set(two_w)
-    for name, want in one_w.items():
-        assert (two_w[name] - want).abs().max().item() <= TOL, name
+    for name, value in one_w.items():
+        assert (two_w[name] - value).abs().max().item() <= TOL, name
 
 
 def test_lora_over_float8_is_not_lora_alone():
