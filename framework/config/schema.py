@@ -158,7 +158,7 @@ class ParallelismConfig:
     # float8 training (torchao float8 linears; emulated in fp32 off CUDA): docs/engine.md "Float8"
     float8: bool = False
     float8_recipe: str = "tensorwise"  # tensorwise | rowwise (the scales' granularity)
-    float8_all_gather: Optional[bool] = None  # gather float8 weights as float8; null: with tensorwise
+    float8_all_gather: Optional[bool] = None  # gather float8 weights as float8; null: tensorwise, tp=1
     # CPU jobs with the native engine: how a group of ranks on one host moves its all-gathers and
     # reduce-scatters (groups that span hosts use gloo either way)
     host_transport: HostTransport = HostTransport.shm

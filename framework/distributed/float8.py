@@ -44,7 +44,7 @@ def _torchao_float8():
 
 def all_gather_in_float8(cfg) -> bool:
     """Whether the weights are gathered as float8 (`parallelism.float8_all_gather`, null: with the
-    tensor-wise recipe, unless the shards are offloaded to the CPU)."""
+    tensor-wise recipe, unless the shards are offloaded to the CPU or tp > 1)."""
     if not cfg.float8:
         return False
     if cfg.float8_all_gather is None:  # tp > 1: see [Note: float8 under tensor parallelism]
