@@ -158,7 +158,7 @@ class ParallelismConfig:
     # float8 training (torchao float8 linears; emulated in fp32 off CUDA): docs/engine.md "Float8"
     float8: bool = False
     float8_recipe: str = "tensorwise"  # tensorwise | rowwise (the scales' granularity)
-    float8_all_gather: Optional[bool] = None  # gather float8 weights as float8; null: with tensorwise
+    float8_all_gather: Optional[bool] = None  # gather float8 weights as float8; null: tensorwise, tp=1
     # CPU jobs with the native engine: how a group of ranks on one host moves its all-gathers and
     # reduce-scatters (groups that span hosts use gloo either way)
     host_transport: HostTransport = HostTransport.shm
@@ -208,10 +208,10 @@ class ParallelismConfig:
                 "parallelism.float8=true with parallelism.quantized_comm=true: the gather is float8 or "
                 "int8, not both; set parallelism.quantized_comm=false"
             )
-        if self.float8 and self.tp > 1:
+        if self.float8_all_gather and self.tp > 1:
             raise UserInputError(
-                f"parallelism.float8=true with parallelism.tp={self.tp}: float8 linears are not split for "
-                "tensor parallelism here; set parallelism.tp=1"
+                f"parallelism.float8_all_gather=true with parallelism.tp={self.tp}: the float8 gather's scale is "
+                "agreed over the data-parallel ranks only; set parallelism.float8_all_gather=false (or null)"
             )
         if self.shard_boundary != ShardBoundary.anywhere and self.engine == Engine.torch:
             raise UserInputError(

@@ -116,16 +116,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         from framework.config.grpo import grpo_problems
 
         errors += grpo_problems(cfg)
-    if cfg.peft.lora.enabled and p.float8:
-        errors.append(
-            "peft.lora.enabled=true with parallelism.float8=true: the adapters wrap the linears float8 "
-            "would convert; set parallelism.float8=false"
-        )
-    if cfg.peft.lora.enabled and p.tp > 1:
-        errors.append(
-            "peft.lora.enabled=true with parallelism.tp > 1: the adapters are not split for tensor "
-            "parallelism; use parallelism.tp=1 (the base weights are still sharded)"
-        )
 
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none", "") and not os.path.exists(resume):

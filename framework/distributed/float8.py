@@ -44,11 +44,11 @@ def _torchao_float8():
 
 def all_gather_in_float8(cfg) -> bool:
     """Whether the weights are gathered as float8 (`parallelism.float8_all_gather`, null: with the
-    tensor-wise recipe, unless the shards are offloaded to the CPU)."""
+    tensor-wise recipe, unless the shards are offloaded to the CPU or tp > 1)."""
     if not cfg.float8:
         return False
-    if cfg.float8_all_gather is None:
-        return cfg.float8_recipe == "tensorwise" and not cfg.cpu_offload
+    if cfg.float8_all_gather is None:  # tp > 1: see [Note: float8 under tensor parallelism]
+        return cfg.float8_recipe == "tensorwise" and not cfg.cpu_offload and cfg.tp == 1
     return bool(cfg.float8_all_gather)
 
 
@@ -66,6 +66,30 @@ def convertible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
     return keep
 
 
+# [Note: LoRA over a float8 base]
+# LoRA adds its adapters to the plain model first; conversion then replaces each adapted linear by
+# a float8 one holding the same (frozen) weight, and the adapter moves to it (`move_adapter`): the
+# base product is float8 (input, weight and output gradient cast as above), the adapter's two thin
+# products stay in the adapter's own precision (fp32), reading the layer's full-precision input, as
+# a LoRA over a quantized base does. Under tensor parallelism the adapter is split as its base
+# ([Note: adapters under tensor parallelism] in framework/peft/lora.py).
+
+
+# [Note: float8 under tensor parallelism]
+# With parallelism.tp > 1 the linears are converted before the plan is applied, so the plan's
+# torch styles split torchao's float8 linears (their weight a DTensor): the linear casts its input,
+# its weight and its output's gradient as DTensors, each tensor-wise with the scale from the absmax
+# over the *whole* tensor (DTensor's amax reduces over the tp ranks: one all-reduce of a scalar
+# per cast). Every rank casts with the scale one process computes, so the float8 values are one
+# process's and only the sums' order differs (a row-wise layer's partial products). torchao's
+# float8 styles would cast before the input's redistribution, to gather float8 under sequence
+# parallelism: a GPU saving (gloo has no float8 collectives), not taken here; our collectives move
+# full-precision values. The row-wise recipe likewise: a row-wise layer's per-row scales span the
+# tp ranks' columns, and DTensor's amax over that dim reduces across them. The engine's float8
+# gather stays off under tp: its scale is agreed over the dp ranks only, so the gathered float8
+# values would not be those the linear casts with the whole-tensor scale.
+
+
 def is_float8_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"
 
@@ -79,7 +103,14 @@ def apply_float8(model: nn.Module, cfg, device_type: str, torchao_gathers: bool)
         changes["enable_fsdp_float8_all_gather"] = True
     config = dataclasses.replace(config, **changes)
     before = sum(1 for m in model.modules() if is_float8_linear(m))
+    adapted = {name: m for name, m in model.named_modules() if "lora_a" in m._parameters}  # LoRA's layers
     f8.convert_to_float8_training(model, config=config, module_filter_fn=convertible(model))
+    for name, old in adapted.items():  # [Note: LoRA over a float8 base]
+        new = model.get_submodule(name)
+        if new is not old:
+            from framework.peft.lora import move_adapter
+
+            move_adapter(old, new)
     converted = sum(1 for m in model.modules() if is_float8_linear(m)) - before
     if converted == 0:
         raise UserInputError(

@@ -88,3 +88,24 @@ def flatten(mesh, name: str):
         _group_of(block)
     mine = next(b for b in blocks if dist.get_rank() in b)
     return _mesh_from(torch.tensor(mine, dtype=torch.int64), mesh.device_type, (name,))
+
+
+def replicate_and_flat(mesh, replicate: str, flat: Sequence[str], name: str):
+    """The 2-D mesh (`replicate`, the dims `flat` flattened as `name`) of this rank, cut from the
+    whole named `mesh` (e.g. hybrid sharding under context parallelism: (dp_replicate, dp_shard x
+    cp)), with groups made with the job's timeout. Every rank makes every such mesh's groups, in
+    the same order, and keeps its own."""
+    names = list(mesh.mesh_dim_names)
+    rest = [n for n in names if n != replicate and n not in flat]
+    order = [names.index(n) for n in (replicate, *flat, *rest)]
+    per_flat = 1
+    for n in flat:
+        per_flat *= mesh.mesh.shape[names.index(n)]
+    grids = mesh.mesh.permute(*order).reshape(mesh.mesh.shape[names.index(replicate)], per_flat, -1)
+    grids = [grids[:, :, j] for j in range(grids.shape[2])]
+    for g in grids:  # the same groups in the same order on every rank
+        for dim in range(2):
+            for row in g.movedim(dim, -1).reshape(-1, g.shape[dim]).tolist():
+                _group_of(tuple(row))
+    mine = next(g for g in grids if dist.get_rank() in g.flatten().tolist())
+    return _mesh_from(mine, mesh.device_type, (replicate, name))

@@ -19,12 +19,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def dp_mesh_of(mesh, dims: ParallelDims):
-    """1-D shard mesh for full/grad_op (dp_shard x cp flattened under context parallelism: the
-    weights are sharded over every rank but the tensor-parallel ones), 2-D (replicate, shard) for
-    hybrid and no_shard."""
+    """1-D shard mesh for full/grad_op, 2-D (replicate, shard) for hybrid and no_shard; under
+    context parallelism the shard dim is dp_shard x cp flattened (the cp ranks are data-parallel
+    ranks for the weights)."""
     if dims.cp > 1:
-        from framework.distributed.groups import flatten
+        from framework.distributed.groups import flatten, replicate_and_flat
 
+        if dims.dp_replicate > 1:
+            return replicate_and_flat(mesh, "dp_replicate", ("dp_shard", "cp"), "dp_shard_cp")
         return flatten(mesh["dp_shard", "cp"], "dp_shard_cp")
     if dims.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
@@ -64,6 +66,11 @@ def shard_kwargs(mesh, dims: ParallelDims, cfg: ParallelismConfig) -> tuple:
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConfig, family) -> nn.Module:
     """`family` is the model's registry record (`framework/models/registry.py`): its `blocks`
     (the sharding units), `tp_plan` and activation-checkpoint targets; this module knows no model."""
+    engine = engine_of(cfg.engine)
+    if cfg.float8:  # see [Note: float8 training]; before the tp plan: [Note: float8 under tensor parallelism]
+        from framework.distributed.float8 import apply_float8
+
+        apply_float8(model, cfg, mesh.device_type, torchao_gathers=engine.float8_gather_by_torchao)
     if dims.tp_enabled:
         from framework.distributed.tensor_parallel import apply_tensor_parallel
 
@@ -77,11 +84,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
         from framework.distributed.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh["cp"])
-    engine = engine_of(cfg.engine)
-    if cfg.float8:  # see [Note: float8 training]
-        from framework.distributed.float8 import apply_float8
-
-        apply_float8(model, cfg, mesh.device_type, torchao_gathers=engine.float8_gather_by_torchao)
     blocks = family.blocks(model)
     if cfg.activation_checkpointing != ActivationCheckpointing.none:
         apply_activation_checkpointing(family.activation_checkpoint_targets(model), cfg.activation_checkpointing)

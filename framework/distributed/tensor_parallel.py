@@ -66,7 +66,17 @@ def apply_tensor_parallel(
     tied = _tied_names(model)
     setattr(model, _TP_ATTR, tp_mesh.size())  # also tells the plan the degree, to check widths
     plan = plan_fn(model, cfg.sequence_parallel)
+    from framework.peft.lora import split_adapters, take_adapters
+
+    adapters = take_adapters(model)  # LoRA: split to match their layers, after the layers
+    # Frozen parameters stay frozen: torch's SequenceParallel re-registers the norms' weights as
+    # new nn.Parameters that require grad whatever the old ones did (LoRA freezes them).
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    split_adapters(adapters, tp_mesh)
     for names in tied:
         # Each style distributes the parameter it owns; both ends of a tie get the same
         # placement (the plan must make sure of it), so keep the first and point the others at it.

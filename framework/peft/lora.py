@@ -137,6 +137,70 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.lora_off = False
 
 
+def move_adapter(old: nn.Module, new: nn.Module) -> None:
+    """Give `new` the adapter of `old`, the layer it replaces (float8 conversion swaps each linear
+    for a float8 one holding the same weight): the same A and B parameters, scale, dropout and hook."""
+    new.register_parameter("lora_a", old._parameters.pop("lora_a"))
+    new.register_parameter("lora_b", old._parameters.pop("lora_b"))
+    new.lora_scale, new.lora_dropout = old.lora_scale, old.lora_dropout
+    old.lora_hook.remove()
+    new.lora_hook = new.register_forward_hook(_lora_hook)
+
+
+def take_adapters(model: nn.Module) -> dict[nn.Module, tuple[nn.Parameter, nn.Parameter]]:
+    """Remove every adapter pair from its layer and return them ({layer: (A, B)}): tensor
+    parallelism splits a layer's own parameters by its style, then `split_adapters` puts the
+    pair back split to match (see [Note: adapters under tensor parallelism])."""
+    taken = {}
+    for module in model.modules():
+        if isinstance(module._parameters.get("lora_a"), torch.Tensor):
+            taken[module] = (module._parameters.pop("lora_a"), module._parameters.pop("lora_b"))
+    return taken
+
+
+# [Note: adapters under tensor parallelism]
+# The adapter is a second, thin linear beside its base, y = W x + s B (A x): A (rank x in) reads
+# the base's input, B (out x rank) writes into its output. So A is split like the base's input
+# and B like its output:
+#   column-wise base (W split on out, input whole): A whole on every rank, B split on its rows;
+#     A x is computed whole, B's rows give this rank's output columns: no communication.
+#   row-wise base (W split on in, input split on features): A split on its columns, B whole;
+#     A x is a partial sum per rank (rank x tokens values), and B (A x) stays a partial sum that
+#     the base's own reduction (all-reduce or reduce-scatter) adds up with W x: no extra
+#     collective either.
+# DTensor carries the placements through the hook's two linears; a whole (Replicate) A or B gets
+# the sum of the ranks' gradient contributions as its gradient, as the base's replicated bias
+# does. Layers the plan does not split keep plain adapters.
+
+
+def split_adapters(taken: dict[nn.Module, tuple[nn.Parameter, nn.Parameter]], mesh) -> None:
+    """Register each adapter pair from `take_adapters` on its layer again, as DTensors on `mesh`
+    (the tensor-parallel mesh) split to match the layer's weight: [Note: adapters under tensor
+    parallelism]."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    for module, (a, b) in taken.items():
+        weight = module.weight
+        if isinstance(weight, DTensor):
+            if _shape_of(module)[2]:
+                raise UserInputError(
+                    f"peft.lora with parallelism.tp > 1: {type(module).__name__} layers (weight stored "
+                    "transposed) are not split for tensor parallelism; set parallelism.tp=1"
+                )
+            (placement,) = weight.placements
+            if placement == Shard(0):  # column-wise: output features split
+                a_at, b_at = Replicate(), Shard(0)
+            elif placement == Shard(1):  # row-wise: input features split
+                a_at, b_at = Shard(1), Replicate()
+            else:
+                a_at = b_at = Replicate()
+            # Every rank holds the same values (same seed): each keeps its own piece, no broadcast.
+            a = nn.Parameter(distribute_tensor(a.detach(), mesh, [a_at], src_data_rank=None), a.requires_grad)
+            b = nn.Parameter(distribute_tensor(b.detach(), mesh, [b_at], src_data_rank=None), b.requires_grad)
+        module.register_parameter("lora_a", a)
+        module.register_parameter("lora_b", b)
+
+
 def is_adapter(name: str) -> bool:
     return ADAPTER_MARKER in name or name.startswith("lora_")
 
@@ -204,9 +268,17 @@ def merged_sharded_state(state_dict: dict, scale: float) -> dict:
 
         a_full = a.full_tensor().float()
         local_w, local_b = weight.to_local(), b.to_local()
-        # W and B have the same first dimension (out_features), split into the same row chunks.
-        assert local_w.shape[0] == local_b.shape[0], f"{layer}: W and B rows differ on this rank"
-        merged = (local_w.float() + scale * (local_b.float() @ a_full)).to(local_w.dtype)
+        if local_w.shape == (local_b.shape[0], a_full.shape[1]) and b.placements == weight.placements:
+            # W and B split alike on their rows (out_features): this rank's rows of B A.
+            delta = local_b.float() @ a_full
+        else:
+            # Split otherwise (tensor parallel: a row-wise W split on its columns, B whole on the
+            # tp ranks): B A of this one layer whole, then this rank's piece of it, cut as W is.
+            from torch.distributed.tensor import distribute_tensor
+
+            whole = b.full_tensor().float() @ a_full
+            delta = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+        merged = (local_w.float() + scale * delta).to(local_w.dtype)
         out[layer + ".weight"] = DTensor.from_local(
             merged, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
         )

@@ -36,7 +36,7 @@ def _untouched(before: dict) -> None:
 def _groups(rank: int, world: int) -> dict:
     """Every kind of group the framework makes, and each one's timeout; torch's defaults too."""
     from framework.distributed.fsdp.mesh import reduce_group, secondary_group
-    from framework.distributed.groups import flatten, new_group, timeout_s
+    from framework.distributed.groups import flatten, new_group, replicate_and_flat, timeout_s
     from framework.distributed.parallel_dims import ParallelDims, build_mesh
 
     mesh = build_mesh(ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=4), "cpu")  # 1 x 2 x 2 x 1
@@ -47,6 +47,8 @@ def _groups(rank: int, world: int) -> dict:
         "flattened": timeout_s(flat.get_group(0)),
         "reduce_twin": timeout_s(reduce_group(flat, flat.get_group(0))),
         "hpZ": timeout_s(secondary_group(flat, 2)[0]),
+        # hybrid sharding under context parallelism: (dp_replicate, dp_shard x cp)
+        "replicate_and_flat": timeout_s(replicate_and_flat(mesh, "dp_replicate", ("dp_shard", "cp"), "x").get_group(1)),
     }
     for name in ("dp_shard", "cp", "tp"):
         found[f"mesh {name}"] = timeout_s(mesh[name].get_group())

@@ -120,3 +120,33 @@ def test_cp2_and_dp2_x_cp2_jobs_match_one_process(tmp_path):
         losses[name] = [r["loss"] for r in read_metrics(run)]
     for name in ("cp2", "dp2xcp2", "cp2xtp2"):
         assert losses[name] == pytest.approx(losses["one"], abs=1e-5), name
+
+
+def test_cp2_with_hybrid_sharding_matches_one_process(tmp_path):
+    """dp_replicate=2 x cp=2 on 4 ranks (strategy=hybrid: gradients reduced over the cp pair, then
+    all-reduced over the replicas), both engines: the losses and gradient norms of 5 steps and the
+    exported weights equal one process's (1e-5, float32 sums in another order). 4 ranks is the
+    smallest layout with both (2 ranks hold a replica pair or a cp pair, not both)."""
+    from safetensors.torch import load_file
+
+    args = [*TINY, "data.seq_len=1024", "trainer.max_steps=5", "trainer.eval_interval=0", "checkpoint.save_final=false"]
+    args += ["trainer.global_batch_size=4", "checkpoint.export_safetensors=true"]
+    hybrid = ["parallelism.strategy=hybrid", "parallelism.dp_replicate=2", "parallelism.cp=2"]
+    layouts = {
+        "one": (1, []),
+        "rep2xcp2-native": (4, hybrid),
+        "rep2xcp2-torch": (4, [*hybrid, "parallelism.engine=torch"]),
+    }
+    runs = {}
+    for name, (ranks, extra) in layouts.items():
+        run = tmp_path / name
+        out = run_main([*args, *extra, f"cluster.nproc_per_node={ranks}", f"hydra.run.dir={run}"], tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert name == "one" or "dp_replicate=2 dp_shard=1 tp=1 cp=2" in out.stderr, out.stderr[-2000:]
+        runs[name] = (read_metrics(run), load_file(str(run / "checkpoints" / "export" / "model.safetensors")))
+    one, one_w = runs.pop("one")
+    for name, (metrics, weights) in runs.items():
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in metrics] == pytest.approx([r[key] for r in one], abs=1e-5), (name, key)
+        for tensor, want in one_w.items():
+            assert (weights[tensor] - want).abs().max().item() <= 1e-5, (name, tensor)

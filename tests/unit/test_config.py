@@ -259,10 +259,6 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
         ),
         ("parallelism.cp=2 data.seq_len=129", "data.seq_len=129 is not divisible by parallelism.cp=2"),
         ("parallelism.cp=4 model.args.n_heads=6", "parallelism.cp=4 does not divide the 6 attention heads"),
-        (
-            "parallelism.strategy=hybrid parallelism.dp_replicate=2 parallelism.dp_shard=1 parallelism.cp=2",
-            "parallelism.cp=2 with parallelism.dp_replicate=2",
-        ),
         ("model=moe_debug parallelism.cp=2", "parallelism.cp=2 with model.args.n_experts=4: not together yet"),
         ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
     ],
@@ -290,12 +286,14 @@ def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, l
         ),
         ("parallelism.float8_all_gather=true", "parallelism.float8_all_gather=true needs parallelism.float8=true"),
         ("parallelism.float8=true parallelism.quantized_comm=true", "the gather is float8 or int8, not both"),
-        ("parallelism.float8=true parallelism.tp=2", "float8 linears are not split for tensor parallelism"),
+        (
+            "parallelism.float8=true parallelism.float8_all_gather=true parallelism.tp=2",
+            "parallelism.float8_all_gather=true with parallelism.tp=2",
+        ),
         (
             "parallelism.float8=true parallelism.float8_all_gather=true parallelism.cpu_offload=true",
             "offloaded shards are gathered in the param dtype",
         ),
-        ("parallelism.float8=true peft.lora.enabled=true", "the adapters wrap the linears float8 would convert"),
     ],
 )
 def test_float8_settings_are_checked_in_one_line(override, line):

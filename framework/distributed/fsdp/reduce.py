@@ -152,6 +152,11 @@ class GradReduction:
     # identity autograd function (hooks.py) whose backward runs after everything the unit
     # computed; once every forward use of this step has come back, the unit reshards. Uses whose
     # inputs need no gradient never come back; the final callback reshards those units.
+    # The input's gradient can also come back before the unit's own trainable gradients: a
+    # tensor-parallel parameter whole on every rank (LoRA's A beside a column-wise base) gets its
+    # gradient through DTensor's from_local backward (an all-reduce of the ranks' partial sums),
+    # a node autograd runs after the input's path. So the unit reshards when both are in; the
+    # last gradient's reduction reshards it otherwise (`_backward_done`).
     def note_forward_use(self) -> None:
         """A forward under grad mode whose inputs carry the post-backward hook (frozen units)."""
         self.fwd_uses += 1
@@ -159,7 +164,9 @@ class GradReduction:
     def post_backward(self) -> None:
         """The backward of one forward use is complete (see the note above)."""
         self.bwd_done += 1
-        if self.bwd_done >= self.fwd_uses and self.unit.state != UnitState.SHARDED and self._pending_reshard_ok():
+        grads_in = self.ready or not self.unit.trainable or self.reduce_issued
+        done = grads_in and self.bwd_done >= self.fwd_uses
+        if done and self.unit.state != UnitState.SHARDED and self._pending_reshard_ok():
             with record_function("fsdp::post_backward_reshard"):
                 self.unit.reshard_after_backward_step()
 
