@@ -72,7 +72,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     if dims.ep > 1:  # see [Note: the layout of expert parallelism]
         from framework.distributed.expert_parallel import apply_expert_parallel
 
-        _, expert_mesh = apply_expert_parallel(model, dims.ep, dims.efsdp, mesh.device_type)
+        _, expert_mesh = apply_expert_parallel(
+            model, dims.ep, dims.efsdp, mesh.device_type, dp_replicate=dims.dp_replicate
+        )
     if dims.cp > 1:  # see [Note: context parallelism by all-to-all]
         from framework.distributed.context_parallel import apply_context_parallel
 

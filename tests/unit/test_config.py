@@ -251,7 +251,6 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
         ("parallelism.ep=3", "parallelism.ep=3 does not divide parallelism.dp_shard=4"),
         ("parallelism.ep=0", "parallelism.ep=0: must be a positive degree"),
         ("parallelism.tp=2 parallelism.ep=2", "parallelism.ep=2 with parallelism.tp=2"),
-        ("parallelism=hybrid parallelism.ep=2", "parallelism.ep=2 with parallelism.dp_replicate=2"),
         ("parallelism.ep=2", "parallelism.ep=2: model.name=small has no experts"),
         (
             "model=moe_debug parallelism.ep=4 model.args.n_experts=6",
