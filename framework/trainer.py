@@ -204,7 +204,9 @@ class Trainer:
         from framework.distributed.context_parallel import split_batch
 
         part, labelled = split_batch(batch, self.mesh.get_local_rank("cp"), cp, IGNORE_INDEX)
-        return self.task.summed_loss(self.model, part) * cp / labelled.clamp(min=1)
+        from framework.models.tasks import with_aux_loss
+
+        return with_aux_loss(self.model, self.task.summed_loss(self.model, part) * cp / labelled.clamp(min=1))
 
     def _sequences_split(self):
         if self.dims.cp == 1:

@@ -66,8 +66,6 @@ class ParallelDims:
                 f"parallelism.cp={self.cp} with parallelism.dp_replicate={self.dp_replicate}: context parallelism "
                 "runs within fully sharded data parallelism only for now; use strategy=full (dp_replicate=1)"
             )
-        if self.cp > 1 and self.ep > 1:
-            raise UserInputError(f"parallelism.cp={self.cp} with parallelism.ep={self.ep}: choose one of them for now")
         for name in ("cp", "ep") if self.pp > 1 else ():
             if getattr(self, name) > 1:
                 raise UserInputError(

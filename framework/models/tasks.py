@@ -61,7 +61,7 @@ def _causal_lm_forward(model, batch) -> tuple:
 
 
 def _causal_lm(model, batch) -> torch.Tensor:
-    return _with_aux(model, cross_entropy(*_causal_lm_forward(model, batch)))
+    return with_aux_loss(model, cross_entropy(*_causal_lm_forward(model, batch)))
 
 
 def causal_lm_summed(model, batch) -> torch.Tensor:
@@ -70,8 +70,10 @@ def causal_lm_summed(model, batch) -> torch.Tensor:
     return cross_entropy(*_causal_lm_forward(model, batch), reduction="sum")
 
 
-def _with_aux(model, loss: torch.Tensor) -> torch.Tensor:
-    """The loss plus a mixture-of-experts model's load-balancing loss of the same forward."""
+def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:
+    """The loss plus a mixture-of-experts model's load-balancing loss of the same forward. Under
+    context parallelism the trainer adds it to each cp rank's share of the loss as it is: with
+    global-batch shares, the mean over the cp ranks of their chunks' terms is the micro-batch's."""
     aux = getattr(model, "aux_loss", None)
     return loss if not isinstance(aux, torch.Tensor) else loss + aux
 

@@ -73,3 +73,32 @@ def test_ep_with_hybrid_sharding_equals_one_process(one_process, tmp_path, stdli
         stdlib_cache,
     )
     _assert_same(run, one_process)
+
+
+GLOBAL = ["model.args.aux_loss_scope=global_batch"]  # the shares of the whole step: any split of it
+
+
+@pytest.fixture(scope="module")
+def one_process_global(tmp_path_factory, stdlib_cache) -> Path:
+    root = tmp_path_factory.mktemp("moe_one_global")
+    return _run(root, "one", [*GLOBAL, "cluster.nproc_per_node=1", "trainer.micro_batch_size=4"], stdlib_cache)
+
+
+def test_ep_with_context_parallel_equals_one_process(one_process_global, tmp_path, stdlib_cache):
+    """ep=2 x cp=2 on 4 ranks (dp_shard=2): each cp rank routes its half of every sequence and
+    exchanges those tokens with the other dp_shard rank of its ep group; each expert is sharded
+    over its 2 cp ranks. With global-batch balancing, equal to one process."""
+    run = _run(
+        tmp_path,
+        "cp",
+        [
+            *GLOBAL,
+            "cluster.nproc_per_node=4",
+            "parallelism.dp_shard=2",
+            "parallelism.cp=2",
+            "parallelism.ep=2",
+            "trainer.micro_batch_size=2",
+        ],
+        stdlib_cache,
+    )
+    _assert_same(run, one_process_global)

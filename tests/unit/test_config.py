@@ -262,7 +262,11 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
             "parallelism.strategy=hybrid parallelism.dp_replicate=2 parallelism.dp_shard=1 parallelism.cp=2",
             "parallelism.cp=2 with parallelism.dp_replicate=2",
         ),
-        ("model=moe_debug parallelism.cp=2", "parallelism.cp=2 with model.args.n_experts=4: not together yet"),
+        ("model=moe_debug parallelism.cp=2", "parallelism.cp=2 with model.args.aux_loss_scope=micro_batch"),
+        (
+            "model=moe_debug parallelism.cp=2 model.args.aux_loss_scope=global_batch model.args.capacity_factor=1.5",
+            "parallelism.cp=2 with model.args.capacity_factor=1.5",
+        ),
         ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
     ],
 )
