@@ -79,11 +79,6 @@ class ParallelDims:
                 f"parallelism.ep={self.ep} does not divide parallelism.dp_shard={self.dp_shard}: the experts are "
                 "split over ep of the sharded data-parallel ranks; choose an ep that divides dp_shard"
             )
-        if self.tp > 1:
-            raise UserInputError(
-                f"parallelism.ep={self.ep} with parallelism.tp={self.tp}: experts are not split by both yet; "
-                "choose one of them"
-            )
 
     def _mismatch(self, what: str) -> str:
         def show(v: int) -> str:

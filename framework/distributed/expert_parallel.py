@@ -23,6 +23,10 @@ all-to-all]). The tokens of one sequence are routed on the ranks holding them, p
 process: the load-balancing shares of a micro-batch are then the global batch's
 (aux_loss_scope=global_batch) and the capacity unlimited; the other settings are refused with cp.
 
+Under tensor parallelism every tp rank holds the same experts and routes the same tokens: the ep
+groups and the efsdp ranks are those of one tp index ([Note: experts under tensor parallelism],
+framework/models/llama/parallelize.py, says why experts are not split over tp).
+
 A model opts in by giving each group of experts the shape of `framework.models.llama.moe.Experts`:
 stacked tensors with the expert on dim 0 (every tensor the module itself holds) and a `dispatch`
 attribute, which the module calls with the rows of each expert and a function from the rows per
@@ -139,7 +143,9 @@ class ExpertDispatch:
         return list(returned.split(counts_l))
 
 
-def apply_expert_parallel(model: nn.Module, ep: int, efsdp: int, device_type: str, dp_replicate: int = 1, cp: int = 1):
+def apply_expert_parallel(
+    model: nn.Module, ep: int, efsdp: int, device_type: str, dp_replicate: int = 1, cp: int = 1, tp: int = 1
+):
     """Split every group of experts in `model` over `ep` neighbouring ranks; returns the groups and
     the mesh of the ranks holding the same experts (the engine shards them over it): 1-D (efsdp),
     or 2-D (dp_replicate, efsdp) under hybrid sharding, the experts sharded within each replica
@@ -152,7 +158,11 @@ def apply_expert_parallel(model: nn.Module, ep: int, efsdp: int, device_type: st
         raise UserInputError(
             f"parallelism.ep={ep}: the model has no mixture-of-experts blocks to split; set parallelism.ep=1"
         )
-    mesh = init_mesh(device_type, (dp_replicate, efsdp, ep, cp), mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp"))
+    mesh = init_mesh(
+        device_type,
+        (dp_replicate, efsdp, ep, cp, tp),
+        mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp", "tp"),
+    )
     ep_mesh = mesh["ep"]
     me = ep_mesh.get_local_rank()
     for module in groups:

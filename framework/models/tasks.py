@@ -75,7 +75,15 @@ def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:
     context parallelism the trainer adds it to each cp rank's share of the loss as it is: with
     global-batch shares, the mean over the cp ranks of their chunks' terms is the micro-batch's."""
     aux = getattr(model, "aux_loss", None)
-    return loss if not isinstance(aux, torch.Tensor) else loss + aux
+    if not isinstance(aux, torch.Tensor):
+        return loss
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+        # Tensor parallel's loss is a DTensor: the plain aux (the same on every tp rank, the router
+        # being whole) joins it as a replicated one, so its backward receives a plain gradient.
+        aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return loss + aux
 
 
 def _seq2seq(model, batch) -> torch.Tensor:

@@ -250,7 +250,7 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
     [
         ("parallelism.ep=3", "parallelism.ep=3 does not divide parallelism.dp_shard=4"),
         ("parallelism.ep=0", "parallelism.ep=0: must be a positive degree"),
-        ("parallelism.tp=2 parallelism.ep=2", "parallelism.ep=2 with parallelism.tp=2"),
+        ("model=moe_debug parallelism.tp=2 model.args.moe_ffn_dim=49", "inner size 49 (model.args.moe_ffn_dim"),
         ("parallelism.ep=2", "parallelism.ep=2: model.name=small has no experts"),
         (
             "model=moe_debug parallelism.ep=4 model.args.n_experts=6",
@@ -268,6 +268,7 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
             "parallelism.cp=2 with model.args.capacity_factor=1.5",
         ),
         ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
+        ("model=hf model.path=/x parallelism.tp=2 parallelism.ep=2", "parallelism.tp=2 and model=hf"),
     ],
 )
 def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, line):
