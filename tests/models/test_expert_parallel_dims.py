@@ -104,12 +104,15 @@ def test_ep_with_context_parallel_equals_one_process(one_process_global, tmp_pat
     _assert_same(run, one_process_global)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
-def test_ep_with_tensor_parallel_equals_one_process(one_process_global, tmp_path, stdlib_cache, sequence_parallel):
+@pytest.mark.parametrize(
+    "ep, sequence_parallel", [(2, False), (2, True), (1, False)], ids=["ep2_tp", "ep2_tp_sp", "ep1_tp"]
+)
+def test_ep_with_tensor_parallel_equals_one_process(one_process_global, tmp_path, stdlib_cache, ep, sequence_parallel):
     """ep=2 x tp=2 on 4 ranks (dp_shard=2), with and without sequence parallelism: attention, the
     dense layers and the shared expert split by tp; the router and the routed experts whole on
     every tp rank, split by expert over the 2 dp_shard ranks of each tp index ([Note: experts
-    under tensor parallelism]). Equal to one process."""
+    under tensor parallelism]). And experts with tp=2 alone (ep=1: the experts in their block's
+    unit, sharded over dp_shard). Equal to one process."""
     run = _run(
         tmp_path,
         "tp",
@@ -118,7 +121,7 @@ def test_ep_with_tensor_parallel_equals_one_process(one_process_global, tmp_path
             "cluster.nproc_per_node=4",
             "parallelism.dp_shard=2",
             "parallelism.tp=2",
-            "parallelism.ep=2",
+            f"parallelism.ep={ep}",
             f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
             "trainer.micro_batch_size=2",
         ],
