@@ -15,6 +15,7 @@ MOE = [a for a in TINY if not a.startswith("data=")] + [
     "trainer.eval_interval=0",
     "trainer.max_steps=4",
     "checkpoint.save_final=true",
+    "optimizer=sgd",  # momentum SGD: a wrongly scaled gradient moves the weights (Adam would rescale it)
 ]
 # fp32 throughout; the ranks add the same terms as one process in another order (reduce-scatter,
 # all-reduce over replicas, rows of an expert from several ranks): a few ulps per step, far below
