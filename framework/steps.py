@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 import torch
 
 from framework.distributed.tensor_parallel import full, loss_context
-from framework.models.tasks import IGNORE_INDEX, to_device
+from framework.models.tasks import IGNORE_INDEX, to_device, with_aux_loss
 from framework.routing import RouterSteps
 
 
@@ -51,7 +51,7 @@ class PlainSteps:
 
         def loss(batch):
             part, labelled = split_batch(batch, self.mesh.get_local_rank("cp"), cp, IGNORE_INDEX)
-            return task.summed_loss(model, part) * cp / labelled.clamp(min=1)
+            return with_aux_loss(model, task.summed_loss(model, part) * cp / labelled.clamp(min=1))
 
         return loss
 

@@ -7,7 +7,8 @@ are sharded over dp_shard x cp ranks (the cp ranks are data-parallel ranks for t
 Expert parallelism (`ep`) is no dimension of its own: it splits the dp_shard ranks into groups of
 `ep` neighbours that each hold every expert once (ep ranks, n_experts/ep each), and the experts
 are sharded over the remaining `dp_shard / ep` ranks (`efsdp`), as torchtitan and Megatron lay it
-out. Everything else stays sharded over all dp_shard ranks.
+out. Everything else stays sharded over all dp_shard ranks. Under hybrid sharding each replica
+is laid out so, and the experts' gradients are averaged over the dp_replicate replicas.
 
 Pipeline parallelism (`pp`) is the outermost dimension: pp x dp_replicate x dp_shard x cp x tp.
 Each pipeline stage is a whole data-parallel (and tensor-parallel) group of its own; the stages
@@ -60,8 +61,6 @@ class ParallelDims:
             raise UserInputError(self._mismatch("degrees do not multiply to the world size"))
         if self.ep > 1:
             self._check_ep()
-        if self.cp > 1 and self.ep > 1:
-            raise UserInputError(f"parallelism.cp={self.cp} with parallelism.ep={self.ep}: choose one of them for now")
         for name in ("cp", "ep") if self.pp > 1 else ():
             if getattr(self, name) > 1:
                 raise UserInputError(
@@ -74,16 +73,6 @@ class ParallelDims:
             raise UserInputError(
                 f"parallelism.ep={self.ep} does not divide parallelism.dp_shard={self.dp_shard}: the experts are "
                 "split over ep of the sharded data-parallel ranks; choose an ep that divides dp_shard"
-            )
-        if self.tp > 1:
-            raise UserInputError(
-                f"parallelism.ep={self.ep} with parallelism.tp={self.tp}: experts are not split by both yet; "
-                "choose one of them"
-            )
-        if self.dp_replicate > 1:
-            raise UserInputError(
-                f"parallelism.ep={self.ep} with parallelism.dp_replicate={self.dp_replicate}: expert parallelism "
-                "runs within fully sharded data parallelism only for now; use strategy=full (dp_replicate=1)"
             )
 
     def _mismatch(self, what: str) -> str:

@@ -8,6 +8,25 @@ and ep=2, ranks {0, 1} and {2, 3} each hold every expert once (rank 0 and 2 the 
 holding it ({0, 2} and {1, 3}). Every rank still reads its own samples (data parallel over all
 dp_shard ranks) and keeps the rest of the model sharded over all of them.
 
+Under hybrid sharding (dp_replicate > 1) every replica is laid out so within its own dp_shard
+ranks: with 4 ranks, dp_replicate=2, dp_shard=2 and ep=2, ranks {0, 1} and {2, 3} are the ep
+groups, and the experts' engine mesh is 2-D (dp_replicate, efsdp) = ({0, 2}, {1, 3}) x 1: each
+expert sharded over efsdp within its replica, its gradient all-reduced over the replicas, as the
+dense units' over (dp_replicate, dp_shard).
+
+Under context parallelism (cp > 1) the ep groups are still dp_shard neighbours, one per cp rank:
+with 4 ranks, dp_shard=2, cp=2 and ep=2 (mesh dp_shard x cp), ranks {0, 2} and {1, 3} exchange
+tokens (each holding a different chunk of the same sequences), and each expert is sharded by the
+engine over its efsdp x cp ranks ({0, 1} and {2, 3}), the cp ranks being data-parallel ranks for
+the weights; the divide factor is dp x cp, the dense units' ([Note: context parallelism by
+all-to-all]). The tokens of one sequence are routed on the ranks holding them, per token as on one
+process: the load-balancing shares of a micro-batch are then the global batch's
+(aux_loss_scope=global_batch) and the capacity unlimited; the other settings are refused with cp.
+
+Under tensor parallelism every tp rank holds the same experts and routes the same tokens: the ep
+groups and the efsdp ranks are those of one tp index ([Note: experts under tensor parallelism],
+framework/models/llama/parallelize.py, says why experts are not split over tp).
+
 A model opts in by giving each group of experts the shape of `framework.models.llama.moe.Experts`:
 stacked tensors with the expert on dim 0 (every tensor the module itself holds) and a `dispatch`
 attribute, which the module calls with the rows of each expert and a function from the rows per
@@ -124,9 +143,14 @@ class ExpertDispatch:
         return list(returned.split(counts_l))
 
 
-def apply_expert_parallel(model: nn.Module, ep: int, efsdp: int, device_type: str):
+def apply_expert_parallel(
+    model: nn.Module, ep: int, efsdp: int, device_type: str, dp_replicate: int = 1, cp: int = 1, tp: int = 1
+):
     """Split every group of experts in `model` over `ep` neighbouring ranks; returns the groups and
-    the 1-D mesh of the ranks holding the same experts (the engine shards them over it)."""
+    the mesh of the ranks holding the same experts (the engine shards them over it): 1-D (efsdp),
+    or 2-D (dp_replicate, efsdp) under hybrid sharding, the experts sharded within each replica
+    and their gradients averaged over the replicas; with context parallelism the efsdp x cp ranks
+    flattened ([Note: the layout of expert parallelism])."""
     from framework.distributed.groups import init_mesh
 
     groups = expert_groups(model)
@@ -134,7 +158,11 @@ def apply_expert_parallel(model: nn.Module, ep: int, efsdp: int, device_type: st
         raise UserInputError(
             f"parallelism.ep={ep}: the model has no mixture-of-experts blocks to split; set parallelism.ep=1"
         )
-    mesh = init_mesh(device_type, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    mesh = init_mesh(
+        device_type,
+        (dp_replicate, efsdp, ep, cp, tp),
+        mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp", "tp"),
+    )
     ep_mesh = mesh["ep"]
     me = ep_mesh.get_local_rank()
     for module in groups:
@@ -151,4 +179,8 @@ def apply_expert_parallel(model: nn.Module, ep: int, efsdp: int, device_type: st
             )
             setattr(module, name, nn.Parameter(split, requires_grad=param.requires_grad))
         module.dispatch = ExpertDispatch(ep_mesh.get_group(), ep)
-    return groups, mesh["efsdp"]
+    if cp > 1:  # the cp ranks of a data-parallel rank hold the same experts: they shard them too
+        from framework.distributed.groups import flatten
+
+        return groups, flatten(mesh["efsdp", "cp"], "efsdp_cp")
+    return groups, mesh["dp_replicate", "efsdp"] if dp_replicate > 1 else mesh["efsdp"]

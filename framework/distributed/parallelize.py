@@ -79,7 +79,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     if dims.ep > 1:  # see [Note: the layout of expert parallelism]
         from framework.distributed.expert_parallel import apply_expert_parallel
 
-        _, expert_mesh = apply_expert_parallel(model, dims.ep, dims.efsdp, mesh.device_type)
+        _, expert_mesh = apply_expert_parallel(
+            model, dims.ep, dims.efsdp, mesh.device_type, dp_replicate=dims.dp_replicate, cp=dims.cp, tp=dims.tp
+        )
     if dims.cp > 1:  # see [Note: context parallelism by all-to-all]
         from framework.distributed.context_parallel import apply_context_parallel
 
@@ -99,7 +101,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
 
             for experts in expert_groups(block):  # their own unit, over the ranks holding them
                 fully_shard(experts, reshard_after_forward=reshard, **{**kwargs, "mesh": expert_mesh})
-                experts.set_gradient_divide_factor(dims.dp)
+                experts.set_gradient_divide_factor(dims.dp * dims.cp)
+                if dims.tp > 1:  # [Note: experts under tensor parallelism]: whole on every tp rank
+                    experts.set_norm_copies(dims.tp)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root keeps its parameters (embeddings, final norm, head) unsharded after forward:
     # backward needs them first, so resharding them would only gather them again at once.

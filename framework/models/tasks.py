@@ -61,7 +61,7 @@ def _causal_lm_forward(model, batch) -> tuple:
 
 
 def _causal_lm(model, batch) -> torch.Tensor:
-    return _with_aux(model, cross_entropy(*_causal_lm_forward(model, batch)))
+    return with_aux_loss(model, cross_entropy(*_causal_lm_forward(model, batch)))
 
 
 def causal_lm_summed(model, batch) -> torch.Tensor:
@@ -70,10 +70,20 @@ def causal_lm_summed(model, batch) -> torch.Tensor:
     return cross_entropy(*_causal_lm_forward(model, batch), reduction="sum")
 
 
-def _with_aux(model, loss: torch.Tensor) -> torch.Tensor:
-    """The loss plus a mixture-of-experts model's load-balancing loss of the same forward."""
+def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:
+    """The loss plus a mixture-of-experts model's load-balancing loss of the same forward. Under
+    context parallelism the trainer adds it to each cp rank's share of the loss as it is: with
+    global-batch shares, the mean over the cp ranks of their chunks' terms is the micro-batch's."""
     aux = getattr(model, "aux_loss", None)
-    return loss if not isinstance(aux, torch.Tensor) else loss + aux
+    if not isinstance(aux, torch.Tensor):
+        return loss
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+        # Tensor parallel's loss is a DTensor: the plain aux (the same on every tp rank, the router
+        # being whole) joins it as a replicated one, so its backward receives a plain gradient.
+        aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return loss + aux
 
 
 def _seq2seq(model, batch) -> torch.Tensor:

@@ -250,8 +250,7 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
     [
         ("parallelism.ep=3", "parallelism.ep=3 does not divide parallelism.dp_shard=4"),
         ("parallelism.ep=0", "parallelism.ep=0: must be a positive degree"),
-        ("parallelism.tp=2 parallelism.ep=2", "parallelism.ep=2 with parallelism.tp=2"),
-        ("parallelism=hybrid parallelism.ep=2", "parallelism.ep=2 with parallelism.dp_replicate=2"),
+        ("model=moe_debug parallelism.tp=2 model.args.moe_ffn_dim=49", "inner size 49 (model.args.moe_ffn_dim"),
         ("parallelism.ep=2", "parallelism.ep=2: model.name=small has no experts"),
         (
             "model=moe_debug parallelism.ep=4 model.args.n_experts=6",
@@ -259,8 +258,13 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
         ),
         ("parallelism.cp=2 data.seq_len=129", "data.seq_len=129 is not divisible by parallelism.cp=2"),
         ("parallelism.cp=4 model.args.n_heads=6", "parallelism.cp=4 does not divide the 6 attention heads"),
-        ("model=moe_debug parallelism.cp=2", "parallelism.cp=2 with model.args.n_experts=4: not together yet"),
+        ("model=moe_debug parallelism.cp=2", "parallelism.cp=2 with model.args.aux_loss_scope=micro_batch"),
+        (
+            "model=moe_debug parallelism.cp=2 model.args.aux_loss_scope=global_batch model.args.capacity_factor=1.5",
+            "parallelism.cp=2 with model.args.capacity_factor=1.5",
+        ),
         ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
+        ("model=hf model.path=/x parallelism.tp=2 parallelism.ep=2", "parallelism.tp=2 and model=hf"),
     ],
 )
 def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, line):

@@ -86,6 +86,15 @@ class ShardedModule:
         for u in self._units():
             u.reduction.divide_factor = float(factor)
 
+    def set_norm_copies(self, copies: int) -> None:
+        """This module's parameters are held identically by `copies` groups of ranks that its mesh
+        does not name (expert parallelism's experts, whole on every tensor-parallel rank):
+        gradient clipping counts each piece once. Applies to this module's units and below."""
+        if copies < 1:
+            raise ValueError(f"set_norm_copies: copies={copies}; give a positive count")
+        for u in self._units():
+            u.set_outer_copies(copies)
+
     def backward_in_parts(self):
         """A context manager (on the root): the autograd calls made inside it are the parts of
         one backward of this model, e.g. a pipeline's weight-gradient pass run as one call per

@@ -130,6 +130,7 @@ class ShardUnit:
         self.state = UnitState.SHARDED
         self.state_mesh = mesh  # checkpoint DTensors live here (the (dp..., tp) mesh under TP)
         self.tp_size = 1
+        self.outer_copies = 1  # groups of ranks outside `mesh` and TP holding the same pieces (set_norm_copies)
         self.ctx: Optional[UnitContext] = None
         self.stats = C.CommStats()
         # FSDP2's per-module settings (sharded_module.py; the gradient ones are `reduction`'s):
@@ -275,10 +276,20 @@ class ShardUnit:
     def norm_share(self, index: int) -> int:
         """How many ranks hold an identical copy of entry `index`'s local piece (gradient clipping
         divides its squared norm by this): the replicas, times the tensor-parallel ranks unless TP
-        splits the parameter."""
+        splits the parameter, times `outer_copies`."""
         e = self.entries[index]
         tp_sharded = e.tp is not None and any(not pl.is_replicate() for pl in e.tp.placements)
-        return self.R * (1 if tp_sharded else self.tp_size)
+        return self.R * (1 if tp_sharded else self.tp_size) * self.outer_copies
+
+    def set_outer_copies(self, copies: int) -> None:
+        """`outer_copies`, and the pieces' descriptions that carry it (their gradients take the
+        parameter's): before the first backward."""
+        self.outer_copies = int(copies)
+        for i, e in enumerate(self.entries):
+            for module, name, _ in e.users:
+                param = module._parameters[name]
+                if isinstance(param, ShardPiece):
+                    param.piece_spec = piece_spec(self, i)
 
     def rebind_after_apply(self, fn) -> None:
         """After `module.to(...)` / `to_empty(...)` / `.double()` (`fn`, as passed to `_apply`)

@@ -131,9 +131,19 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int =
                 f"parallelism.cp={cp} does not divide the {heads} attention heads per tensor-parallel rank "
                 f"(model.args.n_heads={a.n_heads} / tp={tp}): each cp rank attends with 1/cp of them"
             )
-        if a.n_experts:
+        # Each cp rank routes its chunk of a sequence: the per-micro-batch shares and the capacity
+        # would be the chunk's, not the sequence's ([Note: the layout of expert parallelism]).
+        if a.n_experts and a.aux_loss_coef > 0 and a.aux_loss_scope != "global_batch":
             out.append(
-                f"parallelism.cp={cp} with model.args.n_experts={a.n_experts}: not together yet; set parallelism.cp=1"
+                f"parallelism.cp={cp} with model.args.aux_loss_scope={a.aux_loss_scope}: each cp rank routes a "
+                "chunk of every sequence, whose expert shares are not the micro-batch's; set "
+                "model.args.aux_loss_scope=global_batch (or parallelism.cp=1)"
+            )
+        if a.n_experts and a.capacity_factor:
+            out.append(
+                f"parallelism.cp={cp} with model.args.capacity_factor={a.capacity_factor}: each cp rank would "
+                "cap a chunk of every sequence, not the whole; set model.args.capacity_factor=0 (dropless) or "
+                "parallelism.cp=1"
             )
     if ep > 1 and not a.n_experts:
         out.append(
@@ -144,11 +154,6 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int =
             f"parallelism.ep={ep} does not divide model.args.n_experts={a.n_experts}: every expert-parallel rank "
             "holds the same number of experts; choose an ep that divides n_experts"
         )
-    if tp > 1 and a.n_experts:
-        out.append(
-            f"parallelism.tp={tp} with model.args.n_experts={a.n_experts}: experts are not split by tensor "
-            "parallelism yet; use parallelism.tp=1 (the experts are sharded over the data-parallel ranks)"
-        )
     if tp > 1:
         for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
             value = getattr(a, name)
@@ -156,6 +161,12 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int =
                 out.append(
                     f"model.args.{name}={value} is not divisible by parallelism.tp={tp}; choose a tp that divides it"
                 )
+        shared = (a.moe_ffn_dim or a.ffn_dim) * a.n_shared_experts if a.n_experts else 0
+        if shared % tp:  # the shared experts are split as the dense feed-forward; the routed ones are whole
+            out.append(
+                f"the shared experts' inner size {shared} (model.args.moe_ffn_dim x n_shared_experts) is not "
+                f"divisible by parallelism.tp={tp}; choose a tp that divides it"
+            )
         vocab = a.vocab_size if a.vocab_size > 0 else data_vocab
         if vocab and vocab % tp:
             # Not refused: DTensor shards the embedding table and the output head unevenly

@@ -13,6 +13,18 @@ Megatron-style layout, with t = the tp degree:
     output           column-wise with the logits left sharded on the vocabulary dim; the loss is
                      computed on the shards (`loss_parallel`), never gathering (batch, seq, vocab)
 
+[Note: experts under tensor parallelism]
+A mixture-of-experts block's shared expert is split as the dense feed-forward; the router and
+the routed experts are not split: every tp rank routes the whole (replicated) tokens the same
+way and computes its experts whole. Under expert parallelism the experts are split by expert over
+the dp_shard ranks of each tp rank (and sharded over efsdp), not over tp: an expert's matmuls are
+small (moe_ffn_dim), so splitting each by tp (Megatron's expert-tensor-parallel degree > 1) would
+add two collectives per expert for little memory, and an ep group spanning tp ranks would need
+the tp ranks to route different tokens, which the replicated stream between the blocks does not
+give. The price is tp-fold redundant expert compute; the memory per rank is the experts / ep /
+efsdp, as without tp. The experts' gradients come out whole and equal on every tp rank (their
+inputs' gradients are summed over tp by the next column-wise layer), so no tp reduction is needed.
+
 With sequence parallelism the activations between the blocks' matmuls (the residual stream,
 the norms) are sharded on the sequence dim instead of replicated: the row-wise outputs become
 reduce-scatters, the column-wise inputs all-gathers, and the norms compute on 1/t of the tokens.
@@ -26,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -46,7 +59,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyl
     # A pipeline stage (framework/models/llama/pipeline.py) holds some of the blocks, under their
     # indices in the whole model, and the embedding or the head only where it runs them.
     plan = {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
-    for index, _ in model.layers.named_children():
+    for index, layer in model.layers.named_children():
         prefix = f"layers.{index}"
         block = {
             # The rotary table (second argument) is a plain tensor every rank holds whole.
@@ -60,6 +73,21 @@ def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyl
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=stream),
         }
+        if hasattr(layer.feed_forward, "router"):  # [Note: experts under tensor parallelism]
+            for name in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
+                del block[name]
+            block["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(stream,),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(stream,),
+                use_local_output=True,
+            )
+            if layer.feed_forward.shared is not None:
+                block["feed_forward.shared.w1"] = ColwiseParallel()
+                block["feed_forward.shared.w3"] = ColwiseParallel()
+                block["feed_forward.shared.w2"] = RowwiseParallel()
         if sequence_parallel:
             block["attention_norm"] = SequenceParallel()
             block["ffn_norm"] = SequenceParallel()
