@@ -158,11 +158,18 @@ class Trainer:
         # The step's loss, gradient norm and finite-loss check, on the device between reads
         # ([Note: the host reads the device on log steps only] in framework/metrics.py).
         self.watch = LossWatch(rt.device, t.log_interval)
+        self.deterministic = None  # trainer.deterministic: the same bits at any layout (framework/deterministic.py)
+        if t.deterministic:
+            from framework.deterministic import DeterministicSteps
+
+            self.deterministic = DeterministicSteps(self)
 
     def train_step(self, read: bool = True) -> Dict[str, float]:
         """One optimizer step. `read`: the host reads the step's loss and gradient norm (and the
         finite-loss check) before the optimizer step; otherwise nothing waits for the device and
         only the learning rate is returned. See [Note: the host reads the device on log steps only]."""
+        if self.deterministic is not None:
+            return self.deterministic.train_step(read)
         model = self.model
         accum = self.data.train.accum_steps
         total = torch.zeros((), device=self.rt.device)
