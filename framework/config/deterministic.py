@@ -29,11 +29,13 @@ def deterministic_problems(cfg: Config, dims: Optional[ParallelDims]) -> List[st
     errors = []
     if p.tp > 1:
         errors.append(
-            f"{head} parallelism.tp={p.tp}: tensor parallelism splits each matmul's sum over ranks; set parallelism.tp=1 {off}"
+            f"{head} parallelism.tp={p.tp}: tensor parallelism splits each matmul's sum over ranks; "
+            f"set parallelism.tp=1 {off}"
         )
     if p.cp > 1:
         errors.append(
-            f"{head} parallelism.cp={p.cp}: context parallelism splits attention's sums over ranks; set parallelism.cp=1 {off}"
+            f"{head} parallelism.cp={p.cp}: context parallelism splits attention's sums over ranks; "
+            f"set parallelism.cp=1 {off}"
         )
     if p.pp > 1:
         errors.append(
@@ -42,15 +44,18 @@ def deterministic_problems(cfg: Config, dims: Optional[ParallelDims]) -> List[st
         )
     if p.ep > 1:
         errors.append(
-            f"{head} parallelism.ep={p.ep}: expert parallelism's routed sums are not in a fixed order; set parallelism.ep=1 {off}"
+            f"{head} parallelism.ep={p.ep}: expert parallelism's routed sums are not in a fixed order; "
+            f"set parallelism.ep=1 {off}"
         )
     if p.engine.value != "native":
         errors.append(
-            f"{head} parallelism.engine={p.engine.value}: the fixed summation is our engine's; set parallelism.engine=native"
+            f"{head} parallelism.engine={p.engine.value}: the fixed summation is our engine's; "
+            "set parallelism.engine=native"
         )
     if p.quantized_comm:
         errors.append(
-            f"{head} parallelism.quantized_comm=true: int8 chunks round by their layout; set parallelism.quantized_comm=false"
+            f"{head} parallelism.quantized_comm=true: int8 chunks round by their layout; "
+            "set parallelism.quantized_comm=false"
         )
     if cfg.stage != Stage.training:
         errors.append(f"{head} stage={cfg.stage.value}: the mode covers stage=training; drop trainer.deterministic")
@@ -71,7 +76,8 @@ def deterministic_problems(cfg: Config, dims: Optional[ParallelDims]) -> List[st
         if not _pow2(per_rank):
             errors.append(
                 f"{head} {per_rank} units per data-parallel rank (trainer.global_batch_size={t.global_batch_size} / "
-                f"dp={dims.dp} / unit={unit}): each rank's units must be a power of two to form one subtree of the sum; "
+                f"dp={dims.dp} / unit={unit}): each rank's units must be a power of two to form one subtree of "
+                "the sum; "
                 "change trainer.global_batch_size or trainer.deterministic_unit"
             )
     if dims.dp_replicate > 1 and not _pow2(dims.dp_shard):
