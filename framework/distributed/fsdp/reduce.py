@@ -38,7 +38,8 @@ class _Reduction(NamedTuple):
     scratch: Optional[torch.Tensor]  # reduce-scatter receive scratch to give back
     quantized: Optional[torch.Tensor]  # qgZ: the int8 chunks received, to dequantize and sum
     quantized_pooled: bool  # ... received into a pooled buffer (not inside the input)
-    canonical: Optional[torch.Tensor] = None  # deterministic mode: the N subtree pieces received
+    # deterministic mode: the rank's subtree sum sent by the all-to-all (kept alive until the wait)
+    canonical: Optional[torch.Tensor] = None
 
 
 def grad_divide_factors(dp: float, reduce_dtype: torch.dtype) -> Tuple[float, float]:
@@ -322,7 +323,19 @@ class GradReduction:
                 pending = C.all_to_all(recv, local, u.reduce_group, u.stats, u.name)
             else:
                 pending = C.Pending(None, local, u.stats)
-            self.pending = _Reduction(pending, None, False, fresh, 1.0, None, False, None, None, False, local)
+            self.pending = _Reduction(
+                pending=pending,
+                pooled_input=None,
+                direct=False,
+                fresh=fresh,
+                post_divide=1.0,  # the loss carries the global normalisation
+                out=None,
+                in_place=False,
+                scratch=None,
+                quantized=None,
+                quantized_pooled=False,
+                canonical=local,
+            )
         if self._backward_done():
             u.reshard_after_backward_step()
         if self.requires_grad_sync:
