@@ -15,7 +15,7 @@ LAYERS = [
     {"config", "fileio", "offline", "task_files", "param_roles", "recompute"},
     {"loss_plot"},
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
-    {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation", "routing"},
+    {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation", "routing", "deterministic"},
     {"trainer"},
     {"generate", "evaluate", "dpo", "grpo"},
     {"entrypoint"},
