@@ -51,14 +51,51 @@ from framework.local_ranks import run_local  # noqa: E402
 
 # ------------------------------------------------------------------ engines
 # our engine's variants: ours_gloo over gloo's TCP instead of shared memory
-OURS = ("ours", "ours_gloo", "ours_rows", "ours_params")
+OURS = ("ours", "ours_gloo", "ours_rows", "ours_params", "ours_clip", "ours_det")
 BOUNDARY_ROWS = ("ours_rows", "ours_params")  # --boundary-rows: whole rows / whole parameters per rank
+# --deterministic: the trainer's step with the gradient norm, default (ours_clip: the engine's
+# reduce-scatter and clip_grad_norm_) and under trainer.deterministic (ours_det: the tree-ordered
+# all-to-all, the canonical norm, the loss's global token count and per-unit loss slots; one unit
+# per rank's micro-batch, i.e. trainer.deterministic_unit = micro_batch_size)
+DETERMINISTIC_ROWS = ("ours_clip", "ours_det")
 
 
 def build(engine: str, size: str):
     """`engine` as every benchmark builds it (bench/common.py), with foreach AdamW."""
-    b = build_engine(engine, size, torch.device("cpu"), dist.get_world_size(), foreach=True)
+    base = "ours" if engine in DETERMINISTIC_ROWS else engine
+    b = build_engine(base, size, torch.device("cpu"), dist.get_world_size(), foreach=True)
+    if engine == "ours_det":
+        b.model.set_deterministic_reduction(True)
     return b.model, b.opt
+
+
+def trainer_step(engine, model, opt, idx, vocab):
+    """The trainer's step on one micro-batch per rank, with the gradient norm measured (not
+    clipped): framework/trainer.py's default, or framework/deterministic.py's."""
+    from framework.distributed.fsdp import clip_grad_norm_
+    from framework.distributed.fsdp.canonical import canonical_grad_norm_, tree_sum_slots
+
+    ws = dist.get_world_size()
+    if engine == "ours_det":
+        count = torch.tensor([idx[:, 1:].numel()], dtype=torch.int64)
+        dist.all_reduce(count)  # the global batch's labelled tokens
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1), reduction="sum") / count
+        loss.backward()
+        slots = torch.zeros(ws, dtype=torch.float64)
+        slots[dist.get_rank()] = loss.detach().double()
+        dist.all_reduce(slots)
+        tree_sum_slots(slots)
+        canonical_grad_norm_(list(model.parameters()), float("inf"))
+    else:
+        loss = loss_of(model(idx[:, :-1]), idx)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        clip_grad_norm_([p for p in model.parameters() if p.grad is not None], float("inf"))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 def step(engine, model, opt, size, s, rank):
@@ -70,7 +107,10 @@ def step(engine, model, opt, size, s, rank):
     idx = batch(size, s, rank, "cpu")
     dist.barrier()
     t0 = time.perf_counter()
-    loss = Built(engine, model, opt).step(idx)
+    if engine in DETERMINISTIC_ROWS:
+        loss = trainer_step(engine, model, opt, idx, vocab)
+    else:
+        loss = Built(engine, model, opt).step(idx)
     return time.perf_counter() - t0, loss.item()
 
 
@@ -89,10 +129,13 @@ def padding_bytes(model) -> int:
     return sum(lay.shard_numel - sum(e.local_numel for e in lay.entries) for lay in lays) * 4
 
 
-def timing_worker(rank, ws, size, steps, warmup, gloo_row=False, boundary_rows=False):
+def timing_worker(rank, ws, size, steps, warmup, gloo_row=False, boundary_rows=False, deterministic=False):
     counter = WireCounter().install()  # FSDP2's traffic, at torch.distributed's functions
     engines = (
-        ["ours", "fsdp2", "ddp"] + (["ours_gloo"] if gloo_row else []) + (list(BOUNDARY_ROWS) if boundary_rows else [])
+        ["ours", "fsdp2", "ddp"]
+        + (["ours_gloo"] if gloo_row else [])
+        + (list(BOUNDARY_ROWS) if boundary_rows else [])
+        + (list(DETERMINISTIC_ROWS) if deterministic else [])
     )
     built = {e: build(e, size) for e in engines}
     times = {e: [] for e in engines}
@@ -110,7 +153,12 @@ def timing_worker(rank, ws, size, steps, warmup, gloo_row=False, boundary_rows=F
                 times[e].append(t)
                 if e in OURS:
                     st = model.comm_stats()
-                    traffic[e].append(st["allgather_bytes"] + st["reduce_scatter_bytes"] + st["allreduce_bytes"])
+                    traffic[e].append(
+                        st["allgather_bytes"]
+                        + st["reduce_scatter_bytes"]
+                        + st["allreduce_bytes"]
+                        + st["alltoall_bytes"]
+                    )
                     exposed[e].append(st["exposed_comm_s"])
                 elif e == "fsdp2":
                     traffic[e].append(counter.bytes - before)
@@ -293,6 +341,12 @@ def main() -> None:
         help="separate runs per engine for the RSS peak (engines alternate; the table shows the median)",
     )
     ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also the trainer's step with and without trainer.deterministic (rows ours_clip, ours_det), "
+        "interleaved with the others, and in the memory phase",
+    )
+    ap.add_argument(
         "--gloo-row",
         action="store_true",
         help="also time our engine with parallelism.host_transport=gloo (row ours_gloo), interleaved with the others",
@@ -339,7 +393,7 @@ def main() -> None:
         run_local(
             timing_worker,
             args.ranks,
-            args=(args.model_size, args.steps, 2, args.gloo_row, args.boundary_rows),
+            args=(args.model_size, args.steps, 2, args.gloo_row, args.boundary_rows, args.deterministic),
             timeout_s=1800,
         )
         for _ in range(max(1, args.timing_runs))
@@ -348,7 +402,7 @@ def main() -> None:
     mem = {}  # engine -> one list of per-rank results per run
     if not args.skip_memory:
         for _ in range(max(1, args.memory_runs)):
-            for e in ("ours", "fsdp2", "ddp"):
+            for e in ("ours", "fsdp2", "ddp") + (DETERMINISTIC_ROWS if args.deterministic else ()):
                 run = run_local(memory_worker, args.ranks, args=(e, args.model_size, args.steps), timeout_s=900)
                 mem.setdefault(e, []).append(run)
     # a run's peak is its highest rank's; glibc's heap makes it vary by a few percent run to run

@@ -124,11 +124,18 @@ class Trainer:
         self.watch = LossWatch(self.rt.device, t.log_interval)
         self.logger = None  # the metrics log, once `fit` starts (step_callbacks.MetricsLog)
         self.objective = objective(self)  # last: a stage's reference model is built after the policy's
+        self.deterministic = None  # trainer.deterministic: the same bits at any layout (framework/deterministic.py)
+        if t.deterministic:
+            from framework.deterministic import DeterministicSteps
+
+            self.deterministic = DeterministicSteps(self)
 
     def train_step(self, read: bool = True) -> Dict[str, float]:
         """One optimizer step. `read`: the host reads the step's loss and gradient norm (and the
         finite-loss check) before the optimizer step; otherwise nothing waits for the device and
         only the learning rate is returned. See [Note: the host reads the device on log steps only]."""
+        if self.deterministic is not None:
+            return self.deterministic.train_step(read)
         step, device = self.state.step + 1, self.rt.device
         work = self.objective.work(step)
         out = {"lr": self.scheduler.get_last_lr()[0]}

@@ -376,6 +376,14 @@ class TrainerConfig:
     # at the end; scores go to <run>/eval/ and the trackers
     eval_tasks: List[str] = field(default_factory=list)
     eval_tasks_interval: int = 0  # 0: only at the end (when eval_tasks is set)
+    # Losses, gradient norms and weights bit for bit the same whatever the number of ranks, the
+    # strategy, dp_shard/dp_replicate and the micro-batch split of the same global batch (our
+    # engine; docs/engine.md "Deterministic mode"): gradients summed in one tree over the batch's
+    # units, one intra-op thread per rank on CPU.
+    deterministic: bool = False
+    # samples per unit of that sum (one backward each); null: trainer.micro_batch_size. Runs compared
+    # bit for bit must use the same unit; it divides micro_batch_size.
+    deterministic_unit: Optional[int] = None
 
     def __post_init__(self) -> None:
         _positive(
@@ -409,6 +417,8 @@ class TrainerConfig:
             raise UserInputError(f"trainer.device={self.device!r}: choose auto, cpu or cuda")
         if self.micro_batch_size is not None:
             _positive("trainer", micro_batch_size=self.micro_batch_size)
+        if self.deterministic_unit is not None:
+            _positive("trainer", deterministic_unit=self.deterministic_unit)
 
     def fit_micro_batch(self, dp: int) -> None:
         """Choose micro_batch_size when it is null: the largest of 8, 4, 2, 1 dividing the

@@ -12,6 +12,7 @@ import os
 from typing import List, Optional
 
 from framework.config.degrees import ParallelDims, resolve_parallel_dims
+from framework.config.deterministic import deterministic_problems
 from framework.config.pipeline import job_problems as pipeline_job_problems
 from framework.config.pipeline import microbatch_problems, pipeline_problems
 from framework.config.schema import Config, DataName, Stage
@@ -76,6 +77,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
         elif dims.pp > 1 and not pipeline_problems(p):
             per_rank = t.global_batch_size // dims.dp
             errors += microbatch_problems(p, per_rank, per_rank // t.micro_batch_size)
+
+    errors += deterministic_problems(cfg, dims)
 
     if cfg.data.name == DataName.indexed and not cfg.data.paths:
         errors.append(

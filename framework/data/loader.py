@@ -6,6 +6,9 @@ Micro-step a of data-parallel rank r takes the M samples starting at s*G + (a*D 
 M micro-batch). The set of samples a step sees therefore does not depend on D, and the loader's
 whole state is one number, the global samples consumed: a resume at another data-parallel size
 neither repeats nor skips a sample, and the step's mean loss is the same mean over the same samples.
+With `rank_major` (trainer.deterministic) rank r instead takes the G/D consecutive samples from
+s*G + r*G/D, micro-step a the M of them from a*M: a rank's samples are then one run of the global
+order ([Note: one summation tree, whatever the layout] in framework/distributed/fsdp/canonical.py).
 """
 
 from __future__ import annotations
@@ -42,10 +45,16 @@ class GlobalBatchLoader:
         self.accum_steps = global_batch_size // (micro_batch_size * dp_size)
         self.consumed = 0  # global samples consumed by completed steps
         self._micro_step = 0
+        self.rank_major = False  # see [Note: global sample order]
+
+    def _start(self) -> int:
+        if self.rank_major:
+            return self.consumed + self.dp_rank * (self.global_batch // self.dp_size) + self._micro_step * self.micro
+        return self.consumed + (self._micro_step * self.dp_size + self.dp_rank) * self.micro
 
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The next micro-batch of this rank: (inputs, labels), each (micro, seq_len)."""
-        start = self.consumed + (self._micro_step * self.dp_size + self.dp_rank) * self.micro
+        start = self._start()
         samples = [self.source[(start + i) % len(self.source)] for i in range(self.micro)]
         self._micro_step += 1
         if self._micro_step == self.accum_steps:
@@ -58,7 +67,7 @@ class GlobalBatchLoader:
 
     def sample_indices(self) -> list:
         """The global indices this rank's next micro-batch will read (for tests)."""
-        start = self.consumed + (self._micro_step * self.dp_size + self.dp_rank) * self.micro
+        start = self._start()
         return [(start + i) % len(self.source) for i in range(self.micro)]
 
     def state_dict(self) -> dict:

@@ -427,6 +427,8 @@ ENGINE_ROWS = {
     "ours over gloo": "ours_gloo",
     "ours, whole rows": "ours_rows",  # --boundary-rows
     "ours, whole parameters": "ours_params",
+    "ours, trainer step": "ours_clip",  # --deterministic
+    "ours, trainer step, deterministic": "ours_det",
 }
 # bench/engine.py's JSON row fields, in the table's column order, with the digits the table shows
 ENGINE_COLUMNS = [
@@ -443,16 +445,17 @@ ENGINE_COLUMNS = [
 ]
 
 
-def test_engine_tables_are_their_committed_outputs():
-    tables = list(_tables(REPO / "bench" / "RESULTS.md", "| engine | interleaved step (s) |"))
-    assert tables, "bench/RESULTS.md no longer has its engine table"
+@pytest.mark.parametrize("doc", ["bench/RESULTS.md", "docs/engine.md"])
+def test_engine_tables_are_their_committed_outputs(doc):
+    tables = list(_tables(REPO / doc, "| engine | interleaved step (s) |"))
+    assert tables, f"{doc} no longer has its engine table"
     for preface, rows in tables:
-        path = _named_output(preface, "bench/RESULTS.md, engine table", ".json")
+        path = _named_output(preface, f"{doc}, engine table", ".json")
         measured = json.loads(path.read_text())["rows"]
         for engine, *figures in rows:
             row = measured[ENGINE_ROWS[engine]]
             expected = ["n/a" if row[k] is None else f"{row[k]:.{digits}f}" for k, digits in ENGINE_COLUMNS]
-            assert figures == expected, f"bench/RESULTS.md, {engine}: {figures}, but {path.name} says {expected}"
+            assert figures == expected, f"{doc}, {engine}: {figures}, but {path.name} says {expected}"
 
 
 def test_readme_engine_table_is_its_committed_output():

@@ -17,7 +17,7 @@ LAYERS = [
     {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
     {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation", "routing", "local_ranks"},
     {"steps", "step_callbacks"},
-    {"job"},
+    {"job", "deterministic"},
     {"trainer"},
     {"generate", "evaluate", "dpo", "grpo"},
     {"stages"},

@@ -20,6 +20,7 @@ from torch.profiler import record_function
 
 from . import collectives as C
 from .api import UnitState
+from .canonical import TreeSum, tree_sum
 from .views import ShardPiece
 from .zeropp import dequantize_into, issue_quantized_reduce, packed_nbytes
 
@@ -37,6 +38,8 @@ class _Reduction(NamedTuple):
     scratch: Optional[torch.Tensor]  # reduce-scatter receive scratch to give back
     quantized: Optional[torch.Tensor]  # qgZ: the int8 chunks received, to dequantize and sum
     quantized_pooled: bool  # ... received into a pooled buffer (not inside the input)
+    # deterministic mode: the rank's subtree sum sent by the all-to-all (kept alive until the wait)
+    canonical: Optional[torch.Tensor] = None
 
 
 def grad_divide_factors(dp: float, reduce_dtype: torch.dtype) -> Tuple[float, float]:
@@ -93,6 +96,11 @@ class GradReduction:
         self.requires_all_reduce = True
         self.partial: Optional[torch.Tensor] = None
         self.divide_factor: Optional[float] = None
+        # [Note: one summation tree, whatever the layout] (canonical.py), set by
+        # `set_deterministic_reduction`: each backward is one leaf of the tree (`tree`), the
+        # synced one sends the rank's subtree to the shards' owners, who add in tree order
+        self.deterministic = False
+        self.tree = TreeSum()
         # entry indices of a group's parameters that get a gradient ([Note: a group of modules is
         # one unit] in unit.py)
         self.reached: set = set()
@@ -142,6 +150,7 @@ class GradReduction:
         """Forget the gradients kept across no-sync micro-steps (the unit moved)."""
         self.grad_shard = self.accum = None
         self._accum_valid = False
+        self.tree = TreeSum()
 
     # [Note: frozen parameters reshard after the unit's whole backward]
     # A unit whose parameters are all trainable is done with them once its last gradient is in
@@ -178,7 +187,9 @@ class GradReduction:
         return not self.unit.has_frozen or (self.fwd_uses > 0 and self.bwd_done >= self.fwd_uses)
 
     def _in_place_this_backward(self) -> bool:
-        return self.requires_grad_sync and not self._accum_valid and self._can_reduce_in_place()
+        return (
+            not self.deterministic and self.requires_grad_sync and not self._accum_valid and self._can_reduce_in_place()
+        )
 
     def pre_accumulate(self, idx: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """Leaf hook, before autograd stores the full parameter's gradient.
@@ -219,6 +230,9 @@ class GradReduction:
             return
         self.reduce_issued = True
         L = self.unit.layout
+        if self.deterministic:
+            self._reduce_canonical()
+            return
         if not self.requires_grad_sync:
             if self.accum is None:
                 self.accum = torch.zeros(L.padded_total, dtype=self.unit.reduce_dtype, device=self.unit.compute_device)
@@ -299,6 +313,54 @@ class GradReduction:
             self.unit.reshard_after_backward_step()
         self.unit.ctx.add_pending(self.unit)
 
+    def _reduce_canonical(self) -> None:
+        """[Note: one summation tree, whatever the layout]: this backward's full gradients are the
+        next leaf of the rank's subtree; a synced backward sends the subtree's N pieces to their
+        owners (an all-to-all: a reduce-scatter's bytes), who add them in tree order at the wait."""
+        u, L = self.unit, self.unit.layout
+        leaf = torch.empty(L.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
+        with record_function("fsdp::copy_grads"):
+            self._write_grads(leaf, accumulate=False)
+            self.tree.push(leaf)
+        if self.requires_grad_sync:
+            local = self.tree.total()
+            fresh = all(p.grad is None for p in self._trainable_sharded())
+            if u.N > 1:
+                recv = torch.empty_like(local)
+                pending = C.all_to_all(recv, local, u.reduce_group, u.stats, u.name)
+            else:
+                pending = C.Pending(None, local, u.stats)
+            self.pending = _Reduction(
+                pending=pending,
+                pooled_input=None,
+                direct=False,
+                fresh=fresh,
+                post_divide=1.0,  # the loss carries the global normalisation
+                out=None,
+                in_place=False,
+                scratch=None,
+                quantized=None,
+                quantized_pooled=False,
+                canonical=local,
+            )
+        if self._backward_done():
+            u.reshard_after_backward_step()
+        if self.requires_grad_sync:
+            u.ctx.add_pending(u)
+
+    def _finish_canonical(self, red: _Reduction) -> torch.Tensor:
+        """The owner's side of `_reduce_canonical`: the N pieces in tree order, then the R replicas'."""
+        u = self.unit
+        received = C.wait(red.pending)
+        S = u.layout.shard_numel
+        reduced = tree_sum(list(received.view(u.N, S).unbind())) if u.N > 1 else received
+        if u.R > 1:
+            transport = C.transport_for(u.replicate_group, reduced.device)
+            every = torch.empty(u.R * S, dtype=reduced.dtype, device=reduced.device)
+            gathered = C.wait(C.all_gather(every, reduced.contiguous(), transport, u.stats, u.name))
+            reduced = tree_sum(list(gathered.view(u.R, S).unbind()))
+        return reduced
+
     def _can_reduce_in_place(self) -> bool:
         """All params trainable and same dtype: once the last grad arrived, backward no longer reads
         the gathered params, so the gathered storage can be the reduce-scatter input."""
@@ -335,6 +397,9 @@ class GradReduction:
             return
         red = self.pending
         self.pending = None
+        if red.canonical is not None:
+            self._hand_over(red, self._finish_canonical(red), None)
+            return
         C.wait(red.pending)
         out = red.out
         if red.quantized is not None:  # sum the dequantized chunks before their buffer goes back
@@ -371,6 +436,11 @@ class GradReduction:
             C.wait(C.all_reduce(reduced, self.unit.replicate_group, self.unit.stats, self.unit.name))
         if red.post_divide != 1.0:
             reduced.div_(red.post_divide)
+        self._hand_over(red, reduced, out)
+
+    def _hand_over(self, red: _Reduction, reduced: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        """The reduced shard to the sharded parameters' `.grad` views (or added to them), and their
+        post-accumulate-grad hooks; `out` (a pooled buffer) goes back to the pool."""
         receiving = self._receiving()
         params = [p for p, _ in receiving]
         with torch.no_grad():

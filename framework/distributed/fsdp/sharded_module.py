@@ -95,6 +95,17 @@ class ShardedModule:
         for u in self._units():
             u.set_outer_copies(copies)
 
+    def set_deterministic_reduction(self, enabled: bool = True) -> None:
+        """Sum gradients in the fixed tree of [Note: one summation tree, whatever the layout]
+        (canonical.py): each backward is one leaf (a unit of the global batch, in the global data
+        order: the caller runs them in that order, this rank's units being consecutive), the
+        reduction an all-to-all whose receivers add in tree order. Gradients are summed, never
+        divided (the loss carries its global normalisation). Applies to this module's units and below."""
+        for u in self._units():
+            u.reduction.deterministic = bool(enabled)
+            u.reduction.divide_factor = 1.0 if enabled else None
+            u.reduction.drop_accumulated()
+
     def backward_in_parts(self):
         """A context manager (on the root): the autograd calls made inside it are the parts of
         one backward of this model, e.g. a pipeline's weight-gradient pass run as one call per

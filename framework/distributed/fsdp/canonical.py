@@ -1,0 +1,182 @@
+"""Sums whose bits depend on the data only: the deterministic mode's reductions.
+
+[Note: one summation tree, whatever the layout]
+Floating-point addition is not associative, so a sum's bits depend on its order; a reduce-scatter
+adds in an order set by its algorithm and the world size, and gradient accumulation in the order a
+rank meets its micro-batches. Under `trainer.deterministic=true` every sum that decides a weight
+is instead one fixed binary tree over leaves numbered by the data:
+
+* The leaves of the gradient sum are the step's *units* (fixed-size slices of the global batch,
+  numbered in the global data order); each unit's gradient is one backward of its own. Leaf i of n
+  sits under the canonical dyadic tree: node (lo, 2^L) = node(lo, 2^(L-1)) + node(lo + 2^(L-1),
+  2^(L-1)), a node whose right half holds no leaf is its left half unchanged (x + 0 would give the
+  same bits, except for -0).
+* A data-parallel rank holds the k consecutive units [r*k, (r+1)*k) (the loader hands them out
+  rank-major in this mode); with k a power of two they are one subtree, which the rank adds as the
+  units come (`TreeSum`: log2 k partial buffers, a binary counter). Over the ranks, the owner of
+  each shard receives the N subtrees' pieces by an all-to-all (a reduce-scatter's bytes exactly)
+  and adds them in tree order (`tree_sum`); hybrid sharding then all-gathers the R replicas'
+  shards (dp_shard a power of two, so the shard groups are subtrees) and adds them the same way.
+  One rank with any k computes the same tree alone.
+* The gradient norm is a tree too: per parameter over its flattened elements (each rank adds the
+  largest aligned blocks inside its piece, the blocks cut by rank boundaries are finished from the
+  gathered block sums), then over the parameters in model order (`canonical_grad_norm_`), in
+  float64 from exactly squared fp32 values.
+* Scalars summed over ranks (the step's loss) go slot per unit: every rank writes its own units'
+  values into a vector of zeros, an all-reduce adds exactly one non-zero per slot (exact whatever
+  its order), and every rank adds the slots in tree order (`tree_sum_slots`).
+Elementwise work (the optimizers' steps, the clip's scaling) is the same per element wherever the
+element lives (measured: AdamW on a tensor cut in three pieces equals AdamW on it whole).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .views import ShardPiece
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def tree_sum(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The canonical tree's sum of `leaves` (leaf i is number i), as a new tensor (or the only leaf)."""
+
+    def node(lo: int, size: int) -> torch.Tensor:
+        if size == 1:
+            return leaves[lo]
+        half = size // 2
+        left = node(lo, half)
+        return left if lo + half >= len(leaves) else torch.add(left, node(lo + half, half))
+
+    if not leaves:
+        raise ValueError("tree_sum of no leaves")
+    return node(0, _pow2_at_least(len(leaves)))
+
+
+class TreeSum:
+    """The canonical tree over leaves pushed in order (leaf 0 first): at most log2(k) + 1 partial
+    sums live at once (a binary counter); `total()` folds them as the tree does."""
+
+    def __init__(self) -> None:
+        self._stack: List[Tuple[int, torch.Tensor]] = []  # (level, the sum of a complete subtree)
+
+    def __len__(self) -> int:
+        return len(self._stack)
+
+    def push(self, leaf: torch.Tensor) -> Optional[torch.Tensor]:
+        """Add the next leaf (owned by the tree from now on); returns a buffer freed by the merge."""
+        level, freed = 0, None
+        while self._stack and self._stack[-1][0] == level:
+            _, left = self._stack.pop()
+            left.add_(leaf)  # left + right: the tree's order (and IEEE addition commutes)
+            freed, leaf, level = leaf, left, level + 1
+        self._stack.append((level, leaf))
+        return freed
+
+    def total(self) -> torch.Tensor:
+        """The sum of every leaf pushed, and a fresh start. The leftover subtrees of an n that is
+        not a power of two (sizes falling left to right) join right to left: node [0, 16) of 13
+        leaves is [0, 8) + ([8, 12) + [12, 13))."""
+        acc = None
+        while self._stack:
+            _, t = self._stack.pop()
+            acc = t if acc is None else t.add_(acc)
+        if acc is None:
+            raise ValueError("TreeSum.total with no leaf")
+        return acc
+
+
+def tree_sum_slots(slots: torch.Tensor) -> float:
+    """The canonical tree's sum of a 1-D vector's entries (float64 on the host)."""
+    return float(tree_sum(list(slots.double().cpu().unbind())))
+
+
+def _block_sums(x: torch.Tensor, lo: int, hi: int, end: int) -> List[Tuple[int, int, torch.Tensor]]:
+    """(start, size, sum) of the largest aligned power-of-two blocks covering element positions
+    [lo, hi) of a parameter of `end` elements, `x` holding their (float64) squares. The piece that
+    ends the parameter also covers the positions up to the tree's width, as zeros: the same bits as
+    a node without its right half (the values are >= 0)."""
+    top = _pow2_at_least(end) if hi == end else hi
+    if top > hi:
+        x = torch.cat([x, x.new_zeros(top - hi)])
+    out, pos = [], lo
+    while pos < top:
+        size = 1
+        while pos % (2 * size) == 0 and pos + 2 * size <= top:
+            size *= 2
+        block = x[pos - lo : pos - lo + size]
+        while block.numel() > 1:  # pairwise, level by level: the tree's own order
+            block = block[0::2] + block[1::2]
+        out.append((pos, size, block[0]))
+        pos += size
+    return out
+
+
+def _param_total(blocks: Dict[Tuple[int, int], float], size: int) -> float:
+    def node(lo: int, s: int) -> float:
+        got = blocks.get((lo, s))
+        if got is not None:
+            return got
+        if s == 1:
+            raise AssertionError(f"canonical_grad_norm_: no rank sent position {lo} of a gradient")
+        half = s // 2
+        return node(lo, half) + node(lo + half, half)
+
+    return node(0, size)
+
+
+def canonical_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The 2-norm of every gradient, summed in the fixed tree of [Note: one summation tree, whatever
+    the layout], so its bits do not depend on how the parameters are sharded; clips in place by
+    `max_norm` (inf: measure only). Collective over the default group (one all-gather of each
+    rank's block sums, a few per parameter piece). Returns the norm (float32, every rank)."""
+    params = list(params)
+    mine: List[Tuple[int, int, int, float]] = []  # (parameter number, block start, block size, sum)
+    sizes: Dict[int, int] = {}
+    device = torch.device("cpu")
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, ShardPiece):
+            owner = g.piece_spec.owner()
+            unit, index = owner
+            e = unit.entries[index]
+            sl = unit.layout.piece_slice(e)
+            lo, hi, n = sl.start, sl.stop, e.numel
+            local = g.to_local()
+        else:
+            local, lo, n = g.detach().reshape(-1), 0, g.numel()
+            hi = n
+        device = local.device
+        sizes[i] = n
+        if hi <= lo:
+            continue
+        squares = local.detach().reshape(-1).double().square()  # exact: 24-bit mantissas, 53 bits room
+        for start, size, value in _block_sums(squares, lo, hi, n):
+            mine.append((i, start, size, float(value)))
+    gathered = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)  # replicas send the same blocks: kept once
+    blocks: Dict[int, Dict[Tuple[int, int], float]] = {}
+    for rank_blocks in gathered:
+        for i, start, size, value in rank_blocks:
+            blocks.setdefault(i, {})[(start, size)] = value
+    per_param = [_param_total(blocks.get(i, {}), _pow2_at_least(sizes[i])) for i in sorted(sizes) if sizes[i]]
+    total = tree_sum([torch.tensor(v, dtype=torch.float64) for v in per_param]) if per_param else torch.zeros(())
+    norm = total.double().sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    return norm.float().to(device)
