@@ -12,9 +12,9 @@ from conftest import REPO
 # nothing below the trainer imports it. A new package must be placed here.
 LAYERS = [
     {"errors"},
-    {"config", "fileio", "offline", "task_files", "param_roles", "recompute"},
+    {"config", "fileio", "offline", "task_files", "param_roles", "recompute", "peft"},
     {"loss_plot"},
-    {"models", "data", "optim", "distributed", "peft", "metrics", "train_state", "runtime", "profiling", "trackers"},
+    {"models", "data", "optim", "distributed", "metrics", "train_state", "runtime", "profiling", "trackers"},
     {"finetune", "checkpoint", "stop", "planner", "downstream", "preflight", "generation", "routing", "local_ranks"},
     {"steps", "step_callbacks"},
     {"job", "deterministic"},
