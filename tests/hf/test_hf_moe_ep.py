@@ -111,14 +111,15 @@ def _rank(rank, world, run_dir, parallelism):
     import transformers
 
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     out = {}
     for label, (config, extra) in _cases(world).items():
         cfg = make_config(config, "causal_lm", {**parallelism, **extra}, f"{run_dir}/{label}")
         cfg.checkpoint.export_safetensors = True  # the job's export, written by every rank
         reference, ref_losses, ref_norms = _reference(cfg)
-        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
         held = {  # the experts this rank holds: their piece of the state dict's (experts, ...) tensor
             name: (value.device_mesh.mesh_dim_names, tuple(value.to_local().shape))
             for name, value in trainer.model.state_dict().items()
@@ -180,7 +181,8 @@ def _start_from_files(rank, world, run_dir, parallelism):
 
     import framework.checkpoint.hf as files
     from framework.runtime import Runtime
-    from framework.trainer import Trainer
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
 
     read: dict[str, set] = {}
 
@@ -231,7 +233,7 @@ def _start_from_files(rank, world, run_dir, parallelism):
     files.open_safetensors = lambda path, where: Spy(opener(path, where))
     try:
         cfg = make_config({}, "causal_lm", parallelism, run_dir, path=f"{run_dir}/source")
-        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
         assert trainer.ckpt.resume(trainer.state) == 0
     finally:
         files.open_safetensors = opener
