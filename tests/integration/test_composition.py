@@ -1,14 +1,13 @@
 """The composition matrix ([Note: the composition matrix] in tests/integration/composition.py):
 validation's refusals of every pair of settings are the rows of docs/engine.md's composition
 table, no more and no fewer; the cases cover every allowed pair and each passes validation; and
-each case's 5 steps equal its reference. The quick cases run by default, all 25 with
+each case's 5 steps equal its reference. The quick cases run by default, all 26 with
 COMPOSITION_ALL=1 (2-4 gloo ranks each)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import composition as C
@@ -37,75 +36,51 @@ def refused(validator, data_dir):
     return C.refusals(validator, data_dir)
 
 
-def doc_rows() -> list:
-    """docs/engine.md's composition table: [(setting, with, reason)], `dim=*` for every value."""
-    text = (REPO / "docs" / "engine.md").read_text()
-    start = text.index("<!-- composition table -->")
-    rows = []
-    for line in text[start:].splitlines()[1:]:
-        if not line.startswith("|"):
-            if rows:
-                break
-            continue
-        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
-        if cells[0] in ("setting", "") or set(cells[0]) <= {"-", " "}:
-            continue
-        rows.append((cells[0], cells[1], cells[2]))
-    return rows
-
-
-def _matches(cell: str, value: C.Value) -> bool:
-    dim, _, v = cell.partition("=")
-    return dim == value[0] and v in ("*", value[1])
-
-
-def _row_of(key, rows):
-    for a, b, reason in rows:
-        if len(key) == 1 and b in ("", "-") and _matches(a, key[0]):
-            return reason
-        if len(key) == 2 and any(_matches(x, key[0]) and _matches(y, key[1]) for x, y in ((a, b), (b, a))):
-            return reason
-    return None
-
-
 def _name(key) -> str:
     return " with ".join(f"{d}={v}" for d, v in key)
 
 
-def test_every_refusal_is_in_the_docs_table_with_its_reason_and_no_row_is_stale(refused):
-    rows = doc_rows()
-    assert rows, "docs/engine.md has no composition table"
-    missing = [f"{_name(k)}: {problems[0]}" for k, problems in refused.items() if not _row_of(k, rows)]
+def test_every_pair_validation_refuses_is_a_row_of_the_docs_table(refused):
+    rows = C.doc_rows(str(REPO))
+    missing = [f"{_name(k)}: {problems[0]}" for k, problems in refused.items() if not any(r.refuses(k) for r in rows)]
     assert not missing, "refused by validation, not in docs/engine.md's composition table:\n" + "\n".join(missing)
-    for a, b, reason in rows:
-        assert len(reason) > 10, f"row {a} | {b}: give the reason"
-        # A row names a refused pair; one that validation allows (a refusal lifted) must go.
-        hits = [k for k in refused if _row_of(k, [(a, b, reason)])]
-        assert hits, f"docs/engine.md lists {a} with {b} as refused, and validation allows it: remove the row"
+
+
+def test_every_refusal_in_the_code_is_a_row_of_the_docs_table():
+    found = C.code_refusals(str(REPO))
+    assert len(found) > 20  # the config's, the families', the pipeline's
+    rows = C.doc_rows(str(REPO))
+    missing = [f"{path}: {text}" for path, a, b, text in found if not any(r.lists(a, b) for r in rows)]
+    assert not missing, "refusals not in docs/engine.md's composition table:\n" + "\n".join(missing)
+
+
+def test_no_row_of_the_docs_table_is_stale(refused):
+    """A row is a refusal validation makes, or a message in the code; one whose refusal was lifted
+    must go (the cover then asks for a case holding the pair)."""
+    found = C.code_refusals(str(REPO))
+    for r in C.doc_rows(str(REPO)):
+        assert len(r.why) > 10 and r.when, f"row {r.a} | {r.b}: say when and why"
+        in_code = any(r.lists(a, b) for _, a, b, _ in found)
+        assert in_code or any(r.refuses(k) for k in refused), f"docs/engine.md refuses {r.a} with {r.b}; nothing does"
 
 
 def test_the_cases_cover_every_allowed_pair_and_each_passes_validation(refused, validator, data_dir):
-    def allowed(pair) -> bool:
-        a, b = pair
-        keys = [(a,), (b,), (a, b), (b, a)]
-        return not any(k in refused for k in keys)
-
-    pairs = [p for p in C.all_pairs() if allowed(p)]
+    pairs = C.allowed_pairs(refused, C.doc_rows(str(REPO)))
     assert len(pairs) > 300  # the matrix spans 13 settings
     missing = set(pairs) - C.covered(C.CASES)
     assert not missing, f"{len(missing)} allowed pairs meet in no case, e.g. {sorted(missing)[:5]}"
     names = [c.name for c in C.CASES]
     assert len(set(names)) == len(names)
+    rows = C.doc_rows(str(REPO))
     for c in C.CASES:
         overrides, world = C.overrides_of(c.values, data_dir)
         assert world <= 4, c.name
         assert validator.problems(overrides, world) == [], c.name
-        reference = c.reference
-        assert reference == "one process" or C.by_name(reference), (c.name, reference)
+        assert not any(r.refuses(k) for r in rows for k in C.pairs_of(c.values)), c.name
+        assert c.reference in ("one process", C.TWO) or C.by_name(c.reference), (c.name, c.reference)
 
 
 # ---- the runs ---------------------------------------------------------------------------------
-
 STEPS = 5
 
 
@@ -125,11 +100,8 @@ def test_the_case_equals_its_reference(name, data_dir, tmp_path):
     c = C.by_name(name)
     args, world = C.overrides_of(c.values, data_dir)
     got = _losses(args, world, tmp_path / "case", tmp_path)
-    if c.reference == "one process":
-        ref_args, ref_world = C.overrides_of(C.one_process(c.values), data_dir)
-    else:
-        ref_args, ref_world = C.overrides_of(C.by_name(c.reference).values, data_dir)
-    assert ref_world == 1 or c.reference != "one process"
+    ref_args, ref_world = C.overrides_of(C.reference_values(c), data_dir)
+    assert ref_world != world, "a reference on the same layout shows nothing"
     want = _losses(ref_args, ref_world, tmp_path / "reference", tmp_path)
     assert len(got) == len(want) == STEPS, (got, want)
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), 1):
@@ -140,5 +112,4 @@ def test_the_case_equals_its_reference(name, data_dir, tmp_path):
 
 
 def test_the_docs_name_the_opt_in_variable():
-    text = (REPO / "docs" / "engine.md").read_text()
-    assert re.search(r"COMPOSITION_ALL=1", text)
+    assert "COMPOSITION_ALL=1" in (REPO / "docs" / "engine.md").read_text()
