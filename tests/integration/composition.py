@@ -136,6 +136,8 @@ def overrides_of(values: Dict[str, str], data_dir: str = "/nonexistent") -> Tupl
     args = list(BASE) + [f"cluster.nproc_per_node={world}"]
     for dim, value in full.items():
         args += [a.replace("{data}", data_dir) for a in DIMENSIONS[dim][value]]
+    if full["stage"] == "sft" and full["model"] == "hf":
+        args.append("finetune.packing=false")  # packed rows need per-document positions (our Llama's)
     if full["dp_shard"] == "1":
         args.append("parallelism.dp_shard=1")
     return args, world
@@ -371,17 +373,32 @@ class Case:
     tolerance: float  # on the losses and grad norms of 5 steps, relative
     why: str  # the tolerance's reason
     quick: bool = False  # run by default; the rest with COMPOSITION_ALL=1
+    known: str = ""  # a failure this case found that is not fixed yet: the run is an expected failure
     extra: List[str] = field(default_factory=list)
 
 
 FP32 = "fp32 with the same arithmetic, summed in another order across ranks"
-F8 = "float8 is emulated (scales, rounding) per rank's piece; the one process rounds whole tensors"
+# Measured (COMPOSITION_ALL=1): grad norms 2.6e-5 (dp_shard sp muon dpo) to 1.2e-4 (pp/gpipe muon hf)
+# apart from one process by step 3-4, after equal first steps.
+MUON = (
+    "Muon orthogonalizes in bfloat16 (torch.optim.Muon's arithmetic): a gradient summed in another order "
+    "can round to the neighbouring bfloat16 value (2^-8 relative), which the next steps carry"
+)
+# Measured: the first step's grad norm 1.2e-3 apart (pp/gpipe replicate float8), 5e-3 by step 2
+# with Muon (pp/1f1b float8 muon hf).
+F8 = (
+    "float8 (e4m3, 3 mantissa bits: a rounding that flips moves an element by up to 6%) emulated on the "
+    "CPU, its scales and roundings taken per microbatch and piece as the layout cuts them"
+)
+
+# The 5 steps equal pp/gpipe muon hf's (no float8) to the last digit, and one process's differ.
+HF_PP_F8 = "float8 with model=hf under a pipeline: the stages train without float8"
 
 CASES: List[Case] = []
 
 
-def case(name: str, *, reference: str = "one process", tolerance: float = 1e-5, why: str = FP32, quick=False, **values):
-    CASES.append(Case(name, {k: str(v) for k, v in values.items()}, reference, tolerance, why, quick))
+def case(name: str, *, reference="one process", tolerance=1e-5, why=FP32, quick=False, known="", **values):
+    CASES.append(Case(name, {k: str(v) for k, v in values.items()}, reference, tolerance, why, quick, known))
 
 
 def covered(cases: List[Case]) -> set:
@@ -399,7 +416,7 @@ TWO = "two sharded ranks"
 case("ac", reference=TWO, quick=True, ac="full")
 case(
     "hsdp torch float8 hf sft",
-    tolerance=1e-3,
+    tolerance=1e-2,
     why=F8,
     dp_shard=2,
     dp_replicate=2,
@@ -408,12 +425,30 @@ case(
     model="hf",
     stage="sft",
 )
-case("dp_shard sp muon dpo", dp_shard=2, sp="on", optimizer="muon", stage="dpo")
-case("replicate lora muon hf grpo", dp_replicate=2, lora="on", optimizer="muon", model="hf", stage="grpo")
-case("sp cp torch sft", sp="on", cp=2, engine="torch", ac="full", stage="sft")
+case("dp_shard sp muon dpo", tolerance=1e-3, why=MUON, dp_shard=2, sp="on", optimizer="muon", stage="dpo")
+case(
+    "replicate lora muon hf grpo",
+    tolerance=1e-3,
+    why=MUON,
+    dp_replicate=2,
+    lora="on",
+    optimizer="muon",
+    model="hf",
+    stage="grpo",
+)
+case(
+    "sp cp torch sft",
+    known="engine=torch with tp and cp: torch's DeviceMesh refuses to concatenate the tp and cp meshes",
+    sp="on",
+    cp=2,
+    engine="torch",
+    ac="full",
+    stage="sft",
+)
 case(
     "pp/1f1b float8 muon hf",
-    tolerance=1e-3,
+    known=HF_PP_F8,
+    tolerance=1e-2,
     why=F8,
     dp_shard=2,
     pp="1f1b",
@@ -422,13 +457,13 @@ case(
     ac="full",
     model="hf",
 )
-case("pp/gpipe replicate float8", tolerance=1e-3, why=F8, dp_replicate=2, pp="gpipe", float8="on", ac="full")
+case("pp/gpipe replicate float8", tolerance=1e-2, why=F8, dp_replicate=2, pp="gpipe", float8="on", ac="full")
 case("pp/interleaved tp hf", tp=2, pp="interleaved_1f1b", model="hf")
 case("cp torch lora", dp_shard=2, cp=2, engine="torch", lora="on", ac="full")
 case("pp/zbv ac", quick=True, pp="zbv", ac="full")
 case(
     "replicate torch float8 hf dpo",
-    tolerance=1e-3,
+    tolerance=1e-2,
     why=F8,
     dp_replicate=2,
     engine="torch",
@@ -440,7 +475,7 @@ case(
 case("tp torch grpo", dp_shard=2, tp=2, engine="torch", ac="full", stage="grpo")
 case(
     "pp/interleaved float8 muon",
-    tolerance=1e-3,
+    tolerance=1e-2,
     why=F8,
     dp_shard=2,
     pp="interleaved_1f1b",
@@ -448,14 +483,24 @@ case(
     optimizer="muon",
     ac="full",
 )
-case("cp float8 muon sft", tolerance=1e-3, why=F8, cp=2, float8="on", optimizer="muon", stage="sft")
+case("cp float8 muon sft", tolerance=1e-2, why=F8, cp=2, float8="on", optimizer="muon", stage="sft")
 case("pp/1f1b replicate", dp_replicate=2, pp="1f1b")
-case("pp/gpipe muon hf", dp_shard=2, pp="gpipe", optimizer="muon", model="hf")
-case("pp/zbv float8 muon hf", tolerance=1e-3, why=F8, dp_shard=2, pp="zbv", float8="on", optimizer="muon", model="hf")
+case("pp/gpipe muon hf", tolerance=1e-3, why=MUON, dp_shard=2, pp="gpipe", optimizer="muon", model="hf")
+case(
+    "pp/zbv float8 muon hf",
+    known=HF_PP_F8,
+    tolerance=1e-2,
+    why=F8,
+    dp_shard=2,
+    pp="zbv",
+    float8="on",
+    optimizer="muon",
+    model="hf",
+)
 case("replicate sp", dp_replicate=2, sp="on")
 case("pp/interleaved replicate", dp_replicate=2, pp="interleaved_1f1b")
 case("pp/zbv replicate", dp_replicate=2, pp="zbv")
-case("float8 grpo", reference=TWO, tolerance=1e-3, why=F8, float8="on", stage="grpo")
+case("float8 grpo", reference=TWO, tolerance=1e-2, why=F8, float8="on", stage="grpo")
 case("lora dpo", reference=TWO, quick=True, lora="on", stage="dpo")
 case("lora sft", reference=TWO, quick=True, lora="on", stage="sft")
 case("tp pp/1f1b", quick=True, tp=2, pp="1f1b")

@@ -95,7 +95,14 @@ def _losses(args, world, run_dir, cwd):
     return [(r["loss"], r.get("grad_norm")) for r in records if "loss" in r and "step" in r]
 
 
-@pytest.mark.parametrize("name", [c.name for c in C.CASES if c.quick or ALL])
+def _run_cases():
+    for c in C.CASES:
+        if c.quick or ALL:
+            marks = [pytest.mark.xfail(strict=True, reason=c.known)] if c.known else []
+            yield pytest.param(c.name, marks=marks)
+
+
+@pytest.mark.parametrize("name", list(_run_cases()))
 def test_the_case_equals_its_reference(name, data_dir, tmp_path):
     c = C.by_name(name)
     args, world = C.overrides_of(c.values, data_dir)
