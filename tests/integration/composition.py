@@ -460,7 +460,7 @@ case(
 case("pp/gpipe replicate float8", tolerance=1e-2, why=F8, dp_replicate=2, pp="gpipe", float8="on", ac="full")
 case("pp/interleaved tp hf", tp=2, pp="interleaved_1f1b", model="hf")
 case("cp torch lora", dp_shard=2, cp=2, engine="torch", lora="on", ac="full")
-case("pp/zbv ac", quick=True, pp="zbv", ac="full")
+case("pp/zbv ac", pp="zbv", ac="full")
 case(
     "replicate torch float8 hf dpo",
     tolerance=1e-2,
@@ -501,7 +501,7 @@ case("replicate sp", dp_replicate=2, sp="on")
 case("pp/interleaved replicate", dp_replicate=2, pp="interleaved_1f1b")
 case("pp/zbv replicate", dp_replicate=2, pp="zbv")
 case("float8 grpo", reference=TWO, tolerance=1e-2, why=F8, float8="on", stage="grpo")
-case("lora dpo", reference=TWO, quick=True, lora="on", stage="dpo")
+case("lora dpo", reference=TWO, lora="on", stage="dpo")
 case("lora sft", reference=TWO, quick=True, lora="on", stage="sft")
 case("tp pp/1f1b", quick=True, tp=2, pp="1f1b")
 case("tp pp/gpipe", tp=2, pp="gpipe")
