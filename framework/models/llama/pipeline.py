@@ -22,6 +22,26 @@ class _Rotary(nn.Module):
         self.register_buffer("table", table, persistent=False)
 
 
+class _WithAuxLoss(torch.autograd.Function):
+    """[Note: the load-balancing loss in a pipeline]
+    A stage's output goes on to the next stage (or the schedule's loss) and its experts' aux loss
+    goes nowhere: no stage sees the others' and the schedule calls backward on the cross-entropy
+    only. So the stage's output carries it: forward returns the output unchanged, backward passes
+    the output's gradient through and gives the aux loss the gradient `scale` (1 / microbatches,
+    as the cross-entropy of each microbatch is divided), which is what d(loss + scale x aux) would
+    give it. Its value joins the step's reported loss in the pipeline (framework/distributed/
+    pipeline.py sums every stage's over the pp ranks)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype, ctx.scale = aux.shape, aux.dtype, scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
 class LlamaStage(nn.Module):
     """Layers [start, end) of `model`, with the embedding if `first` and the norm and head if `last`.
     Its input is the tokens (first) or the previous stage's hidden states (batch, seq, dim); its
@@ -39,6 +59,9 @@ class LlamaStage(nn.Module):
         self.first, self.last = first, last
         self.dim, self.vocab_size = model.cfg.dim, model.cfg.vocab_size
         self.__dict__["_cfg"] = model.cfg
+        # [Note: the load-balancing loss in a pipeline]: the weight of each microbatch's aux loss
+        # (1 / microbatches, set by the pipeline) and this step's scaled values, for the report.
+        self.aux_scale, self.aux_losses = 1.0, []
 
     @torch.no_grad()
     def materialize(self) -> None:
@@ -51,9 +74,18 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x
         rope = self.rotary.table
+        aux = []  # the experts' load-balancing losses of this stage's blocks
         for layer in self.layers.values():
             h = layer(h, rope)
-        return self.output(self.norm(h)) if self.last else h
+            if getattr(layer.feed_forward, "aux_loss", None) is not None:
+                aux.append(layer.feed_forward.aux_loss)
+        out = self.output(self.norm(h)) if self.last else h
+        if aux:
+            total = torch.stack(aux).sum()
+            self.aux_losses.append(total.detach() * self.aux_scale)
+            if torch.is_grad_enabled():
+                out = _WithAuxLoss.apply(out, total, self.aux_scale)
+        return out
 
     def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
         """(input, output) tensors on the meta device with this stage's shapes and dtypes: the
@@ -74,10 +106,16 @@ def check_pipeline(model: Transformer, pp: int) -> None:
             f"model.args.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and the "
             "head (last stage) live on different ranks; set model.args.tie_embeddings=false"
         )
-    if model.cfg.n_experts:
+    c = model.cfg
+    if c.n_experts and c.aux_loss_coef > 0 and c.aux_loss_scope == "global_batch":
         raise UserInputError(
-            f"model.args.n_experts={model.cfg.n_experts} with parallelism.pp={pp}: the experts' load-balancing "
-            "loss is not carried between stages yet; set parallelism.pp=1"
+            f"model.args.aux_loss_scope=global_batch with parallelism.pp={pp}: the routing pass ahead of the "
+            "step runs the whole model, which no pipeline rank holds; set model.args.aux_loss_scope=micro_batch"
+        )
+    if c.n_experts and c.bias_update_rate > 0:
+        raise UserInputError(
+            f"model.args.bias_update_rate={c.bias_update_rate} with parallelism.pp={pp}: the aux-loss-free bias "
+            "update sums each router's loads over ranks holding other stages; set model.args.bias_update_rate=0"
         )
 
 
