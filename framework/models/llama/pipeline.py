@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from framework.errors import UserInputError
+from framework.models.llama.args import pipeline_problems
 from framework.models.llama.model import Transformer, rotary_table
 
 
@@ -106,17 +107,9 @@ def check_pipeline(model: Transformer, pp: int) -> None:
             f"model.args.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and the "
             "head (last stage) live on different ranks; set model.args.tie_embeddings=false"
         )
-    c = model.cfg
-    if c.n_experts and c.aux_loss_coef > 0 and c.aux_loss_scope == "global_batch":
-        raise UserInputError(
-            f"model.args.aux_loss_scope=global_batch with parallelism.pp={pp}: the routing pass ahead of the "
-            "step runs the whole model, which no pipeline rank holds; set model.args.aux_loss_scope=micro_batch"
-        )
-    if c.n_experts and c.bias_update_rate > 0:
-        raise UserInputError(
-            f"model.args.bias_update_rate={c.bias_update_rate} with parallelism.pp={pp}: the aux-loss-free bias "
-            "update sums each router's loads over ranks holding other stages; set model.args.bias_update_rate=0"
-        )
+    refused = pipeline_problems(model.cfg, pp)
+    if refused:
+        raise UserInputError(refused[0])
 
 
 def pipeline_stage(model: Transformer, start: int, end: int, first: bool, last: bool) -> LlamaStage:
