@@ -538,7 +538,7 @@ class Pipeline:
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             total += full(loss.detach()).float()
-        total += self._clear_aux()  # each stage's load-balancing losses, already / microbatches
+        total += self._clear_aux().to(total.device)  # each stage's load-balancing losses, already / microbatches
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
 
