@@ -20,6 +20,7 @@ PIPE = [
     "model.args.tie_embeddings=false",  # the embedding and the head live on different stages
     "trainer.micro_batch_size=1",
     "trainer.global_batch_size=4",
+    "trainer.eval_interval=4",  # a validation at the end: its loss holds the stages' aux losses too
 ]
 STAGES = ["cluster.nproc_per_node=4", "parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.pp_schedule=1f1b"]
 
@@ -42,6 +43,13 @@ def test_ep_with_pipeline_equals_one_process(one_process, ep2_pp2):
     """Each stage's aux loss reaches the backward (a missing one changes the router's gradient and
     so the grad norm and the weights) and joins the reported loss."""
     _assert_same(ep2_pp2, one_process)
+
+
+def test_the_pipelines_validation_loss_holds_every_stages_aux_loss(one_process, ep2_pp2):
+    def val(run):
+        return [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+
+    assert len(val(one_process)) == 1 and val(ep2_pp2) == pytest.approx(val(one_process), abs=TOL)
 
 
 def test_experts_in_a_pipeline_at_ep1_equal_one_process(one_process, tmp_path, stdlib_cache):
