@@ -61,12 +61,11 @@ class ParallelDims:
             raise UserInputError(self._mismatch("degrees do not multiply to the world size"))
         if self.ep > 1:
             self._check_ep()
-        for name in ("cp", "ep") if self.pp > 1 else ():
-            if getattr(self, name) > 1:
-                raise UserInputError(
-                    f"parallelism.pp={self.pp} with parallelism.{name}={getattr(self, name)}: pipeline stages do not "
-                    f"split sequences or experts yet; set parallelism.{name}=1 or parallelism.pp=1"
-                )
+        if self.pp > 1 and self.cp > 1:
+            raise UserInputError(
+                f"parallelism.pp={self.pp} with parallelism.cp={self.cp}: pipeline stages do not split sequences "
+                "yet; set parallelism.cp=1 or parallelism.pp=1"
+            )
 
     def _check_ep(self) -> None:
         if self.dp_shard % self.ep:

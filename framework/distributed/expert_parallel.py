@@ -144,13 +144,21 @@ class ExpertDispatch:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep: int, efsdp: int, device_type: str, dp_replicate: int = 1, cp: int = 1, tp: int = 1
+    model: nn.Module,
+    ep: int,
+    efsdp: int,
+    device_type: str,
+    dp_replicate: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
 ):
     """Split every group of experts in `model` over `ep` neighbouring ranks; returns the groups and
     the mesh of the ranks holding the same experts (the engine shards them over it): 1-D (efsdp),
     or 2-D (dp_replicate, efsdp) under hybrid sharding, the experts sharded within each replica
     and their gradients averaged over the replicas; with context parallelism the efsdp x cp ranks
-    flattened ([Note: the layout of expert parallelism])."""
+    flattened ([Note: the layout of expert parallelism]). Under a pipeline (`pp`, the outermost
+    dimension) `model` is this rank's stages and all of it lies within one pp index."""
     from framework.distributed.groups import init_mesh
 
     groups = expert_groups(model)
@@ -160,8 +168,8 @@ def apply_expert_parallel(
         )
     mesh = init_mesh(
         device_type,
-        (dp_replicate, efsdp, ep, cp, tp),
-        mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp", "tp"),
+        (pp, dp_replicate, efsdp, ep, cp, tp),
+        mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "cp", "tp"),
     )
     ep_mesh = mesh["ep"]
     me = ep_mesh.get_local_rank()

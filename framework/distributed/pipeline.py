@@ -443,6 +443,9 @@ class Pipeline:
                 "or parallelism.pp=1"
             )
         self.model = PipelinePart(modules)
+        for module in modules:  # [Note: the load-balancing loss in a pipeline] (a family's stage may keep one)
+            if hasattr(module, "aux_scale"):
+                module.aux_scale = 1.0 / self.microbatches
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
         self._shard(dims, mesh, p, family, family.activation_checkpoint_targets(model))
         if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
@@ -488,10 +491,27 @@ class Pipeline:
             from framework.distributed.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(part, mesh["tp"], p, _stage_plans(family.tp_plan))
+        expert_mesh = None
+        if dims.ep > 1:  # this rank's stages' experts, split over ep ranks of its pp index
+            from framework.distributed.expert_parallel import apply_expert_parallel
+
+            _, expert_mesh = apply_expert_parallel(
+                part, dims.ep, dims.efsdp, mesh.device_type, dp_replicate=dims.dp_replicate, tp=dims.tp, pp=dims.pp
+            )
         if p.activation_checkpointing != ActivationCheckpointing.none:
             apply_activation_checkpointing(checkpointed, p.activation_checkpointing)
         fully_shard, kwargs = shard_kwargs(mesh, dims, p)
         reshard = p.strategy.value != "grad_op"
+        if expert_mesh is not None:  # their own units, over the ranks holding them, before their
+            # blocks', and on every rank before any dense unit: the engine's first unit on a mesh
+            # gathers that mesh's rows from the world, so all ranks meet the two meshes in one order.
+            from framework.distributed.expert_parallel import expert_groups
+
+            for experts in expert_groups(part):
+                fully_shard(experts, reshard_after_forward=reshard, **{**kwargs, "mesh": expert_mesh})
+                experts.set_gradient_divide_factor(dims.dp)
+                if dims.tp > 1:  # whole on every tp rank, as without a pipeline
+                    experts.set_norm_copies(dims.tp)
         for stage in part.stages:
             for unit in _units_of(stage):
                 fully_shard(unit, reshard_after_forward=reshard, **kwargs)
@@ -509,6 +529,7 @@ class Pipeline:
         labels = torch.cat([b[1] for b in batches])
         for stage in self.stages:
             stage.backwards = 0
+        self._clear_aux()
         losses: List[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
@@ -517,7 +538,19 @@ class Pipeline:
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             total += full(loss.detach()).float()
+        total += self._clear_aux().to(total.device)  # each stage's load-balancing losses, already / microbatches
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
+        return total
+
+    def _clear_aux(self) -> torch.Tensor:
+        """The sum of this rank's stages' load-balancing losses since the last call ([Note: the
+        load-balancing loss in a pipeline] in the family's stage), each already / microbatches."""
+        total = torch.zeros(())
+        for module in self.model.stages:
+            for aux in getattr(module, "aux_losses", ()):
+                total = total.to(aux.device) + aux.float()
+            if hasattr(module, "aux_losses"):
+                module.aux_losses = []
         return total
 
     @torch.no_grad()
@@ -527,6 +560,7 @@ class Pipeline:
         from framework.distributed.tensor_parallel import full, loss_context
 
         total = torch.zeros((), device=batches[0][0].device)
+        self._clear_aux()
         for start in range(0, len(batches), per_step):
             group = batches[start : start + per_step]
             losses: List[torch.Tensor] = []
@@ -536,6 +570,7 @@ class Pipeline:
                 self.schedule.eval(*args, **kwargs)
             for loss in losses:  # each the microbatch's mean / microbatches: the group's mean
                 total += full(loss.detach()).float() * len(group)
+            total += self._clear_aux().to(total.device) * len(group)  # the experts', scaled alike
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
 

@@ -62,7 +62,7 @@ def import_family_module(name: str) -> ModuleType:
         raise
 
 
-def model_problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1) -> List[str]:
+def model_problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1, pp: int = 1) -> List[str]:
     """Every refusal of `cfg.model`'s arguments for this job (one line each), from its family's
     spec; for a family without `problems` (it checks when it builds), only what no such family
     can do. `data_vocab`: the vocabulary size the data's tokenizer will have, 0 when only the
@@ -76,7 +76,11 @@ def model_problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp:
             out.append(f"parallelism.cp={cp}: model.name={cfg.name} cannot split its sequences; set parallelism.cp=1")
         return out
     try:
-        return list(spec.problems(cfg, tp, seq_len, data_vocab, ep, cp))
+        import inspect
+
+        # the pipeline degree to a family whose `problems` takes it (ours); others check at the build
+        kw = {"pp": pp} if pp > 1 and "pp" in inspect.signature(spec.problems).parameters else {}
+        return list(spec.problems(cfg, tp, seq_len, data_vocab, ep, cp, **kw))
     except UserInputError as exc:
         return [str(exc)]
 
@@ -88,7 +92,7 @@ def job_model_problems(cfg) -> List[str]:
     data = cfg.data
     data_vocab = data.vocab_size if data.name == "stdlib" and not data.tokenizer else 0
     p = cfg.parallelism
-    return model_problems(cfg.model, p.tp, data.seq_len, data_vocab, ep=p.ep, cp=p.cp)
+    return model_problems(cfg.model, p.tp, data.seq_len, data_vocab, ep=p.ep, cp=p.cp, pp=p.pp)
 
 
 def plan_shape(cfg, vocab_size: int):

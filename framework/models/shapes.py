@@ -70,6 +70,8 @@ class ModelShape:
     # Its family cuts it into pipeline stages (its pipeline.py's `check_pipeline` accepts it): the
     # planner proposes parallelism.pp only then (framework/planner/pipeline.py)
     pipeline: bool = True
+    # ... and splits its experts by expert inside the stages (parallelism.ep with pp)
+    pipeline_experts: bool = False
 
     @property
     def head_dim(self) -> int:

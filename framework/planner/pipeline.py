@@ -191,8 +191,8 @@ def propose_pipeline(job: Job, schedule: PipelineSchedule = PipelineSchedule.one
     """A layout with pp for `job` (a pp=1 job) when sharding alone does not fit, or when its step
     waits on communication more than it computes; None when sharding alone is fine, no pp fits,
     or the job has what pipelines refuse: a model its family does not cut into stages
-    (`ModelShape.pipeline`: our Llama with experts, tied embeddings), or degrees the mesh refuses
-    with pp (framework/config/degrees.py: expert and context parallelism today).
+    (`ModelShape.pipeline`), tied embeddings, or degrees the mesh refuses with pp
+    (framework/config/degrees.py: context parallelism today).
 
     Candidates: pp in 2, 4, 8, ... dividing the world (and leaving a layer per stage), tp as
     `job`'s (tensor parallel stays inside a node), the rest sharded; microbatches of one sample
@@ -201,6 +201,8 @@ def propose_pipeline(job: Job, schedule: PipelineSchedule = PipelineSchedule.one
     checkpointing, else with full checkpointing."""
     if not job.model.pipeline or job.model.tie_embeddings or not _degrees_take_pp(job):
         return None  # what the trainer refuses with pp
+    if job.ep > 1 and not job.model.pipeline_experts:
+        return None  # a family that does not split experts inside stages
     peak, t = memory(job).peak, timing(job)
     fits = peak <= job.budget_bytes
     bandwidth_bound = t.exposed_s > t.compute_s
@@ -211,7 +213,7 @@ def propose_pipeline(job: Job, schedule: PipelineSchedule = PipelineSchedule.one
     for checkpointing in dict.fromkeys([job.activation_checkpointing, "full"]):
         pp = 2
         while pp <= min(world // job.tp, job.model.n_layers) and best is None:
-            if world % (pp * job.tp) == 0:
+            if world % (pp * job.tp) == 0 and (world // (pp * job.tp)) % job.ep == 0:  # ep within dp_shard
                 dp = world // (pp * job.tp)
                 stage = replace(job, dp_shard=dp, dp_replicate=1, activation_checkpointing=checkpointing)
                 samples = job.global_batch // dp

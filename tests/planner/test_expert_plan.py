@@ -150,8 +150,9 @@ def test_expert_all_to_all_matches_engine(engine_results, name):
 def test_pipeline_proposed_where_the_family_cuts_experts_into_stages():
     """A transformers MoE at ep=1 is cut into stages by its family (framework/models/hf/pipeline.py
     accepts it), so where sharding alone does not fit the planner still proposes pp for it, as
-    before its experts were counted; our Llama with experts is refused with pp, so never; and
-    with ep > 1 the mesh refuses pp (framework/config/degrees.py), so never."""
+    before its experts were counted, but not at ep > 1 (its experts are not split inside stages,
+    models/hf/args.py); our Llama splits its experts inside stages, so at ep=1 and ep=2 it gets
+    a proposal, each stage's dp_shard a multiple of ep."""
     from dataclasses import replace
 
     from framework.planner.estimate import memory
@@ -163,8 +164,11 @@ def test_pipeline_proposed_where_the_family_cuts_experts_into_stages():
     assert propose_pipeline(tight) is not None
     assert propose_pipeline(replace(tight, ep=2)) is None
     llama = job_from_config(_config("ep2"))
-    assert not llama.model.pipeline
-    assert propose_pipeline(replace(llama, ep=1, memory_gib=0.9 * memory(llama).peak / 2**30)) is None
+    assert llama.model.pipeline and llama.model.pipeline_experts and llama.ep == 2
+    for ep in (1, 2):
+        job = replace(llama, ep=ep, model=replace(llama.model, tie_embeddings=False))
+        proposal = propose_pipeline(replace(job, memory_gib=0.9 * memory(job).peak / 2**30))
+        assert proposal is not None and proposal.dp_shard % ep == 0, ep
 
 
 def test_advice_splits_the_experts_where_that_fits():

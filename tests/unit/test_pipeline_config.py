@@ -41,7 +41,7 @@ def test_a_pipeline_job_validates_clean():
         (
             ["parallelism.pp=2", "parallelism.cp=2"],
             4,
-            "parallelism.pp=2 with parallelism.cp=2: pipeline stages do not split sequences or experts yet; set "
+            "parallelism.pp=2 with parallelism.cp=2: pipeline stages do not split sequences yet; set "
             "parallelism.cp=1 or parallelism.pp=1",
         ),
         (

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from framework.errors import UserInputError
+from framework.models.llama.args import pipeline_problems
 from framework.models.llama.model import Transformer, rotary_table
 
 
@@ -20,6 +21,26 @@ class _Rotary(nn.Module):
     def __init__(self, table: torch.Tensor):
         super().__init__()
         self.register_buffer("table", table, persistent=False)
+
+
+class _WithAuxLoss(torch.autograd.Function):
+    """[Note: the load-balancing loss in a pipeline]
+    A stage's output goes on to the next stage (or the schedule's loss) and its experts' aux loss
+    goes nowhere: no stage sees the others' and the schedule calls backward on the cross-entropy
+    only. So the stage's output carries it: forward returns the output unchanged, backward passes
+    the output's gradient through and gives the aux loss the gradient `scale` (1 / microbatches,
+    as the cross-entropy of each microbatch is divided), which is what d(loss + scale x aux) would
+    give it. Its value joins the step's reported loss in the pipeline (framework/distributed/
+    pipeline.py sums every stage's over the pp ranks)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype, ctx.scale = aux.shape, aux.dtype, scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
 class LlamaStage(nn.Module):
@@ -39,6 +60,9 @@ class LlamaStage(nn.Module):
         self.first, self.last = first, last
         self.dim, self.vocab_size = model.cfg.dim, model.cfg.vocab_size
         self.__dict__["_cfg"] = model.cfg
+        # [Note: the load-balancing loss in a pipeline]: the weight of each microbatch's aux loss
+        # (1 / microbatches, set by the pipeline) and this step's scaled values, for the report.
+        self.aux_scale, self.aux_losses = 1.0, []
 
     @torch.no_grad()
     def materialize(self) -> None:
@@ -51,9 +75,18 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x
         rope = self.rotary.table
+        aux = []  # the experts' load-balancing losses of this stage's blocks
         for layer in self.layers.values():
             h = layer(h, rope)
-        return self.output(self.norm(h)) if self.last else h
+            if getattr(layer.feed_forward, "aux_loss", None) is not None:
+                aux.append(layer.feed_forward.aux_loss)
+        out = self.output(self.norm(h)) if self.last else h
+        if aux:
+            total = torch.stack(aux).sum()
+            self.aux_losses.append(total.detach() * self.aux_scale)
+            if torch.is_grad_enabled():
+                out = _WithAuxLoss.apply(out, total, self.aux_scale)
+        return out
 
     def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
         """(input, output) tensors on the meta device with this stage's shapes and dtypes: the
@@ -74,11 +107,9 @@ def check_pipeline(model: Transformer, pp: int) -> None:
             f"model.args.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and the "
             "head (last stage) live on different ranks; set model.args.tie_embeddings=false"
         )
-    if model.cfg.n_experts:
-        raise UserInputError(
-            f"model.args.n_experts={model.cfg.n_experts} with parallelism.pp={pp}: the experts' load-balancing "
-            "loss is not carried between stages yet; set parallelism.pp=1"
-        )
+    refused = pipeline_problems(model.cfg, pp)
+    if refused:
+        raise UserInputError(refused[0])
 
 
 def pipeline_stage(model: Transformer, start: int, end: int, first: bool, last: bool) -> LlamaStage:

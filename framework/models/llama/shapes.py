@@ -115,5 +115,6 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         n_experts=a.n_experts,
         top_k=a.top_k,
         buffer_bytes=rope,
-        pipeline=False,  # pipeline.py's check_pipeline refuses experts with parallelism.pp
+        pipeline=True,
+        pipeline_experts=True,  # experts inside stages: ep x pp (framework/distributed/pipeline.py)
     )
