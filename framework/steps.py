@@ -7,7 +7,8 @@ which layout they run on.
   synchronised on the last, a mixture-of-experts model's routers around them (framework/routing.py).
 - `ScheduleSteps`: the model cut into stages over `parallelism.pp` (framework/distributed/pipeline.py):
   the step's micro-batches through torch's schedule at once, its loss the task's cross-entropy on
-  the last stage (pipelines train causal language models only: refused otherwise at the build).
+  the last stage (pipelines train causal language models, pre-training or fine-tuning: refused
+  otherwise at the build).
 
 Both return the step's loss summed over this rank's micro-batches (each divided by their number),
 on the device; the trainer owns what follows (clip, observe, optimizer step, zero_grad).

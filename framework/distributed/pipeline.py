@@ -408,10 +408,10 @@ class Pipeline:
         loss over a microbatch's labelled positions (the trainer passes the task's cross-entropy)."""
         p, t = cfg.parallelism, cfg.trainer
         self.loss_fn = loss_fn
-        if cfg.stage.value != "training" or task.name != "causal_lm":
+        if cfg.stage.value not in ("training", "fine_tuning") or task.name != "causal_lm":
             raise UserInputError(
                 f"parallelism.pp={dims.pp} with stage={cfg.stage.value} and model.task={task.name}: pipelines train "
-                "causal language models on (inputs, labels) batches only for now; set parallelism.pp=1"
+                "causal language models (pre-training, fine-tuning) only for now; set parallelism.pp=1"
             )
         if cfg.peft.lora.enabled:
             raise UserInputError(
@@ -441,6 +441,13 @@ class Pipeline:
                 f"parallelism.pp={dims.pp} with model.meta_init (the model built on the meta device) and "
                 f"model.name={cfg.model.name}: its stages cannot be materialised yet; set model.meta_init=false "
                 "or parallelism.pp=1"
+            )
+        packed = cfg.stage.value == "fine_tuning" and cfg.finetune.packing
+        if packed and not all(getattr(m, "takes_documents", False) for m in modules):
+            raise UserInputError(
+                f"parallelism.pp={dims.pp} with stage=fine_tuning, finetune.packing=true and "
+                f"model.name={cfg.model.name}: its stages do not keep attention inside packed documents yet; "
+                "set finetune.packing=false or parallelism.pp=1"
             )
         self.model = PipelinePart(modules)
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
@@ -505,15 +512,14 @@ class Pipeline:
         data-parallel rank's); returns the step's loss on every rank (a 0-d tensor)."""
         from framework.distributed.tensor_parallel import full, loss_context
 
-        inputs = torch.cat([b[0] for b in batches])
-        labels = torch.cat([b[1] for b in batches])
+        inputs, labels, packed = _joined(batches)
         for stage in self.stages:
             stage.backwards = 0
         losses: List[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
         with loss_context(self.model):
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, **packed)
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             total += full(loss.detach()).float()
@@ -526,18 +532,31 @@ class Pipeline:
         `per_step` batches (a training step's worth, the stages' static shapes) per schedule pass."""
         from framework.distributed.tensor_parallel import full, loss_context
 
-        total = torch.zeros((), device=batches[0][0].device)
+        total = torch.zeros((), device=_joined(batches[:1])[0].device)
         for start in range(0, len(batches), per_step):
             group = batches[start : start + per_step]
             losses: List[torch.Tensor] = []
-            args = (torch.cat([b[0] for b in group]),) if self.holds_first else ()
-            kwargs = {"target": torch.cat([b[1] for b in group]), "losses": losses} if self.holds_last else {}
+            inputs, labels, packed = _joined(group)
+            args = (inputs,) if self.holds_first else ()
+            kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
             with loss_context(self.model):
-                self.schedule.eval(*args, **kwargs)
+                self.schedule.eval(*args, **kwargs, **packed)
             for loss in losses:  # each the microbatch's mean / microbatches: the group's mean
                 total += full(loss.detach()).float() * len(group)
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+
+def _joined(batches: list) -> tuple:
+    """(inputs, labels, what every stage takes besides) of a step's batches joined along the rows:
+    (inputs, labels) pairs, or fine-tuning's dicts, whose packed rows carry each token's position
+    in its document and the document's id. Every rank passes those to its stages (the schedule
+    cuts them into microbatches as it cuts the inputs): each stage builds its rotary angles and
+    attention mask from them, as the whole model's forward does."""
+    if not isinstance(batches[0], dict):
+        return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), {}
+    packed = {k: torch.cat([b[k] for b in batches]) for k in ("positions", "document_ids") if k in batches[0]}
+    return torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches]), packed
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
