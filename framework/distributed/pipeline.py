@@ -413,11 +413,6 @@ class Pipeline:
                 f"parallelism.pp={dims.pp} with stage={cfg.stage.value} and model.task={task.name}: pipelines train "
                 "causal language models (pre-training, fine-tuning) only for now; set parallelism.pp=1"
             )
-        if cfg.peft.lora.enabled:
-            raise UserInputError(
-                f"parallelism.pp={dims.pp} with peft.lora.enabled=true: adapters are not cut into stages yet; "
-                "set parallelism.pp=1"
-            )
         meta = any(param.is_meta for param in model.parameters())
         if family.pipeline_stage is None:
             raise UserInputError(

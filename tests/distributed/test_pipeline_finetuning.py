@@ -1,7 +1,7 @@
 """Pipelines beyond pre-training, through `main.py`: supervised fine-tuning at pp=2 (packed
 records, several documents a row, the loss on the response tokens only) trains like one process
-on the same global batch: losses, gradient norms, the validation loss and every weight after 5
-steps.
+on the same global batch, with and without LoRA adapters: losses, gradient norms, the validation
+loss and every weight (the adapters' under LoRA) after 5 steps.
 
 The reference is one process accumulating 4 micro-batches of 2 rows a step, the pipeline's 4
 microbatches. Tolerance 1e-5 as in test_pipeline.py: the same operations on the same rows; only
@@ -54,3 +54,17 @@ def test_fine_tuning_at_pp2_equals_one_process(sft, tmp_path, schedule):
         common,
     )
     _same_as_reference(run, reference)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_lora_fine_tuning_at_pp2_equals_one_process(tmp_path, sft, schedule):
+    """LoRA under a pipeline: each stage carries its blocks' adapters (the base frozen), the
+    checkpoint the adapters only; zbv's split backward computes the adapters' gradients in W.
+    The adapters' B starts at zero, so a 0.01 learning rate moves them within 5 steps."""
+    root, common, _ = sft
+    lora = ["peft.lora.enabled=true", "peft.lora.targets=[q_proj,v_proj]", "optimizer.lr=0.01"]
+    if schedule == "zbv":
+        lora += ["parallelism.pp_split=[1,1,1,1]", "trainer.eval_interval=0"]
+    reference = _run(root, f"one_lora_{schedule}", ["cluster.nproc_per_node=1"] + lora, common)
+    pp = ["cluster.nproc_per_node=2", "parallelism.pp=2", f"parallelism.pp_schedule={schedule}"]
+    _same_as_reference(_run(tmp_path, schedule, pp + lora, common), reference, validated=schedule != "zbv")
