@@ -1,7 +1,8 @@
 """Pipelines beyond pre-training, through `main.py`: supervised fine-tuning at pp=2 (packed
 records, several documents a row, the loss on the response tokens only) trains like one process
 on the same global batch, with and without LoRA adapters: losses, gradient norms, the validation
-loss and every weight (the adapters' under LoRA) after 5 steps.
+loss and every weight (the adapters' under LoRA) after 5 steps; and the safetensors export
+(`checkpoint.export_safetensors`) of the pipeline is one process's.
 
 The reference is one process accumulating 4 micro-batches of 2 rows a step, the pipeline's 4
 microbatches. Tolerance 1e-5 as in test_pipeline.py: the same operations on the same rows; only
@@ -63,8 +64,28 @@ def test_lora_fine_tuning_at_pp2_equals_one_process(tmp_path, sft, schedule):
     The adapters' B starts at zero, so a 0.01 learning rate moves them within 5 steps."""
     root, common, _ = sft
     lora = ["peft.lora.enabled=true", "peft.lora.targets=[q_proj,v_proj]", "optimizer.lr=0.01"]
+    lora.append("checkpoint.export_safetensors=true")
     if schedule == "zbv":
         lora += ["parallelism.pp_split=[1,1,1,1]", "trainer.eval_interval=0"]
     reference = _run(root, f"one_lora_{schedule}", ["cluster.nproc_per_node=1"] + lora, common)
     pp = ["cluster.nproc_per_node=2", "parallelism.pp=2", f"parallelism.pp_schedule={schedule}"]
-    _same_as_reference(_run(tmp_path, schedule, pp + lora, common), reference, validated=schedule != "zbv")
+    run = _run(tmp_path, schedule, pp + lora, common)
+    _same_as_reference(run, reference, validated=schedule != "zbv")
+    _same_export(run, reference)
+
+
+def _same_export(run: Path, reference: Path) -> None:
+    """The export of a pipeline (every stage's tensors brought to rank 0 one at a time, the
+    adapters folded in) holds one process's tensors: the same names, each within 1e-5 (the
+    weights' own tolerance, see test_pipeline.py)."""
+    import torch
+    from safetensors import safe_open
+
+    with (
+        safe_open(str(run / "checkpoints" / "export" / "model.safetensors"), "pt") as mine,
+        safe_open(str(reference / "checkpoints" / "export" / "model.safetensors"), "pt") as ref,
+    ):
+        assert sorted(mine.keys()) == sorted(ref.keys())  # noqa: SIM118 - a safe_open handle is not iterable
+        for key in ref.keys():  # noqa: SIM118
+            torch.testing.assert_close(mine.get_tensor(key), ref.get_tensor(key), atol=1e-5, rtol=0, msg=key)
+    assert (run / "checkpoints" / "export" / "config.json").is_file()
