@@ -85,6 +85,12 @@ class PlainSteps:
         return self.routers.end(read)
 
     @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's logits of `tokens` (float32, whole over tensor parallel) on every rank."""
+        out = self.model(tokens)
+        return full(getattr(out, "logits", out)).float()
+
+    @torch.no_grad()
     def eval_total(self, batches: list, per_step: int, loss: Callable, device):
         """The sum of the batches' losses (no backward)."""
         total = torch.zeros((), device=device)
@@ -112,6 +118,10 @@ class ScheduleSteps:
 
     def end(self, read: bool) -> dict:
         return {}  # the stages compute no load-balancing loss and keep no router statistics
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits on every rank, the stages run in turn outside the schedule."""
+        return self.schedule.logits(tokens)
 
     def eval_total(self, batches: list, per_step: int, loss: Callable, device):
         """Forward-only passes of the schedule, `per_step` batches (a step's) each."""

@@ -445,6 +445,9 @@ class Pipeline:
                 "set finetune.packing=false or parallelism.pp=1"
             )
         self.model = PipelinePart(modules)
+        self.mine = dict(zip(mine, modules))  # stage index -> this rank's module of it
+        self.owner = {s: r for r in range(dims.pp) for s in stages_of_rank(r, dims.pp, v, self.schedule_name)}
+        self.n_stages, self.dtype = n_stages, _DTYPES[p.param_dtype]
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
         self._shard(dims, mesh, p, family, family.activation_checkpoint_targets(model))
         if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
@@ -520,6 +523,36 @@ class Pipeline:
             total += full(loss.detach()).float()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits (float32, whole over tensor parallel) of `tokens` (batch x any
+        length, the same on every rank), on every rank: outside the schedule (whose shapes are a
+        training step's), each stage in turn on its rank, the hidden states sent to the next
+        stage's rank at the same data- and tensor-parallel place, the logits broadcast over the
+        pipeline from the last stage's. Every rank of the pipeline calls it together."""
+        from framework.distributed.tensor_parallel import full, loss_context
+
+        peer = lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
+        h = tokens
+        for stage in range(self.n_stages):
+            here, after = self.owner[stage], self.owner.get(stage + 1)
+            if here == self.pp_rank:
+                with loss_context(self.model):
+                    h = self.mine[stage](h)
+                if after is not None and after != here:
+                    dist.send(h.detach().to(self.dtype).contiguous(), dst=peer(after), group=self.pp_group)
+            elif after == self.pp_rank:
+                h = torch.empty(*tokens.shape, self.mine[stage + 1].dim, dtype=self.dtype, device=tokens.device)
+                dist.recv(h, src=peer(here), group=self.pp_group)
+        last = self.owner[self.n_stages - 1]
+        shape = torch.tensor(full(h).shape if last == self.pp_rank else (0, 0, 0), device=tokens.device)
+        dist.broadcast(shape, src=peer(last), group=self.pp_group)
+        out = (
+            full(h).float().contiguous() if last == self.pp_rank else torch.empty(*shape.tolist(), device=tokens.device)
+        )
+        dist.broadcast(out, src=peer(last), group=self.pp_group)
+        return out
 
     @torch.no_grad()
     def eval_total(self, batches: list, per_step: int) -> torch.Tensor:
