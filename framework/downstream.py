@@ -48,10 +48,8 @@ def _lm_eval():
 
 def make_sharded_lm(job, batch_size: int, max_gen_tokens: int):
     """An lm-eval `LM` over the job's (sharded) model and tokenizer."""
-    from framework.distributed.tensor_parallel import full
-
     _, LM = _lm_eval()
-    tok, model, device, seq_len = job.data.tokenizer, job.model, job.rt.device, job.cfg.data.seq_len
+    tok, device, seq_len = job.data.tokenizer, job.rt.device, job.cfg.data.seq_len
 
     class ShardedLM(LM):
         def __init__(self):
@@ -64,8 +62,7 @@ def make_sharded_lm(job, batch_size: int, max_gen_tokens: int):
             batch = torch.full((len(rows), length), tok.eod, dtype=torch.long)
             for i, r in enumerate(rows):
                 batch[i, : len(r)] = torch.tensor(r)
-            out = model(batch.to(device))
-            return F.log_softmax(full(getattr(out, "logits", out)).float(), dim=-1).cpu()
+            return F.log_softmax(job.runner.logits(batch.to(device)), dim=-1).cpu()  # a pipeline's too
 
         def _score(self, pairs: List[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:
             results: List[Tuple[float, bool]] = []

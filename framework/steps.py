@@ -7,7 +7,8 @@ which layout they run on.
   synchronised on the last, a mixture-of-experts model's routers around them (framework/routing.py).
 - `ScheduleSteps`: the model cut into stages over `parallelism.pp` (framework/distributed/pipeline.py):
   the step's micro-batches through torch's schedule at once, its loss the task's cross-entropy on
-  the last stage (pipelines train causal language models only: refused otherwise at the build).
+  the last stage (pipelines train causal language models, pre-training or fine-tuning: refused
+  otherwise at the build).
 
 Both return the step's loss summed over this rank's micro-batches (each divided by their number),
 on the device; the trainer owns what follows (clip, observe, optimizer step, zero_grad).
@@ -84,6 +85,12 @@ class PlainSteps:
         return self.routers.end(read)
 
     @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's logits of `tokens` (float32, whole over tensor parallel) on every rank."""
+        out = self.model(tokens)
+        return full(getattr(out, "logits", out)).float()
+
+    @torch.no_grad()
     def eval_total(self, batches: list, per_step: int, loss: Callable, device):
         """The sum of the batches' losses (no backward)."""
         total = torch.zeros((), device=device)
@@ -111,6 +118,10 @@ class ScheduleSteps:
 
     def end(self, read: bool) -> dict:
         return {}  # the stages compute no load-balancing loss and keep no router statistics
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits on every rank, the stages run in turn outside the schedule."""
+        return self.schedule.logits(tokens)
 
     def eval_total(self, batches: list, per_step: int, loss: Callable, device):
         """Forward-only passes of the schedule, `per_step` batches (a step's) each."""

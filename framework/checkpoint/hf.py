@@ -58,8 +58,14 @@ def _plan_files(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     return files
 
 
-def _write_file(path: str, entries: list[tuple[str, torch.Tensor]], rank: int) -> None:
-    """One safetensors file of (hf name, sharded tensor); every rank joins the gathers."""
+def whole_tensor(key: str, t: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded tensor (a collective over its mesh), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _write_file(path: str, entries: list[tuple[str, torch.Tensor]], rank: int, gather=whole_tensor) -> None:
+    """One safetensors file of (hf name, sharded tensor); every rank joins the gathers
+    (`gather(hf name, tensor)`: the whole tensor on rank 0, one at a time)."""
     header, offset = {}, 0
     for key, t in entries:
         nbytes = t.numel() * t.element_size()
@@ -73,8 +79,8 @@ def _write_file(path: str, entries: list[tuple[str, torch.Tensor]], rank: int) -
         f = create_temporary(path + ".tmp", "wb")  # never through a planted link; closed in the finally below
         f.write(struct.pack("<Q", len(raw)) + raw)
     try:
-        for _, t in entries:
-            whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        for key, t in entries:
+            whole = gather(key, t)
             if f is not None:
                 f.write(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             del whole
@@ -94,15 +100,19 @@ def export_safetensors(
     out_dir: str,
     rank: int,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    gather=None,
 ) -> str | None:
     """Write `out_dir` as `from_pretrained` reads it: safetensors (one file, or shards plus index)
     and `config.json`. Every rank must call it (the gathers are collectives); see [Note: streamed
-    export]. Returns the directory on rank 0."""
-    entries = []
+    export]. `gather(name, tensor)`: the whole of `model_sd[name]` on rank 0 (default: its
+    `full_tensor`; a pipeline's brings other stages' tensors to rank 0). Returns the directory on
+    rank 0."""
+    entries, ours = [], {}  # ours: hf name -> the state dict's
     for name, t in model_sd.items():
         key = adapter.to_hf(name)
         if key is None or not isinstance(t, torch.Tensor):
             continue
+        ours[key] = name
         if t.dtype not in _DTYPES:
             raise NotImplementedError(f"export of {name}: dtype {t.dtype} is not supported")
         entries.append((key, t))
@@ -119,7 +129,8 @@ def export_safetensors(
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
     for file_name, keys in zip(names, groups):
-        _write_file(os.path.join(out_dir, file_name), [(k, by_key[k]) for k in keys], rank)
+        whole = whole_tensor if gather is None else (lambda key, t: gather(ours[key], t))
+        _write_file(os.path.join(out_dir, file_name), [(k, by_key[k]) for k in keys], rank, whole)
     if rank != 0:
         return None
     if len(groups) > 1:

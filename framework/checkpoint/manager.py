@@ -610,9 +610,13 @@ class CheckpointManager:
         if self.cfg.peft.lora.enabled:  # a plain model: the adapters folded into their weights
             lora = self.cfg.peft.lora
             model_sd = merged_sharded_state(model_sd, lora.alpha / lora.rank)
+        gather = None
+        if self.cfg.parallelism.pp > 1:  # each rank holds its stages' tensors: [Note: a pipeline's export]
+            model_sd, gather = _pipeline_export(model_sd, self.rt.device)
         model_cfg, adapter = self._adapter(model_sd, "checkpoint.export_safetensors")
         dtype = next(t.dtype for t in model_sd.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
-        path = export_safetensors(model_sd, adapter, adapter.hf_config(model_cfg, dtype), out_dir, self.rt.rank)
+        config = adapter.hf_config(model_cfg, dtype)
+        path = export_safetensors(model_sd, adapter, config, out_dir, self.rt.rank, gather=gather)
         if path and hasattr(adapter, "write_extras"):
             adapter.write_extras(out_dir, self.tokenizer, model_cfg)
         dist.barrier()
@@ -760,6 +764,51 @@ def _cpu_snapshot(tree):
     if isinstance(tree, torch.Tensor) and tree.device.type == "cpu":
         return tree.detach().clone()
     return tree
+
+
+# [Note: a pipeline's export]
+# Under parallelism.pp each rank's state dict holds its own stages' tensors only (sharded over the
+# stage's data- and tensor-parallel ranks). Every rank learns every tensor's name, shape and dtype
+# and the lowest rank holding it (one all_gather_object of the names, no data), and completes its
+# state dict with empty meta tensors for the others', so every rank walks the same files and
+# tensors in the same order. For each tensor in turn, its holders gather it whole (their stage's
+# collective), and the lowest holder sends it to rank 0 unless rank 0 holds it itself: rank 0
+# writes it and frees it before the next. No rank ever holds more than one whole tensor beside
+# its own shards, as in the export without a pipeline ([Note: streamed export] in hf.py).
+
+
+def _pipeline_export(model_sd: dict, device) -> tuple:
+    """(every rank's tensors by name, this rank's own or a meta placeholder; gather(name, tensor)
+    giving the whole tensor on rank 0): see [Note: a pipeline's export]."""
+    mine = {
+        k: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for k, t in model_sd.items()
+        if isinstance(t, torch.Tensor)
+    }
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    holder: dict = {}
+    complete: dict = {}
+    for rank, tensors in enumerate(gathered):
+        for name, (shape, dtype) in tensors.items():
+            if name not in holder:
+                holder[name] = rank
+                complete[name] = model_sd.get(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+    me = dist.get_rank()
+
+    def gather(name: str, t: torch.Tensor) -> torch.Tensor:
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # the holders' collective
+        src = holder[name]
+        if src == 0:
+            return whole
+        if me == src:
+            dist.send(whole.detach().contiguous(), dst=0)
+        elif me == 0:
+            whole = torch.empty(t.shape, dtype=t.dtype, device=device)
+            dist.recv(whole, src=src)
+        return whole
+
+    return complete, gather
 
 
 def _used_by_any_rank(keys: set) -> set:

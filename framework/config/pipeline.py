@@ -88,8 +88,7 @@ def pipeline_problems(p) -> List[str]:
 def job_problems(cfg) -> List[str]:
     """What a pipeline job cannot do beside training, one line each. Validation runs the schedule
     forward only (`schedule.eval`), which torch's ZBV schedule cannot do (its V passes a backward
-    between a rank's two stages even then); lm-eval tasks and the safetensors export need the whole
-    model on every rank's side (a rank holds its stages only)."""
+    between a rank's two stages even then)."""
     p, t = cfg.parallelism, cfg.trainer
     if p.pp == 1:
         return []
@@ -98,17 +97,6 @@ def job_problems(cfg) -> List[str]:
         errors.append(
             f"parallelism.pp_schedule=zbv with trainer.eval_interval={t.eval_interval}: torch's ZBV schedule has "
             "no forward-only pass for validation; set trainer.eval_interval=0 or pp_schedule=interleaved_1f1b"
-        )
-    if t.eval_tasks:
-        errors.append(
-            f"trainer.eval_tasks with parallelism.pp={p.pp}: lm-eval runs the whole model, which no rank of a "
-            "pipeline holds; run stage=evaluate on the checkpoint at parallelism.pp=1"
-        )
-    if cfg.checkpoint.export_safetensors:
-        errors.append(
-            f"checkpoint.export_safetensors=true with parallelism.pp={p.pp}: each rank holds its stages only; "
-            "resume the checkpoint at parallelism.pp=1 with checkpoint.export_safetensors=true (checkpoints "
-            "move between pp degrees)"
         )
     return errors
 

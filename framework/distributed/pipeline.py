@@ -408,15 +408,10 @@ class Pipeline:
         loss over a microbatch's labelled positions (the trainer passes the task's cross-entropy)."""
         p, t = cfg.parallelism, cfg.trainer
         self.loss_fn = loss_fn
-        if cfg.stage.value != "training" or task.name != "causal_lm":
+        if cfg.stage.value not in ("training", "fine_tuning") or task.name != "causal_lm":
             raise UserInputError(
                 f"parallelism.pp={dims.pp} with stage={cfg.stage.value} and model.task={task.name}: pipelines train "
-                "causal language models on (inputs, labels) batches only for now; set parallelism.pp=1"
-            )
-        if cfg.peft.lora.enabled:
-            raise UserInputError(
-                f"parallelism.pp={dims.pp} with peft.lora.enabled=true: adapters are not cut into stages yet; "
-                "set parallelism.pp=1"
+                "causal language models (pre-training, fine-tuning) only for now; set parallelism.pp=1"
             )
         meta = any(param.is_meta for param in model.parameters())
         if family.pipeline_stage is None:
@@ -442,10 +437,20 @@ class Pipeline:
                 f"model.name={cfg.model.name}: its stages cannot be materialised yet; set model.meta_init=false "
                 "or parallelism.pp=1"
             )
+        packed = cfg.stage.value == "fine_tuning" and cfg.finetune.packing
+        if packed and not all(getattr(m, "takes_documents", False) for m in modules):
+            raise UserInputError(
+                f"parallelism.pp={dims.pp} with stage=fine_tuning, finetune.packing=true and "
+                f"model.name={cfg.model.name}: its stages do not keep attention inside packed documents yet; "
+                "set finetune.packing=false or parallelism.pp=1"
+            )
         self.model = PipelinePart(modules)
         for module in modules:  # [Note: the load-balancing loss in a pipeline] (a family's stage may keep one)
             if hasattr(module, "aux_scale"):
                 module.aux_scale = 1.0 / self.microbatches
+        self.mine = dict(zip(mine, modules))  # stage index -> this rank's module of it
+        self.owner = {s: r for r in range(dims.pp) for s in stages_of_rank(r, dims.pp, v, self.schedule_name)}
+        self.n_stages, self.dtype = n_stages, _DTYPES[p.param_dtype]
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
         self._shard(dims, mesh, p, family, family.activation_checkpoint_targets(model))
         if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
@@ -525,8 +530,7 @@ class Pipeline:
         data-parallel rank's); returns the step's loss on every rank (a 0-d tensor)."""
         from framework.distributed.tensor_parallel import full, loss_context
 
-        inputs = torch.cat([b[0] for b in batches])
-        labels = torch.cat([b[1] for b in batches])
+        inputs, labels, packed = _joined(batches)
         for stage in self.stages:
             stage.backwards = 0
         self._clear_aux()
@@ -534,7 +538,7 @@ class Pipeline:
         args = (inputs,) if self.holds_first else ()
         kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
         with loss_context(self.model):
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, **packed)
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             total += full(loss.detach()).float()
@@ -554,25 +558,68 @@ class Pipeline:
         return total
 
     @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits (float32, whole over tensor parallel) of `tokens` (batch x any
+        length, the same on every rank), on every rank: outside the schedule (whose shapes are a
+        training step's), each stage in turn on its rank, the hidden states sent to the next
+        stage's rank at the same data- and tensor-parallel place, the logits broadcast over the
+        pipeline from the last stage's. Every rank of the pipeline calls it together."""
+        from framework.distributed.tensor_parallel import full, loss_context
+
+        peer = lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
+        h = tokens
+        for stage in range(self.n_stages):
+            here, after = self.owner[stage], self.owner.get(stage + 1)
+            if here == self.pp_rank:
+                with loss_context(self.model):
+                    h = self.mine[stage](h)
+                if after is not None and after != here:
+                    dist.send(h.detach().to(self.dtype).contiguous(), dst=peer(after), group=self.pp_group)
+            elif after == self.pp_rank:
+                h = torch.empty(*tokens.shape, self.mine[stage + 1].dim, dtype=self.dtype, device=tokens.device)
+                dist.recv(h, src=peer(here), group=self.pp_group)
+        last = self.owner[self.n_stages - 1]
+        shape = torch.tensor(full(h).shape if last == self.pp_rank else (0, 0, 0), device=tokens.device)
+        dist.broadcast(shape, src=peer(last), group=self.pp_group)
+        out = (
+            full(h).float().contiguous() if last == self.pp_rank else torch.empty(*shape.tolist(), device=tokens.device)
+        )
+        dist.broadcast(out, src=peer(last), group=self.pp_group)
+        return out
+
+    @torch.no_grad()
     def eval_total(self, batches: list, per_step: int) -> torch.Tensor:
         """The sum of the batches' mean losses, without backward, on every rank of the pipeline;
         `per_step` batches (a training step's worth, the stages' static shapes) per schedule pass."""
         from framework.distributed.tensor_parallel import full, loss_context
 
-        total = torch.zeros((), device=batches[0][0].device)
+        total = torch.zeros((), device=_joined(batches[:1])[0].device)
         self._clear_aux()
         for start in range(0, len(batches), per_step):
             group = batches[start : start + per_step]
             losses: List[torch.Tensor] = []
-            args = (torch.cat([b[0] for b in group]),) if self.holds_first else ()
-            kwargs = {"target": torch.cat([b[1] for b in group]), "losses": losses} if self.holds_last else {}
+            inputs, labels, packed = _joined(group)
+            args = (inputs,) if self.holds_first else ()
+            kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
             with loss_context(self.model):
-                self.schedule.eval(*args, **kwargs)
+                self.schedule.eval(*args, **kwargs, **packed)
             for loss in losses:  # each the microbatch's mean / microbatches: the group's mean
                 total += full(loss.detach()).float() * len(group)
             total += self._clear_aux().to(total.device) * len(group)  # the experts', scaled alike
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+
+def _joined(batches: list) -> tuple:
+    """(inputs, labels, what every stage takes besides) of a step's batches joined along the rows:
+    (inputs, labels) pairs, or fine-tuning's dicts, whose packed rows carry each token's position
+    in its document and the document's id. Every rank passes those to its stages (the schedule
+    cuts them into microbatches as it cuts the inputs): each stage builds its rotary angles and
+    attention mask from them, as the whole model's forward does."""
+    if not isinstance(batches[0], dict):
+        return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), {}
+    packed = {k: torch.cat([b[k] for b in batches]) for k in ("positions", "document_ids") if k in batches[0]}
+    return torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches]), packed
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

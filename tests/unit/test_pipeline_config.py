@@ -57,19 +57,6 @@ def test_a_pipeline_job_validates_clean():
             "pass for validation; set trainer.eval_interval=0 or pp_schedule=interleaved_1f1b",
         ),
         (
-            ["parallelism.pp=2", "checkpoint.export_safetensors=true"],
-            2,
-            "checkpoint.export_safetensors=true with parallelism.pp=2: each rank holds its stages only; resume the "
-            "checkpoint at parallelism.pp=1 with checkpoint.export_safetensors=true (checkpoints move between pp "
-            "degrees)",
-        ),
-        (
-            ["parallelism.pp=2", "trainer.eval_tasks=[hellaswag]"],
-            2,
-            "trainer.eval_tasks with parallelism.pp=2: lm-eval runs the whole model, which no rank of a pipeline "
-            "holds; run stage=evaluate on the checkpoint at parallelism.pp=1",
-        ),
-        (
             ["parallelism.pp=2", "parallelism.engine=torch"],
             2,
             "parallelism.pp=2 with parallelism.engine=torch: pipeline stages are sharded by our engine only; set "

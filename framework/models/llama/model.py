@@ -143,6 +143,16 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The block-diagonal causal mask (batch, 1, seq, seq) of packed rows: a token attends to the
+    earlier tokens of its own document; None without document ids (plain causal attention)."""
+    if document_ids is None:
+        return None
+    seq = document_ids.shape[1]  # the whole row's (context parallelism passes a chunk of tokens)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: LlamaArgs):
         super().__init__()
@@ -181,12 +191,7 @@ class Transformer(nn.Module):
             return self._decode(tokens, kv_cache)
         h = self.tok_embeddings(tokens)
         rope = self.rope if positions is None else self.rope[positions]
-        mask = None
-        if document_ids is not None:
-            seq = document_ids.shape[1]  # the whole row's (context parallelism passes a chunk of tokens)
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
-            mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
-            mask = mask[:, None]
+        mask = document_mask(document_ids)
         for layer in self.layers:
             h = layer(h, rope, mask=mask)
         return self.output(self.norm(h))

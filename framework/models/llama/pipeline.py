@@ -14,7 +14,7 @@ from torch import nn
 
 from framework.errors import UserInputError
 from framework.models.llama.args import pipeline_problems
-from framework.models.llama.model import Transformer, rotary_table
+from framework.models.llama.model import Transformer, document_mask, rotary_table
 
 
 class _Rotary(nn.Module):
@@ -72,12 +72,19 @@ class LlamaStage(nn.Module):
         table = self.rotary.table
         table.copy_(rotary_table(c.dim // c.n_heads, c.max_seq_len, c.rope_theta, table.device, c.rope_scaling))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_documents = True  # packed fine-tuning rows: positions and document ids to every stage
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Packed rows (several documents each) pass every stage the tokens' positions inside their
+        documents and the documents' ids, as the whole model's forward takes them."""
         h = self.tok_embeddings(x) if self.first else x
-        rope = self.rotary.table
+        rope = self.rotary.table if positions is None else self.rotary.table[positions]
+        mask = document_mask(document_ids)
         aux = []  # the experts' load-balancing losses of this stage's blocks
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, mask=mask)
             if getattr(layer.feed_forward, "aux_loss", None) is not None:
                 aux.append(layer.feed_forward.aux_loss)
         out = self.output(self.norm(h)) if self.last else h
