@@ -409,8 +409,8 @@ def by_name(name: str) -> Optional[Case]:
     return next((c for c in CASES if c.name == name), None)
 
 
-# The covering set (26 cases over 397 allowed pairs; test_composition.py checks the cover), found
-# greedily. A one-rank case's reference is the same job on two sharded ranks. Quick: a few seconds
+# The covering set (test_composition.py checks the cover): 26 cases found greedily, 7 added at the
+# end for pairs allowed since. A one-rank case's reference is the same job on two sharded ranks. Quick: a few seconds
 # each, run by default; the rest with COMPOSITION_ALL=1.
 TWO = "two sharded ranks"
 case("ac", reference=TWO, quick=True, ac="full")
@@ -534,3 +534,14 @@ def allowed_pairs(validation: Dict[Tuple[Value, ...], List[str]], rows: List[Row
         if not any(refused(k) for k in ((a,), (b,), (a, b), (b, a))):
             out.append((a, b))
     return out
+
+
+# Pairs allowed since the cover above was found: context parallel with hybrid sharding, float8 and
+# LoRA with tensor/sequence parallel and with each other, LoRA in each pipeline schedule.
+case("replicate cp", dp_replicate=2, cp=2)
+case("tp float8 lora", tolerance=1e-2, why=F8, tp=2, float8="on", lora="on")
+case("sp float8 lora", tolerance=1e-2, why=F8, sp="on", float8="on", lora="on")
+case("lora sft pp/1f1b", lora="on", stage="sft", pp="1f1b")
+case("lora sft pp/gpipe", lora="on", stage="sft", pp="gpipe")
+case("lora sft pp/interleaved_1f1b", lora="on", stage="sft", pp="interleaved_1f1b")
+case("lora sft pp/zbv", lora="on", stage="sft", pp="zbv")
