@@ -65,6 +65,7 @@ def _train(rank, world, layouts, steps, run_dir, save_at=None, resume=None):
 
     from framework.config import to_config
     from framework.config.compose import compose_config
+    from framework.job import build_job
     from framework.runtime import Runtime
     from framework.trainer import Trainer
 
@@ -75,7 +76,7 @@ def _train(rank, world, layouts, steps, run_dir, save_at=None, resume=None):
             extra.append(f"checkpoint.resume={resume}")
         cfg = to_config(compose_config(BASE + overrides + extra + [f"trainer.max_steps={steps}"]))
         cfg.run_dir = f"{run_dir}/{k}"
-        trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")))
+        trainer = Trainer(build_job(cfg, Runtime(rank, world, rank, torch.device("cpu"))))
         if resume is not None:
             trainer.state.step = trainer.ckpt.resume(trainer.state)
         losses, norms = [], []

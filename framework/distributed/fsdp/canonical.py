@@ -46,19 +46,21 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
-def tree_sum(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The canonical tree's sum of `leaves` (leaf i is number i), as a new tensor (or the only leaf)."""
+def tree_sum(leaves: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The canonical tree's sum of `leaves` (leaf i is number i), as a new tensor (or the only
+    leaf), or written into `out` (the root's addition writes it: the same bits)."""
 
-    def node(lo: int, size: int) -> torch.Tensor:
+    def node(lo: int, size: int, dst: Optional[torch.Tensor]) -> torch.Tensor:
         if size == 1:
-            return leaves[lo]
+            return leaves[lo] if dst is None else dst.copy_(leaves[lo])
         half = size // 2
-        left = node(lo, half)
-        return left if lo + half >= len(leaves) else torch.add(left, node(lo + half, half))
+        if lo + half >= len(leaves):
+            return node(lo, half, dst)
+        return torch.add(node(lo, half, None), node(lo + half, half, None), out=dst)
 
     if not leaves:
         raise ValueError("tree_sum of no leaves")
-    return node(0, _pow2_at_least(len(leaves)))
+    return node(0, _pow2_at_least(len(leaves)), out)
 
 
 class TreeSum:

@@ -316,7 +316,7 @@ class GradReduction:
     def _reduce_canonical(self) -> None:
         """[Note: one summation tree, whatever the layout]: this backward's full gradients are the
         next leaf of the rank's subtree; a synced backward sends the subtree's N pieces to their
-        owners (an all-to-all: a reduce-scatter's bytes), who add them in tree order at the wait."""
+        owners (an all-to-all's bytes, a reduce-scatter's), who add them in tree order."""
         u, L = self.unit, self.unit.layout
         leaf = torch.empty(L.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
         with record_function("fsdp::copy_grads"):
@@ -326,8 +326,10 @@ class GradReduction:
             local = self.tree.total()
             fresh = all(p.grad is None for p in self._trainable_sharded())
             if u.N > 1:
-                recv = torch.empty_like(local)
-                pending = C.all_to_all(recv, local, u.reduce_group, u.stats, u.name)
+                # the group's transport: shared memory between the processes of one host, with
+                # the tree's adds read straight from it (no full-size receive buffer)
+                out = torch.empty(L.shard_numel, dtype=local.dtype, device=local.device)
+                pending = C.tree_reduce_scatter(out, local, u.transports()[1], u.stats, u.name)
             else:
                 pending = C.Pending(None, local, u.stats)
             self.pending = _Reduction(
@@ -349,11 +351,11 @@ class GradReduction:
             u.ctx.add_pending(u)
 
     def _finish_canonical(self, red: _Reduction) -> torch.Tensor:
-        """The owner's side of `_reduce_canonical`: the N pieces in tree order, then the R replicas'."""
+        """The owner's side of `_reduce_canonical`: the N pieces (summed in tree order by the
+        transport), then the R replicas'."""
         u = self.unit
-        received = C.wait(red.pending)
+        reduced = C.wait(red.pending)  # the N pieces in tree order (C.tree_reduce_scatter)
         S = u.layout.shard_numel
-        reduced = tree_sum(list(received.view(u.N, S).unbind())) if u.N > 1 else received
         if u.R > 1:
             transport = C.transport_for(u.replicate_group, reduced.device)
             every = torch.empty(u.R * S, dtype=reduced.dtype, device=reduced.device)
