@@ -101,6 +101,7 @@ class GradReduction:
         # synced one sends the rank's subtree to the shards' owners, who add in tree order
         self.deterministic = False
         self.tree = TreeSum()
+        self._leaf: Optional[torch.Tensor] = None  # this backward's leaf, filled by pre_accumulate
         # entry indices of a group's parameters that get a gradient ([Note: a group of modules is
         # one unit] in unit.py)
         self.reached: set = set()
@@ -151,6 +152,7 @@ class GradReduction:
         self.grad_shard = self.accum = None
         self._accum_valid = False
         self.tree = TreeSum()
+        self._leaf = None
 
     # [Note: frozen parameters reshard after the unit's whole backward]
     # A unit whose parameters are all trainable is done with them once its last gradient is in
@@ -198,15 +200,26 @@ class GradReduction:
         written straight into the parameter's own slot of the gathered storage, and that slot is
         handed to autograd to store: one copy, which also fixes the layout of transposed weight
         gradients (which autograd would otherwise clone into the parameter's layout first).
+        Under the deterministic mode the slot is this backward's leaf of the tree instead (the
+        buffer `_reduce_canonical` pushes), whatever the unit's storage.
         """
         if (
             self.unit.members is not None
         ):  # a group: this parameter gets a gradient ([Note: a group of modules is one unit])
             self.reached.add(idx)
-        if not self._in_place_this_backward() or self._written[idx]:
+        if self._written[idx]:
             return None
         e = self.unit.entries[idx]
-        dst = self.unit.full_flat[e.offset : e.offset + e.numel].view(e.shape)
+        if self.deterministic and grad.dtype == self.unit.reduce_dtype:
+            # this backward's leaf of the tree: each gradient straight into its slot, as above
+            if self._leaf is None:
+                u = self.unit
+                self._leaf = torch.empty(u.layout.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
+            dst = self._leaf[e.offset : e.offset + e.numel].view(e.shape)
+        elif self._in_place_this_backward():
+            dst = self.unit.full_flat[e.offset : e.offset + e.numel].view(e.shape)
+        else:
+            return None
         with torch.no_grad():
             dst.copy_(grad)
         self._written[idx] = True
@@ -318,7 +331,9 @@ class GradReduction:
         next leaf of the rank's subtree; a synced backward sends the subtree's N pieces to their
         owners (an all-to-all's bytes, a reduce-scatter's), who add them in tree order."""
         u, L = self.unit, self.unit.layout
-        leaf = torch.empty(L.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
+        leaf, self._leaf = self._leaf, None  # the gradients pre_accumulate wrote in already
+        if leaf is None:
+            leaf = torch.empty(L.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
         with record_function("fsdp::copy_grads"):
             self._write_grads(leaf, accumulate=False)
             self.tree.push(leaf)
