@@ -55,7 +55,7 @@ OURS = ("ours", "ours_gloo", "ours_rows", "ours_params", "ours_clip", "ours_det"
 BOUNDARY_ROWS = ("ours_rows", "ours_params")  # --boundary-rows: whole rows / whole parameters per rank
 # --deterministic: the trainer's step with the gradient norm, default (ours_clip: the engine's
 # reduce-scatter and clip_grad_norm_) and under trainer.deterministic (ours_det: the tree-ordered
-# all-to-all, the canonical norm, the loss's global token count and per-unit loss slots; one unit
+# reduce-scatter, the canonical norm, the loss's global token count and per-unit loss slots; one unit
 # per rank's micro-batch, i.e. trainer.deterministic_unit = micro_batch_size)
 DETERMINISTIC_ROWS = ("ours_clip", "ours_det")
 

@@ -246,3 +246,51 @@ def test_training_is_bit_identical_on_either_transport():
     for (l1, p1), (l2, p2) in zip(shm_runs, gloo_runs):
         assert l1 == l2
         assert p1 == p2
+
+
+def _tree_reduce_worker(rank, world, transport):
+    from framework.distributed.fsdp.canonical import tree_sum
+
+    region = shm.REGION_BYTES
+    shm.REGION_BYTES = REGION
+    calls = []
+    real = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        set_host_transport(transport)
+        t = C.transport_for(dist.new_group(list(range(world))), torch.device("cpu"))
+        stats, errors = C.CommStats(), []
+        for S in SIZES:
+            gen = torch.Generator().manual_seed(S)
+            # magnitudes spread over many binades: a sum in another order gives other bits
+            fulls = torch.randn(world, world * S, generator=gen) * torch.exp(
+                4 * torch.randn(world, world * S, generator=gen)
+            )
+            out = torch.full((S,), -1.0)
+            C.wait(C.tree_reduce_scatter(out, fulls[rank].clone(), t, stats, "t"))
+            ref = tree_sum(list(fulls.view(world, world, S)[:, rank].unbind()))
+            if not torch.equal(out, ref):
+                errors.append(S)
+        sent = (world - 1) * sum(SIZES) * 4
+        return {"name": t.name, "errors": errors, "gloo_calls": len(calls), "bytes": stats.alltoall_bytes == sent}
+    finally:
+        dist.all_to_all_single = real
+        shm.REGION_BYTES = region
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tree_reduce_scatter_gives_the_tree_bits_on_either_transport(world):
+    """The deterministic mode's reduction: the ranks' chunks added in the canonical tree's order,
+    bit for bit, across chunk boundaries of the shared memory; on shared memory gloo's all-to-all is
+    never called, and either transport counts an all-to-all's bytes."""
+    for transport in ("shm", "gloo"):
+        for rank, res in enumerate(run_ranks(_tree_reduce_worker, world, args=(transport,), timeout_s=240)):
+            assert res["errors"] == [], (transport, rank, res["errors"])
+            assert res["name"] == transport, rank
+            assert res["gloo_calls"] == (0 if transport == "shm" else len(SIZES)), (transport, rank)
+            assert res["bytes"], (transport, rank)

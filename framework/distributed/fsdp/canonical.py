@@ -46,19 +46,21 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
-def tree_sum(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The canonical tree's sum of `leaves` (leaf i is number i), as a new tensor (or the only leaf)."""
+def tree_sum(leaves: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The canonical tree's sum of `leaves` (leaf i is number i), as a new tensor (or the only
+    leaf), or written into `out` (the root's addition writes it: the same bits)."""
 
-    def node(lo: int, size: int) -> torch.Tensor:
+    def node(lo: int, size: int, dst: Optional[torch.Tensor]) -> torch.Tensor:
         if size == 1:
-            return leaves[lo]
+            return leaves[lo] if dst is None else dst.copy_(leaves[lo])
         half = size // 2
-        left = node(lo, half)
-        return left if lo + half >= len(leaves) else torch.add(left, node(lo + half, half))
+        if lo + half >= len(leaves):
+            return node(lo, half, dst)
+        return torch.add(node(lo, half, None), node(lo + half, half, None), out=dst)
 
     if not leaves:
         raise ValueError("tree_sum of no leaves")
-    return node(0, _pow2_at_least(len(leaves)))
+    return node(0, _pow2_at_least(len(leaves)), out)
 
 
 class TreeSum:
@@ -99,23 +101,56 @@ def tree_sum_slots(slots: torch.Tensor) -> float:
     return float(tree_sum(list(slots.double().cpu().unbind())))
 
 
-def _block_sums(x: torch.Tensor, lo: int, hi: int, end: int) -> List[Tuple[int, int, torch.Tensor]]:
+# Elements squared and summed at once by `_block_sums`: a block longer than this is summed in
+# aligned batches of it (the same tree: a batch is a subtree), so the float64 work stays a few MiB
+# instead of twice the gradient's size.
+_BATCH = 1 << 20
+
+
+def _pairwise(v: torch.Tensor) -> torch.Tensor:
+    """The tree's sum of a float64 vector whose missing right-hand leaves are zeros: level by level,
+    an odd last element carried up unchanged (the bits of it + 0, the values being >= 0)."""
+    while v.numel() > 1:
+        n = v.numel()
+        pairs = v[0 : n - 1 : 2] + v[1:n:2]
+        v = torch.cat([pairs, v[n - 1 :]]) if n % 2 else pairs
+    return v
+
+
+def _square_sum(x: torch.Tensor, size: int, batch: int) -> torch.Tensor:
+    """The tree's sum over `size` (a power of two) leaves of the float64 squares of `x`'s elements,
+    the leaves past `x` zeros. The first level is fused: a + b*b with b*b exact (24-bit mantissas
+    in 53 bits), so with or without a fused multiply-add it is the sum of the two exact squares,
+    rounded once."""
+    if x.numel() > batch:  # aligned batches, each a subtree; then their sums as the tree's top
+        return _pairwise(torch.cat([_square_sum(x[i : i + batch], batch, batch) for i in range(0, x.numel(), batch)]))
+    n = x.numel()
+    if n == 1:
+        return x.double().square()
+    first = x[0 : n - 1 : 2].double()
+    first.mul_(first)
+    odd = x[1:n:2].double()
+    first.addcmul_(odd, odd)
+    if n % 2:
+        first = torch.cat([first, x[n - 1 :].double().square()])
+    return _pairwise(first)
+
+
+def _block_sums(x: torch.Tensor, lo: int, hi: int, end: int, batch: int = _BATCH) -> List[Tuple[int, int, float]]:
     """(start, size, sum) of the largest aligned power-of-two blocks covering element positions
-    [lo, hi) of a parameter of `end` elements, `x` holding their (float64) squares. The piece that
-    ends the parameter also covers the positions up to the tree's width, as zeros: the same bits as
-    a node without its right half (the values are >= 0)."""
+    [lo, hi) of a parameter of `end` elements, each the float64 sum of its elements' exact squares
+    (`x` holds the elements of [lo, hi)) in the tree's pairwise order. The piece that ends the
+    parameter also covers the positions up to the tree's width, as zeros (never materialised): the
+    same bits as a node without its right half."""
     top = _pow2_at_least(end) if hi == end else hi
-    if top > hi:
-        x = torch.cat([x, x.new_zeros(top - hi)])
     out, pos = [], lo
     while pos < top:
         size = 1
         while pos % (2 * size) == 0 and pos + 2 * size <= top:
             size *= 2
-        block = x[pos - lo : pos - lo + size]
-        while block.numel() > 1:  # pairwise, level by level: the tree's own order
-            block = block[0::2] + block[1::2]
-        out.append((pos, size, block[0]))
+        stop = min(pos + size, hi)
+        value = float(_square_sum(x[pos - lo : stop - lo], size, batch)) if stop > pos else 0.0
+        out.append((pos, size, value))
         pos += size
     return out
 
@@ -160,9 +195,9 @@ def canonical_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> tor
         sizes[i] = n
         if hi <= lo:
             continue
-        squares = local.detach().reshape(-1).double().square()  # exact: 24-bit mantissas, 53 bits room
-        for start, size, value in _block_sums(squares, lo, hi, n):
-            mine.append((i, start, size, float(value)))
+        # squared exactly in float64 (24-bit mantissas, 53 bits of room) as the blocks are summed
+        for start, size, value in _block_sums(local.detach().reshape(-1), lo, hi, n):
+            mine.append((i, start, size, value))
     gathered = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
@@ -175,8 +210,9 @@ def canonical_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> tor
     total = tree_sum([torch.tensor(v, dtype=torch.float64) for v in per_param]) if per_param else torch.zeros(())
     norm = total.double().sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    if float(coef) != 1.0:  # a factor of 1 leaves every bit as it is: no pass over the gradients
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
     return norm.float().to(device)

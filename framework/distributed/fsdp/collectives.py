@@ -198,6 +198,23 @@ def all_to_all(
     return Pending(work, output, stats)
 
 
+def tree_reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, transport: Transport, stats: CommStats, label: str
+) -> Pending:
+    """Async reduce-scatter of `full` (N x shard, rank-major) into `output`, the ranks' chunks added
+    in the canonical tree's order (`Transport.tree_reduce_scatter`; the deterministic mode). Its
+    bytes are an all-to-all's, counted as one ((N-1) chunks sent)."""
+    n = transport.world
+    if n == 1:
+        output.copy_(full)
+        return Pending(None, output, stats)
+    stats.alltoall_bytes += (n - 1) * output.numel() * full.element_size()
+    stats.num_collectives += 1
+    with record_function(f"fsdp::tree_reduce_scatter({label})"):
+        work, finish = transport.tree_reduce_scatter(output, full)
+    return Pending(work, output, stats, finish)
+
+
 def all_to_all_v(
     output: torch.Tensor,
     sent: torch.Tensor,

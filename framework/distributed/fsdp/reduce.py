@@ -101,6 +101,7 @@ class GradReduction:
         # synced one sends the rank's subtree to the shards' owners, who add in tree order
         self.deterministic = False
         self.tree = TreeSum()
+        self._leaf: Optional[torch.Tensor] = None  # this backward's leaf, filled by pre_accumulate
         # entry indices of a group's parameters that get a gradient ([Note: a group of modules is
         # one unit] in unit.py)
         self.reached: set = set()
@@ -151,6 +152,7 @@ class GradReduction:
         self.grad_shard = self.accum = None
         self._accum_valid = False
         self.tree = TreeSum()
+        self._leaf = None
 
     # [Note: frozen parameters reshard after the unit's whole backward]
     # A unit whose parameters are all trainable is done with them once its last gradient is in
@@ -198,15 +200,26 @@ class GradReduction:
         written straight into the parameter's own slot of the gathered storage, and that slot is
         handed to autograd to store: one copy, which also fixes the layout of transposed weight
         gradients (which autograd would otherwise clone into the parameter's layout first).
+        Under the deterministic mode the slot is this backward's leaf of the tree instead (the
+        buffer `_reduce_canonical` pushes), whatever the unit's storage.
         """
         if (
             self.unit.members is not None
         ):  # a group: this parameter gets a gradient ([Note: a group of modules is one unit])
             self.reached.add(idx)
-        if not self._in_place_this_backward() or self._written[idx]:
+        if self._written[idx]:
             return None
         e = self.unit.entries[idx]
-        dst = self.unit.full_flat[e.offset : e.offset + e.numel].view(e.shape)
+        if self.deterministic and grad.dtype == self.unit.reduce_dtype:
+            # this backward's leaf of the tree: each gradient straight into its slot, as above
+            if self._leaf is None:
+                u = self.unit
+                self._leaf = torch.empty(u.layout.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
+            dst = self._leaf[e.offset : e.offset + e.numel].view(e.shape)
+        elif self._in_place_this_backward():
+            dst = self.unit.full_flat[e.offset : e.offset + e.numel].view(e.shape)
+        else:
+            return None
         with torch.no_grad():
             dst.copy_(grad)
         self._written[idx] = True
@@ -316,9 +329,11 @@ class GradReduction:
     def _reduce_canonical(self) -> None:
         """[Note: one summation tree, whatever the layout]: this backward's full gradients are the
         next leaf of the rank's subtree; a synced backward sends the subtree's N pieces to their
-        owners (an all-to-all: a reduce-scatter's bytes), who add them in tree order at the wait."""
+        owners (an all-to-all's bytes, a reduce-scatter's), who add them in tree order."""
         u, L = self.unit, self.unit.layout
-        leaf = torch.empty(L.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
+        leaf, self._leaf = self._leaf, None  # the gradients pre_accumulate wrote in already
+        if leaf is None:
+            leaf = torch.empty(L.padded_total, dtype=u.reduce_dtype, device=u.compute_device)
         with record_function("fsdp::copy_grads"):
             self._write_grads(leaf, accumulate=False)
             self.tree.push(leaf)
@@ -326,8 +341,10 @@ class GradReduction:
             local = self.tree.total()
             fresh = all(p.grad is None for p in self._trainable_sharded())
             if u.N > 1:
-                recv = torch.empty_like(local)
-                pending = C.all_to_all(recv, local, u.reduce_group, u.stats, u.name)
+                # the group's transport: shared memory between the processes of one host, with
+                # the tree's adds read straight from it (no full-size receive buffer)
+                out = torch.empty(L.shard_numel, dtype=local.dtype, device=local.device)
+                pending = C.tree_reduce_scatter(out, local, u.transports()[1], u.stats, u.name)
             else:
                 pending = C.Pending(None, local, u.stats)
             self.pending = _Reduction(
@@ -349,11 +366,11 @@ class GradReduction:
             u.ctx.add_pending(u)
 
     def _finish_canonical(self, red: _Reduction) -> torch.Tensor:
-        """The owner's side of `_reduce_canonical`: the N pieces in tree order, then the R replicas'."""
+        """The owner's side of `_reduce_canonical`: the N pieces (summed in tree order by the
+        transport), then the R replicas'."""
         u = self.unit
-        received = C.wait(red.pending)
+        reduced = C.wait(red.pending)  # the N pieces in tree order (C.tree_reduce_scatter)
         S = u.layout.shard_numel
-        reduced = tree_sum(list(received.view(u.N, S).unbind())) if u.N > 1 else received
         if u.R > 1:
             transport = C.transport_for(u.replicate_group, reduced.device)
             every = torch.empty(u.R * S, dtype=reduced.dtype, device=reduced.device)

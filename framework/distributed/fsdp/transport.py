@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .canonical import tree_sum
+
 Finish = Optional[Callable[[], None]]  # local work after the wait (e.g. summing received chunks)
 
 
@@ -49,6 +51,21 @@ class Transport:
         `scratch` stay untouched until the wait (and `finish`) are done."""
         work = _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return work, None
+
+    def tree_reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> Tuple[Any, Finish]:
+        """Issue the sum over ranks of `full` into this rank's chunk `output`, the N ranks' chunks
+        added in the canonical tree's order (`canonical.tree_sum`, rank i is leaf i): the
+        deterministic mode's reduction, whose bits depend on the data only ([Note: one summation
+        tree, whatever the layout] in canonical.py). Here an all-to-all (a reduce-scatter's bytes)
+        into a receive buffer, summed at the finish; `full` stays untouched until then."""
+        n, S = self.world, output.numel()
+        recv = torch.empty_like(full)
+        work = dist.all_to_all_single(recv, full, group=self.group, async_op=True)
+
+        def finish() -> None:
+            tree_sum(list(recv.view(n, S).unbind()), out=output)
+
+        return work, finish
 
     def close(self) -> None:
         """Let go of what the transport holds (called when its group goes away)."""

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from framework.fileio import SHM_PREFIX, pid_namespace, sweep_dead
 
+from ..canonical import tree_sum
 from ..transport import Transport
 
 SHM_DIR = "/dev/shm"
@@ -220,6 +221,11 @@ class SharedMemoryChannel:
         """Sum the ranks' flat `full` (rank-major chunks) and keep this rank's chunk in `output`."""
         return self._issue(self._reduce_scatter, output, full)
 
+    def tree_reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> _Work:
+        """`reduce_scatter` with the ranks' chunks added in the canonical tree's order (rank i is
+        leaf i; `canonical.tree_sum`): the deterministic mode's reduction."""
+        return self._issue(self._tree_reduce_scatter, output, full)
+
     def _issue(self, fn: Callable, *args) -> _Work:
         work = _Work()
         self._jobs.put((work, fn, args))
@@ -327,6 +333,25 @@ class SharedMemoryChannel:
             for p in others[1:]:
                 out.add_(p)
 
+    def _tree_reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        # the reduce-scatter's chunk protocol; each element's sum is the tree's over the ranks, read
+        # straight from the regions (the sum is elementwise, so chunking leaves its bits alone)
+        n, r = self.world, self.rank
+        S, dtype = output.numel(), full.dtype
+        per = self.region_bytes // (n * dtype.itemsize)
+        for off in range(0, S, per):
+            k = min(per, S - off)
+            slot = self._next_slot()
+            for j in range(n):
+                if j != r:
+                    part = full[j * S + off : j * S + off + k]
+                    self._region(slot, r, dtype, k, at=j * k * dtype.itemsize).copy_(part)
+            self._arrive_and_wait()
+            at = r * k * dtype.itemsize
+            own = full[r * S + off : r * S + off + k]
+            leaves = [own if j == r else self._region(slot, j, dtype, k, at=at) for j in range(n)]
+            tree_sum(leaves, out=output[off : off + k])
+
 
 class SharedMemoryTransport(Transport):
     """A group's all-gathers and reduce-scatters through its `SharedMemoryChannel`."""
@@ -342,6 +367,9 @@ class SharedMemoryTransport(Transport):
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, scratch=None):
         return self.channel.reduce_scatter(output, full), None
+
+    def tree_reduce_scatter(self, output: torch.Tensor, full: torch.Tensor):
+        return self.channel.tree_reduce_scatter(output, full), None
 
     def close(self) -> None:
         self.channel.close()
