@@ -73,7 +73,8 @@ def trainer_step(engine, model, opt, idx, vocab):
     """The trainer's step on one micro-batch per rank, with the gradient norm measured (not
     clipped): framework/trainer.py's default, or framework/deterministic.py's."""
     from framework.distributed.fsdp import clip_grad_norm_
-    from framework.distributed.fsdp.canonical import canonical_grad_norm_, tree_sum_slots
+    from framework.distributed.fsdp.canonical import canonical_grad_norm_
+    from framework.distributed.fsdp.tree import tree_sum_slots
 
     ws = dist.get_world_size()
     if engine == "ours_det":

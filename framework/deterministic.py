@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from framework.data.loader import GlobalBatchLoader
-from framework.distributed.fsdp.canonical import canonical_grad_norm_, tree_sum_slots
+from framework.distributed.fsdp.canonical import canonical_grad_norm_
+from framework.distributed.fsdp.tree import tree_sum_slots
 from framework.errors import UserInputError
 from framework.models.tasks import IGNORE_INDEX, to_device
 from framework.steps import PlainSteps

@@ -249,7 +249,7 @@ def test_training_is_bit_identical_on_either_transport():
 
 
 def _tree_reduce_worker(rank, world, transport):
-    from framework.distributed.fsdp.canonical import tree_sum
+    from framework.distributed.fsdp.tree import tree_sum
 
     region = shm.REGION_BYTES
     shm.REGION_BYTES = REGION

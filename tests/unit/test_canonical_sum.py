@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from framework.distributed.fsdp.canonical import TreeSum, _block_sums, _param_total, _pow2_at_least, tree_sum
+from framework.distributed.fsdp.canonical import _block_sums, _param_total
+from framework.distributed.fsdp.tree import TreeSum, _pow2_at_least, tree_sum
 
 
 def _leaves(n: int, seed: int = 0) -> list:

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from . import collectives as C
 from .api import UnitState
-from .canonical import TreeSum, tree_sum
+from .tree import TreeSum, tree_sum
 from .views import ShardPiece
 from .zeropp import dequantize_into, issue_quantized_reduce, packed_nbytes
 

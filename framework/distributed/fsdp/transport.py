@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .canonical import tree_sum
+from .tree import tree_sum
 
 Finish = Optional[Callable[[], None]]  # local work after the wait (e.g. summing received chunks)
 

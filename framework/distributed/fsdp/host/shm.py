@@ -54,8 +54,8 @@ import torch.distributed as dist
 
 from framework.fileio import SHM_PREFIX, pid_namespace, sweep_dead
 
-from ..canonical import tree_sum
 from ..transport import Transport
+from ..tree import tree_sum
 
 SHM_DIR = "/dev/shm"
 REGION_BYTES = 4 << 20  # per rank and slot; 1, 2, 4, 8 and 16 MiB measured (bench/RESULTS.md)
