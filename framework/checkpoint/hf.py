@@ -246,7 +246,6 @@ def _read_piece(handle, key: str, like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of tensor `key`, laid out like `like` (see [Note: sliced import])."""
     if not hasattr(like, "device_mesh"):
         return handle.get_tensor(key).to(like.dtype)
-    from torch.distributed.tensor import DTensor
 
     box = _local_box(like) if like.dim() else None
     if box is None:
@@ -255,14 +254,7 @@ def _read_piece(handle, key: str, like: torch.Tensor) -> torch.Tensor:
         local = torch.empty([hi - lo for lo, hi in box], dtype=like.dtype)
     else:
         local = handle.get_slice(key)[tuple(slice(lo, hi) for lo, hi in box)].to(like.dtype)
-    return DTensor.from_local(
-        local.to(like.device_mesh.device_type),
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
+    return _like(local, like)
 
 
 def import_safetensors(
@@ -354,7 +346,6 @@ def _expert_box(like: torch.Tensor, operations, groups: list[list[str]]):
 
 def _merged_piece(files, operations, groups, where: str, like: torch.Tensor, box, name: str) -> torch.Tensor:
     """The piece `box` of a per-expert merge, reading only the experts in box[0]."""
-    from torch.distributed.tensor import DTensor
 
     lo, hi = box[0]
     part = _merge(files, operations, [g[lo:hi] for g in groups], where) if hi > lo else None
@@ -367,6 +358,13 @@ def _merged_piece(files, operations, groups, where: str, like: torch.Tensor, box
                 f"{(like.shape[0], *part.shape[1:])}, the model needs {tuple(like.shape)} (our {name})"
             )
         local = part[(slice(None), *(slice(a, b) for a, b in box[1:]))].to(like.dtype).contiguous()
+    return _like(local, like)
+
+
+def _like(local: torch.Tensor, like) -> torch.Tensor:
+    """`local` as this rank's piece of a DTensor laid out as `like`."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(
         local.to(like.device_mesh.device_type),
         like.device_mesh,

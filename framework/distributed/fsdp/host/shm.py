@@ -314,7 +314,10 @@ class SharedMemoryChannel:
                 if j != r:
                     output[j * S + off : j * S + off + k].copy_(self._region(slot, j, dtype, k))
 
-    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+    def _posted_chunks(self, output: torch.Tensor, full: torch.Tensor):
+        """The reduce-scatter's chunk protocol: per chunk of this rank's output, every other rank's
+        part posted to this rank's region, then all arrive; yields (offset, length, this rank's own
+        part, the others' parts in rank order with None at this rank's place)."""
         n, r = self.world, self.rank
         S, dtype = output.numel(), full.dtype
         per = self.region_bytes // (n * dtype.itemsize)  # a region holds one sub-chunk per rank
@@ -326,31 +329,23 @@ class SharedMemoryChannel:
                     part = full[j * S + off : j * S + off + k]
                     self._region(slot, r, dtype, k, at=j * k * dtype.itemsize).copy_(part)
             self._arrive_and_wait()
-            own = full[r * S + off : r * S + off + k]
+            at = r * k * dtype.itemsize
+            parts = [None if j == r else self._region(slot, j, dtype, k, at=at) for j in range(n)]
+            yield off, k, full[r * S + off : r * S + off + k], parts
+
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        for off, k, own, parts in self._posted_chunks(output, full):
             out = output[off : off + k]  # may be `own` itself: it is read before it is written
-            others = [self._region(slot, j, dtype, k, at=r * k * dtype.itemsize) for j in range(n) if j != r]
+            others = [p for p in parts if p is not None]
             torch.add(own, others[0], out=out)
             for p in others[1:]:
                 out.add_(p)
 
     def _tree_reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
-        # the reduce-scatter's chunk protocol; each element's sum is the tree's over the ranks, read
-        # straight from the regions (the sum is elementwise, so chunking leaves its bits alone)
-        n, r = self.world, self.rank
-        S, dtype = output.numel(), full.dtype
-        per = self.region_bytes // (n * dtype.itemsize)
-        for off in range(0, S, per):
-            k = min(per, S - off)
-            slot = self._next_slot()
-            for j in range(n):
-                if j != r:
-                    part = full[j * S + off : j * S + off + k]
-                    self._region(slot, r, dtype, k, at=j * k * dtype.itemsize).copy_(part)
-            self._arrive_and_wait()
-            at = r * k * dtype.itemsize
-            own = full[r * S + off : r * S + off + k]
-            leaves = [own if j == r else self._region(slot, j, dtype, k, at=at) for j in range(n)]
-            tree_sum(leaves, out=output[off : off + k])
+        # each element's sum is the tree's over the ranks, read straight from the regions (the sum
+        # is elementwise, so chunking leaves its bits alone)
+        for off, k, own, parts in self._posted_chunks(output, full):
+            tree_sum([own if p is None else p for p in parts], out=output[off : off + k])
 
 
 class SharedMemoryTransport(Transport):
