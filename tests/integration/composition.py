@@ -545,3 +545,6 @@ case("lora sft pp/1f1b", lora="on", stage="sft", pp="1f1b")
 case("lora sft pp/gpipe", lora="on", stage="sft", pp="gpipe")
 case("lora sft pp/interleaved_1f1b", lora="on", stage="sft", pp="interleaved_1f1b")
 case("lora sft pp/zbv", lora="on", stage="sft", pp="zbv")
+# Sequence parallel with model=hf (the decoder layers' stream cut on the sequence), with the
+# blocks recomputed in backward.
+case("dp_shard sp hf", dp_shard=2, sp="on", ac="full", model="hf")

@@ -19,8 +19,9 @@ transformers ships a plan with many configs (`config.base_model_tp_plan`: {"laye
 
 The attention reshapes the projections with `view(..., -1, head_dim)`, so a rank's local heads
 need no change in the model's code. Other styles (packed or gathered outputs, experts) are
-refused by name with the family, as is a model type that ships no plan; so is sequence
-parallelism for these models.
+refused by name with the family, as is a model type that ships no plan. With
+parallelism.sequence_parallel the decoder layers' stream is sharded on the sequence
+(framework/models/hf/sequence_parallel.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from framework.errors import UserInputError
+from framework.models.hf.sequence_parallel import sequence_parallel_plan
 
 
 def _per_head_norm() -> ParallelStyle:
@@ -66,11 +68,6 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
             f"parallelism.tp > 1 with model=hf model_type={kind}: its plan uses {', '.join(unsupported)}, "
             f"which this engine does not apply (only {', '.join(STYLES)}); set parallelism.tp=1"
         )
-    if sequence_parallel:
-        raise UserInputError(
-            "parallelism.sequence_parallel=true with model=hf: not supported for Hugging Face models; "
-            "set parallelism.sequence_parallel=false"
-        )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if tp:
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_size"):
@@ -97,4 +94,6 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
         out[by_module[id(embeddings)]] = RowwiseParallel(input_layouts=Replicate())
     if head is not None:
         out[by_module[id(head)]] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if sequence_parallel:
+        return sequence_parallel_plan(base, prefix, out, kind)
     return out
