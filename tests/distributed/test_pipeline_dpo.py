@@ -1,10 +1,12 @@
 """stage=dpo through pipeline stages, through `main.py` ([Note: preference pairs through a
 pipeline] in framework/dpo/pipeline.py): pp=2 under 1f1b and gpipe, and pp=2 x dp_shard=2, train
 like one process on the same global batch: the losses, gradient norms and the pairs' statistics
-of every step, the validation loss and statistics, and every weight after 5 steps; the
-interleaved and zbv schedules likewise (zbv's reference passes run its stages in turn, its
-schedule having no forward-only step; no validation, which zbv refuses); a checkpoint written at
-pp=2 resumes on two sharded ranks without a pipeline with the same losses.
+of every step, the validation loss and statistics, and every weight after 5 steps; zbv likewise
+(its reference passes run the stages in turn, its schedule having no forward-only step; no
+validation, which zbv refuses); a checkpoint written at pp=2 resumes on two sharded ranks without a
+pipeline with the same losses. interleaved_1f1b runs the reference as 1f1b and gpipe do (the
+schedule's forward-only step): tests/integration/composition.py's "dpo tp pp/interleaved_1f1b"
+(COMPOSITION_ALL=1) checks it, tensor parallel inside its stages, against one process.
 
 8 pairs a step in micro-batches of 2 pairs: one process accumulates 4 of them; the pipeline runs 4
 microbatches of 2 pairs (4 rows: the chosen two, then the rejected two), or 2 of 4 pairs where
@@ -109,10 +111,10 @@ def test_dpo_at_pp2_1f1b_equals_one_process(pp_1f1b, one):
     _same_as_one_process(pp_1f1b, one)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zbv"])
 def test_dpo_at_pp2_equals_one_process(pairs, one, schedule):
-    """gpipe with 2 microbatches of 4 pairs cut unevenly (3 blocks, then 1 and the head);
-    interleaved_1f1b with 2 stages a rank; zbv with rank 0 holding the first and the last stage."""
+    """gpipe with 2 microbatches of 4 pairs cut unevenly (3 blocks, then 1 and the head); zbv with
+    rank 0 holding the first and the last stage."""
     run = _run(pairs, pairs / schedule, "cluster.nproc_per_node=2", "parallelism.pp=2", *PIPELINES[schedule])
     _same_as_one_process(run, one, validated=schedule != "zbv")
 
