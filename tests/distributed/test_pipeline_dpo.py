@@ -95,7 +95,6 @@ def _same_as_one_process(run: Path, one: Path, validated: bool = True) -> None:
 PIPELINES = {
     "1f1b": ["parallelism.pp_schedule=1f1b"],
     "gpipe": ["parallelism.pp_schedule=gpipe", "parallelism.pp_microbatches=2", "parallelism.pp_split=[3,1]"],
-    "interleaved_1f1b": ["parallelism.pp_schedule=interleaved_1f1b"],
     "zbv": ["parallelism.pp_schedule=zbv", "parallelism.pp_split=[1,1,1,1]", "trainer.eval_interval=0"],
 }
 
