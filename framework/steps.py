@@ -7,8 +7,9 @@ which layout they run on.
   synchronised on the last, a mixture-of-experts model's routers around them (framework/routing.py).
 - `ScheduleSteps`: the model cut into stages over `parallelism.pp` (framework/distributed/pipeline.py):
   the step's micro-batches through torch's schedule at once, its loss the task's cross-entropy on
-  the last stage (pipelines train causal language models, pre-training or fine-tuning: refused
-  otherwise at the build).
+  the last stage, or a stage's own `RowsLoss` (stage=dpo's pairs) that the stage gives as its
+  micro-batch loss (pipelines train causal language models, pre-training, fine-tuning or
+  preference pairs: refused otherwise at the build).
 
 Both return the step's loss summed over this rank's micro-batches (each divided by their number),
 on the device; the trainer owns what follows (clip, observe, optimizer step, zero_grad).
@@ -24,6 +25,22 @@ import torch
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.models.tasks import IGNORE_INDEX, to_device, with_aux_loss
 from framework.routing import RouterSteps
+
+
+class RowsLoss:
+    """A stage's loss as a pipeline's last stage computes it, microbatch by microbatch: [Note: a
+    stage's own loss through the schedule] in framework/distributed/pipeline.py. A stage hands it
+    to `ScheduleSteps` where `PlainSteps` takes its `loss(batch)`."""
+
+    def rows(self, batches: list, microbatches: int) -> torch.Tensor:
+        """The step's `batches` as the stages' input rows, cut by the schedule into `microbatches`
+        equal chunks in order; keeps what `__call__` needs. Every rank of the pipeline calls it."""
+        raise NotImplementedError
+
+    def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a microbatch, on the last stage: `output` the stage's of the rows whose
+        indices (into `rows(...)`'s) are `rows`."""
+        raise NotImplementedError
 
 
 class PlainSteps:
@@ -113,8 +130,9 @@ class ScheduleSteps:
         return contextlib.nullcontext()
 
     def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
-        """Every micro-batch through the stages: one schedule step (its loss the task's cross-entropy)."""
-        return self.schedule.train_batches([next_batch() for _ in range(accum)])
+        """Every micro-batch through the stages: one schedule step (its loss the task's
+        cross-entropy, or `loss` where a stage gives a `RowsLoss`)."""
+        return self.schedule.train_batches([next_batch() for _ in range(accum)], _rows_loss(loss))
 
     def end(self, read: bool) -> dict:
         return {}  # the stages compute no load-balancing loss and keep no router statistics
@@ -125,7 +143,16 @@ class ScheduleSteps:
 
     def eval_total(self, batches: list, per_step: int, loss: Callable, device):
         """Forward-only passes of the schedule, `per_step` batches (a step's) each."""
-        return self.schedule.eval_total([to_device(b, device) for b in batches], per_step)
+        return self.schedule.eval_total([to_device(b, device) for b in batches], per_step, _rows_loss(loss))
+
+    def forward_rows(self, inputs: torch.Tensor, on_output: Callable) -> None:
+        """A forward-only pass of a `RowsLoss`'s rows (a reference model's: the pipeline's
+        `forward_rows`); `on_output(output, rows)` on the last stage's rank."""
+        self.schedule.forward_rows(inputs, on_output)
+
+
+def _rows_loss(loss) -> Optional[RowsLoss]:
+    return loss if isinstance(loss, RowsLoss) else None  # else the task's, computed by the schedule
 
 
 def schedule_for(model, dims, mesh, cfg, family, device, accum: int, task) -> Optional[ScheduleSteps]:

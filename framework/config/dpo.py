@@ -72,11 +72,6 @@ def dpo_problems(cfg) -> List[str]:
             f"stage=dpo with parallelism.cp={p.cp}: a pair's log-probabilities are summed over whole "
             "sequences; set parallelism.cp=1 (sharding and tensor parallelism are supported)"
         )
-    if p.pp > 1:
-        problems.append(
-            f"stage=dpo with parallelism.pp={p.pp}: pipeline stages are not supported for preference "
-            "optimization; set parallelism.pp=1 (sharding and tensor parallelism are supported)"
-        )
     if p.ep > 1:
         problems.append(
             f"stage=dpo with parallelism.ep={p.ep}: expert parallelism is not supported for preference "

@@ -140,7 +140,11 @@ def grpo_problems(cfg) -> List[str]:
             problems.append(f"grpo.{name}={getattr(g, name)!r} is not a regular expression: {exc}")
     for degree, why in (
         ("cp", "a completion's log-probabilities are taken over whole sequences"),
-        ("pp", "pipeline stages do not generate"),
+        (
+            "pp",
+            "GRPO first generates its completions token by token with the whole policy, and each pipeline rank "
+            "holds only some of its layers (its stages keep no decoding cache)",
+        ),
         ("ep", "expert parallelism is not supported"),
     ):
         if getattr(p, degree) > 1:

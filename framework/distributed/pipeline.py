@@ -59,7 +59,19 @@ framework/config/pipeline.py, `bubble_fraction`; measured: bench/pipeline_bubble
 
 The loss of each microbatch is the task's mean over its labelled positions divided by the
 number of microbatches (scale_grads=False), as gradient accumulation divides it; the last stage
-sums them and one all-reduce over the pp group gives every rank the step's loss. The gradient
+sums them and one all-reduce over the pp group gives every rank the step's loss.
+
+[Note: a stage's own loss through the schedule]
+A stage whose loss is not the task's cross-entropy of each row (stage=dpo's: a pair's chosen and
+rejected sequences, compared with a reference model's) hands `train_batches` and `eval_total` a
+`RowsLoss` (framework/steps.py): `rows(batches, microbatches)` lays the step's batches out as the
+stages' rows, in the order the schedule cuts them into `microbatches` equal chunks (so a pair's
+two sequences share a microbatch), and keeps what its microbatch losses need (the labels; the
+reference's log-probabilities, from a forward-only pass of the reference's own stages,
+`forward_rows`: every rank of the pipeline calls `rows`); the schedule's target is then each row's
+index, so the last stage's loss of a microbatch, `loss(output, rows)`, reads its rows' labels by
+index and depends on no order in which the schedule computes its microbatches. That loss is the
+microbatch's mean, divided here by the number of microbatches as the task's is. The gradient
 norm needs no pipeline step: the engine's norm sums every rank's pieces over the world, each
 divided by its number of copies ([Note: pieces that describe themselves]), which covers every
 stage once.
@@ -408,11 +420,14 @@ class Pipeline:
         loss over a microbatch's labelled positions (the trainer passes the task's cross-entropy)."""
         p, t = cfg.parallelism, cfg.trainer
         self.loss_fn = loss_fn
-        if cfg.stage.value not in ("training", "fine_tuning") or task.name != "causal_lm":
+        if cfg.stage.value not in ("training", "fine_tuning", "dpo") or task.name != "causal_lm":
             raise UserInputError(
                 f"parallelism.pp={dims.pp} with stage={cfg.stage.value} and model.task={task.name}: pipelines train "
-                "causal language models (pre-training, fine-tuning) only for now; set parallelism.pp=1"
+                "causal language models (pre-training, fine-tuning, preference pairs) only for now; set "
+                "parallelism.pp=1"
             )
+        # rows a sample is in the stages: a preference pair is its chosen and its rejected sequence
+        self.rows_per_sample = 2 if cfg.stage.value == "dpo" else 1
         meta = any(param.is_meta for param in model.parameters())
         if family.pipeline_stage is None:
             raise UserInputError(
@@ -458,7 +473,7 @@ class Pipeline:
             for module in modules:
                 module.materialize()  # what the model's init does not fill (the rotary table)
         dtype = _DTYPES[p.param_dtype]
-        mb = self.samples // self.microbatches
+        mb = self.rows_per_sample * self.samples // self.microbatches
         self.stages = []
         for index, module in zip(mine, modules):
             x, y = module.example_io(mb, cfg.data.seq_len, dtype, tp=dims.tp)
@@ -481,6 +496,7 @@ class Pipeline:
         schedule_class = _SCHEDULES[self.schedule_name]
         stages = self.stages if v > 1 else self.stages[0]
         self.losses: List[torch.Tensor] = []
+        self._microbatch_loss = loss_fn  # a RowsLoss for one step: [Note: a stage's own loss through the schedule]
         self.schedule = schedule_class(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _shard(self, dims, mesh, p, family, checkpointed: list) -> None:
@@ -523,25 +539,39 @@ class Pipeline:
             fully_shard(stage, reshard_after_forward=reshard, **kwargs)
 
     def _loss(self, logits, labels) -> torch.Tensor:
-        return self.loss_fn(logits, labels) / self.microbatches
+        return self._microbatch_loss(logits, labels) / self.microbatches
 
-    def train_batches(self, batches: list) -> torch.Tensor:
+    def _schedule_inputs(self, batches: list, loss, losses: list) -> tuple:
+        """(args, kwargs) of a schedule step over `batches`: the task's rows and labels, or a
+        `RowsLoss`'s rows and their indices ([Note: a stage's own loss through the schedule]); the
+        microbatch loss set to match."""
+        if loss is None:
+            inputs, labels, packed = _joined(batches)
+            self._microbatch_loss = self.loss_fn
+        else:
+            inputs, packed = loss.rows(batches, self.microbatches), {}
+            labels = torch.arange(inputs.shape[0], device=inputs.device)
+            self._microbatch_loss = loss
+        args = (inputs,) if self.holds_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
+        return args, {**kwargs, **packed}, inputs.device
+
+    def train_batches(self, batches: list, loss=None) -> torch.Tensor:
         """Forward and backward of one optimizer step's batches ((inputs, labels) pairs, this
-        data-parallel rank's); returns the step's loss on every rank (a 0-d tensor)."""
+        data-parallel rank's); returns the step's loss on every rank (a 0-d tensor). `loss`: a
+        stage's own (a `RowsLoss`), else the task's."""
         from framework.distributed.tensor_parallel import full, loss_context
 
-        inputs, labels, packed = _joined(batches)
+        losses: List[torch.Tensor] = []
+        args, kwargs, device = self._schedule_inputs(batches, loss, losses)
         for stage in self.stages:
             stage.backwards = 0
         self._clear_aux()
-        losses: List[torch.Tensor] = []
-        args = (inputs,) if self.holds_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
         with loss_context(self.model):
-            self.schedule.step(*args, **kwargs, **packed)
-        total = torch.zeros((), device=inputs.device)
-        for loss in losses:
-            total += full(loss.detach()).float()
+            self.schedule.step(*args, **kwargs)
+        total = torch.zeros((), device=device)
+        for part in losses:
+            total += full(part.detach()).float()
         total += self._clear_aux().to(total.device)  # each stage's load-balancing losses, already / microbatches
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
@@ -564,7 +594,23 @@ class Pipeline:
         training step's), each stage in turn on its rank, the hidden states sent to the next
         stage's rank at the same data- and tensor-parallel place, the logits broadcast over the
         pipeline from the last stage's. Every rank of the pipeline calls it together."""
-        from framework.distributed.tensor_parallel import full, loss_context
+        from framework.distributed.tensor_parallel import full
+
+        peer = lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
+        h = self._walk(tokens)
+        last = self.owner[self.n_stages - 1]
+        shape = torch.tensor(full(h).shape if last == self.pp_rank else (0, 0, 0), device=tokens.device)
+        dist.broadcast(shape, src=peer(last), group=self.pp_group)
+        out = (
+            full(h).float().contiguous() if last == self.pp_rank else torch.empty(*shape.tolist(), device=tokens.device)
+        )
+        dist.broadcast(out, src=peer(last), group=self.pp_group)
+        return out
+
+    def _walk(self, tokens: torch.Tensor):
+        """Each stage in turn on its rank, outside the schedule: the last stage's output on its
+        rank (vocabulary-sharded under tensor parallel), `tokens` elsewhere."""
+        from framework.distributed.tensor_parallel import loss_context
 
         peer = lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
         h = tokens
@@ -578,33 +624,52 @@ class Pipeline:
             elif after == self.pp_rank:
                 h = torch.empty(*tokens.shape, self.mine[stage + 1].dim, dtype=self.dtype, device=tokens.device)
                 dist.recv(h, src=peer(here), group=self.pp_group)
-        last = self.owner[self.n_stages - 1]
-        shape = torch.tensor(full(h).shape if last == self.pp_rank else (0, 0, 0), device=tokens.device)
-        dist.broadcast(shape, src=peer(last), group=self.pp_group)
-        out = (
-            full(h).float().contiguous() if last == self.pp_rank else torch.empty(*shape.tolist(), device=tokens.device)
-        )
-        dist.broadcast(out, src=peer(last), group=self.pp_group)
-        return out
+        return h
 
     @torch.no_grad()
-    def eval_total(self, batches: list, per_step: int) -> torch.Tensor:
+    def forward_rows(self, inputs: torch.Tensor, on_output) -> None:
+        """A forward-only pass of `inputs` (the stages' rows, the same on every rank of the
+        pipeline) that calls `on_output(output, rows)` on the last stage's rank with the output of
+        the rows whose indices are `rows` (a reference model's log-probabilities: [Note: a stage's
+        own loss through the schedule]). Through the schedule's forward-only step, microbatch by
+        microbatch; zbv's schedule has none, so there the stages run in turn over all the rows."""
+        from framework.distributed.tensor_parallel import loss_context
+
+        if self.schedule_name == PipelineSchedule.zbv:
+            out = self._walk(inputs)
+            if self.holds_last:
+                with loss_context(self.model):
+                    on_output(out, torch.arange(inputs.shape[0], device=inputs.device))
+            return
+
+        def loss(output, rows):
+            on_output(output, rows)
+            return torch.zeros((), device=inputs.device)
+
+        self._microbatch_loss = loss
+        args = (inputs,) if self.holds_first else ()
+        kwargs = {"target": torch.arange(inputs.shape[0], device=inputs.device), "losses": []}
+        with loss_context(self.model):
+            self.schedule.eval(*args, **(kwargs if self.holds_last else {}))
+
+    @torch.no_grad()
+    def eval_total(self, batches: list, per_step: int, loss=None) -> torch.Tensor:
         """The sum of the batches' mean losses, without backward, on every rank of the pipeline;
-        `per_step` batches (a training step's worth, the stages' static shapes) per schedule pass."""
+        `per_step` batches (a training step's worth, the stages' static shapes) per schedule pass.
+        `loss`: a stage's own (a `RowsLoss`), else the task's."""
         from framework.distributed.tensor_parallel import full, loss_context
 
-        total = torch.zeros((), device=_joined(batches[:1])[0].device)
+        total = None
         self._clear_aux()
         for start in range(0, len(batches), per_step):
             group = batches[start : start + per_step]
             losses: List[torch.Tensor] = []
-            inputs, labels, packed = _joined(group)
-            args = (inputs,) if self.holds_first else ()
-            kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
+            args, kwargs, device = self._schedule_inputs(group, loss, losses)
+            total = torch.zeros((), device=device) if total is None else total
             with loss_context(self.model):
-                self.schedule.eval(*args, **kwargs, **packed)
-            for loss in losses:  # each the microbatch's mean / microbatches: the group's mean
-                total += full(loss.detach()).float() * len(group)
+                self.schedule.eval(*args, **kwargs)
+            for part in losses:  # each the microbatch's mean / microbatches: the group's mean
+                total += full(part.detach()).float() * len(group)
             total += self._clear_aux().to(total.device) * len(group)  # the experts', scaled alike
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total

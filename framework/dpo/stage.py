@@ -70,9 +70,15 @@ class DPOObjective(Objective):
         self.cfg, self.model = cfg, job.model
         if cfg.dpo.disable_dropout:
             disable_dropout(self.model)
-        self.reference = None
+        self.reference, reference_runner = None, None
         if cfg.dpo.loss != PreferenceLoss.simpo and not cfg.peft.lora.enabled:
-            self.reference = build_job(cfg, job.rt, reference_of=job).model  # weights in `start`
+            reference = build_job(cfg, job.rt, reference_of=job)  # weights in `start`
+            self.reference, reference_runner = reference.model, reference.runner
+        self.pipelined = None  # pipeline stages: [Note: preference pairs through a pipeline]
+        if not job.runner.whole_model:
+            from framework.dpo.pipeline import PipelinedPairs
+
+            self.pipelined = PipelinedPairs(self, reference_runner)
         self._sums = None  # the step's per-pair statistics summed, then the pair count
         if self.end_of_run is not None:  # the end-of-run sample reads the chosen sequences
             self.end_of_run = functools.partial(_on_chosen, self.end_of_run)
@@ -105,7 +111,8 @@ class DPOObjective(Objective):
 
     def work(self, step):
         self._sums = None
-        return dataclasses.replace(super().work(step), loss=self.preference_loss)
+        loss = self.preference_loss if self.pipelined is None else self.pipelined
+        return dataclasses.replace(super().work(step), loss=loss)
 
     def step_metrics(self, read: bool) -> Dict[str, float]:
         out = self._stat_means() if read else {}
@@ -125,6 +132,8 @@ class DPOObjective(Objective):
     def evaluate(self) -> Dict[str, float]:
         """`val_loss` and the statistics (`val_rewards/...`) over the first trainer.eval_iters
         global batches of the validation pairs."""
+        if self.pipelined is not None:
+            return self.pipelined.evaluate()
         self.model.eval()
         valid, device = self.job.data.valid, self.job.rt.device
         valid.load_state_dict({"consumed_samples": 0})

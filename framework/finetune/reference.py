@@ -19,7 +19,12 @@ def token_logps(model, ids: torch.Tensor, targets: torch.Tensor, gather=lambda t
     """(rows, seq) log-probabilities of `targets` given `ids` (0 where a target is IGNORE_INDEX),
     from the logits divided by `temperature`, in at least fp32. `gather` makes a tensor-parallel
     (vocabulary-sharded) result whole."""
-    logits = logits_of(model(ids)).flatten(0, -2)  # a float64 model's stay float64
+    return logits_logps(logits_of(model(ids)), targets, gather, temperature)
+
+
+def logits_logps(logits: torch.Tensor, targets: torch.Tensor, gather=lambda t: t, temperature: float = 1.0):
+    """`token_logps` from the logits already computed (a pipeline's last stage has them)."""
+    logits = logits.flatten(0, -2)  # a float64 model's stay float64
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature

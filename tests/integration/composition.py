@@ -548,3 +548,11 @@ case("lora sft pp/zbv", lora="on", stage="sft", pp="zbv")
 # Sequence parallel with model=hf (the decoder layers' stream cut on the sequence), with the
 # blocks recomputed in backward.
 case("dp_shard sp hf", dp_shard=2, sp="on", ac="full", model="hf")
+
+# Pairs allowed since: preference optimization in each pipeline schedule (the reference's own
+# stages; LoRA's base, the policy's stages with the adapters off; vocabulary-sharded logits on the
+# last stage under tensor parallel; zbv's reference passes running the stages in turn).
+case("dpo pp/1f1b lora", lora="on", stage="dpo", pp="1f1b")
+case("dpo pp/gpipe replicate", dp_replicate=2, stage="dpo", pp="gpipe")
+case("dpo tp pp/interleaved_1f1b", tp=2, stage="dpo", pp="interleaved_1f1b")
+case("dpo pp/zbv ac", ac="full", stage="dpo", pp="zbv")
