@@ -10,6 +10,7 @@ only its own slices (see [Note: sliced import]).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -172,7 +173,9 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
     config = hf_config(cfg)
     try:
         with torch.device(device):
-            model = auto.from_config(config, dtype=torch.float32)
+            # A config of its own: transformers keeps the one it is given, which `hf_config` caches,
+            # and a setting made on one model (its attention implementation) must reach no other.
+            model = auto.from_config(copy.deepcopy(config), dtype=torch.float32)
         # Training keeps no key/value cache: a cache filled in forward would differ when activation
         # checkpointing recomputes the block (the export says use_cache=true again for generation).
         model.config.use_cache = False

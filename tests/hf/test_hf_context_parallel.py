@@ -1,0 +1,118 @@
+"""Context parallelism for Hugging Face models ([Note: context parallelism inside a transformers
+model] in framework/models/hf/context.py): transformers' Llama, Qwen2 and Mistral split over the
+sequence train as one process does.
+
+For each family, the trainer at cp=2 (2 ranks) and at dp_shard=2 x cp=2 (4 ranks) runs 5 steps of
+SGD with momentum; its losses, gradient norms and weights after the 5 steps are compared with a
+plain transformers model trained on one process from the same initial weights on the same global
+batches. Qwen2 has one KV head (cp does not divide it: the KV heads travel repeated) and Mistral a
+sliding window of 5 tokens over rows of 16 (so each chunk of 8 attends across the chunk boundary
+through the window). Tolerance 1e-5 (fp32): the split run sums attention's inputs, the loss and
+the gradients in another order (all-to-all, reduce-scatter over 2 or 4 ranks, 2 micro-steps),
+which moves fp32 results by ~1e-7 per step; a chunk at the wrong positions, a mask cut at the
+chunk or a lost gradient moves the loss by > 1e-3 (checked by the test below that turns off the
+positions).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.hf.test_hf_parity import LLAMA, make_config
+
+FAMILIES = {
+    "llama": LLAMA,
+    "qwen2": dict(LLAMA, model_type="qwen2", num_key_value_heads=1),
+    "mistral": dict(LLAMA, model_type="mistral", sliding_window=5),
+}
+TOL = 1e-5  # see the module docstring
+STEPS = 5
+
+
+def _reference(cfg):
+    """The trainer's model build and data, trained by plain transformers on one process: (losses,
+    gradient norms, weights after the steps)."""
+    from framework.data import build_data
+    from framework.models import family_of
+    from framework.optim import build_optimizer, build_scheduler
+
+    family = family_of(cfg.model)
+    task = family.task(cfg.model)
+    torch.manual_seed(cfg.trainer.seed)  # the trainer's sequence: seed, a meta build, the real build
+    family.build(cfg.model, "meta")
+    model = family.build(cfg.model, "cpu")
+    family.init_weights(model, cfg.trainer.seed)
+    data = build_data(
+        cfg.data,
+        vocab_size=family.vocab_size(cfg.model),
+        micro_batch_size=4,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+        seed=cfg.trainer.seed,
+        sample_kind=task.sample_kind,
+        num_labels=family.num_labels(cfg.model),
+    )
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, STEPS)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = task.loss(model, data.train.next_batch())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad_norm).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _split_rank(rank, world, run_dir, families):
+    from framework.runtime import Runtime
+    from framework.stages import stage_of
+    from framework.trainer import build_trainer
+
+    out = {}
+    for label in families:
+        cfg = make_config(FAMILIES[label], "causal_lm", {"cp": 2, "dp_shard": world // 2}, run_dir, steps=STEPS)
+        trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
+        steps = [trainer.train_step() for _ in range(STEPS)]
+        weights = {}
+        for name, value in trainer.model.state_dict().items():
+            weights[name] = value.full_tensor() if hasattr(value, "full_tensor") else value.detach().clone()
+        out[label] = {
+            "losses": [s["loss"] for s in steps],
+            "norms": [s["grad_norm"] for s in steps],
+            "weights": weights if rank == 0 else None,
+            "implementation": trainer.model.config._attn_implementation,
+        }
+        del trainer
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("reference"))
+    return {label: _reference(make_config(c, "causal_lm", {}, run_dir, steps=STEPS)) for label, c in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp_shard2_x_cp2"])
+def test_hf_families_split_over_the_sequence_equal_one_process(world, references, tmp_path):
+    from tests.distributed.harness import run_ranks
+
+    results = run_ranks(_split_rank, world, args=(str(tmp_path), tuple(FAMILIES)), timeout_s=300)
+    for label, (ref_losses, ref_norms, ref_weights) in references.items():
+        for rank, res in enumerate(results):
+            got = res[label]
+            assert got["implementation"] == "framework_sequence_exchange", (label, got["implementation"])
+            assert all(math.isfinite(x) for x in got["losses"]), (label, got)
+            assert got["losses"] == pytest.approx(ref_losses, abs=TOL), (label, rank, got["losses"], ref_losses)
+            assert got["norms"] == pytest.approx(ref_norms, abs=TOL), (label, rank, got["norms"], ref_norms)
+        weights = results[0][label]["weights"]
+        assert set(weights) == set(ref_weights), label
+        worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+        assert worst <= TOL, (label, worst)
+        assert max(ref_losses) - min(ref_losses) > 1e-3, (label, ref_losses)  # the model trains
