@@ -116,3 +116,35 @@ def test_hf_families_split_over_the_sequence_equal_one_process(world, references
         worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
         assert worst <= TOL, (label, worst)
         assert max(ref_losses) - min(ref_losses) > 1e-3, (label, ref_losses)  # the model trains
+
+
+def test_a_cp2_checkpoint_resumes_on_dp_shard2_with_the_same_losses(tmp_path):
+    """main.py with a transformers Llama: 3 steps at cp=2 (2 ranks) saving a checkpoint, resumed at
+    dp_shard=2 (2 ranks, whole sequences) for steps 4-5. The losses and gradient norms of all 5 steps
+    equal the uninterrupted one-process job's (1e-5, as above: sums in another order)."""
+    from conftest import TINY, read_metrics, run_main
+
+    inline = ",".join(f"{k}: {v}" for k, v in LLAMA.items())
+    args = [*TINY, "model=hf", f"+model.config={{{inline}}}", "data.seq_len=32", "trainer.global_batch_size=4"]
+    args += ["trainer.micro_batch_size=1", "trainer.eval_interval=0", "trainer.log_interval=1", "optimizer=sgd"]
+    one, split = tmp_path / "one", tmp_path / "split"
+    jobs = [
+        (one, ["trainer.max_steps=5", "cluster.nproc_per_node=1"]),
+        (split, ["trainer.max_steps=3", "parallelism.cp=2", "cluster.nproc_per_node=2", "checkpoint.save_final=true"]),
+        (
+            split,
+            ["trainer.max_steps=5", "parallelism.dp_shard=2", "cluster.nproc_per_node=2", "checkpoint.resume=auto"],
+        ),
+    ]
+    for run, extra in jobs:
+        out = run_main([*args, *extra, f"hydra.run.dir={run}"], tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        if "parallelism.cp=2" in extra:
+            assert " cp=2," in out.stderr, out.stderr[-2000:]
+    assert "resumed from" in out.stdout + out.stderr, out.stderr[-2000:]
+    want, got = read_metrics(one), read_metrics(split)
+    assert [r["step"] for r in got if "loss" in r] == [1, 2, 3, 4, 5], got
+    for key in ("loss", "grad_norm"):
+        mine = [r[key] for r in got if "loss" in r]
+        assert mine == pytest.approx([r[key] for r in want if "loss" in r], abs=TOL), key
+    assert max(r["loss"] for r in want) - min(r["loss"] for r in want) > 1e-3  # the model trains
