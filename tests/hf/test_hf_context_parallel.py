@@ -2,16 +2,16 @@
 model] in framework/models/hf/context.py): transformers' Llama, Qwen2 and Mistral split over the
 sequence train as one process does.
 
-For each family, the trainer at cp=2 (2 ranks) and at dp_shard=2 x cp=2 (4 ranks) runs 5 steps of
-SGD with momentum; its losses, gradient norms and weights after the 5 steps are compared with a
+For each family, the trainer at cp=2 (2 ranks) and at dp_shard=2 x cp=2 (4 ranks), and for Llama and
+Mistral at tp=2 x cp=2 (4 ranks: transformers' tp plan, then cp over each tp rank's heads), runs 5
+steps of SGD with momentum; its losses, gradient norms and weights after the 5 steps are compared with a
 plain transformers model trained on one process from the same initial weights on the same global
 batches. Qwen2 has one KV head (cp does not divide it: the KV heads travel repeated) and Mistral a
 sliding window of 5 tokens over rows of 16 (so each chunk of 8 attends across the chunk boundary
 through the window). Tolerance 1e-5 (fp32): the split run sums attention's inputs, the loss and
 the gradients in another order (all-to-all, reduce-scatter over 2 or 4 ranks, 2 micro-steps),
-which moves fp32 results by ~1e-7 per step; a chunk at the wrong positions, a mask cut at the
-chunk or a lost gradient moves the loss by > 1e-3 (checked by the test below that turns off the
-positions).
+which moves fp32 results by ~1e-7 per step; a chunk numbered from 0 (the positions hook turned
+off, tried once) fails from the first step.
 """
 
 from __future__ import annotations
@@ -70,14 +70,22 @@ def _reference(cfg):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _split_rank(rank, world, run_dir, families):
+LAYOUTS = {  # name: (ranks, parallelism, families)
+    "cp2": (2, {"cp": 2, "dp_shard": 1}, tuple(FAMILIES)),
+    "dp_shard2_x_cp2": (4, {"cp": 2, "dp_shard": 2}, tuple(FAMILIES)),
+    # tp splits the heads first, cp the heads of each tp rank (Qwen2's one KV head: tp cannot split it)
+    "tp2_x_cp2": (4, {"cp": 2, "tp": 2, "dp_shard": 1}, ("llama", "mistral")),
+}
+
+
+def _split_rank(rank, world, run_dir, parallelism, families):
     from framework.runtime import Runtime
     from framework.stages import stage_of
     from framework.trainer import build_trainer
 
     out = {}
     for label in families:
-        cfg = make_config(FAMILIES[label], "causal_lm", {"cp": 2, "dp_shard": world // 2}, run_dir, steps=STEPS)
+        cfg = make_config(FAMILIES[label], "causal_lm", parallelism, run_dir, steps=STEPS)
         trainer = build_trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")), stage_of(cfg.stage))
         steps = [trainer.train_step() for _ in range(STEPS)]
         weights = {}
@@ -88,6 +96,7 @@ def _split_rank(rank, world, run_dir, families):
             "norms": [s["grad_norm"] for s in steps],
             "weights": weights if rank == 0 else None,
             "implementation": trainer.model.config._attn_implementation,
+            "degrees": {"cp": trainer.dims.cp, "tp": trainer.dims.tp, "dp_shard": trainer.dims.dp_shard},
         }
         del trainer
     return out
@@ -99,15 +108,18 @@ def references(tmp_path_factory):
     return {label: _reference(make_config(c, "causal_lm", {}, run_dir, steps=STEPS)) for label, c in FAMILIES.items()}
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp_shard2_x_cp2"])
-def test_hf_families_split_over_the_sequence_equal_one_process(world, references, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hf_families_split_over_the_sequence_equal_one_process(layout, references, tmp_path):
     from tests.distributed.harness import run_ranks
 
-    results = run_ranks(_split_rank, world, args=(str(tmp_path), tuple(FAMILIES)), timeout_s=300)
-    for label, (ref_losses, ref_norms, ref_weights) in references.items():
+    world, parallelism, families = LAYOUTS[layout]
+    results = run_ranks(_split_rank, world, args=(str(tmp_path), parallelism, families), timeout_s=300)
+    for label in families:
+        ref_losses, ref_norms, ref_weights = references[label]
         for rank, res in enumerate(results):
             got = res[label]
             assert got["implementation"] == "framework_sequence_exchange", (label, got["implementation"])
+            assert got["degrees"] == {"tp": 1, **parallelism}, got["degrees"]
             assert all(math.isfinite(x) for x in got["losses"]), (label, got)
             assert got["losses"] == pytest.approx(ref_losses, abs=TOL), (label, rank, got["losses"], ref_losses)
             assert got["norms"] == pytest.approx(ref_norms, abs=TOL), (label, rank, got["norms"], ref_norms)
