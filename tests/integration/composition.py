@@ -545,3 +545,5 @@ case("lora sft pp/1f1b", lora="on", stage="sft", pp="1f1b")
 case("lora sft pp/gpipe", lora="on", stage="sft", pp="gpipe")
 case("lora sft pp/interleaved_1f1b", lora="on", stage="sft", pp="interleaved_1f1b")
 case("lora sft pp/zbv", lora="on", stage="sft", pp="zbv")
+# Context parallel with transformers' own Llama (framework/models/hf/context.py).
+case("cp hf", dp_shard=2, cp=2, model="hf")
