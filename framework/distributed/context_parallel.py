@@ -49,6 +49,7 @@ class SequenceExchange:
 
     def __init__(self, group, size: int):
         self.group, self.size, self.active = group, size, False
+        self.rank = dist.get_rank(group)  # which chunk of every row this rank holds
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, s/cp, heads, d) -> (batch, s, heads/cp, d)."""

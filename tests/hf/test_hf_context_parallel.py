@@ -16,6 +16,7 @@ off, tried once) fails from the first step.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -160,3 +161,31 @@ def test_a_cp2_checkpoint_resumes_on_dp_shard2_with_the_same_losses(tmp_path):
         mine = [r[key] for r in got if "loss" in r]
         assert mine == pytest.approx([r[key] for r in want if "loss" in r], abs=TOL), key
     assert max(r["loss"] for r in want) - min(r["loss"] for r in want) > 1e-3  # the model trains
+
+
+def test_outside_the_split_the_model_computes_as_sdpa_and_a_padding_mask_is_not_split():
+    """A model readied for cp computes, outside the exchange (sampling, whole-sequence evaluation),
+    as transformers' sdpa does: the same logits, with a left-padding mask and a sliding window too
+    (bit for bit: the same kernel on the same inputs). Under the exchange a padding mask is refused:
+    the chunk's mask would be dropped."""
+    from types import SimpleNamespace
+
+    from framework.config.schema import ModelConfig
+    from framework.models.hf.context import prepare_context_parallel
+    from framework.models.hf.model import build_hf
+
+    cfg = ModelConfig(name="hf", config=dict(FAMILIES["mistral"]))
+    torch.manual_seed(0)
+    plain = build_hf(cfg)
+    ready = copy.deepcopy(plain)
+    prepare_context_parallel(ready)
+    assert plain.config._attn_implementation == "sdpa" != ready.config._attn_implementation
+    ids = torch.randint(0, 128, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            assert torch.equal(ready(ids, **kwargs).logits, plain(ids, **kwargs).logits), kwargs
+    ready._framework_sequence_exchange = SimpleNamespace(active=True, group=None, size=2, rank=1)
+    with pytest.raises(ValueError, match="padding"):
+        ready(ids, attention_mask=mask)

@@ -87,7 +87,7 @@ def _chunk_positions(model: nn.Module, args: tuple, kwargs: dict):
         if tokens is None:
             tokens = kwargs["inputs_embeds"]
         n = tokens.shape[1]
-        start = torch.distributed.get_rank(exchange.group) * n
+        start = exchange.rank * n
         kwargs["position_ids"] = torch.arange(start, start + n, device=tokens.device)[None]
     return args, kwargs
 
