@@ -167,10 +167,11 @@ def test_outside_the_split_the_model_computes_as_sdpa_and_a_padding_mask_is_not_
     """A model readied for cp computes, outside the exchange (sampling, whole-sequence evaluation),
     as transformers' sdpa does: the same logits, with a left-padding mask and a sliding window too
     (bit for bit: the same kernel on the same inputs). Under the exchange a padding mask is refused:
-    the chunk's mask would be dropped."""
+    the chunk's mask would be dropped. A cp that does not divide the heads is refused by name."""
     from types import SimpleNamespace
 
     from framework.config.schema import ModelConfig
+    from framework.errors import UserInputError
     from framework.models.hf.context import prepare_context_parallel
     from framework.models.hf.model import build_hf
 
@@ -178,7 +179,7 @@ def test_outside_the_split_the_model_computes_as_sdpa_and_a_padding_mask_is_not_
     torch.manual_seed(0)
     plain = build_hf(cfg)
     ready = copy.deepcopy(plain)
-    prepare_context_parallel(ready)
+    prepare_context_parallel(ready, 2)
     assert plain.config._attn_implementation == "sdpa" != ready.config._attn_implementation
     ids = torch.randint(0, 128, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -189,3 +190,6 @@ def test_outside_the_split_the_model_computes_as_sdpa_and_a_padding_mask_is_not_
     ready._framework_sequence_exchange = SimpleNamespace(active=True, group=None, size=2, rank=1)
     with pytest.raises(ValueError, match="padding"):
         ready(ids, attention_mask=mask)
+    # heads the job's config did not state (the class's default) are checked at the build, by name
+    with pytest.raises(UserInputError, match="parallelism.cp=3 does not divide the 4 attention heads"):
+        prepare_context_parallel(copy.deepcopy(plain), 3)

@@ -48,16 +48,24 @@ def _attention_modules(model: nn.Module) -> list:
     return [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "o_proj")]
 
 
-def prepare_context_parallel(model: nn.Module) -> None:
-    """Ready a transformers model for the sequence exchange: its attention modules marked with
-    `sequence_exchange` (which `apply_context_parallel` then sets), the registered attention
-    implementation selected on its config, and the hook giving the chunk's positions."""
+def prepare_context_parallel(model: nn.Module, cp: int) -> None:
+    """Ready a transformers model for the sequence exchange over `cp` ranks: its attention modules
+    marked with `sequence_exchange` (which `apply_context_parallel` then sets), the registered
+    attention implementation selected on its config, and the hook giving the chunk's positions.
+    What the job's config did not state (heads left to the config class's default) is checked here."""
     kind = getattr(model.config, "model_type", type(model).__name__)
     modules = _attention_modules(model)
     if kind not in SPLIT or not modules:
         raise UserInputError(
             f"parallelism.cp > 1 with model=hf model_type={kind}: only {', '.join(SPLIT)} attention is split "
             "over the sequence here; set parallelism.cp=1"
+        )
+    tp = getattr(model, "_framework_tp_degree", 0) or 1  # apply_tensor_parallel's mark, before this
+    heads = int(model.config.num_attention_heads)
+    if heads % tp or (heads // tp) % cp:
+        raise UserInputError(
+            f"parallelism.cp={cp} does not divide the {heads // tp} attention heads per tensor-parallel rank "
+            f"of model=hf (num_attention_heads={heads}, tp={tp}); choose a cp that divides them"
         )
     _register()
     model.set_attn_implementation(ATTENTION)

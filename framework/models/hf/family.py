@@ -18,10 +18,10 @@ from framework.models.record import ModelFamily
 from framework.models.tasks import get_task
 
 
-def _context_parallel(model) -> None:
+def _context_parallel(model, cp: int) -> None:
     from framework.models.hf.context import prepare_context_parallel
 
-    prepare_context_parallel(model)
+    prepare_context_parallel(model, cp)
 
 
 def _plan(model, sequence_parallel: bool):
