@@ -49,6 +49,7 @@ class SequenceExchange:
 
     def __init__(self, group, size: int):
         self.group, self.size, self.active = group, size, False
+        self.rank = dist.get_rank(group)  # which chunk of every row this rank holds
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, s/cp, heads, d) -> (batch, s, heads/cp, d)."""
@@ -92,14 +93,15 @@ def attention_modules(model: nn.Module) -> list:
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     """Give every attention module of `model` (those with a `sequence_exchange` attribute, as
-    framework.models.llama.model.Attention) the exchange over `cp_mesh`'s group."""
+    framework.models.llama.model.Attention, or a transformers model's once its family readied it:
+    framework/models/hf/context.py) the exchange over `cp_mesh`'s group."""
     from framework.errors import UserInputError
 
     modules = attention_modules(model)
     if not modules:
         raise UserInputError(
             f"parallelism.cp={cp_mesh.size()}: {type(model).__name__} has no attention that can split its "
-            "sequence (our Llama family can); set parallelism.cp=1"
+            "sequence (our Llama family and model=hf's Llama, Mistral and Qwen2 can); set parallelism.cp=1"
         )
     exchange = SequenceExchange(cp_mesh.get_group(), cp_mesh.size())
     for module in modules:

@@ -85,6 +85,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelismConf
     if dims.cp > 1:  # see [Note: context parallelism by all-to-all]
         from framework.distributed.context_parallel import apply_context_parallel
 
+        if family.context_parallel is not None:  # a model whose attention is not ours (model=hf)
+            family.context_parallel(model, dims.cp)
         apply_context_parallel(model, mesh["cp"])
     blocks = family.blocks(model)
     if cfg.activation_checkpointing != ActivationCheckpointing.none:

@@ -91,6 +91,10 @@ class ModelFamily:
     # None: parallelism.pp > 1 is refused.
     pipeline_stage: Callable[[nn.Module, int, int, bool, bool], nn.Module] | None = None
     check_pipeline: Callable[[nn.Module, int], None] = lambda model, pp: None
+    # Context parallelism (framework/distributed/context_parallel.py): (model, cp) -> None readying a
+    # model whose attention modules are not ours for the sequence exchange over cp ranks (marking
+    # them with `sequence_exchange`); None: its attention modules already have one (our Llama's).
+    context_parallel: Callable[[nn.Module, int], None] | None = None
     # Refuses (UserInputError) a configuration this family cannot build; run before any rank starts.
     check: Callable[[ModelConfig], None] = lambda cfg: None
     # A directory whose weights initialise the model at the start (model=hf model.path); "" none.

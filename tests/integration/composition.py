@@ -556,3 +556,5 @@ case("dpo pp/1f1b lora", lora="on", stage="dpo", pp="1f1b")
 case("dpo pp/gpipe replicate", dp_replicate=2, stage="dpo", pp="gpipe")
 case("dpo tp pp/interleaved_1f1b", tp=2, stage="dpo", pp="interleaved_1f1b")
 case("dpo pp/zbv ac", ac="full", stage="dpo", pp="zbv")
+# Context parallel with transformers' own Llama (framework/models/hf/context.py).
+case("cp hf", dp_shard=2, cp=2, model="hf")

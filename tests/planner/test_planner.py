@@ -345,6 +345,8 @@ def test_plan_counts_a_hugging_face_model_as_built(family):
     planned_blocks = [u.numel for u in units(job.model)[1:]]
     assert planned_blocks == [sum(p.numel() for p in b.parameters()) for b in blocks(model)]
     assert job.model.dim == int(hf_config(model_cfg).get_text_config().hidden_size)
+    # the planner may advise parallelism.cp for the families whose attention splits (the Llama)
+    assert job.model.context_parallel == (family == "llama")
 
 
 def test_plan_of_a_hugging_face_gpt2_from_main(tmp_path):

@@ -263,7 +263,15 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
             "model=moe_debug parallelism.cp=2 model.args.aux_loss_scope=global_batch model.args.capacity_factor=1.5",
             "parallelism.cp=2 with model.args.capacity_factor=1.5",
         ),
-        ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
+        ("model=hf +model.config={model_type:gpt2} parallelism.cp=2", "parallelism.cp=2 with model=hf model_type=gpt2"),
+        (
+            "model=hf +model.config={model_type:qwen2,num_attention_heads:6} parallelism.cp=4",
+            "parallelism.cp=4 does not divide the 6 attention heads",
+        ),
+        (
+            "model=hf model.path=/x parallelism.cp=2 data.seq_len=129",
+            "data.seq_len=129 is not divisible by parallelism.cp=2",
+        ),
         ("model=hf model.path=/x parallelism.tp=2 parallelism.ep=2", "parallelism.tp=2 and model=hf"),
     ],
 )

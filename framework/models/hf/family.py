@@ -18,6 +18,12 @@ from framework.models.record import ModelFamily
 from framework.models.tasks import get_task
 
 
+def _context_parallel(model, cp: int) -> None:
+    from framework.models.hf.context import prepare_context_parallel
+
+    prepare_context_parallel(model, cp)
+
+
 def _plan(model, sequence_parallel: bool):
     from framework.models.hf.parallelize import hf_tp_plan
 
@@ -40,4 +46,5 @@ FAMILY = ModelFamily(
     tp_plan=lambda model, sequence_parallel: _plan(model, sequence_parallel),
     pipeline_stage=pipeline_stage,
     check_pipeline=check_pipeline,
+    context_parallel=_context_parallel,
 )

@@ -10,6 +10,7 @@ only its own slices (see [Note: sliced import]).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -169,13 +170,16 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
 
     task = task_of(cfg)
     auto = getattr(transformers, TASK_CLASSES[task])
-    config = hf_config(cfg)
+    # A config of its own: transformers keeps the one it is given, which `hf_config` caches, and a
+    # setting made on one model (its attention implementation) must reach no other.
+    config = copy.deepcopy(hf_config(cfg))
+    # Training keeps no key/value cache: a cache filled in forward would differ when activation
+    # checkpointing recomputes the block (the export says use_cache=true again for generation).
+    # Set before the build: some models copy the config into their parts (T5's decoder stack).
+    config.use_cache = False
     try:
         with torch.device(device):
             model = auto.from_config(config, dtype=torch.float32)
-        # Training keeps no key/value cache: a cache filled in forward would differ when activation
-        # checkpointing recomputes the block (the export says use_cache=true again for generation).
-        model.config.use_cache = False
     except ValueError as exc:
         raise UserInputError(
             f"model.task={task}: transformers has no such model for "

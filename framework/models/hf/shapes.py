@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from framework.models.hf.args import CONTEXT_PARALLEL_TYPES
 from framework.models.shapes import ModelShape, Tensor, Unit
 
 
@@ -76,6 +77,7 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         top_k=top_k,
         inactive_params=expert_numel * (n_experts - top_k) // n_experts if n_experts else 0,
         pipeline=_pipeline_ok(model),
+        context_parallel=getattr(model.config, "model_type", "") in CONTEXT_PARALLEL_TYPES,
     )
 
 
