@@ -64,6 +64,21 @@ def test_no_row_of_the_docs_table_is_stale(refused):
         assert in_code or any(r.refuses(k) for k in refused), f"docs/engine.md refuses {r.a} with {r.b}; nothing does"
 
 
+def test_the_validators_compose_is_hydras(validator, data_dir):
+    """The validator composes once per choice of groups and sets the values as Hydra does: the
+    same config as Hydra's own compose, for one case of each such choice and the widest cases."""
+    seen, sample = set(), []
+    for c in sorted(C.CASES, key=lambda c: -len(c.values)):
+        overrides, _ = C.overrides_of(c.values, data_dir)
+        structure = tuple(o for o in overrides if validator._structural(o))
+        if structure not in seen or len(sample) < 4:
+            seen.add(structure)
+            sample.append(overrides)
+    assert len(seen) >= 4  # model=hf, optimizer=muon, data=hf, the additions
+    for overrides in sample:
+        assert validator.same_as_hydra(overrides), overrides
+
+
 def test_the_cases_cover_every_allowed_pair_and_each_passes_validation(refused, validator, data_dir):
     pairs = C.allowed_pairs(refused, C.doc_rows(str(REPO)))
     assert len(pairs) > 300  # the matrix spans 13 settings
