@@ -1,7 +1,7 @@
 """The composition matrix ([Note: the composition matrix] in tests/integration/composition.py):
 validation's refusals of every pair of settings are the rows of docs/engine.md's composition
 table, no more and no fewer; the cases cover every allowed pair and each passes validation; and
-each case's 5 steps equal its reference. The quick cases run by default, all 26 with
+each case's 5 steps equal its reference. The quick cases run by default, all of them with
 COMPOSITION_ALL=1 (2-4 gloo ranks each)."""
 
 from __future__ import annotations
