@@ -67,20 +67,10 @@ def dpo_problems(cfg) -> List[str]:
         problems.append("stage=dpo reads every path's records once, in turn: remove data.weights")
     if d.hf.streaming:
         problems.append("stage=dpo holds its preference records in memory: set data.hf.streaming=false")
-    if p.cp > 1:
-        problems.append(
-            f"stage=dpo with parallelism.cp={p.cp}: a pair's log-probabilities are summed over whole "
-            "sequences; set parallelism.cp=1 (sharding and tensor parallelism are supported)"
-        )
     if p.pp > 1:
         problems.append(
             f"stage=dpo with parallelism.pp={p.pp}: pipeline stages are not supported for preference "
             "optimization; set parallelism.pp=1 (sharding and tensor parallelism are supported)"
-        )
-    if p.ep > 1:
-        problems.append(
-            f"stage=dpo with parallelism.ep={p.ep}: expert parallelism is not supported for preference "
-            "optimization; set parallelism.ep=1 (sharding and tensor parallelism are supported)"
         )
     if cfg.dpo.chosen_field == cfg.dpo.rejected_field:
         problems.append(f"dpo.chosen_field and dpo.rejected_field are both {cfg.dpo.chosen_field!r}: name two columns")

@@ -139,14 +139,13 @@ def grpo_problems(cfg) -> List[str]:
         except re.error as exc:
             problems.append(f"grpo.{name}={getattr(g, name)!r} is not a regular expression: {exc}")
     for degree, why in (
-        ("cp", "a completion's log-probabilities are taken over whole sequences"),
         ("pp", "pipeline stages do not generate"),
         ("ep", "expert parallelism is not supported"),
     ):
         if getattr(p, degree) > 1:
             problems.append(
                 f"stage=grpo with parallelism.{degree}={getattr(p, degree)}: {why}; set parallelism.{degree}=1 "
-                "(sharding and tensor parallelism are supported)"
+                "(sharding, tensor and context parallelism are supported)"
             )
     if p.tp > 1 and p.sequence_parallel:
         problems.append(

@@ -545,3 +545,11 @@ case("lora sft pp/1f1b", lora="on", stage="sft", pp="1f1b")
 case("lora sft pp/gpipe", lora="on", stage="sft", pp="gpipe")
 case("lora sft pp/interleaved_1f1b", lora="on", stage="sft", pp="interleaved_1f1b")
 case("lora sft pp/zbv", lora="on", stage="sft", pp="zbv")
+
+# Pairs allowed since: the preference and reward stages with context parallelism (each rank's
+# chunk of every sequence, the sequences' sums added over the cp ranks), and both stages on tensor
+# x sharded data parallelism with our engine (4 ranks).
+case("cp dpo", cp=2, stage="dpo")
+case("cp dp_shard grpo", dp_shard=2, cp=2, stage="grpo")
+case("tp dp_shard dpo", dp_shard=2, tp=2, stage="dpo")
+case("tp dp_shard grpo", dp_shard=2, tp=2, stage="grpo")
