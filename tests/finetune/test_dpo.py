@@ -69,13 +69,17 @@ def test_the_first_loss_is_ln2_with_metrics_named_as_trls_and_the_export_written
     assert (run / "config.yaml").is_file()
 
 
+VALIDATION = ["trainer.eval_interval=5", "trainer.eval_iters=1"]  # once, after the last step
+
+
 @pytest.fixture(scope="module")
 def one_rank(pairs):
     """5 steps on one process, the export at the end: the reference of the layouts."""
     from conftest import run_main
 
     run = pairs / "one_rank"
-    out = run_main(_dpo(pairs, run, "cluster.nproc_per_node=1", "checkpoint.export_safetensors=true"), pairs)
+    extra = ["cluster.nproc_per_node=1", "checkpoint.export_safetensors=true", *VALIDATION]
+    out = run_main(_dpo(pairs, run, *extra), pairs)
     assert out.returncode == 0, out.stderr[-3000:]
     return run, _records(run)
 
@@ -107,6 +111,9 @@ def _equal_runs(ours, theirs, ours_dir=None, theirs_dir=None):
         assert mine["rewards/margins"] == pytest.approx(other["rewards/margins"], abs=1e-5)
         assert mine["logps/chosen"] == pytest.approx(other["logps/chosen"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(other["grad_norm"], rel=1e-5)
+        if "val_loss" in mine and "val_loss" in other:  # the validation pairs, split as training's
+            for name in ("val_loss", "val_rewards/margins", "val_logps/chosen"):
+                assert mine[name] == pytest.approx(other[name], abs=1e-5), (name, mine, other)
     if ours_dir is not None:
         mine, other = _weights(ours_dir), _weights(theirs_dir)
         assert mine.keys() == other.keys()
@@ -169,7 +176,7 @@ def context_parallel(pairs):
     from conftest import run_main
 
     run = pairs / "cp2"
-    extra = [*SPLIT["cp2"], "checkpoint.interval=3", "checkpoint.export_safetensors=true"]
+    extra = [*SPLIT["cp2"], "checkpoint.interval=3", "checkpoint.export_safetensors=true", *VALIDATION]
     out = run_main(_dpo(pairs, run, *extra), pairs)
     assert out.returncode == 0, out.stderr[-3000:]
     return run, _records(run)
@@ -183,9 +190,10 @@ def test_context_parallel_equals_one_process(one_rank, context_parallel, pairs, 
         run, records = context_parallel
     else:
         run = pairs / layout
-        out = run_main(_dpo(pairs, run, *SPLIT[layout], "checkpoint.export_safetensors=true"), pairs)
+        out = run_main(_dpo(pairs, run, *SPLIT[layout], "checkpoint.export_safetensors=true", *VALIDATION), pairs)
         assert out.returncode == 0, out.stderr[-3000:]
         records = _records(run)
+    assert "val_loss" in records[-1] and "val_loss" in one_rank[1][-1]
     _equal_runs(records, one_rank[1], run, one_rank[0])
 
 
