@@ -55,9 +55,9 @@ class DPOConfig:
 
 
 def dpo_problems(cfg) -> List[str]:
-    """What a stage=dpo job refuses before any rank starts: its data and the layouts it runs on."""
+    """What a stage=dpo job refuses before any rank starts: its data (every layout runs it)."""
     problems = []
-    p, d = cfg.parallelism, cfg.data
+    d = cfg.data
     if d.name != "hf" or not d.paths:  # DataName.hf (schema.py imports this file)
         problems.append(
             "stage=dpo reads preference records through data=hf: set data=hf data.paths=[<JSONL or parquet "
@@ -67,16 +67,6 @@ def dpo_problems(cfg) -> List[str]:
         problems.append("stage=dpo reads every path's records once, in turn: remove data.weights")
     if d.hf.streaming:
         problems.append("stage=dpo holds its preference records in memory: set data.hf.streaming=false")
-    if p.cp > 1:
-        problems.append(
-            f"stage=dpo with parallelism.cp={p.cp}: a pair's log-probabilities are summed over whole "
-            "sequences; set parallelism.cp=1 (sharding and tensor parallelism are supported)"
-        )
-    if p.ep > 1:
-        problems.append(
-            f"stage=dpo with parallelism.ep={p.ep}: expert parallelism is not supported for preference "
-            "optimization; set parallelism.ep=1 (sharding and tensor parallelism are supported)"
-        )
     if cfg.dpo.chosen_field == cfg.dpo.rejected_field:
         problems.append(f"dpo.chosen_field and dpo.rejected_field are both {cfg.dpo.chosen_field!r}: name two columns")
     return problems

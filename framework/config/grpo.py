@@ -139,7 +139,6 @@ def grpo_problems(cfg) -> List[str]:
         except re.error as exc:
             problems.append(f"grpo.{name}={getattr(g, name)!r} is not a regular expression: {exc}")
     for degree, why in (
-        ("cp", "a completion's log-probabilities are taken over whole sequences"),
         (
             "pp",
             "GRPO first generates its completions token by token with the whole policy, and each pipeline rank "
@@ -150,7 +149,7 @@ def grpo_problems(cfg) -> List[str]:
         if getattr(p, degree) > 1:
             problems.append(
                 f"stage=grpo with parallelism.{degree}={getattr(p, degree)}: {why}; set parallelism.{degree}=1 "
-                "(sharding and tensor parallelism are supported)"
+                "(sharding, tensor and context parallelism are supported)"
             )
     if p.tp > 1 and p.sequence_parallel:
         problems.append(

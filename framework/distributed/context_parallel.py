@@ -25,7 +25,9 @@ the whole sequence's tokens, as one process computes it, however the labels fall
 all-to-all's backward is the reverse all-to-all of the gradients.
 
 The exchange is on only inside `active(model)` (the trainer's training and validation losses):
-sampling and evaluation forwards outside it see whole sequences on every rank.
+sampling and evaluation forwards outside it see whole sequences on every rank. The preference and
+reward stages' losses are functions of whole sequences, not sums of per-token terms: see
+[Note: sums over the chunks of a row].
 """
 
 from __future__ import annotations
@@ -38,8 +40,18 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.distributed.expert_parallel import AllToAllCounter
+from framework.distributed.fsdp.collectives import all_gather_object_free, all_reduce_sum_
 
-__all__ = ["apply_context_parallel", "SequenceExchange", "active", "split_batch"]
+__all__ = [
+    "apply_context_parallel",
+    "SequenceExchange",
+    "active",
+    "active_as",
+    "split_of",
+    "split_batch",
+    "sum_over_chunks",
+    "gather_chunks",
+]
 
 _WHOLE = ("positions", "document_ids")  # per token of the whole row: kept whole on every cp rank
 
@@ -122,6 +134,75 @@ def active(model: nn.Module):
         yield
     finally:
         exchange.active = False
+
+
+def split_of(model: nn.Module):
+    """`model`'s SequenceExchange while it is on (inside `active`): its rows are split over the cp
+    ranks; None otherwise (whole sequences)."""
+    exchange = getattr(model, "_framework_sequence_exchange", None)
+    return exchange if exchange is not None and exchange.active else None
+
+
+@contextlib.contextmanager
+def active_as(leader: nn.Module, model: nn.Module):
+    """`model`'s exchange on while `leader`'s is (a frozen reference beside its policy)."""
+    if split_of(leader) is None:
+        yield
+        return
+    with active(model):
+        yield
+
+
+def sum_over_chunks(partial: torch.Tensor, exchange: SequenceExchange) -> torch.Tensor:
+    """The sum over the cp ranks of each rank's `partial` (per row: its chunk's share of a
+    per-sequence sum), the same on every cp rank; see [Note: sums over the chunks of a row]."""
+    return _ChunkSum.apply(partial, exchange)
+
+
+def gather_chunks(part: torch.Tensor, exchange: SequenceExchange) -> torch.Tensor:
+    """(rows, s/cp) per-token values of this rank's chunk -> (rows, s), the whole rows (chunks in
+    rank order, as `split_batch` cut them), the same on every cp rank; see [Note: sums over the
+    chunks of a row]."""
+    return _ChunkGather.apply(part, exchange)
+
+
+# [Note: sums over the chunks of a row]
+# A loss that is a function of whole-sequence quantities (DPO's summed reply log-probabilities,
+# GRPO's per-completion token means) is computed the same on every cp rank from the chunks'
+# shares: an all-reduce of per-row partial sums, or an all-gather of per-token values. Each cp rank
+# then holds the same loss L, and the objective the ranks' backward passes add up is cp x L (their
+# sum); the engine averages the gradients over the dp_shard x cp ranks, which leaves L's. So the
+# backward of either collective is the sum over the cp ranks of the gradients arriving at its
+# output (each rank's L pulls on every chunk): an all-reduce, then (the gather) this rank's chunk
+# of it. Both run in the loss's dtype (fp32 or wider); the traffic is rows x s values per
+# micro-batch at most, beside the all-to-all's 4 x rows x s/cp x hidden per block.
+
+
+class _ChunkSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, exchange: SequenceExchange) -> torch.Tensor:
+        ctx.exchange = exchange
+        return all_reduce_sum_(partial.detach().clone(), exchange.group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce_sum_(grad.contiguous().clone(), ctx.exchange.group), None
+
+
+class _ChunkGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, exchange: SequenceExchange) -> torch.Tensor:
+        ctx.exchange = exchange
+        rows, chunk = part.shape
+        got = torch.empty((exchange.size * rows, chunk), dtype=part.dtype, device=part.device)
+        all_gather_object_free(got, part.detach().contiguous(), exchange.group)  # rank-major
+        return got.view(exchange.size, rows, chunk).permute(1, 0, 2).reshape(rows, exchange.size * chunk)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = all_reduce_sum_(grad.contiguous().clone(), ctx.exchange.group)
+        step = grad.shape[1] // ctx.exchange.size
+        return grad[:, ctx.exchange.rank * step : (ctx.exchange.rank + 1) * step].contiguous(), None
 
 
 def split_batch(batch: Any, rank: int, size: int, ignore_index: int) -> Tuple[Any, torch.Tensor]:

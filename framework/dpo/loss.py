@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.config.dpo import DPOConfig, PreferenceLoss
-from framework.finetune.reference import token_logps
-from framework.models.tasks import IGNORE_INDEX
+from framework.finetune.reference import summed_logps
 
 # The per-pair numbers a step sums over its pairs and logs as their mean (names as TRL's).
 STAT_NAMES = (
@@ -51,13 +50,12 @@ class PairLogps(NamedTuple):
 def pair_logps(model, input_ids: torch.Tensor, labels: torch.Tensor, gather=lambda t: t) -> PairLogps:
     """One forward of the pairs' 2 x pairs sequences (chosen ones first): each reply's summed
     log-probability. input_ids, labels: (pairs, 2, seq). `gather` makes a tensor-parallel
-    (vocabulary-sharded) result whole."""
+    (vocabulary-sharded) result whole. Under context parallelism each rank forwards its chunk of
+    every sequence and the chunks' sums are added over the cp ranks (`summed_logps`)."""
     pairs = input_ids.shape[0]
     ids = torch.cat([input_ids[:, 0], input_ids[:, 1]])
     targets = torch.cat([labels[:, 0], labels[:, 1]])
-    per_token = token_logps(model, ids, targets, gather)
-    mask = targets != IGNORE_INDEX
-    sums, counts = (per_token * mask).sum(-1), mask.sum(-1)
+    sums, counts = summed_logps(model, ids, targets, gather)
     return PairLogps(sums[:pairs], sums[pairs:], counts[:pairs], counts[pairs:])
 
 

@@ -17,7 +17,10 @@ reference is either
 SimPO needs no reference; none is built.
 
 The reference runs under torch.no_grad() before the policy's forward of the same micro-batch, so
-only the policy's graph is kept for backward.
+only the policy's graph is kept for backward. Under context parallelism it takes the same chunks
+of the sequences as the policy (`active_as`: its exchange is on while the policy's is); under
+expert parallelism its experts are split as the policy's; a mixture of experts' balancing loss
+is the policy's forward's alone (the reference's is computed without gradients and dropped).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from framework.config.dpo import PreferenceLoss
+from framework.distributed.context_parallel import active_as
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.dpo.loss import STAT_NAMES, pair_logps, preference_loss
 from framework.finetune.reference import copy_policy_into, disable_dropout, load_starting_weights
 from framework.job import build_job
-from framework.models.tasks import to_device
+from framework.models.tasks import to_device, with_aux_loss
 from framework.trainer import Objective
 
 
@@ -93,7 +97,8 @@ class DPOObjective(Objective):
             return None
         with torch.no_grad():
             if self.reference is not None:
-                return pair_logps(self.reference, ids, labels, full)
+                with active_as(self.model, self.reference):  # split as the policy's sequences are
+                    return pair_logps(self.reference, ids, labels, full)
             from framework.peft.lora import adapters_disabled
 
             with adapters_disabled(self.model):
@@ -102,12 +107,17 @@ class DPOObjective(Objective):
     def preference_loss(self, batch) -> torch.Tensor:
         """The micro-batch's mean preference loss; its per-pair statistics are added to the step's."""
         ids, labels = batch["input_ids"], batch["labels"]
+        routers = getattr(self.job.runner, "routers", None)  # a pipeline's runner keeps none
+        if routers is not None and any(r.routing_ahead for r in routers.routers):
+            # the routing pass ahead of the step ([Note: global-batch load balancing]): the
+            # policy's forward routes the pairs; no reference, no statistics
+            return pair_logps(self.model, ids, labels, full).chosen.sum()
         reference = self._reference_logps(ids, labels)
         losses, stats = preference_loss(self.cfg.dpo, pair_logps(self.model, ids, labels, full), reference)
         sums = torch.stack([stats[n].sum() if n in stats else losses.new_zeros(()) for n in STAT_NAMES])
         sums = torch.cat([sums, sums.new_tensor([float(losses.numel())])])
         self._sums = sums if self._sums is None else self._sums + sums
-        return losses.mean()
+        return with_aux_loss(self.model, losses.mean())  # a mixture of experts' balancing, of the policy's forward
 
     def work(self, step):
         self._sums = None
@@ -140,7 +150,7 @@ class DPOObjective(Objective):
         self._sums = None
         total, count = torch.zeros((), device=device), self.cfg.trainer.eval_iters * valid.accum_steps
         for _ in range(count):
-            with loss_context(self.model):
+            with loss_context(self.model), self.job.runner.sequences_split():
                 total += full(self.preference_loss(to_device(valid.next_batch(), device)))
         dist.all_reduce(total)
         out = {"val_loss": float(total) / dist.get_world_size() / count}

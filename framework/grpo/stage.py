@@ -29,6 +29,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from framework.distributed.context_parallel import active_as
 from framework.distributed.tensor_parallel import full, loss_context
 from framework.errors import UserInputError
 from framework.finetune.reference import copy_policy_into, disable_dropout, load_starting_weights
@@ -97,10 +98,13 @@ class GRPOObjective(Objective):
 
         limit = max_tokens(self.model)
         longest = max(len(p.ids) for p in self.train_prompts + self.valid_prompts)
-        if limit is not None and longest + self.cfg.grpo.max_new_tokens > limit:
+        need = longest + self.cfg.grpo.max_new_tokens
+        cp = self.dims.cp  # the log-probabilities' rows (need - 1 tokens) are padded to a multiple of cp
+        if limit is not None and max(need, -(-(need - 1) // cp) * cp) > limit:
+            split = f" (padded to a multiple of parallelism.cp={cp})" if cp > 1 else ""
             raise UserInputError(
-                f"stage=grpo: a prompt of {longest} tokens + grpo.max_new_tokens={self.cfg.grpo.max_new_tokens} "
-                f"exceed the model's {limit} positions; lower grpo.max_new_tokens or shorten the prompts"
+                f"stage=grpo: a prompt of {longest} tokens + grpo.max_new_tokens={self.cfg.grpo.max_new_tokens}"
+                f"{split} exceed the model's {limit} positions; lower grpo.max_new_tokens or shorten the prompts"
             )
         vocab = self.data.vocab_size
         largest = max(max(p.ids) for p in self.train_prompts + self.valid_prompts)
@@ -118,7 +122,8 @@ class GRPOObjective(Objective):
     def _reference_logps(self, ids, targets):
         with torch.no_grad():
             if self.reference is not None:
-                return self._logps(self.reference, ids, targets)
+                with active_as(self.model, self.reference):  # split as the policy's sequences are
+                    return self._logps(self.reference, ids, targets)
             from framework.peft.lora import adapters_disabled
 
             with adapters_disabled(self.model):
@@ -191,7 +196,7 @@ class GRPOObjective(Objective):
             prompt_ids = [p.ids for p in prompts for _ in range(group)][part]
             ids, targets = sequences(prompt_ids, [c.token_ids for c in done[part]], self.data.tokenizer.eod)
             ids, targets = ids.to(device), targets.to(device)
-            with loss_context(model):
+            with loss_context(model), self.job.runner.sequences_split():  # tensor / context parallel
                 old = None
                 if g.iterations > 1:
                     with torch.no_grad():
@@ -200,8 +205,9 @@ class GRPOObjective(Objective):
             micro.append((ids, targets, old, ref, advantages[part]))
         # dapo: the global batch's completion tokens per micro-batch and data-parallel rank
         tokens = torch.tensor(float(sum(len(c.token_ids) for c in done)), dtype=torch.float64, device=device)
-        dist.all_reduce(tokens)  # tensor-parallel ranks count their group's tokens too: divided by tp
-        self._per_micro_tokens = float(tokens) / self.dims.tp / (accum * self.dims.dp)
+        # tensor- and context-parallel ranks count their group's tokens too: divided by tp x cp
+        dist.all_reduce(tokens)
+        self._per_micro_tokens = float(tokens) / (self.dims.tp * self.dims.cp) / (accum * self.dims.dp)
         # kl and its tokens over the first iteration (the rollout policy against the reference);
         # clipped tokens and tokens over every iteration (the first clips nothing: its ratios are 1)
         stats = torch.zeros(4, device=device, dtype=torch.float64)
@@ -247,8 +253,8 @@ class GRPOObjective(Objective):
         r = rewards.double()
         r = r[~torch.isnan(r)]  # a completion with no reward is left out (as TRL's nanstd)
         sums = torch.stack([r.new_tensor(float(r.numel())), r.sum(), (r * r).sum()]).to(self.rt.device)
-        dist.all_reduce(sums)  # tensor-parallel ranks hold the same rewards: each sum tp times
-        n, total, squares = (sums / self.dims.tp).tolist()
+        dist.all_reduce(sums)  # tensor- and context-parallel ranks hold the same rewards: each sum tp x cp times
+        n, total, squares = (sums / (self.dims.tp * self.dims.cp)).tolist()
         variance = max(squares - total * total / n, 0.0) / max(n - 1.0, 1.0)
         return torch.tensor(variance**0.5, dtype=rewards.dtype)
 

@@ -85,12 +85,15 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_one_rank_and_tensor_parallel_equal_two_sharded_ranks(two_ranks, prompts, layout):
+def test_one_rank_and_tensor_parallel_equal_two_sharded_ranks(two_ranks, prompts, layout, request):
     from conftest import run_main
 
     run = prompts / layout
-    out = run_main(_grpo(prompts, run, *LAYOUTS[layout]), prompts)
-    assert out.returncode == 0, out.stderr[-3000:]
+    if layout == "one_rank":  # the module's one-process run
+        run = request.getfixturevalue("one_rank")[0]
+    else:
+        out = run_main(_grpo(prompts, run, *LAYOUTS[layout]), prompts)
+        assert out.returncode == 0, out.stderr[-3000:]
     # The same completions (seeded per prompt, not per rank), so the same rewards exactly; the losses
     # to 1e-5: the same fp32 sums reduced over ranks in another order.
     for mine, theirs in zip(_records(run), two_ranks[1], strict=True):
@@ -98,6 +101,48 @@ def test_one_rank_and_tensor_parallel_equal_two_sharded_ranks(two_ranks, prompts
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), (mine, theirs)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
         assert mine["kl"] == pytest.approx(theirs["kl"], abs=1e-6)
+
+
+# Context parallelism: each rank forwards a chunk of every rollout (the reference's and the
+# rollout policy's passes too), the chunks' log-probabilities gathered whole on every cp rank
+# ([Note: sums over the chunks of a row]); generation runs whole sequences as without it.
+SPLIT = {
+    "cp2": ["parallelism.cp=2"],  # 2 ranks, half of every sequence each
+    "cp2_dp2": ["cluster.nproc_per_node=4", "parallelism.cp=2", "parallelism.dp_shard=2"],  # 4 ranks
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank(prompts):
+    """4 steps on one process, the export at the end."""
+    from conftest import run_main
+
+    run = prompts / "one_rank"
+    out = run_main(_grpo(prompts, run, "cluster.nproc_per_node=1", "checkpoint.export_safetensors=true"), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, _records(run)
+
+
+@pytest.mark.parametrize("layout", sorted(SPLIT))
+def test_context_parallel_equals_one_process(one_rank, prompts, layout):
+    from conftest import run_main
+    from safetensors.torch import load_file
+
+    run = prompts / layout
+    out = run_main(_grpo(prompts, run, *SPLIT[layout], "checkpoint.export_safetensors=true"), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The same completions, so the same rewards exactly; the rest to 1e-5: the same fp32 sums,
+    # reduced over ranks and chunks in another order (measured differences ~1e-8).
+    for mine, theirs in zip(_records(run), one_rank[1], strict=True):
+        assert mine["reward"] == theirs["reward"] and mine["completion_length"] == theirs["completion_length"]
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), (mine, theirs)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert mine["kl"] == pytest.approx(theirs["kl"], abs=1e-6)
+        assert mine["clip_fraction"] == pytest.approx(theirs["clip_fraction"], abs=1e-6)
+    weights = [load_file(str(r / "checkpoints" / "export" / "model.safetensors")) for r in (run, one_rank[0])]
+    assert weights[0].keys() == weights[1].keys()
+    for name, value in weights[0].items():
+        assert (value - weights[1][name]).abs().max() < 1e-5, name
 
 
 def test_a_resume_after_two_of_four_steps_is_exact(two_ranks, prompts):

@@ -336,7 +336,7 @@ def test_the_batch_std_of_scale_rewards_batch_is_trls():
     try:  # the group goes with the test: a later in-process group of this worker could not start
         rewards = torch.tensor([0.25, 1.5, -2.0, 3.0, 0.0, 0.75, float("nan"), 2.5])
         rt = types.SimpleNamespace(device=torch.device("cpu"))
-        fake = types.SimpleNamespace(rt=rt, dims=types.SimpleNamespace(tp=1))
+        fake = types.SimpleNamespace(rt=rt, dims=types.SimpleNamespace(tp=1, cp=1))
         ours = GRPOObjective._batch_std(fake, rewards)
         # float64 sums then float32: within float32 rounding of TRL's float32 two-pass std
         torch.testing.assert_close(ours, nanstd(rewards), rtol=1e-6, atol=1e-6)
@@ -364,3 +364,39 @@ def test_a_reward_function_of_the_earlier_form_is_refused_when_loaded(tmp_path):
     rewards = Rewards(GRPOConfig(rewards=[], reward_module=f"{module}:needs", trust_reward_code=True))
     with pytest.raises(UserInputError, match=r"needs\(prompts, completions, completion_ids, level\) cannot be called"):
         rewards([Prompt([1], "p", "", record={"prompt": "p", "answer": 1})], ["x"], [[1]])
+
+
+def test_a_rollout_past_the_models_positions_is_refused_counting_the_cp_padding():
+    """A row holds prompt + completion - 1 tokens, padded under context parallelism to a multiple
+    of cp before it is split: a prompt of 10 tokens and 6 new ones fill 15 of 16 positions, which
+    cp = 2, 3, 4, 5 and 8 pad to at most 16; cp=6 pads them to 18."""
+    import types
+
+    from framework.errors import UserInputError
+    from framework.grpo.data import Prompt
+    from framework.grpo.stage import GRPOObjective
+
+    def problem(limit: int, cp: int) -> str:
+        fake = types.SimpleNamespace(
+            model=types.SimpleNamespace(cfg=types.SimpleNamespace(max_seq_len=limit)),
+            train_prompts=[Prompt(ids=list(range(10)), text="", answer="")],
+            valid_prompts=[],
+            cfg=types.SimpleNamespace(grpo=types.SimpleNamespace(max_new_tokens=6)),
+            dims=types.SimpleNamespace(cp=cp),
+            data=types.SimpleNamespace(vocab_size=100),
+        )
+        try:
+            GRPOObjective._check_positions(fake)
+        except UserInputError as exc:
+            return str(exc)
+        return ""
+
+    assert [problem(16, cp) for cp in (1, 2, 3, 4, 5, 8)] == [""] * 6
+    assert problem(16, 6) == (
+        "stage=grpo: a prompt of 10 tokens + grpo.max_new_tokens=6 (padded to a multiple of parallelism.cp=6) "
+        "exceed the model's 16 positions; lower grpo.max_new_tokens or shorten the prompts"
+    )
+    assert problem(15, 1) == (
+        "stage=grpo: a prompt of 10 tokens + grpo.max_new_tokens=6 exceed the model's 15 positions; lower "
+        "grpo.max_new_tokens or shorten the prompts"
+    )

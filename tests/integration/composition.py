@@ -592,3 +592,11 @@ case("dpo tp pp/interleaved_1f1b", tp=2, stage="dpo", pp="interleaved_1f1b")
 case("dpo pp/zbv ac", ac="full", stage="dpo", pp="zbv")
 # Context parallel with transformers' own Llama (framework/models/hf/context.py).
 case("cp hf", dp_shard=2, cp=2, model="hf")
+
+# Pairs allowed since: the preference and reward stages with context parallelism (each rank's
+# chunk of every sequence, the sequences' sums added over the cp ranks), and both stages on tensor
+# x sharded data parallelism with our engine (4 ranks).
+case("cp dpo", cp=2, stage="dpo")
+case("cp dp_shard grpo", dp_shard=2, cp=2, stage="grpo")
+case("tp dp_shard dpo", dp_shard=2, tp=2, stage="dpo")
+case("tp dp_shard grpo", dp_shard=2, tp=2, stage="grpo")
