@@ -438,7 +438,6 @@ case(
 )
 case(
     "sp cp torch sft",
-    known="engine=torch with tp and cp: torch's DeviceMesh refuses to concatenate the tp and cp meshes",
     sp="on",
     cp=2,
     engine="torch",
