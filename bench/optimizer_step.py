@@ -36,21 +36,21 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import SIZES, batch, build_gpt, loss_of  # noqa: E402
 
+try:  # run it at older commits too (the JSON names the commit)
+    from framework.local_ranks import run_local
+except ImportError:  # a commit before the rank starter had its own module
+    from framework.runtime import run_local
+
 VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
-def _worker(
-    rank: int, world: int, port: int, size: str, boundaries: list, repeats: int, queue, skip_muon: bool = False
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, size: str, boundaries: list, repeats: int, skip_muon: bool = False) -> dict:
+    """One rank, in the process group `run_local` made (gloo, one compute thread): its timings."""
     from framework.distributed.fsdp import fully_shard
 
     takes_boundary = "shard_boundary" in inspect.signature(fully_shard).parameters
@@ -123,8 +123,7 @@ def _worker(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
             times.append(time.perf_counter() - t)
         out[f"{boundary} clip_grad_norm_"] = times
-    queue.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
 def _bf16_state_rows(out: dict, boundary: str, params: list, plain: list, optimizer_step, repeats: int) -> None:
@@ -209,24 +208,12 @@ def main() -> None:
     )
     ap.add_argument("--out", default="bench/results/optimizer_step.json")
     args = ap.parse_args()
-    from framework.runtime import free_port
-
     load = os.getloadavg()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, args.ranks, port, args.model_size, args.boundaries, args.repeats, queue, args.skip_muon),
-        )
-        for r in range(args.ranks)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    # the ranks start as main.py starts its own (framework/local_ranks.py), on the CPU: gloo
+    ranks = run_local(
+        _worker, args.ranks, args=(args.model_size, args.boundaries, args.repeats, args.skip_muon), timeout_s=1800
+    )
+    results = dict(enumerate(ranks))  # rank -> its timings
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = {}
     for key in results[0]:

@@ -30,13 +30,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import batch, build_gpt, loss_of  # noqa: E402
+from framework.local_ranks import run_local  # noqa: E402
 
 
 class RaggedShard(Shard):
@@ -78,10 +78,8 @@ def _bounds(e, S: int, N: int) -> list:
     return [min(max(r * S - e.offset, 0), e.numel) for r in range(N + 1)]
 
 
-def _worker(rank: int, world: int, port: int, size: str, repeats: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, size: str, repeats: int) -> dict:
+    """One rank, in the process group `run_local` made (gloo, one compute thread): its findings."""
     from framework.distributed.fsdp import fully_shard, sharded_units
     from framework.distributed.fsdp.flat import contiguous_stride
 
@@ -149,8 +147,7 @@ def _worker(rank: int, world: int, port: int, size: str, repeats: int, queue) ->
         for k in keys:
             out[f"{name} {k}"] = times[k]
         out[f"{name} state placement"] = repr(opts["ragged DTensor"].state[ragged[0]]["exp_avg"].placements)
-    queue.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -158,22 +155,10 @@ def main() -> None:
     ap.add_argument("--model-size", default="25m")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--port", type=int, default=29561)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.ranks, args.port, args.model_size, args.repeats, queue))
-        for r in range(args.ranks)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"a rank exited with {p.exitcode}")
+    # the ranks start as main.py starts its own (framework/local_ranks.py), on the CPU: gloo
+    results = dict(enumerate(run_local(_worker, args.ranks, args=(args.model_size, args.repeats), timeout_s=3600)))
     r0 = results[0]
     print(f"{args.model_size} GPT, {args.ranks} gloo ranks, {r0['params']} parameters")
     for k in (

@@ -10,7 +10,9 @@ the numbers are those of float8 training and only the speed is not. Converted: e
 whose dimensions are multiples of 16 (what the float8 matmul needs), except the output head (a
 linear producing as many values as an embedding has rows: the logits, where float8 costs the
 most accuracy), as torchtitan does. Parameter names do not change, so checkpoints cross float8
-and full-precision runs both ways.
+and full-precision runs both ways. Under a pipeline the whole model is converted before it is
+cut into stages (framework/distributed/pipeline.py), so a stage holding the head without the
+embedding still leaves the head alone.
 
 The gather of the converted weights moves one byte per element (native engine:
 `QuantizedCommPolicy(dtype="float8")`, [Note: float8 all-gather] in fsdp/zeropp.py; torch engine:

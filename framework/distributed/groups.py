@@ -9,12 +9,20 @@ in a sub-group's. Every group the framework makes therefore passes the world gro
 (`new_group`), and its meshes are built from such groups (`init_mesh`, `flatten`) with
 `DeviceMesh.from_group`. Torch's module defaults are left as they are: a program that imports us
 gets the torch it expects.
+
+[Note: flattened dims stay in their mesh]
+Under tensor parallelism a weight is a DTensor on the mesh's `tp` dim, and torch's `fully_shard`
+joins its data-parallel mesh and that `tp` mesh into one (`DeviceMesh._concatenate`), which it
+does only for meshes sliced from the same root mesh. A data-parallel mesh that flattens dims of
+the root (dp_shard x cp under context parallelism) is therefore made by the root's own
+`_flatten`, given the world group's backend options (and so the job's timeout), not as a fresh
+mesh over the same ranks: `engine=torch` with tp and cp crashed in the ranks with a fresh one.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,34 +86,24 @@ def init_mesh(device_type: str, shape: Sequence[int], mesh_dim_names: Optional[S
     return _mesh_from(grid, device_type, names)
 
 
+def _job_options(device_type: str):
+    """Backend options of the world group's backend type carrying the job's timeout, for the groups
+    torch makes when it flattens a mesh's dims (torch passes their `_timeout` to `new_group`)."""
+    options = type(dist.group.WORLD._get_backend(torch.device(device_type)).options)()
+    options._timeout = job_timeout()
+    return options
+
+
 def flatten(mesh, name: str):
-    """The 1-D mesh over all the ranks of `mesh` (a slice of a larger mesh, e.g. dp_shard x cp),
-    named `name`, with groups made with the job's timeout: what `mesh._flatten(name)` gives."""
-    seen: List[Optional[list]] = [None] * dist.get_world_size()  # every rank's block of the slice
-    dist.all_gather_object(seen, mesh.mesh.flatten().tolist())
-    blocks = sorted({tuple(b) for b in seen})
-    for block in blocks:  # every rank makes every block's group, in the same order
-        _group_of(block)
-    mine = next(b for b in blocks if dist.get_rank() in b)
-    return _mesh_from(torch.tensor(mine, dtype=torch.int64), mesh.device_type, (name,))
+    """The 1-D mesh over all the ranks of `mesh` (a slice of a larger named mesh, e.g. dp_shard x
+    cp), named `name`: `mesh._flatten(name)`, its groups made with the job's timeout. It stays a
+    mesh of the same root (see [Note: flattened dims stay in their mesh])."""
+    return mesh._flatten(name, backend_override=_job_options(mesh.device_type))
 
 
 def replicate_and_flat(mesh, replicate: str, flat: Sequence[str], name: str):
     """The 2-D mesh (`replicate`, the dims `flat` flattened as `name`) of this rank, cut from the
     whole named `mesh` (e.g. hybrid sharding under context parallelism: (dp_replicate, dp_shard x
-    cp)), with groups made with the job's timeout. Every rank makes every such mesh's groups, in
-    the same order, and keeps its own."""
-    names = list(mesh.mesh_dim_names)
-    rest = [n for n in names if n != replicate and n not in flat]
-    order = [names.index(n) for n in (replicate, *flat, *rest)]
-    per_flat = 1
-    for n in flat:
-        per_flat *= mesh.mesh.shape[names.index(n)]
-    grids = mesh.mesh.permute(*order).reshape(mesh.mesh.shape[names.index(replicate)], per_flat, -1)
-    grids = [grids[:, :, j] for j in range(grids.shape[2])]
-    for g in grids:  # the same groups in the same order on every rank
-        for dim in range(2):
-            for row in g.movedim(dim, -1).reshape(-1, g.shape[dim]).tolist():
-                _group_of(tuple(row))
-    mine = next(g for g in grids if dist.get_rank() in g.flatten().tolist())
-    return _mesh_from(mine, mesh.device_type, (replicate, name))
+    cp)), with groups made with the job's timeout; a mesh of the same root as `flatten`'s."""
+    flatten(mesh[tuple(flat)], name)
+    return mesh[replicate, name]

@@ -445,6 +445,11 @@ class Pipeline:
         self.pp_rank = mesh.get_local_rank("pp")
         self.pp_group = mesh["pp"].get_group()
         mine = stages_of_rank(self.pp_rank, dims.pp, v, self.schedule_name)
+        if p.float8:  # the whole model before the cut, as `parallelize` converts it ([Note: float8 training])
+            from framework.distributed.engines import engine_of
+            from framework.distributed.float8 import apply_float8
+
+            apply_float8(model, p, mesh.device_type, torchao_gathers=engine_of(p.engine).float8_gather_by_torchao)
         modules = [family.pipeline_stage(model, *ranges[s], s == 0, s == n_stages - 1) for s in mine]
         if meta and not all(hasattr(m, "materialize") for m in modules):
             raise UserInputError(

@@ -425,9 +425,6 @@ F8 = (
     "CPU, its scales and roundings taken per microbatch and piece as the layout cuts them"
 )
 
-# The 5 steps equal pp/gpipe muon hf's (no float8) to the last digit, and one process's differ.
-HF_PP_F8 = "float8 with model=hf under a pipeline: the stages train without float8"
-
 CASES: List[Case] = []
 
 
@@ -472,7 +469,6 @@ case(
 )
 case(
     "sp cp torch sft",
-    known="engine=torch with tp and cp: torch's DeviceMesh refuses to concatenate the tp and cp meshes",
     sp="on",
     cp=2,
     engine="torch",
@@ -481,7 +477,6 @@ case(
 )
 case(
     "pp/1f1b float8 muon hf",
-    known=HF_PP_F8,
     tolerance=1e-2,
     why=F8,
     dp_shard=2,
@@ -522,7 +517,6 @@ case("pp/1f1b replicate", dp_replicate=2, pp="1f1b")
 case("pp/gpipe muon hf", tolerance=1e-3, why=MUON, dp_shard=2, pp="gpipe", optimizer="muon", model="hf")
 case(
     "pp/zbv float8 muon hf",
-    known=HF_PP_F8,
     tolerance=1e-2,
     why=F8,
     dp_shard=2,

@@ -101,8 +101,10 @@ def test_two_ranks_split_each_sequence_and_match_one_process(documents):
 
 
 def test_cp2_and_dp2_x_cp2_jobs_match_one_process(tmp_path):
-    """The issue's command on 2 ranks (cp=2) and 4 (dp_shard=2 x cp=2), and cp=2 x tp=2 on 4: the
-    losses of 5 steps at 1024 tokens per sequence equal one process's (1e-5)."""
+    """The command on 2 ranks (cp=2) and 4 (dp_shard=2 x cp=2), and cp=2 x tp=2 on 4 with each
+    engine (torch's `fully_shard` joins the flattened dp_shard x cp mesh with the tp mesh: [Note:
+    flattened dims stay in their mesh]): the losses of 5 steps at 1024 tokens per sequence equal
+    one process's (1e-5)."""
     args = [*TINY, "parallelism.cp=2", "data.seq_len=1024", "trainer.max_steps=5", "trainer.eval_interval=0"]
     args += ["checkpoint.save_final=false", "trainer.global_batch_size=4"]
     losses = {}
@@ -111,6 +113,7 @@ def test_cp2_and_dp2_x_cp2_jobs_match_one_process(tmp_path):
         "cp2": (2, []),
         "dp2xcp2": (4, []),
         "cp2xtp2": (4, ["parallelism.tp=2"]),
+        "cp2xtp2-torch": (4, ["parallelism.tp=2", "parallelism.engine=torch"]),
     }
     for name, (ranks, extra) in layouts.items():
         run = tmp_path / name
@@ -118,7 +121,7 @@ def test_cp2_and_dp2_x_cp2_jobs_match_one_process(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         assert name == "one" or " cp=2," in out.stderr, out.stderr[-2000:]
         losses[name] = [r["loss"] for r in read_metrics(run)]
-    for name in ("cp2", "dp2xcp2", "cp2xtp2"):
+    for name in ("cp2", "dp2xcp2", "cp2xtp2", "cp2xtp2-torch"):
         assert losses[name] == pytest.approx(losses["one"], abs=1e-5), name
 
 
