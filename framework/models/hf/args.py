@@ -53,11 +53,6 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int =
             f"parallelism.cp={cp} with model=hf: a Hugging Face model's attention does not split its "
             "sequences yet (our Llama family's does); set parallelism.cp=1"
         ]
-    if ep > 1 and tp > 1:  # our Llama family's experts compose with tp; transformers' blocks not yet
-        return [
-            f"parallelism.ep={ep} with parallelism.tp={tp} and model=hf: a Hugging Face model's experts are "
-            "not laid out for tensor parallelism yet (our Llama family's are); set parallelism.tp=1 or parallelism.ep=1"
-        ]
     if ep > 1:
         n, key = _experts(cfg)
         if n is not None and n % ep:
