@@ -43,11 +43,6 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int =
     from framework.models.args import parse_args
 
     a = parse_args(HFArgs, cfg)
-    if ep > 1 and pp > 1:  # our Llama family's experts run inside stages; transformers' not yet
-        return [
-            f"parallelism.ep={ep} with parallelism.pp={pp} and model=hf: a Hugging Face model's experts are not "
-            "split inside pipeline stages yet (our Llama family's are); set parallelism.ep=1 or parallelism.pp=1"
-        ]
     if cp > 1:
         return [
             f"parallelism.cp={cp} with model=hf: a Hugging Face model's attention does not split its "

@@ -76,6 +76,7 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         top_k=top_k,
         inactive_params=expert_numel * (n_experts - top_k) // n_experts if n_experts else 0,
         pipeline=_pipeline_ok(model),
+        pipeline_experts=bool(n_experts) and _pipeline_ok(model),  # experts inside its stages at ep > 1
     )
 
 
