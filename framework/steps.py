@@ -8,7 +8,7 @@ which layout they run on.
 - `ScheduleSteps`: the model cut into stages over `parallelism.pp` (framework/distributed/pipeline.py):
   the step's micro-batches through torch's schedule at once, its loss the task's cross-entropy on
   the last stage (pipelines train causal language models, pre-training or fine-tuning: refused
-  otherwise at the build).
+  otherwise at the build); the routers' statistics summed over the stages' ranks.
 
 Both return the step's loss summed over this rank's micro-batches (each divided by their number),
 on the device; the trainer owns what follows (clip, observe, optimizer step, zero_grad).
@@ -103,8 +103,11 @@ class PlainSteps:
 class ScheduleSteps:
     whole_model = False  # each rank holds its stages only
 
-    def __init__(self, schedule):
+    def __init__(self, schedule, routers: Optional[RouterSteps] = None):
         self.schedule, self.model = schedule, schedule.model
+        # the whole model's routers, in model order: this rank's stages count theirs, the
+        # statistics sum every rank's (RouterSteps.end)
+        self.routers, self._routed, self._device = routers, False, None
 
     def task_loss(self, task) -> Callable:
         return lambda batch: task.loss(self.model, batch)  # the schedule computes the loss itself
@@ -114,10 +117,18 @@ class ScheduleSteps:
 
     def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
         """Every micro-batch through the stages: one schedule step (its loss the task's cross-entropy)."""
+        self._routed, self._device = routed and self.routers is not None, device
+        if self._routed:  # no routing pass ahead in a pipeline (refused): this clears the counts
+            self.routers.begin([], loss)
         return self.schedule.train_batches([next_batch() for _ in range(accum)])
 
     def end(self, read: bool) -> dict:
-        return {}  # the stages compute no load-balancing loss and keep no router statistics
+        """The routers' statistics, with `read`, of every stage (the load-balancing losses ride
+        the stages' outputs: [Note: the load-balancing loss in a pipeline])."""
+        if not self._routed:
+            return {}
+        self._routed = False
+        return self.routers.end(read, self._device)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits on every rank, the stages run in turn outside the schedule."""
@@ -135,4 +146,5 @@ def schedule_for(model, dims, mesh, cfg, family, device, accum: int, task) -> Op
     from framework.distributed.pipeline import Pipeline
     from framework.models.tasks import cross_entropy
 
-    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy))
+    routers = RouterSteps.of(model)  # the whole model's, before the stages take its modules
+    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy), routers)
