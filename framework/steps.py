@@ -82,7 +82,7 @@ class PlainSteps:
         if not self._routed:
             return {}
         self._routed = False
-        return self.routers.end(read)
+        return self.routers.end(read, copies=self.dims.tp)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -103,8 +103,8 @@ class PlainSteps:
 class ScheduleSteps:
     whole_model = False  # each rank holds its stages only
 
-    def __init__(self, schedule, routers: Optional[RouterSteps] = None):
-        self.schedule, self.model = schedule, schedule.model
+    def __init__(self, schedule, routers: Optional[RouterSteps] = None, tp: int = 1):
+        self.schedule, self.model, self.tp = schedule, schedule.model, tp
         # the whole model's routers, in model order: this rank's stages count theirs, the
         # statistics sum every rank's (RouterSteps.end)
         self.routers, self._routed, self._device = routers, False, None
@@ -128,7 +128,7 @@ class ScheduleSteps:
         if not self._routed:
             return {}
         self._routed = False
-        return self.routers.end(read, self._device)
+        return self.routers.end(read, self._device, copies=self.tp)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits on every rank, the stages run in turn outside the schedule."""
@@ -147,4 +147,4 @@ def schedule_for(model, dims, mesh, cfg, family, device, accum: int, task) -> Op
     from framework.models.tasks import cross_entropy
 
     routers = RouterSteps.of(model)  # the whole model's, before the stages take its modules
-    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy), routers)
+    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy), routers, dims.tp)
