@@ -264,7 +264,6 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
             "parallelism.cp=2 with model.args.capacity_factor=1.5",
         ),
         ("model=hf model.path=/x parallelism.cp=2", "parallelism.cp=2 with model=hf"),
-        ("model=hf model.path=/x parallelism.tp=2 parallelism.ep=2", "parallelism.tp=2 and model=hf"),
     ],
 )
 def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, line):
