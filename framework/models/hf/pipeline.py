@@ -5,8 +5,10 @@ Decoders laid out as transformers' Llama family is (`model.embed_tokens`, `model
 our Llama (framework/models/llama/pipeline.py): the embedding on the first stage, the final norm
 and `lm_head` on the last, a contiguous run of decoder layers on each, under the whole model's
 own names, so checkpoints and exports move between pipeline degrees. Each stage computes the
-positions, the rotary table and the causal mask as the whole model's forward does (transformers'
-`create_causal_mask`), so a stage's layers see what they would see in the whole model.
+positions, the rotary table and the causal masks as the whole model's forward does (transformers'
+`create_causal_mask`, and its sliding-window mask per layer type: `_masks`), so a stage's layers
+see what they would see in the whole model. A mixture-of-experts decoder's experts (Mixtral,
+Qwen3-MoE, DeepSeek-V3, gpt-oss) are split by expert inside the stages under `parallelism.ep`.
 """
 
 from __future__ import annotations
