@@ -13,7 +13,9 @@ steps, asserted > 1e-3).
   its own 2 dp_shard ranks, the experts' gradients reduced within the replica and over the replicas;
 - tp: ep=2 x tp=2 (dp_shard=2): attention and dense layers split by transformers' tp plan, the
   experts kept whole on every tp rank and split by expert over the dp_shard ranks of its tp index
-  ([Note: experts under tensor parallelism]); the gradient norm counts each expert once;
+  ([Note: experts under tensor parallelism]); the gradient norm counts each expert once
+  (DeepSeek-V3: its plan splits the shared experts and dense blocks, not its MLA attention;
+  gpt-oss ships no plan);
 - tp_ep1: tp=2 x dp_shard=2 without expert parallelism: the experts whole on every tp rank,
   sharded with their block over dp_shard;
 - pp: ep=2 x pp=2 (dp_shard=2, 1F1B, 2 microbatches): each stage's experts split over the 2
@@ -35,7 +37,7 @@ from tests.hf.test_hf_parity import make_config
 
 LAYOUTS = {
     "hsdp": ({"strategy": "hybrid", "dp_replicate": 2, "dp_shard": 2, "ep": 2}, sorted(FAMILIES)),
-    "tp": ({"dp_shard": 2, "tp": 2, "ep": 2}, ["mixtral", "qwen3_moe"]),
+    "tp": ({"dp_shard": 2, "tp": 2, "ep": 2}, ["deepseek_v3", "mixtral", "qwen3_moe"]),
     "tp_ep1": ({"dp_shard": 2, "tp": 2}, ["qwen3_moe"]),
     "pp": ({"dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "ep": 2}, sorted(FAMILIES)),
 }
