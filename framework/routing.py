@@ -84,12 +84,16 @@ class RouterSteps:
         for r, load in zip(self.routers, loads):
             r.global_load = load
 
-    def end(self, read: bool) -> Dict[str, object]:
+    def end(self, read: bool, device=None, copies: int = 1) -> Dict[str, object]:
         """End a step: move the aux-loss-free biases by the step's global loads; with `read`, the
         step's record: per router l (in model order) `moe_load_l<l>` (slots per expert over the
         global batch: they sum to tokens x top_k), `moe_max_mean_l<l>` (the busiest expert's load
         over the mean) and, under a capacity factor, `moe_dropped_l<l>` (slots dropped).
-        Collective when a router has a bias or `read`."""
+        Collective when a router has a bias or `read`. In a pipeline the routers are the whole
+        model's and a rank counts its stages' only: the others' rows are zeros on `device` (the
+        step's device), and the sum over all ranks gives every router its global batch's loads.
+        `copies`: the ranks routing the same tokens (the tp ranks, which hold the routers whole and
+        route the replicated stream alike): the sum counts each slot that many times."""
         biased = [r for r in self.routers if r.expert_bias is not None]
         for r in self.routers:
             r.global_load = None  # the pass ahead's shares are this step's only
@@ -98,10 +102,10 @@ class RouterSteps:
         rows = []
         for r in self.routers:
             load = r.step_load
-            if load is None:  # no training forward reached it (a stage's own step)
-                load = torch.zeros(r.n_experts, device=r.router.weight.device)
+            if load is None:  # no training forward reached it (another rank's stage)
+                load = torch.zeros(r.n_experts, device=device if device is not None else r.router.weight.device)
             rows.append(torch.cat([load.float(), load.new_tensor([float(r.step_dropped)])]))
-        totals = all_reduce_sum_(torch.stack(rows), None)
+        totals = all_reduce_sum_(torch.stack(rows), None) / copies  # exact: multiples of copies
         for r, row in zip(self.routers, totals):
             if r.expert_bias is not None:  # DeepSeek-V3: an expert above the mean load loses bias
                 load = row[:-1].to(r.expert_bias.device)

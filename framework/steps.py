@@ -9,7 +9,8 @@ which layout they run on.
   the step's micro-batches through torch's schedule at once, its loss the task's cross-entropy on
   the last stage, or a stage's own `RowsLoss` (stage=dpo's pairs) that the stage gives as its
   micro-batch loss (pipelines train causal language models, pre-training, fine-tuning or
-  preference pairs: refused otherwise at the build).
+  preference pairs: refused otherwise at the build); the routers' statistics summed over the
+  stages' ranks.
 
 Both return the step's loss summed over this rank's micro-batches (each divided by their number),
 on the device; the trainer owns what follows (clip, observe, optimizer step, zero_grad).
@@ -99,7 +100,7 @@ class PlainSteps:
         if not self._routed:
             return {}
         self._routed = False
-        return self.routers.end(read)
+        return self.routers.end(read, copies=self.dims.tp)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -120,8 +121,11 @@ class PlainSteps:
 class ScheduleSteps:
     whole_model = False  # each rank holds its stages only
 
-    def __init__(self, schedule):
-        self.schedule, self.model = schedule, schedule.model
+    def __init__(self, schedule, routers: Optional[RouterSteps] = None, tp: int = 1):
+        self.schedule, self.model, self.tp = schedule, schedule.model, tp
+        # the whole model's routers, in model order: this rank's stages count theirs, the
+        # statistics sum every rank's (RouterSteps.end)
+        self.routers, self._routed, self._device = routers, False, None
 
     def task_loss(self, task) -> Callable:
         return lambda batch: task.loss(self.model, batch)  # the schedule computes the loss itself
@@ -132,10 +136,18 @@ class ScheduleSteps:
     def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
         """Every micro-batch through the stages: one schedule step (its loss the task's
         cross-entropy, or `loss` where a stage gives a `RowsLoss`)."""
+        self._routed, self._device = routed and self.routers is not None, device
+        if self._routed:  # no routing pass ahead in a pipeline (refused): this clears the counts
+            self.routers.begin([], loss)
         return self.schedule.train_batches([next_batch() for _ in range(accum)], _rows_loss(loss))
 
     def end(self, read: bool) -> dict:
-        return {}  # the stages compute no load-balancing loss and keep no router statistics
+        """The routers' statistics, with `read`, of every stage (the load-balancing losses ride
+        the stages' outputs: [Note: the load-balancing loss in a pipeline])."""
+        if not self._routed:
+            return {}
+        self._routed = False
+        return self.routers.end(read, self._device, copies=self.tp)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits on every rank, the stages run in turn outside the schedule."""
@@ -162,4 +174,5 @@ def schedule_for(model, dims, mesh, cfg, family, device, accum: int, task) -> Op
     from framework.distributed.pipeline import Pipeline
     from framework.models.tasks import cross_entropy
 
-    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy))
+    routers = RouterSteps.of(model)  # the whole model's, before the stages take its modules
+    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy), routers, dims.tp)

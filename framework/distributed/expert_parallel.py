@@ -162,6 +162,12 @@ def apply_expert_parallel(
     from framework.distributed.groups import init_mesh
 
     groups = expert_groups(model)
+    if not groups and pp > 1:
+        raise UserInputError(
+            f"parallelism.ep={ep} with parallelism.pp={pp}: this rank's stages hold no mixture-of-experts "
+            "block (dense blocks only, as DeepSeek-V3's first_k_dense_replace first ones); give every stage one "
+            "with parallelism.pp_split, or set parallelism.ep=1"
+        )
     if not groups:
         raise UserInputError(
             f"parallelism.ep={ep}: the model has no mixture-of-experts blocks to split; set parallelism.ep=1"

@@ -304,11 +304,8 @@ def test_an_ep_that_does_not_divide_the_experts_is_refused_before_start(tmp_path
     ]
     assert "(num_experts=6)" in model_problems(on_disk, 1, 16, 0, ep=4)[0]
     assert model_problems(inline, 1, 16, 0, ep=2) == model_problems(on_disk, 1, 16, 0, ep=3) == []
-    # transformers' experts are not split inside pipeline stages (our Llama family's are)
-    assert model_problems(inline, 1, 16, 0, ep=2, pp=2) == [
-        "parallelism.ep=2 with parallelism.pp=2 and model=hf: a Hugging Face model's experts are not split "
-        "inside pipeline stages yet (our Llama family's are); set parallelism.ep=1 or parallelism.pp=1"
-    ]
+    # split by expert inside pipeline stages and beside tensor parallelism (tests/hf/test_hf_moe_dims.py)
+    assert model_problems(inline, 1, 16, 0, ep=2, pp=2) == model_problems(inline, 2, 16, 0, ep=2) == []
     assert model_problems(inline, 1, 16, 0, ep=1, pp=2) == []
 
 

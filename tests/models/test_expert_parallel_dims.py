@@ -45,6 +45,10 @@ def _assert_same(run: Path, reference: Path) -> None:
     got, want = read_metrics(run), read_metrics(reference)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=TOL)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], abs=TOL)
+    # the router statistics: the same keys and loads (the same tokens routed by weights equal
+    # within TOL, so the same choices; counts are exact); tp ranks route the same tokens, counted once
+    stats = [[{k: v for k, v in r.items() if k.startswith("moe_load")} for r in run] for run in (got, want)]
+    assert stats[0] == stats[1] and stats[1][0]
     w_got, w_want = _weights(run), _weights(reference)
     assert set(w_got) == set(w_want) and any("experts" in k for k in w_got)
     for key in w_want:

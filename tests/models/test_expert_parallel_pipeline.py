@@ -52,6 +52,24 @@ def test_the_pipelines_validation_loss_holds_every_stages_aux_loss(one_process, 
     assert len(val(one_process)) == 1 and val(ep2_pp2) == pytest.approx(val(one_process), abs=TOL)
 
 
+def test_the_pipelines_router_statistics_are_one_process(one_process, ep2_pp2):
+    """Each stage's routers count their own blocks' slots and the record sums them over the ranks:
+    metrics.jsonl holds the same router keys as one process's, with the same loads (the same
+    samples routed by weights equal within 1e-5: the same choices, counts exact)."""
+
+    def stats(run):
+        return [{k: v for k, v in r.items() if k.startswith("moe_")} for r in read_metrics(run) if "loss" in r]
+
+    one, pipe = stats(one_process), stats(ep2_pp2)
+    assert len(one) == 4 and all(
+        sorted(r) == ["moe_load_l0", "moe_load_l1", "moe_max_mean_l0", "moe_max_mean_l1"] for r in one
+    )
+    assert [sorted(r) for r in pipe] == [sorted(r) for r in one]
+    for mine, theirs in zip(pipe, one):
+        assert mine["moe_load_l0"] == theirs["moe_load_l0"] and mine["moe_load_l1"] == theirs["moe_load_l1"]
+        assert mine["moe_max_mean_l1"] == pytest.approx(theirs["moe_max_mean_l1"])
+
+
 def test_experts_in_a_pipeline_at_ep1_equal_one_process(one_process, tmp_path, stdlib_cache):
     _assert_same(_run(tmp_path, "ep1_pp2", [*PIPE, *STAGES], stdlib_cache), one_process)
 

@@ -148,11 +148,10 @@ def test_expert_all_to_all_matches_engine(engine_results, name):
 
 
 def test_pipeline_proposed_where_the_family_cuts_experts_into_stages():
-    """A transformers MoE at ep=1 is cut into stages by its family (framework/models/hf/pipeline.py
-    accepts it), so where sharding alone does not fit the planner still proposes pp for it, as
-    before its experts were counted, but not at ep > 1 (its experts are not split inside stages,
-    models/hf/args.py); our Llama splits its experts inside stages, so at ep=1 and ep=2 it gets
-    a proposal, each stage's dp_shard a multiple of ep."""
+    """A transformers MoE is cut into stages by its family (framework/models/hf/pipeline.py
+    accepts it) and its experts split inside them at ep > 1, as our Llama's: where sharding alone
+    does not fit the planner proposes pp for both at ep=1 and ep=2, each stage's dp_shard a
+    multiple of ep."""
     from dataclasses import replace
 
     from framework.planner.estimate import memory
@@ -161,8 +160,10 @@ def test_pipeline_proposed_where_the_family_cuts_experts_into_stages():
     hf = replace(job_from_config(_config("hf_deepseek_ep2")), ep=1)
     assert hf.model.n_experts == 4 and hf.model.pipeline
     tight = replace(hf, memory_gib=0.9 * memory(hf).peak / 2**30)  # sharding alone misses by 10%
+    assert hf.model.pipeline_experts
     assert propose_pipeline(tight) is not None
-    assert propose_pipeline(replace(tight, ep=2)) is None
+    proposal = propose_pipeline(replace(tight, ep=2))
+    assert proposal is not None and proposal.dp_shard % 2 == 0
     llama = job_from_config(_config("ep2"))
     assert llama.model.pipeline and llama.model.pipeline_experts and llama.ep == 2
     for ep in (1, 2):

@@ -63,9 +63,9 @@ def test_hf_tp2_trains_like_one_process_and_its_export_loads_in_transformers(tmp
     "config, needle",
     [
         (
-            "{model_type: mixtral, num_hidden_layers: 1, hidden_size: 64, intermediate_size: 128, "
-            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, num_local_experts: 4}",
-            "its plan uses moe_tp_experts, packed_colwise",
+            "{model_type: olmo2, num_hidden_layers: 1, hidden_size: 64, intermediate_size: 128, "
+            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}",
+            "its plan uses colwise_gather_output",
         ),
         ("{model_type: gpt2, n_layer: 1, n_embd: 32, n_head: 2, vocab_size: 128}", "ships no tensor-parallel plan"),
         (
@@ -74,7 +74,7 @@ def test_hf_tp2_trains_like_one_process_and_its_export_loads_in_transformers(tmp
             "does not divide num_key_value_heads=1",
         ),
     ],
-    ids=["mixtral", "gpt2", "kv_heads"],
+    ids=["olmo2", "gpt2", "kv_heads"],
 )
 def test_families_the_plan_cannot_split_are_refused_by_name(tmp_path, config, needle):
     out = run_main(

@@ -272,7 +272,6 @@ def test_llama_arguments_are_checked_by_their_family(override, needle):
             "model=hf model.path=/x parallelism.cp=2 data.seq_len=129",
             "data.seq_len=129 is not divisible by parallelism.cp=2",
         ),
-        ("model=hf model.path=/x parallelism.tp=2 parallelism.ep=2", "parallelism.tp=2 and model=hf"),
     ],
 )
 def test_expert_and_context_parallel_degrees_are_checked_in_one_line(override, line):

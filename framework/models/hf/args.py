@@ -54,20 +54,10 @@ def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int =
     from framework.models.args import parse_args
 
     a = parse_args(HFArgs, cfg)
-    if ep > 1 and pp > 1:  # our Llama family's experts run inside stages; transformers' not yet
-        return [
-            f"parallelism.ep={ep} with parallelism.pp={pp} and model=hf: a Hugging Face model's experts are not "
-            "split inside pipeline stages yet (our Llama family's are); set parallelism.ep=1 or parallelism.pp=1"
-        ]
     if cp > 1:
         out = _context_parallel_problems(cfg, cp, tp, seq_len)
         if out:
             return out
-    if ep > 1 and tp > 1:  # our Llama family's experts compose with tp; transformers' blocks not yet
-        return [
-            f"parallelism.ep={ep} with parallelism.tp={tp} and model=hf: a Hugging Face model's experts are "
-            "not laid out for tensor parallelism yet (our Llama family's are); set parallelism.tp=1 or parallelism.ep=1"
-        ]
     if ep > 1:
         n, key = _experts(cfg)
         if n is not None and n % ep:

@@ -18,9 +18,11 @@ transformers ships a plan with many configs (`config.base_model_tp_plan`: {"laye
                                  on the vocabulary])
 
 The attention reshapes the projections with `view(..., -1, head_dim)`, so a rank's local heads
-need no change in the model's code. Other styles (packed or gathered outputs, experts) are
-refused by name with the family, as is a model type that ships no plan. With
-parallelism.sequence_parallel the decoder layers' stream is sharded on the sequence
+need no change in the model's code. A mixture-of-experts block's stacked experts are left out of
+the plan (kept whole on every tp rank, split by expert under `parallelism.ep`: [Note: experts
+under tensor parallelism]); its router and shared experts follow their own entries. Other styles
+(packed or gathered outputs) are refused by name with the family, as is a model type that ships
+no plan. With parallelism.sequence_parallel the decoder layers' stream is sharded on the sequence
 (framework/models/hf/sequence_parallel.py).
 """
 
@@ -50,6 +52,25 @@ def _base(model: nn.Module):
     return (f"{prefix}.", base) if isinstance(base, nn.Module) else ("", model)
 
 
+def _without_experts(plan: dict, base: nn.Module) -> dict:
+    """`plan` less its entries for a block's stacked experts (the module and its tensors): they are
+    kept whole on every tp rank ([Note: experts under tensor parallelism] in
+    framework/models/llama/parallelize.py), split by expert over the data-parallel ranks instead."""
+    from framework.models.hf.moe import is_hf_experts
+
+    experts = [name for name, module in base.named_modules() if is_hf_experts(module)]
+    if not experts:
+        return plan
+
+    def names_experts(pattern: str) -> bool:
+        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        parent = pattern.rpartition(".")[0]
+        parent_regex = re.compile("^" + re.escape(parent).replace(r"\*", r"\d+") + "$")
+        return any(regex.match(n) or parent_regex.match(n) for n in experts)
+
+    return {pattern: style for pattern, style in plan.items() if not names_experts(pattern)}
+
+
 def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """{module name: style} from the model config's `base_model_tp_plan`; the tp degree (to check
     the widths) is the one apply_tensor_parallel marks the model with."""
@@ -57,6 +78,9 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     config = model.config
     kind = getattr(config, "model_type", type(model).__name__)
     plan = getattr(config, "base_model_tp_plan", None) or {}
+    prefix, base = _base(model)
+    whole = _without_experts(plan, base)
+    sparse, plan = len(whole) < len(plan), whole
     if not plan:
         raise UserInputError(
             f"parallelism.tp > 1 with model=hf model_type={kind}: transformers ships no tensor-parallel plan "
@@ -77,12 +101,13 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
                     f"parallelism.tp={tp} does not divide {name}={value} of model_type={kind}; "
                     "choose a tp that divides it"
                 )
-    prefix, base = _base(model)
     out: dict[str, ParallelStyle] = {}
     names = [name for name, _ in base.named_modules()]
     for pattern, style in plan.items():
         regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
         matched = [n for n in names if regex.match(n)]
+        if not matched and sparse:  # a dense block's entry in a model whose blocks are all sparse
+            continue
         if not matched:
             raise UserInputError(f"model=hf model_type={kind}: its tp plan names {pattern}, which the model lacks")
         for name in matched:

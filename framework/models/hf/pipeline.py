@@ -5,8 +5,10 @@ Decoders laid out as transformers' Llama family is (`model.embed_tokens`, `model
 our Llama (framework/models/llama/pipeline.py): the embedding on the first stage, the final norm
 and `lm_head` on the last, a contiguous run of decoder layers on each, under the whole model's
 own names, so checkpoints and exports move between pipeline degrees. Each stage computes the
-positions, the rotary table and the causal mask as the whole model's forward does (transformers'
-`create_causal_mask`), so a stage's layers see what they would see in the whole model.
+positions, the rotary table and the causal masks as the whole model's forward does (transformers'
+`create_causal_mask`, and its sliding-window mask per layer type: `_masks`), so a stage's layers
+see what they would see in the whole model. A mixture-of-experts decoder's experts (Mixtral,
+Qwen3-MoE, DeepSeek-V3, gpt-oss) are split by expert inside the stages under `parallelism.ep`.
 """
 
 from __future__ import annotations
@@ -51,15 +53,13 @@ class HFDecoderStage(nn.Module):
         return self.lm_head if self.last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         h = self.model.embed_tokens(x) if self.first else x
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions
-        )
+        masks = _masks(self._config, h, positions)
         rotary = self.model.rotary_emb(h, position_ids=positions)
-        for layer in self.model.layers.values():
+        kinds = getattr(self._config, "layer_types", None)
+        for index, layer in self.model.layers.items():
+            mask = masks[kinds[int(index)]] if kinds else masks["default"]
             h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
             h = h[0] if isinstance(h, tuple) else h
         return self.lm_head(self.model.norm(h)) if self.last else h
@@ -72,6 +72,25 @@ class HFDecoderStage(nn.Module):
         )
         width = self.vocab_size // tp if self.last else self.dim
         return x, torch.empty(batch, seq, width, dtype=dtype, device="meta")
+
+
+def _masks(config, h: torch.Tensor, positions: torch.Tensor) -> dict:
+    """The causal masks the whole model's forward builds: per layer type where the config lists
+    them (`layer_types`: gpt-oss's and Qwen2/3's sliding-window layers beside full ones), else one
+    ("default"), sliding-window where the config sets a window (Mistral, Mixtral), as their models do."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    def build(fn):
+        return fn(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions)
+
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return {
+            kind: build(create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask)
+            for kind in set(kinds)
+        }
+    window = getattr(config, "sliding_window", None) is not None
+    return {"default": build(create_sliding_window_causal_mask if window else create_causal_mask)}
 
 
 def check_pipeline(model: nn.Module, pp: int) -> None:

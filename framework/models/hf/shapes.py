@@ -78,6 +78,7 @@ def plan_shape(cfg, vocab_size: int) -> ModelShape:
         inactive_params=expert_numel * (n_experts - top_k) // n_experts if n_experts else 0,
         pipeline=_pipeline_ok(model),
         context_parallel=getattr(model.config, "model_type", "") in CONTEXT_PARALLEL_TYPES,
+        pipeline_experts=bool(n_experts) and _pipeline_ok(model),  # experts inside its stages at ep > 1
     )
 
 
