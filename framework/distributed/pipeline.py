@@ -57,6 +57,23 @@ whole backward, on the first stage, whose inputs need no gradient: its I is empt
 its backward) is the synced one: gradients reduce-scatter once per stage and step. The bubble:
 framework/config/pipeline.py, `bubble_fraction`; measured: bench/pipeline_bubble.py.
 
+[Note: tied embeddings in a pipeline]
+A model whose output head is its token embedding (model.args.tie_embeddings, a Hugging Face
+config's tie_word_embeddings) uses the one matrix on the first stage (the lookup) and on the last
+(the head). Both stages hold both modules, as the whole model does (the family's stage does it),
+so each of the two ranks has a copy of the parameter under the whole model's names: its state
+dict and its optimizer state are the whole model's (the optimizer's under the embedding's name,
+the first the model yields), the two ranks write the same pieces, and checkpoints move to and
+from a model without a pipeline. The copies start equal (every rank builds the model from one
+seed) and stay equal: after the step's backward each holds the gradient of its own use, and one
+all-reduce between the two ranks (per data- and tensor-parallel place: the pp group itself at
+pp=2) gives both the sum, the whole model's gradient, before clipping and the optimizer step,
+which then move both alike. The two modules are one sharding unit (a group: the one the stage
+does not call is gathered with the other and gets no gradient of its own), whose pieces say they
+have 2 copies, so the gradient norm counts the matrix once. A schedule that puts the first and the
+last stage on one rank (zbv's V) would need two stages, each a root of its own, to share the
+unit: refused.
+
 The loss of each microbatch is the task's mean over its labelled positions divided by the
 number of microbatches (scale_grads=False), as gradient accumulation divides it; the last stage
 sums them and one all-reduce over the pp group gives every rank the step's loss. The gradient
@@ -452,6 +469,18 @@ class Pipeline:
         self.owner = {s: r for r in range(dims.pp) for s in stages_of_rank(r, dims.pp, v, self.schedule_name)}
         self.n_stages, self.dtype = n_stages, _DTYPES[p.param_dtype]
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
+        tied = _tied_names(model)  # [Note: tied embeddings in a pipeline]
+        if tied and self.owner[0] == self.owner[n_stages - 1]:
+            raise UserInputError(
+                f"parallelism.pp_schedule={self.schedule_name.value} with model.args.tie_embeddings=true (or a "
+                "Hugging Face config's tie_word_embeddings): the first and the last stage share a rank, whose two "
+                "stages would share one sharded parameter; choose pp_schedule=1f1b, gpipe or interleaved_1f1b"
+            )
+        self.tied, self.tied_group = [], None
+        if tied and (self.holds_first or self.holds_last):
+            self.tied = [n for n, _ in self.model.named_parameters() if any(n in names for names in tied)]
+        if tied:
+            self.tied_group = _pair_group(mesh, self.pp_group, self.owner[0], self.owner[n_stages - 1])
         self._shard(dims, mesh, p, family, family.activation_checkpoint_targets(model))
         if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
             self.model.to_empty(device=device)
@@ -517,9 +546,16 @@ class Pipeline:
                 experts.set_gradient_divide_factor(dims.dp)
                 if dims.tp > 1:  # whole on every tp rank, as without a pipeline
                     experts.set_norm_copies(dims.tp)
+        tied = {id(p) for _, p in _shared_parameters(part)}  # [Note: tied embeddings in a pipeline]
         for stage in part.stages:
-            for unit in _units_of(stage):
-                fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+            units = _units_of(stage)
+            group = [u for u in units if any(id(p) in tied for p in u.parameters())]  # the embedding and head
+            for unit in units:
+                if unit not in group:
+                    fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+            if group:  # one unit (a parameter belongs to one), on the first and the last stage's ranks
+                fully_shard(group, reshard_after_forward=reshard, **kwargs)
+                group[0].set_norm_copies(2)
             fully_shard(stage, reshard_after_forward=reshard, **kwargs)
 
     def _loss(self, logits, labels) -> torch.Tensor:
@@ -539,12 +575,25 @@ class Pipeline:
         kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
         with loss_context(self.model):
             self.schedule.step(*args, **kwargs, **packed)
+        self._sum_tied_grads()
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             total += full(loss.detach()).float()
         total += self._clear_aux().to(total.device)  # each stage's load-balancing losses, already / microbatches
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+    def _sum_tied_grads(self) -> None:
+        """[Note: tied embeddings in a pipeline]: the tied parameter's gradient summed over the
+        first and the last stage's ranks, on both (the pieces of one data-parallel place match)."""
+        if not self.tied:
+            return
+        params = dict(self.model.named_parameters())
+        for name in self.tied:
+            grad = params[name].grad
+            if grad is not None:  # None on both ranks alike (a frozen embedding)
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=self.tied_group)
 
     def _clear_aux(self) -> torch.Tensor:
         """The sum of this rank's stages' load-balancing losses since the last call ([Note: the
@@ -608,6 +657,42 @@ class Pipeline:
             total += self._clear_aux().to(total.device) * len(group)  # the experts', scaled alike
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+
+def _shared_parameters(model: nn.Module) -> List[tuple]:
+    """(name, parameter) of every parameter `model` holds under more than one name."""
+    names: Dict[int, List[str]] = {}
+    params = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    return [(n, params[i]) for i, ns in names.items() if len(ns) > 1 for n in ns]
+
+
+def _tied_names(model: nn.Module) -> List[set]:
+    """The groups of names of the whole model's tied parameters (the embedding and the head)."""
+    groups: Dict[int, set] = {}
+    for name, param in _shared_parameters(model):
+        groups.setdefault(id(param), set()).add(name)
+    return list(groups.values())
+
+
+def _pair_group(mesh, pp_group, first: int, last: int):
+    """The process group of this rank's first- and last-stage ranks (same data- and tensor-parallel
+    place): the pp group when it is just those two, else one group per place, made by every rank
+    (a new group is a collective of the world); None on a rank in neither."""
+    if mesh["pp"].size() == 2:
+        return pp_group
+    ranks = mesh.mesh
+    pp_dim = mesh.mesh_dim_names.index("pp")
+    rows = ranks.movedim(pp_dim, -1).reshape(-1, ranks.shape[pp_dim]).tolist()
+    mine = None
+    for row in rows:
+        pair = [row[first], row[last]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
 
 
 def _joined(batches: list) -> tuple:

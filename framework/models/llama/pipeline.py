@@ -50,11 +50,17 @@ class LlamaStage(nn.Module):
 
     def __init__(self, model: Transformer, start: int, end: int, first: bool, last: bool):
         super().__init__()
-        if first:
+        # [Note: tied embeddings in a pipeline] (framework/distributed/pipeline.py): with the head
+        # tied to the embedding, the first and the last stage each hold both modules (one
+        # parameter), as the whole model does, and use the one their place calls for.
+        tied = model.cfg.tie_embeddings and (first or last)
+        if first or tied:
             self.tok_embeddings = model.tok_embeddings
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
         if last:
-            self.norm, self.output = model.norm, model.output
+            self.norm = model.norm
+        if last or tied:
+            self.output = model.output
         # The rotary table, one module shared by the stages (moved with them, never saved).
         self.rotary = model.__dict__.setdefault("_pipeline_rotary", _Rotary(model.rope))
         self.first, self.last = first, last
@@ -109,11 +115,6 @@ class LlamaStage(nn.Module):
 
 def check_pipeline(model: Transformer, pp: int) -> None:
     """What a pipeline of this model cannot do yet, refused in one line naming both features."""
-    if model.cfg.tie_embeddings:
-        raise UserInputError(
-            f"model.args.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and the "
-            "head (last stage) live on different ranks; set model.args.tie_embeddings=false"
-        )
     refused = pipeline_problems(model.cfg, pp)
     if refused:
         raise UserInputError(refused[0])
