@@ -1,6 +1,7 @@
 """Pipeline parallelism (`parallelism.pp`): a model cut into stages by layers, run by torch's
-schedules (`torch.distributed.pipelining`), each stage sharded by our engine over its
-data-parallel ranks and split by tensor parallelism inside.
+schedules (`torch.distributed.pipelining`), each stage sharded over its data-parallel ranks (by
+our engine, or by torch's `fully_shard` with parallelism.engine=torch) and split by tensor (and
+sequence) parallelism inside.
 
     pipe = Pipeline(model, dims, mesh, cfg, family, device, accum_steps)
     pipe.model            # this rank's part: the model's own modules under the model's own names
@@ -74,12 +75,31 @@ have 2 copies, so the gradient norm counts the matrix once. A schedule that puts
 last stage on one rank (zbv's V) would need two stages, each a root of its own, to share the
 unit: refused.
 
+[Note: sequence parallel inside stages]
+Under sequence parallelism (parallelism.sequence_parallel, with tp) the family's plan leaves the
+residual stream between blocks sharded on the sequence: the embedding's output is reduce-scattered
+to each tp rank's piece of the sequence, every block takes and returns that piece, and the head
+gathers it back. A stage boundary is between two blocks, so the hidden states go between stages
+as they are: each tp rank sends its piece to the next stage's rank at the same tp place (the pp
+group is per tp place), 1/tp of the whole, and the next stage's first block takes it as its plan
+expects. The stages' static shapes say so (`example_io`'s `hidden_seq`: the piece's length as a
+Shard(1) DTensor cuts the sequence, ceil(seq/tp) on the first ranks); the last stage's logits stay
+whole in the sequence (split on the vocabulary), as without a pipeline.
+
+[Note: torch's fully_shard under torch's schedules]
+With parallelism.engine=torch each stage's units and the stage (its root) are sharded by torch's
+`fully_shard` over the same data-parallel mesh, and the stage is torch's own `PipelineStage`,
+which drives FSDP2 itself: no gradient synchronisation in the microbatches' backwards, then one
+reduce-scatter per stage and step after the last (`perform_reduce_grad`). Its gradient norm is
+torch's over DTensors, which covers the rank's own stages: the engine's clip adds the squares
+over the pp group (`norm_group`) and counts a tied matrix once (`norm_copies`).
+
 The loss of each microbatch is the task's mean over its labelled positions divided by the
 number of microbatches (scale_grads=False), as gradient accumulation divides it; the last stage
 sums them and one all-reduce over the pp group gives every rank the step's loss. The gradient
-norm needs no pipeline step: the engine's norm sums every rank's pieces over the world, each
+norm needs no pipeline step on our engine: its norm sums every rank's pieces over the world, each
 divided by its number of copies ([Note: pieces that describe themselves]), which covers every
-stage once.
+stage once (torch's: [Note: torch's fully_shard under torch's schedules]).
 """
 
 from __future__ import annotations
@@ -91,6 +111,7 @@ from typing import Dict, List, NamedTuple, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -159,6 +180,12 @@ class PipelinePart(nn.Module):
         for stage in stages:
             _merge(self, stage)
         self.__dict__["stages"] = stages  # not submodules: their modules are registered above
+        # What a gradient norm over DTensors (torch's fully_shard) needs besides its meshes: the
+        # group holding the other stages (set by the pipeline) and the parameters held by another
+        # rank of it too ([Note: tied embeddings in a pipeline]), id -> copies. Our engine's
+        # pieces say both themselves.
+        self.__dict__["norm_group"] = None
+        self.__dict__["norm_copies"] = {}
 
     def comm_stats(self) -> dict:  # the engine's counters, summed over this rank's stages
         out: Dict[str, float] = {}
@@ -398,6 +425,26 @@ class EngineStage(PipelineStage):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
+class TorchShardedStage(PipelineStage):
+    """A `PipelineStage` whose module torch's `fully_shard` sharded: [Note: torch's fully_shard
+    under torch's schedules]. torch drives FSDP2 (no sync until its `perform_reduce_grad`); the
+    zero-bubble halves are ours, as `EngineStage`'s: torch's own weight half looks for the weights
+    among the stage's (sharded) parameters, not the gathered ones the forward used."""
+
+    weight_in_one_call = False  # under activation checkpointing: see `backward_weight`
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if backward_type == "full":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(False)
+        self.submod.set_requires_gradient_sync(False)
+        if backward_type == "input":
+            return backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        backward_weight(bwd_kwargs["param_groups"], together=self.weight_in_one_call)
+        return (), None
+
+
 def _stage_plans(plan_fn):
     """The family's tensor-parallel plan asked of each of the part's stages (each a module of the
     model's own family, which its plan reads: a Hugging Face stage answers `config` and the
@@ -445,6 +492,9 @@ class Pipeline:
         blocks = family.blocks(model)
         ranges = layer_ranges(len(blocks), n_stages, list(p.pp_split), dims.pp, _costs(model, blocks, family))
         self.pp_rank = mesh.get_local_rank("pp")
+        # [Note: sequence parallel inside stages]: the tp degree and rank that cut the hidden states
+        sp = p.sequence_parallel and dims.tp > 1
+        self.sp_degree, self.sp_rank = (dims.tp, mesh.get_local_rank("tp")) if sp else (1, 0)
         self.pp_group = mesh["pp"].get_group()
         mine = stages_of_rank(self.pp_rank, dims.pp, v, self.schedule_name)
         modules = [family.pipeline_stage(model, *ranges[s], s == 0, s == n_stages - 1) for s in mine]
@@ -462,6 +512,7 @@ class Pipeline:
                 "set finetune.packing=false or parallelism.pp=1"
             )
         self.model = PipelinePart(modules)
+        self.model.norm_group = self.pp_group
         for module in modules:  # [Note: the load-balancing loss in a pipeline] (a family's stage may keep one)
             if hasattr(module, "aux_scale"):
                 module.aux_scale = 1.0 / self.microbatches
@@ -490,27 +541,32 @@ class Pipeline:
         mb = self.samples // self.microbatches
         self.stages = []
         for index, module in zip(mine, modules):
-            x, y = module.example_io(mb, cfg.data.seq_len, dtype, tp=dims.tp)
+            hidden = self._hidden_length(cfg.data.seq_len)  # [Note: sequence parallel inside stages]
+            x, y = module.example_io(mb, cfg.data.seq_len, dtype, tp=dims.tp, hidden_seq=hidden)
             # what needs a gradient: the hidden states between stages (not the tokens), every output
             x.requires_grad_(x.is_floating_point())
             y.requires_grad_(True)
+            # [Note: torch's fully_shard under torch's schedules]: its stage drives FSDP2 itself
+            torch_sharded = isinstance(module, TorchFSDPModule)
+            stage_class = (
+                TorchShardedStage if torch_sharded else functools.partial(EngineStage, n_microbatches=self.microbatches)
+            )
             self.stages.append(
-                EngineStage(
-                    module,
-                    index,
-                    n_stages,
-                    device,
-                    input_args=x,
-                    output_args=y,
-                    group=self.pp_group,
-                    n_microbatches=self.microbatches,
-                )
+                stage_class(module, index, n_stages, device, input_args=x, output_args=y, group=self.pp_group)
             )
             self.stages[-1].weight_in_one_call = p.activation_checkpointing != ActivationCheckpointing.none
         schedule_class = _SCHEDULES[self.schedule_name]
         stages = self.stages if v > 1 else self.stages[0]
         self.losses: List[torch.Tensor] = []
         self.schedule = schedule_class(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _hidden_length(self, seq: int) -> int:
+        """The length of the hidden states this rank sends and receives between stages for
+        sequences of `seq` tokens: [Note: sequence parallel inside stages]."""
+        if self.sp_degree == 1:
+            return seq
+        pieces = torch.arange(seq).chunk(self.sp_degree)  # how a Shard(1) DTensor cuts it
+        return len(pieces[self.sp_rank]) if self.sp_rank < len(pieces) else 0
 
     def _shard(self, dims, mesh, p, family, checkpointed: list) -> None:
         """Tensor parallel over this rank's part, then activation checkpointing of the model's
@@ -555,7 +611,10 @@ class Pipeline:
                     fully_shard(unit, reshard_after_forward=reshard, **kwargs)
             if group:  # one unit (a parameter belongs to one), on the first and the last stage's ranks
                 fully_shard(group, reshard_after_forward=reshard, **kwargs)
-                group[0].set_norm_copies(2)
+                if hasattr(group[0], "set_norm_copies"):  # our engine's pieces say it
+                    group[0].set_norm_copies(2)
+                else:  # torch's: its clip reads the part's (framework/distributed/engines.py)
+                    part.norm_copies.update({id(p): 2 for m in group for p in m.parameters()})
             fully_shard(stage, reshard_after_forward=reshard, **kwargs)
 
     def _loss(self, logits, labels) -> torch.Tensor:
@@ -625,7 +684,10 @@ class Pipeline:
                 if after is not None and after != here:
                     dist.send(h.detach().to(self.dtype).contiguous(), dst=peer(after), group=self.pp_group)
             elif after == self.pp_rank:
-                h = torch.empty(*tokens.shape, self.mine[stage + 1].dim, dtype=self.dtype, device=tokens.device)
+                rows, length = tokens.shape
+                h = torch.empty(
+                    rows, self._hidden_length(length), self.mine[stage + 1].dim, dtype=self.dtype, device=tokens.device
+                )
                 dist.recv(h, src=peer(here), group=self.pp_group)
         last = self.owner[self.n_stages - 1]
         shape = torch.tensor(full(h).shape if last == self.pp_rank else (0, 0, 0), device=tokens.device)

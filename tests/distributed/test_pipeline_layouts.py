@@ -32,7 +32,9 @@ BASE = [o for o in TINY if o != "model=debug"] + [
     "checkpoint.save_final=true",
     "optimizer.clip_grad_norm=0.5",
 ]
-TIED = ["model=debug", "model.args.n_layers=4", "model.args.tie_embeddings=true"]
+OURS = ["model=debug", "model.args.n_layers=4"]
+TIED = OURS + ["model.args.tie_embeddings=true"]
+TORCH = ["parallelism.engine=torch"]
 HF_TIED = [
     "model=hf",
     "+model.config={model_type: llama, num_hidden_layers: 4, hidden_size: 64, intermediate_size: 128, "
@@ -89,6 +91,13 @@ def tied_reference(tmp_path_factory) -> Path:
     return _run(tmp_path_factory.mktemp("tied_reference"), "one", TIED + ["cluster.nproc_per_node=1"])
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:  # with a validation at the end, which some runs compare
+    return _run(
+        tmp_path_factory.mktemp("reference"), "one", OURS + ["cluster.nproc_per_node=1", "trainer.eval_interval=5"]
+    )
+
+
 # ---- tied embeddings -------------------------------------------------------------------------
 
 
@@ -133,15 +142,25 @@ def test_tied_embeddings_with_the_first_and_last_stage_on_one_rank_are_refused(t
     assert "parallelism.pp_schedule=zbv with model.args.tie_embeddings=true" in out.stderr
 
 
-def test_a_tied_pipeline_checkpoint_resumes_on_data_parallel_and_back(tmp_path):
-    """pp=2 for 8 steps (checkpoints at 3 and 6); its step 3 resumed on dp_shard=2 to step 6,
-    whose checkpoint resumed at pp=2 to step 8: both logs are the uninterrupted run's (1e-5, as
-    above), and the pipeline's optimizer state of the tied matrix is written once, under the
-    embedding's name, as the whole model's is."""
+@pytest.mark.parametrize(
+    "pp",
+    [
+        ["cluster.nproc_per_node=2"],
+        ["cluster.nproc_per_node=2", "parallelism.engine=torch"],
+        ["cluster.nproc_per_node=4", "parallelism.tp=2", "parallelism.sequence_parallel=true"],
+    ],
+    ids=["native", "torch", "tp2_sp"],
+)
+def test_a_tied_pipeline_checkpoint_resumes_on_data_parallel_and_back(tmp_path, pp):
+    """pp=2 for 8 steps (checkpoints at 3 and 6); its step 3 resumed on dp_shard=2 (our engine)
+    to step 6, whose checkpoint resumed at pp=2 to step 8: both logs are the uninterrupted run's
+    (1e-5, as above), and the pipeline's optimizer state of the tied matrix is written once, under
+    the embedding's name, as the whole model's is. The pipeline's stages sharded by our engine, by
+    torch's fully_shard (checkpoints cross engines), or split by tensor and sequence parallelism."""
     import torch.distributed.checkpoint as dcp
 
     steps = ["trainer.max_steps=8", "checkpoint.interval=3"]
-    pp = ["parallelism.pp=2", "cluster.nproc_per_node=2"]
+    pp = ["parallelism.pp=2"] + pp
     source = _run(tmp_path, "source", TIED + pp + steps)
     dp = _run(
         tmp_path,
@@ -159,3 +178,52 @@ def test_a_tied_pipeline_checkpoint_resumes_on_data_parallel_and_back(tmp_path):
     keys = dcp.FileSystemReader(str(source / "checkpoints" / "step_00000003")).read_metadata().state_dict_metadata
     optim = sorted(k for k in keys if k.startswith("optim.state.") and ("tok_embeddings" in k or "output" in k))
     assert optim == [f"optim.state.tok_embeddings.weight.{s}" for s in ("exp_avg", "exp_avg_sq", "step")]
+
+
+# ---- torch's fully_shard under each stage ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule", [["parallelism.pp_schedule=1f1b"], ["parallelism.pp_schedule=zbv", "parallelism.pp_split=[1,1,1,1]"]]
+)
+def test_torch_fully_shard_under_each_stage_equals_one_process(reference, tmp_path, schedule):
+    """parallelism.engine=torch at pp=2 x dp_shard=2: torch's PipelineStage drives FSDP2 (one
+    reduce-scatter per stage after its last microbatch); under zbv the input and weight halves
+    are ours, which find the gathered weights the forward used (torch's own looks among the
+    sharded ones and loses the weight gradients: the norm 0.42 for 0.59 at step 1)."""
+    layout = ["parallelism.pp=2", "parallelism.dp_shard=2", "cluster.nproc_per_node=4"] + CHEAP
+    _same_as_reference(_run(tmp_path, "pp", OURS + TORCH + layout + schedule), reference)
+
+
+def test_tied_embeddings_under_torch_fully_shard_equal_one_process(tied_reference, tmp_path):
+    """The tied matrix's two copies as one FSDP2 group on each end stage, summed over the pair
+    after the step; torch's norm over DTensors adds the squares over the pp ranks and counts the
+    tied matrix once."""
+    layout = ["parallelism.pp=2", "parallelism.pp_schedule=interleaved_1f1b", "parallelism.dp_shard=2"]
+    run = _run(tmp_path, "pp", TIED + TORCH + layout + ["cluster.nproc_per_node=4"] + CHEAP)
+    _same_as_reference(run, tied_reference)
+
+
+# ---- sequence parallel inside the stages -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ["parallelism.pp_schedule=1f1b", "trainer.eval_interval=5"],
+        ["parallelism.pp_schedule=zbv", "parallelism.pp_split=[1,1,1,1]"] + CHEAP,
+        ["parallelism.pp_schedule=interleaved_1f1b", "parallelism.engine=torch"] + CHEAP,
+    ],
+    ids=["1f1b", "zbv", "interleaved_torch"],
+)
+def test_sequence_parallel_inside_stages_equals_one_process(reference, tmp_path, schedule):
+    """pp=2 x tp=2 with parallelism.sequence_parallel: each tp rank sends its half of the sequence
+    to the next stage (the stages' static shapes say so: a whole sequence would not be received);
+    1f1b also validates (forward-only schedule passes) like one process."""
+    layout = ["parallelism.pp=2", "parallelism.tp=2", "parallelism.sequence_parallel=true", "cluster.nproc_per_node=4"]
+    run = _run(tmp_path, "pp", OURS + layout + schedule)
+    _same_as_reference(run, reference)
+    if "trainer.eval_interval=5" in schedule:
+        val = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+        assert val == pytest.approx([r["val_loss"] for r in read_metrics(reference) if "val_loss" in r], abs=TOLERANCE)
+        assert len(val) == 1

@@ -68,7 +68,15 @@ class HFDecoderStage(nn.Module):
             h = h[0] if isinstance(h, tuple) else h
         return self.lm_head(self.model.norm(h)) if self.last else h
 
-    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
+    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1, hidden_seq: int | None = None) -> tuple:
+        """As our Llama stage's. Its forward derives the positions and the causal mask from the
+        length it is given, so it takes whole sequences only."""
+        if hidden_seq not in (None, seq):
+            raise UserInputError(
+                "parallelism.sequence_parallel=true with parallelism.pp and model=hf: a Hugging Face decoder's "
+                "stages take whole sequences (their positions and mask come from the length); set "
+                "parallelism.sequence_parallel=false"
+            )
         x = (
             torch.empty(batch, seq, dtype=torch.long, device="meta")
             if self.first

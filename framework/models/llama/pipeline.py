@@ -101,16 +101,20 @@ class LlamaStage(nn.Module):
                 out = _WithAuxLoss.apply(out, total, self.aux_scale)
         return out
 
-    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
+    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1, hidden_seq: int | None = None) -> tuple:
         """(input, output) tensors on the meta device with this stage's shapes and dtypes: the
-        pipeline's static description of what travels between stages."""
+        pipeline's static description of what travels between stages. `hidden_seq`: the hidden
+        states' length between stages where it is not `seq` (this rank's piece of the sequence
+        under sequence parallelism, which leaves the blocks' outputs sharded on it)."""
+        hidden = seq if hidden_seq is None else hidden_seq
         x = (
             torch.empty(batch, seq, dtype=torch.long, device="meta")
             if self.first
-            else torch.empty(batch, seq, self.dim, dtype=dtype, device="meta")
+            else torch.empty(batch, hidden, self.dim, dtype=dtype, device="meta")
         )
-        width = self.vocab_size // tp if self.last else self.dim  # tensor parallel: the local logits
-        return x, torch.empty(batch, seq, width, dtype=dtype, device="meta")
+        if self.last:  # tensor parallel: the local logits, of the whole sequence (the head gathers it)
+            return x, torch.empty(batch, seq, self.vocab_size // tp, dtype=dtype, device="meta")
+        return x, torch.empty(batch, hidden, self.dim, dtype=dtype, device="meta")
 
 
 def check_pipeline(model: Transformer, pp: int) -> None:
