@@ -62,18 +62,19 @@ framework/config/pipeline.py, `bubble_fraction`; measured: bench/pipeline_bubble
 A model whose output head is its token embedding (model.args.tie_embeddings, a Hugging Face
 config's tie_word_embeddings) uses the one matrix on the first stage (the lookup) and on the last
 (the head). Both stages hold both modules, as the whole model does (the family's stage does it),
-so each of the two ranks has a copy of the parameter under the whole model's names: its state
-dict and its optimizer state are the whole model's (the optimizer's under the embedding's name,
-the first the model yields), the two ranks write the same pieces, and checkpoints move to and
-from a model without a pipeline. The copies start equal (every rank builds the model from one
-seed) and stay equal: after the step's backward each holds the gradient of its own use, and one
-all-reduce between the two ranks (per data- and tensor-parallel place: the pp group itself at
-pp=2) gives both the sum, the whole model's gradient, before clipping and the optimizer step,
-which then move both alike. The two modules are one sharding unit (a group: the one the stage
-does not call is gathered with the other and gets no gradient of its own), whose pieces say they
-have 2 copies, so the gradient norm counts the matrix once. A schedule that puts the first and the
-last stage on one rank (zbv's V) would need two stages, each a root of its own, to share the
-unit: refused.
+so each of the two ranks has a copy of the parameter under the whole model's names: its state dict
+and its optimizer state are the whole model's (the optimizer's under the embedding's name, the
+first the model yields), the two ranks write the same pieces, and checkpoints move to and from a
+model without a pipeline. The copies start equal (every rank builds the model from one seed; built
+on the meta device, each rank draws its own values, and the first pass broadcasts the first
+stage's copy to the last's) and stay equal: after the step's backward each holds the gradient of
+its own use, and one all-reduce between the two ranks (per data- and tensor-parallel place: the pp
+group itself at pp=2) gives both the sum, the whole model's gradient, before clipping and the
+optimizer step, which then move both alike. The two modules are one sharding unit (a group: the
+one the stage does not call is gathered with the other and gets no gradient of its own), whose
+pieces say they have 2 copies, so the gradient norm counts the matrix once. A schedule that puts
+the first and the last stage on one rank (zbv's V) would need two stages, each a root of its own,
+to share the unit: refused.
 
 [Note: sequence parallel inside stages]
 Under sequence parallelism (parallelism.sequence_parallel, with tp) the family's plan leaves the
@@ -527,7 +528,7 @@ class Pipeline:
                 "Hugging Face config's tie_word_embeddings): the first and the last stage share a rank, whose two "
                 "stages would share one sharded parameter; choose pp_schedule=1f1b, gpipe or interleaved_1f1b"
             )
-        self.tied, self.tied_group = [], None
+        self.tied, self.tied_group, self.tied_synced = [], None, False
         if tied and (self.holds_first or self.holds_last):
             self.tied = [n for n, _ in self.model.named_parameters() if any(n in names for names in tied)]
         if tied:
@@ -626,6 +627,7 @@ class Pipeline:
         from framework.distributed.tensor_parallel import full, loss_context
 
         inputs, labels, packed = _joined(batches)
+        self._tie_once()
         for stage in self.stages:
             stage.backwards = 0
         self._clear_aux()
@@ -641,6 +643,22 @@ class Pipeline:
         total += self._clear_aux().to(total.device)  # each stage's load-balancing losses, already / microbatches
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+    @torch.no_grad()
+    def _tie_once(self) -> None:
+        """Before the first pass: the last stage's copy of a tied matrix made the first stage's
+        (broadcast over the pair). A model built on the meta device draws each rank's values with
+        its own seed, so the two copies start apart; built whole, or loaded, they are equal already."""
+        if self.tied_synced:
+            return
+        self.tied_synced = True
+        if not self.tied:
+            return
+        params = dict(self.model.named_parameters())
+        src = dist.get_global_rank(self.pp_group, self.owner[0])
+        for name in self.tied:
+            data = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
+            dist.broadcast(data.detach(), src=src, group=self.tied_group)
 
     def _sum_tied_grads(self) -> None:
         """[Note: tied embeddings in a pipeline]: the tied parameter's gradient summed over the
@@ -674,6 +692,7 @@ class Pipeline:
         pipeline from the last stage's. Every rank of the pipeline calls it together."""
         from framework.distributed.tensor_parallel import full, loss_context
 
+        self._tie_once()
         peer = lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
         h = tokens
         for stage in range(self.n_stages):
@@ -705,6 +724,7 @@ class Pipeline:
         from framework.distributed.tensor_parallel import full, loss_context
 
         total = torch.zeros((), device=_joined(batches[:1])[0].device)
+        self._tie_once()
         self._clear_aux()
         for start in range(0, len(batches), per_step):
             group = batches[start : start + per_step]

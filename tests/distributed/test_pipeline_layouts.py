@@ -130,6 +130,16 @@ def test_a_tied_hugging_face_llama_at_pp2_equals_one_process(tmp_path):
     assert torch.equal(weights["model.embed_tokens.weight"], weights["lm_head.weight"])  # tied, and one
 
 
+def test_tied_copies_of_a_model_built_on_the_meta_device_start_equal(tmp_path):
+    """model.meta_init: each rank draws its own stages' values (its own seed), so the last
+    stage's copy of the tied matrix is the first stage's only after the broadcast before the first
+    pass (without it the saved copies were 0.11 apart after 5 steps); the two ranks each write one
+    of the two names here."""
+    run = _run(tmp_path, "meta", TIED + ["parallelism.pp=2", "cluster.nproc_per_node=2", "model.meta_init=true"])
+    weights = _weights(run)
+    assert torch.equal(weights["tok_embeddings.weight"], weights["output.weight"])
+
+
 def test_tied_embeddings_with_the_first_and_last_stage_on_one_rank_are_refused(tmp_path):
     out = run_main(
         BASE
