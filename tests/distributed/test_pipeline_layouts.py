@@ -106,13 +106,15 @@ def reference(tmp_path_factory) -> Path:  # with a validation at the end, which 
     [
         ["parallelism.pp_schedule=1f1b"],
         ["parallelism.pp_schedule=interleaved_1f1b", "parallelism.dp_shard=2", "cluster.nproc_per_node=4"] + CHEAP,
+        ["parallelism.pp=4", "cluster.nproc_per_node=4"],
     ],
-    ids=["1f1b", "interleaved_dp_shard2"],
+    ids=["1f1b", "interleaved_dp_shard2", "pp4"],
 )
-def test_tied_embeddings_at_pp2_equal_one_process(tied_reference, tmp_path, layout):
+def test_tied_embeddings_in_a_pipeline_equal_one_process(tied_reference, tmp_path, layout):
     """The tied matrix on the first stage's rank (the lookup) and the last's (the head), its
     gradient summed over the two before clipping; under interleaving the ranks hold stages 0, 2
-    and 1, 3, each sharded over 2 data-parallel ranks."""
+    and 1, 3, each sharded over 2 data-parallel ranks; at pp=4 the pair (ranks 0 and 3) is a
+    group of its own, beside the middle stages' ranks."""
     run = _run(tmp_path, "pp", TIED + ["parallelism.pp=2", "cluster.nproc_per_node=2"] + layout)
     _same_as_reference(run, tied_reference)
     weights = _weights(run)
