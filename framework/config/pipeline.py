@@ -68,11 +68,6 @@ def pipeline_problems(p) -> List[str]:
             f"parallelism.pp_virtual_stages={v} with parallelism.pp_schedule={p.pp_schedule.value}: one stage per "
             "rank; choose pp_schedule=interleaved_1f1b or zbv for more"
         )
-    if p.pp > 1 and p.sequence_parallel:
-        errors.append(
-            f"parallelism.pp={p.pp} with parallelism.sequence_parallel=true: the activations between stages are "
-            "whole sequences for now; set parallelism.sequence_parallel=false"
-        )
     if any(n < 1 for n in p.pp_split):
         errors.append(f"parallelism.pp_split={list(p.pp_split)}: every stage needs at least one layer")
     if p.pp > 1 and p.pp_split and not errors:

@@ -49,11 +49,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
                 "inter-node network are slow; keep tp <= nproc_per_node (and dividing it)"
             )
     errors += pipeline_problems(p) + pipeline_job_problems(cfg)
-    if p.pp > 1 and p.engine.value != "native":
-        errors.append(
-            f"parallelism.pp={p.pp} with parallelism.engine={p.engine.value}: pipeline stages are sharded by our "
-            "engine only; set parallelism.engine=native"
-        )
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
     if (

@@ -164,12 +164,22 @@ class TorchEngine(ShardingEngine):
         # Tensor parallel leaves DTensor gradients on two meshes (tp-split weights on (dp, tp), plain
         # weights such as the norms' on dp only), which one foreach norm cannot mix: norm per mesh,
         # then combine the global per-mesh norms.
+        # A pipeline's part (framework/distributed/pipeline.py) holds some stages: its `norm_group`
+        # holds the others, and `norm_copies` names parameters another rank of it holds too.
+        copies = getattr(model, "norm_copies", {})
         by_mesh: dict = {}
         for p in _grads_of(model):
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+            by_mesh.setdefault((getattr(p.grad, "device_mesh", None), copies.get(id(p), 1)), []).append(p)
         norms = [torch.nn.utils.get_total_norm([p.grad for p in group], 2.0) for group in by_mesh.values()]
         norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        norms = [n / c**0.5 if c > 1 else n for n, (_, c) in zip(norms, by_mesh)]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        if getattr(model, "norm_group", None) is not None:
+            import torch.distributed as dist
+
+            square = norm.square()
+            dist.all_reduce(square, group=model.norm_group)
+            norm = square.sqrt()
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, _limit(max_norm), norm)
         return norm

@@ -1,6 +1,7 @@
 """Pipeline parallelism (`parallelism.pp`): a model cut into stages by layers, run by torch's
-schedules (`torch.distributed.pipelining`), each stage sharded by our engine over its
-data-parallel ranks and split by tensor parallelism inside.
+schedules (`torch.distributed.pipelining`), each stage sharded over its data-parallel ranks (by
+our engine, or by torch's `fully_shard` with parallelism.engine=torch) and split by tensor (and
+sequence) parallelism inside.
 
     pipe = Pipeline(model, dims, mesh, cfg, family, device, accum_steps)
     pipe.model            # this rank's part: the model's own modules under the model's own names
@@ -57,6 +58,43 @@ whole backward, on the first stage, whose inputs need no gradient: its I is empt
 its backward) is the synced one: gradients reduce-scatter once per stage and step. The bubble:
 framework/config/pipeline.py, `bubble_fraction`; measured: bench/pipeline_bubble.py.
 
+[Note: tied embeddings in a pipeline]
+A model whose output head is its token embedding (model.args.tie_embeddings, a Hugging Face
+config's tie_word_embeddings) uses the one matrix on the first stage (the lookup) and on the last
+(the head). Both stages hold both modules, as the whole model does (the family's stage does it),
+so each of the two ranks has a copy of the parameter under the whole model's names: its state dict
+and its optimizer state are the whole model's (the optimizer's under the embedding's name, the
+first the model yields), the two ranks write the same pieces, and checkpoints move to and from a
+model without a pipeline. The copies start equal (every rank builds the model from one seed; built
+on the meta device, each rank draws its own values, and the first pass broadcasts the first
+stage's copy to the last's) and stay equal: after the step's backward each holds the gradient of
+its own use, and one all-reduce between the two ranks (per data- and tensor-parallel place: the pp
+group itself at pp=2) gives both the sum, the whole model's gradient, before clipping and the
+optimizer step, which then move both alike. The two modules are one sharding unit (a group: the
+one the stage does not call is gathered with the other and gets no gradient of its own), whose
+pieces say they have 2 copies, so the gradient norm counts the matrix once. A schedule that puts
+the first and the last stage on one rank (zbv's V) would need two stages, each a root of its own,
+to share the unit: refused.
+
+[Note: sequence parallel inside stages]
+Under sequence parallelism (parallelism.sequence_parallel, with tp) the family's plan leaves the
+residual stream between blocks sharded on the sequence: the embedding's output is reduce-scattered
+to each tp rank's piece of the sequence, every block takes and returns that piece, and the head
+gathers it back. A stage boundary is between two blocks, so the hidden states go between stages
+as they are: each tp rank sends its piece to the next stage's rank at the same tp place (the pp
+group is per tp place), 1/tp of the whole, and the next stage's first block takes it as its plan
+expects. The stages' static shapes say so (`example_io`'s `hidden_seq`: the piece's length as a
+Shard(1) DTensor cuts the sequence, ceil(seq/tp) on the first ranks); the last stage's logits stay
+whole in the sequence (split on the vocabulary), as without a pipeline.
+
+[Note: torch's fully_shard under torch's schedules]
+With parallelism.engine=torch each stage's units and the stage (its root) are sharded by torch's
+`fully_shard` over the same data-parallel mesh, and the stage is torch's own `PipelineStage`,
+which drives FSDP2 itself: no gradient synchronisation in the microbatches' backwards, then one
+reduce-scatter per stage and step after the last (`perform_reduce_grad`). Its gradient norm is
+torch's over DTensors, which covers the rank's own stages: the engine's clip adds the squares
+over the pp group (`norm_group`) and counts a tied matrix once (`norm_copies`).
+
 The loss of each microbatch is the task's mean over its labelled positions divided by the
 number of microbatches (scale_grads=False), as gradient accumulation divides it; the last stage
 sums them and one all-reduce over the pp group gives every rank the step's loss.
@@ -72,9 +110,9 @@ reference's log-probabilities, from a forward-only pass of the reference's own s
 index, so the last stage's loss of a microbatch, `loss(output, rows)`, reads its rows' labels by
 index and depends on no order in which the schedule computes its microbatches. That loss is the
 microbatch's mean, divided here by the number of microbatches as the task's is. The gradient
-norm needs no pipeline step: the engine's norm sums every rank's pieces over the world, each
+norm needs no pipeline step on our engine: its norm sums every rank's pieces over the world, each
 divided by its number of copies ([Note: pieces that describe themselves]), which covers every
-stage once.
+stage once (torch's: [Note: torch's fully_shard under torch's schedules]).
 """
 
 from __future__ import annotations
@@ -86,6 +124,7 @@ from typing import Dict, List, NamedTuple, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -154,6 +193,12 @@ class PipelinePart(nn.Module):
         for stage in stages:
             _merge(self, stage)
         self.__dict__["stages"] = stages  # not submodules: their modules are registered above
+        # What a gradient norm over DTensors (torch's fully_shard) needs besides its meshes: the
+        # group holding the other stages (set by the pipeline) and the parameters held by another
+        # rank of it too ([Note: tied embeddings in a pipeline]), id -> copies. Our engine's
+        # pieces say both themselves.
+        self.__dict__["norm_group"] = None
+        self.__dict__["norm_copies"] = {}
 
     def comm_stats(self) -> dict:  # the engine's counters, summed over this rank's stages
         out: Dict[str, float] = {}
@@ -393,6 +438,26 @@ class EngineStage(PipelineStage):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
+class TorchShardedStage(PipelineStage):
+    """A `PipelineStage` whose module torch's `fully_shard` sharded: [Note: torch's fully_shard
+    under torch's schedules]. torch drives FSDP2 (no sync until its `perform_reduce_grad`); the
+    zero-bubble halves are ours, as `EngineStage`'s: torch's own weight half looks for the weights
+    among the stage's (sharded) parameters, not the gathered ones the forward used."""
+
+    weight_in_one_call = False  # under activation checkpointing: see `backward_weight`
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if backward_type == "full":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(False)
+        self.submod.set_requires_gradient_sync(False)
+        if backward_type == "input":
+            return backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        backward_weight(bwd_kwargs["param_groups"], together=self.weight_in_one_call)
+        return (), None
+
+
 def _stage_plans(plan_fn):
     """The family's tensor-parallel plan asked of each of the part's stages (each a module of the
     model's own family, which its plan reads: a Hugging Face stage answers `config` and the
@@ -443,6 +508,9 @@ class Pipeline:
         blocks = family.blocks(model)
         ranges = layer_ranges(len(blocks), n_stages, list(p.pp_split), dims.pp, _costs(model, blocks, family))
         self.pp_rank = mesh.get_local_rank("pp")
+        # [Note: sequence parallel inside stages]: the tp degree and rank that cut the hidden states
+        sp = p.sequence_parallel and dims.tp > 1
+        self.sp_degree, self.sp_rank = (dims.tp, mesh.get_local_rank("tp")) if sp else (1, 0)
         self.pp_group = mesh["pp"].get_group()
         mine = stages_of_rank(self.pp_rank, dims.pp, v, self.schedule_name)
         if p.float8:  # the whole model before the cut, as `parallelize` converts it ([Note: float8 training])
@@ -465,6 +533,7 @@ class Pipeline:
                 "set finetune.packing=false or parallelism.pp=1"
             )
         self.model = PipelinePart(modules)
+        self.model.norm_group = self.pp_group
         for module in modules:  # [Note: the load-balancing loss in a pipeline] (a family's stage may keep one)
             if hasattr(module, "aux_scale"):
                 module.aux_scale = 1.0 / self.microbatches
@@ -472,6 +541,18 @@ class Pipeline:
         self.owner = {s: r for r in range(dims.pp) for s in stages_of_rank(r, dims.pp, v, self.schedule_name)}
         self.n_stages, self.dtype = n_stages, _DTYPES[p.param_dtype]
         self.holds_first, self.holds_last = 0 in mine, n_stages - 1 in mine
+        tied = _tied_names(model)  # [Note: tied embeddings in a pipeline]
+        if tied and self.owner[0] == self.owner[n_stages - 1]:
+            raise UserInputError(
+                f"parallelism.pp_schedule={self.schedule_name.value} with model.args.tie_embeddings=true (or a "
+                "Hugging Face config's tie_word_embeddings): the first and the last stage share a rank, whose two "
+                "stages would share one sharded parameter; choose pp_schedule=1f1b, gpipe or interleaved_1f1b"
+            )
+        self.tied, self.tied_group, self.tied_synced = [], None, False
+        if tied and (self.holds_first or self.holds_last):
+            self.tied = [n for n, _ in self.model.named_parameters() if any(n in names for names in tied)]
+        if tied:
+            self.tied_group = _pair_group(mesh, self.pp_group, self.owner[0], self.owner[n_stages - 1])
         self._shard(dims, mesh, p, family, family.activation_checkpoint_targets(model))
         if meta:  # this rank's stages only: the other ranks' layers stay on the meta device
             self.model.to_empty(device=device)
@@ -481,21 +562,18 @@ class Pipeline:
         mb = self.rows_per_sample * self.samples // self.microbatches
         self.stages = []
         for index, module in zip(mine, modules):
-            x, y = module.example_io(mb, cfg.data.seq_len, dtype, tp=dims.tp)
+            hidden = self._hidden_length(cfg.data.seq_len)  # [Note: sequence parallel inside stages]
+            x, y = module.example_io(mb, cfg.data.seq_len, dtype, tp=dims.tp, hidden_seq=hidden)
             # what needs a gradient: the hidden states between stages (not the tokens), every output
             x.requires_grad_(x.is_floating_point())
             y.requires_grad_(True)
+            # [Note: torch's fully_shard under torch's schedules]: its stage drives FSDP2 itself
+            torch_sharded = isinstance(module, TorchFSDPModule)
+            stage_class = (
+                TorchShardedStage if torch_sharded else functools.partial(EngineStage, n_microbatches=self.microbatches)
+            )
             self.stages.append(
-                EngineStage(
-                    module,
-                    index,
-                    n_stages,
-                    device,
-                    input_args=x,
-                    output_args=y,
-                    group=self.pp_group,
-                    n_microbatches=self.microbatches,
-                )
+                stage_class(module, index, n_stages, device, input_args=x, output_args=y, group=self.pp_group)
             )
             self.stages[-1].weight_in_one_call = p.activation_checkpointing != ActivationCheckpointing.none
         schedule_class = _SCHEDULES[self.schedule_name]
@@ -503,6 +581,14 @@ class Pipeline:
         self.losses: List[torch.Tensor] = []
         self._microbatch_loss = loss_fn  # a RowsLoss for one step: [Note: a stage's own loss through the schedule]
         self.schedule = schedule_class(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _hidden_length(self, seq: int) -> int:
+        """The length of the hidden states this rank sends and receives between stages for
+        sequences of `seq` tokens: [Note: sequence parallel inside stages]."""
+        if self.sp_degree == 1:
+            return seq
+        pieces = torch.arange(seq).chunk(self.sp_degree)  # how a Shard(1) DTensor cuts it
+        return len(pieces[self.sp_rank]) if self.sp_rank < len(pieces) else 0
 
     def _shard(self, dims, mesh, p, family, checkpointed: list) -> None:
         """Tensor parallel over this rank's part, then activation checkpointing of the model's
@@ -538,9 +624,19 @@ class Pipeline:
                 experts.set_gradient_divide_factor(dims.dp)
                 if dims.tp > 1:  # whole on every tp rank, as without a pipeline
                     experts.set_norm_copies(dims.tp)
+        tied = {id(p) for _, p in _shared_parameters(part)}  # [Note: tied embeddings in a pipeline]
         for stage in part.stages:
-            for unit in _units_of(stage):
-                fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+            units = _units_of(stage)
+            group = [u for u in units if any(id(p) in tied for p in u.parameters())]  # the embedding and head
+            for unit in units:
+                if unit not in group:
+                    fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+            if group:  # one unit (a parameter belongs to one), on the first and the last stage's ranks
+                fully_shard(group, reshard_after_forward=reshard, **kwargs)
+                if hasattr(group[0], "set_norm_copies"):  # our engine's pieces say it
+                    group[0].set_norm_copies(2)
+                else:  # torch's: its clip reads the part's (framework/distributed/engines.py)
+                    part.norm_copies.update({id(p): 2 for m in group for p in m.parameters()})
             fully_shard(stage, reshard_after_forward=reshard, **kwargs)
 
     def _loss(self, logits, labels) -> torch.Tensor:
@@ -569,17 +665,47 @@ class Pipeline:
 
         losses: List[torch.Tensor] = []
         args, kwargs, device = self._schedule_inputs(batches, loss, losses)
+        self._tie_once()
         for stage in self.stages:
             stage.backwards = 0
         self._clear_aux()
         with loss_context(self.model):
             self.schedule.step(*args, **kwargs)
+        self._sum_tied_grads()
         total = torch.zeros((), device=device)
         for part in losses:
             total += full(part.detach()).float()
         total += self._clear_aux().to(total.device)  # each stage's load-balancing losses, already / microbatches
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+    @torch.no_grad()
+    def _tie_once(self) -> None:
+        """Before the first pass: the last stage's copy of a tied matrix made the first stage's
+        (broadcast over the pair). A model built on the meta device draws each rank's values with
+        its own seed, so the two copies start apart; built whole, or loaded, they are equal already."""
+        if self.tied_synced:
+            return
+        self.tied_synced = True
+        if not self.tied:
+            return
+        params = dict(self.model.named_parameters())
+        src = dist.get_global_rank(self.pp_group, self.owner[0])
+        for name in self.tied:
+            data = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
+            dist.broadcast(data.detach(), src=src, group=self.tied_group)
+
+    def _sum_tied_grads(self) -> None:
+        """[Note: tied embeddings in a pipeline]: the tied parameter's gradient summed over the
+        first and the last stage's ranks, on both (the pieces of one data-parallel place match)."""
+        if not self.tied:
+            return
+        params = dict(self.model.named_parameters())
+        for name in self.tied:
+            grad = params[name].grad
+            if grad is not None:  # None on both ranks alike (a frozen embedding)
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=self.tied_group)
 
     def _clear_aux(self) -> torch.Tensor:
         """The sum of this rank's stages' load-balancing losses since the last call ([Note: the
@@ -617,6 +743,7 @@ class Pipeline:
         rank (vocabulary-sharded under tensor parallel), `tokens` elsewhere."""
         from framework.distributed.tensor_parallel import loss_context
 
+        self._tie_once()
         peer = lambda r: dist.get_global_rank(self.pp_group, r)  # noqa: E731
         h = tokens
         for stage in range(self.n_stages):
@@ -627,7 +754,10 @@ class Pipeline:
                 if after is not None and after != here:
                     dist.send(h.detach().to(self.dtype).contiguous(), dst=peer(after), group=self.pp_group)
             elif after == self.pp_rank:
-                h = torch.empty(*tokens.shape, self.mine[stage + 1].dim, dtype=self.dtype, device=tokens.device)
+                rows, length = tokens.shape
+                h = torch.empty(
+                    rows, self._hidden_length(length), self.mine[stage + 1].dim, dtype=self.dtype, device=tokens.device
+                )
                 dist.recv(h, src=peer(here), group=self.pp_group)
         return h
 
@@ -665,6 +795,7 @@ class Pipeline:
         from framework.distributed.tensor_parallel import full, loss_context
 
         total = None
+        self._tie_once()
         self._clear_aux()
         for start in range(0, len(batches), per_step):
             group = batches[start : start + per_step]
@@ -678,6 +809,42 @@ class Pipeline:
             total += self._clear_aux().to(total.device) * len(group)  # the experts', scaled alike
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds the losses
         return total
+
+
+def _shared_parameters(model: nn.Module) -> List[tuple]:
+    """(name, parameter) of every parameter `model` holds under more than one name."""
+    names: Dict[int, List[str]] = {}
+    params = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    return [(n, params[i]) for i, ns in names.items() if len(ns) > 1 for n in ns]
+
+
+def _tied_names(model: nn.Module) -> List[set]:
+    """The groups of names of the whole model's tied parameters (the embedding and the head)."""
+    groups: Dict[int, set] = {}
+    for name, param in _shared_parameters(model):
+        groups.setdefault(id(param), set()).add(name)
+    return list(groups.values())
+
+
+def _pair_group(mesh, pp_group, first: int, last: int):
+    """The process group of this rank's first- and last-stage ranks (same data- and tensor-parallel
+    place): the pp group when it is just those two, else one group per place, made by every rank
+    (a new group is a collective of the world); None on a rank in neither."""
+    if mesh["pp"].size() == 2:
+        return pp_group
+    ranks = mesh.mesh
+    pp_dim = mesh.mesh_dim_names.index("pp")
+    rows = ranks.movedim(pp_dim, -1).reshape(-1, ranks.shape[pp_dim]).tolist()
+    mine = None
+    for row in rows:
+        pair = [row[first], row[last]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
 
 
 def _joined(batches: list) -> tuple:

@@ -191,8 +191,9 @@ def propose_pipeline(job: Job, schedule: PipelineSchedule = PipelineSchedule.one
     """A layout with pp for `job` (a pp=1 job) when sharding alone does not fit, or when its step
     waits on communication more than it computes; None when sharding alone is fine, no pp fits,
     or the job has what pipelines refuse: a model its family does not cut into stages
-    (`ModelShape.pipeline`), tied embeddings, or degrees the mesh refuses with pp
-    (framework/config/degrees.py: context parallelism today).
+    (`ModelShape.pipeline`), or degrees the mesh refuses with pp (framework/config/degrees.py:
+    context parallelism today); nor for tied embeddings, which pipelines run but whose stage
+    memory this plan does not count (the embedding matrix on the last stage too).
 
     Candidates: pp in 2, 4, 8, ... dividing the world (and leaving a layer per stage), tp as
     `job`'s (tensor parallel stays inside a node), the rest sharded; microbatches of one sample
@@ -200,7 +201,7 @@ def propose_pipeline(job: Job, schedule: PipelineSchedule = PipelineSchedule.one
     fits wins (the least bubble and the fewest stages to balance), with `job`'s activation
     checkpointing, else with full checkpointing."""
     if not job.model.pipeline or job.model.tie_embeddings or not _degrees_take_pp(job):
-        return None  # what the trainer refuses with pp
+        return None  # what the trainer refuses with pp, or this plan does not count
     if job.ep > 1 and not job.model.pipeline_experts:
         return None  # a family that does not split experts inside stages
     peak, t = memory(job).peak, timing(job)

@@ -594,3 +594,15 @@ case("cp dpo", cp=2, stage="dpo")
 case("cp dp_shard grpo", dp_shard=2, cp=2, stage="grpo")
 case("tp dp_shard dpo", dp_shard=2, tp=2, stage="dpo")
 case("tp dp_shard grpo", dp_shard=2, tp=2, stage="grpo")
+
+# Pipelines under torch's fully_shard (parallelism.engine=torch), each schedule once.
+case("torch pp/1f1b", engine="torch", dp_shard=2, pp="1f1b")
+case("torch tp pp/gpipe", engine="torch", tp=2, pp="gpipe")
+case("torch pp/interleaved hf", engine="torch", pp="interleaved_1f1b", model="hf")
+case("torch pp/zbv ac", engine="torch", pp="zbv", ac="full")
+
+# Sequence parallel inside pipeline stages, each schedule once.
+case("sp pp/1f1b", sp="on", pp="1f1b")
+case("sp pp/gpipe ac", sp="on", pp="gpipe", ac="full")
+case("sp torch pp/interleaved", sp="on", engine="torch", pp="interleaved_1f1b")
+case("sp pp/zbv", sp="on", pp="zbv")

@@ -45,22 +45,10 @@ def test_a_pipeline_job_validates_clean():
             "parallelism.cp=1 or parallelism.pp=1",
         ),
         (
-            ["parallelism.pp=2", "parallelism.tp=2", "parallelism.sequence_parallel=true"],
-            4,
-            "parallelism.pp=2 with parallelism.sequence_parallel=true: the activations between stages are whole "
-            "sequences for now; set parallelism.sequence_parallel=false",
-        ),
-        (
             ["parallelism.pp=2", "parallelism.pp_schedule=zbv", "trainer.eval_interval=10"],
             2,
             "parallelism.pp_schedule=zbv with trainer.eval_interval=10: torch's ZBV schedule has no forward-only "
             "pass for validation; set trainer.eval_interval=0 or pp_schedule=interleaved_1f1b",
-        ),
-        (
-            ["parallelism.pp=2", "parallelism.engine=torch"],
-            2,
-            "parallelism.pp=2 with parallelism.engine=torch: pipeline stages are sharded by our engine only; set "
-            "parallelism.engine=native",
         ),
         (
             ["parallelism.pp=2", "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=3"],

@@ -26,11 +26,15 @@ class HFDecoderStage(nn.Module):
         super().__init__()
         base = model.model
         self.model = nn.Module()  # the whole model's `model.` prefix
-        if first:
+        # [Note: tied embeddings in a pipeline] (framework/distributed/pipeline.py): a head tied to
+        # the embedding puts both modules (one parameter) on the first and the last stage.
+        tied = model.lm_head.weight is base.embed_tokens.weight and (first or last)
+        if first or tied:
             self.model.embed_tokens = base.embed_tokens
         self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(start, end)})
         if last:
             self.model.norm = base.norm
+        if last or tied:
             self.lm_head = model.lm_head
         self.model.rotary_emb = base.rotary_emb  # a buffer only (inv_freq): shared by the stages
         self.first, self.last = first, last
@@ -64,7 +68,15 @@ class HFDecoderStage(nn.Module):
             h = h[0] if isinstance(h, tuple) else h
         return self.lm_head(self.model.norm(h)) if self.last else h
 
-    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
+    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1, hidden_seq: int | None = None) -> tuple:
+        """As our Llama stage's. Its forward derives the positions and the causal mask from the
+        length it is given, so it takes whole sequences only."""
+        if hidden_seq not in (None, seq):
+            raise UserInputError(
+                "parallelism.sequence_parallel=true with parallelism.pp and model=hf: a Hugging Face decoder's "
+                "stages take whole sequences (their positions and mask come from the length); set "
+                "parallelism.sequence_parallel=false"
+            )
         x = (
             torch.empty(batch, seq, dtype=torch.long, device="meta")
             if self.first
@@ -100,11 +112,6 @@ def check_pipeline(model: nn.Module, pp: int) -> None:
             f"parallelism.pp={pp} with model=hf ({type(model).__name__}): stages are cut from decoders laid out "
             "as transformers' Llama (model.embed_tokens, model.layers, model.norm, lm_head) only; set "
             "parallelism.pp=1"
-        )
-    if getattr(model.config, "tie_word_embeddings", False):
-        raise UserInputError(
-            f"parallelism.pp={pp} with model=hf and tie_word_embeddings=true: the embedding (first stage) and "
-            "lm_head (last stage) live on different ranks; set tie_word_embeddings: false in the config"
         )
 
 

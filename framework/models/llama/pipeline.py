@@ -50,11 +50,17 @@ class LlamaStage(nn.Module):
 
     def __init__(self, model: Transformer, start: int, end: int, first: bool, last: bool):
         super().__init__()
-        if first:
+        # [Note: tied embeddings in a pipeline] (framework/distributed/pipeline.py): with the head
+        # tied to the embedding, the first and the last stage each hold both modules (one
+        # parameter), as the whole model does, and use the one their place calls for.
+        tied = model.cfg.tie_embeddings and (first or last)
+        if first or tied:
             self.tok_embeddings = model.tok_embeddings
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
         if last:
-            self.norm, self.output = model.norm, model.output
+            self.norm = model.norm
+        if last or tied:
+            self.output = model.output
         # The rotary table, one module shared by the stages (moved with them, never saved).
         self.rotary = model.__dict__.setdefault("_pipeline_rotary", _Rotary(model.rope))
         self.first, self.last = first, last
@@ -95,25 +101,24 @@ class LlamaStage(nn.Module):
                 out = _WithAuxLoss.apply(out, total, self.aux_scale)
         return out
 
-    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1) -> tuple:
+    def example_io(self, batch: int, seq: int, dtype: torch.dtype, tp: int = 1, hidden_seq: int | None = None) -> tuple:
         """(input, output) tensors on the meta device with this stage's shapes and dtypes: the
-        pipeline's static description of what travels between stages."""
+        pipeline's static description of what travels between stages. `hidden_seq`: the hidden
+        states' length between stages where it is not `seq` (this rank's piece of the sequence
+        under sequence parallelism, which leaves the blocks' outputs sharded on it)."""
+        hidden = seq if hidden_seq is None else hidden_seq
         x = (
             torch.empty(batch, seq, dtype=torch.long, device="meta")
             if self.first
-            else torch.empty(batch, seq, self.dim, dtype=dtype, device="meta")
+            else torch.empty(batch, hidden, self.dim, dtype=dtype, device="meta")
         )
-        width = self.vocab_size // tp if self.last else self.dim  # tensor parallel: the local logits
-        return x, torch.empty(batch, seq, width, dtype=dtype, device="meta")
+        if self.last:  # tensor parallel: the local logits, of the whole sequence (the head gathers it)
+            return x, torch.empty(batch, seq, self.vocab_size // tp, dtype=dtype, device="meta")
+        return x, torch.empty(batch, hidden, self.dim, dtype=dtype, device="meta")
 
 
 def check_pipeline(model: Transformer, pp: int) -> None:
     """What a pipeline of this model cannot do yet, refused in one line naming both features."""
-    if model.cfg.tie_embeddings:
-        raise UserInputError(
-            f"model.args.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and the "
-            "head (last stage) live on different ranks; set model.args.tie_embeddings=false"
-        )
     refused = pipeline_problems(model.cfg, pp)
     if refused:
         raise UserInputError(refused[0])
