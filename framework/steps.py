@@ -120,8 +120,11 @@ class PlainSteps:
 class ScheduleSteps:
     whole_model = False  # each rank holds its stages only
 
-    def __init__(self, schedule):
+    def __init__(self, schedule, routers: Optional[RouterSteps] = None):
         self.schedule, self.model = schedule, schedule.model
+        # this rank's stages' routers, summed over the ranks holding the same stages
+        # ([Note: routers in a pipeline] in framework/distributed/pipeline_routing.py)
+        self.routers, self._routed = routers, False
 
     def task_loss(self, task) -> Callable:
         return lambda batch: task.loss(self.model, batch)  # the schedule computes the loss itself
@@ -132,10 +135,21 @@ class ScheduleSteps:
     def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
         """Every micro-batch through the stages: one schedule step (its loss the task's
         cross-entropy, or `loss` where a stage gives a `RowsLoss`)."""
-        return self.schedule.train_batches([next_batch() for _ in range(accum)], _rows_loss(loss))
+        batches = [next_batch() for _ in range(accum)]
+        self._routed = routed and self.routers is not None
+        if self._routed:  # the routing pass ahead, through the stages: [Note: routers in a pipeline]
+            from framework.distributed.pipeline_routing import forward_only
+
+            self.routers.begin([batches], lambda step: forward_only(self.schedule, step, _rows_loss(loss)))
+        return self.schedule.train_batches(batches, _rows_loss(loss))
 
     def end(self, read: bool) -> dict:
-        return {}  # the stages compute no load-balancing loss and keep no router statistics
+        """After the step: the routers' aux-loss-free bias update (no statistics yet: a rank's
+        routers are its stages' only)."""
+        if self._routed:
+            self._routed = False
+            self.routers.end(False)
+        return {}
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits on every rank, the stages run in turn outside the schedule."""
@@ -162,4 +176,10 @@ def schedule_for(model, dims, mesh, cfg, family, device, accum: int, task) -> Op
     from framework.distributed.pipeline import Pipeline
     from framework.models.tasks import cross_entropy
 
-    return ScheduleSteps(Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy))
+    pipe = Pipeline(model, dims, mesh, cfg, family, device, accum, task, cross_entropy)
+    routers = RouterSteps.of(pipe.model)
+    if routers is not None:  # every rank has them (each stage holds blocks of the same model)
+        from framework.distributed.pipeline_routing import stage_group
+
+        routers.group = stage_group(mesh)
+    return ScheduleSteps(pipe, routers)

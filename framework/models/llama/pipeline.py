@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from framework.errors import UserInputError
-from framework.models.llama.args import pipeline_problems
 from framework.models.llama.model import Transformer, document_mask, rotary_table
 
 
@@ -114,9 +113,6 @@ def check_pipeline(model: Transformer, pp: int) -> None:
             f"model.args.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and the "
             "head (last stage) live on different ranks; set model.args.tie_embeddings=false"
         )
-    refused = pipeline_problems(model.cfg, pp)
-    if refused:
-        raise UserInputError(refused[0])
 
 
 def pipeline_stage(model: Transformer, start: int, end: int, first: bool, last: bool) -> LlamaStage:
