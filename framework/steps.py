@@ -134,7 +134,8 @@ class ScheduleSteps:
 
     def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
         """Every micro-batch through the stages: one schedule step (its loss the task's
-        cross-entropy, or `loss` where a stage gives a `RowsLoss`)."""
+        cross-entropy, or `loss` where a stage gives a `RowsLoss`); `routed`: the routers count
+        and balance them, as `PlainSteps`' do."""
         batches = [next_batch() for _ in range(accum)]
         self._routed = routed and self.routers is not None
         if self._routed:  # the routing pass ahead, through the stages: [Note: routers in a pipeline]

@@ -49,3 +49,12 @@ def test_pp2_ep2_sums_each_routers_loads_over_its_stages_ranks(one_process, tmp_
     _assert_same(_run(tmp_path, "pp2_ep2", [*BALANCED, *PP2, *stages], stdlib_cache), one_process)
     ep2 = ["cluster.nproc_per_node=2", "parallelism.ep=2", "trainer.micro_batch_size=1"]
     _assert_same(_run(tmp_path, "ep2", [*BALANCED, *ep2], stdlib_cache), one_process)
+
+
+def test_zbv_routes_the_step_ahead_microbatch_by_microbatch(tmp_path, stdlib_cache):
+    """zbv (4 blocks, two stages on each of 2 ranks in a V) has no forward-only schedule step, so
+    the pass ahead walks each microbatch through the stages in turn: equal to one process."""
+    four = [*BALANCED, "model.args.n_layers=4"]
+    one = _run(tmp_path, "one4", [*four, "cluster.nproc_per_node=1", "trainer.micro_batch_size=4"], stdlib_cache)
+    zbv = [*PP2, "parallelism.pp_schedule=zbv", "cluster.nproc_per_node=2"]
+    _assert_same(_run(tmp_path, "zbv", [*four, *zbv], stdlib_cache), one)
