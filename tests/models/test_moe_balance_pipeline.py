@@ -51,10 +51,17 @@ def test_pp2_ep2_sums_each_routers_loads_over_its_stages_ranks(one_process, tmp_
     _assert_same(_run(tmp_path, "ep2", [*BALANCED, *ep2], stdlib_cache), one_process)
 
 
-def test_zbv_routes_the_step_ahead_microbatch_by_microbatch(tmp_path, stdlib_cache):
-    """zbv (4 blocks, two stages on each of 2 ranks in a V) has no forward-only schedule step, so
-    the pass ahead walks each microbatch through the stages in turn: equal to one process."""
-    four = [*BALANCED, "model.args.n_layers=4"]
-    one = _run(tmp_path, "one4", [*four, "cluster.nproc_per_node=1", "trainer.micro_batch_size=4"], stdlib_cache)
-    zbv = [*PP2, "parallelism.pp_schedule=zbv", "cluster.nproc_per_node=2"]
-    _assert_same(_run(tmp_path, "zbv", [*four, *zbv], stdlib_cache), one)
+@pytest.fixture(scope="module")
+def one_process_4_blocks(tmp_path_factory, stdlib_cache) -> Path:
+    root = tmp_path_factory.mktemp("moe_balance_pp_one4")
+    one = [*BALANCED, "model.args.n_layers=4", "cluster.nproc_per_node=1", "trainer.micro_batch_size=4"]
+    return _run(root, "one4", one, stdlib_cache)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_two_stages_a_rank_route_the_step_ahead(one_process_4_blocks, tmp_path, stdlib_cache, schedule):
+    """4 blocks, two stages on each of 2 ranks: interleaved 1F1B's forward-only step, and zbv's
+    V, whose schedule has none, so there the pass ahead walks each microbatch through the stages
+    in turn. Equal to one process."""
+    four = [*BALANCED, "model.args.n_layers=4", *PP2, f"parallelism.pp_schedule={schedule}"]
+    _assert_same(_run(tmp_path, schedule, [*four, "cluster.nproc_per_node=2"], stdlib_cache), one_process_4_blocks)
