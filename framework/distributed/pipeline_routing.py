@@ -13,8 +13,8 @@ micro-batches through the stages, forward only and cut into the training step's 
 their slots; its outputs and load-balancing losses are dropped.
 
 Tested: tests/models/test_moe_balance_pipeline.py (pp=2 and pp=2 x ep=2 with 1F1B, pp=2 with
-interleaved 1F1B and zbv:
-equal to one process after 5 steps, losses, grad norms, weights and biases within 1e-5).
+interleaved 1F1B and zbv: equal to one process after 5 steps, losses, grad norms, weights and
+biases within 1e-5).
 """
 
 from __future__ import annotations
