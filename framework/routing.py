@@ -29,11 +29,14 @@ gradient: c x E x s_i(G) / |G| on every token's p_ti, whatever the layout. What 
 s_i(G) before the first micro-batch's backward. `begin` routes the step's micro-batches ahead, in
 a forward without gradients (each rank its own micro-batches, the same forward as the training
 one: the same weights, inputs and operations, hence the same choices), and sums each router's
-counts over all ranks: one all-reduce of (routers x experts) numbers. The price is one more
-forward per step; `aux_loss_scope=micro_batch` skips it and keeps the per-micro-batch loss.
+counts over all ranks: one all-reduce of (routers x experts) numbers (in a pipeline: the pass
+through the stages, summed over the ranks holding the same stages, [Note: routers in a pipeline]
+in framework/distributed/pipeline_routing.py). The price is one more forward per step;
+`aux_loss_scope=micro_batch` skips it and keeps the per-micro-batch loss.
 
 Tested: tests/models/test_moe_balance.py (one process, ep=2 with one micro-batch of 8 and ep=2
-with four of 2 give the same five losses within 1e-5; per micro-batch they differ by ~1e-4).
+with four of 2 give the same five losses within 1e-5; per micro-batch they differ by ~1e-4), and
+in pipelines tests/models/test_moe_balance_pipeline.py.
 
 The counts for the bias and the record (`step_load`) are taken in the training forwards
 themselves, not in the pass ahead, so they also hold the capacity's dropped slots; activation
@@ -50,23 +53,25 @@ from framework.distributed.fsdp.collectives import all_reduce_sum_
 
 
 class RouterSteps:
-    def __init__(self, routers: List[torch.nn.Module]):
+    def __init__(self, routers: List[torch.nn.Module], group=None):
         self.routers = routers
+        self.group = group  # the ranks whose routers are these (None: all): [Note: routers in a pipeline]
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> Optional["RouterSteps"]:
+    def of(cls, model: torch.nn.Module, group=None) -> Optional["RouterSteps"]:
         routers = [m for m in model.modules() if hasattr(m, "routing_ahead")]
-        return cls(routers) if routers else None
+        return cls(routers, group) if routers else None
 
     @property
     def routes_ahead(self) -> bool:
         """Whether a global-batch balancing loss needs the step's routing before its backward."""
         return any(r.aux_loss_scope == "global_batch" and r.aux_loss_coef > 0 for r in self.routers)
 
-    def begin(self, batches: Iterable, forward: Callable) -> None:
+    def begin(self, batches: Iterable, forward: Callable, device=None) -> None:
         """Start a step: clear the counts; with `routes_ahead`, run `forward(batch)` (the task's
         loss) without gradients on each of this rank's micro-batches and set every router's
-        `global_load`, its slots per expert summed over all ranks. Collective."""
+        `global_load`, its slots per expert summed over all ranks (`group`'s). Collective. In a
+        pipeline a router no stage of this rank holds counts zeros (on `device`), as in `end`."""
         for r in self.routers:
             r.step_load, r.step_dropped, r.global_load = None, 0, None
         if not self.routes_ahead:
@@ -80,7 +85,7 @@ class RouterSteps:
         finally:
             for r in self.routers:
                 r.routing_ahead = False
-        loads = all_reduce_sum_(torch.stack([r.ahead_load for r in self.routers]), None)
+        loads = all_reduce_sum_(torch.stack([_or_zeros(r, r.ahead_load, device) for r in self.routers]), self.group)
         for r, load in zip(self.routers, loads):
             r.global_load = load
 
@@ -101,11 +106,9 @@ class RouterSteps:
             return {}
         rows = []
         for r in self.routers:
-            load = r.step_load
-            if load is None:  # no training forward reached it (another rank's stage)
-                load = torch.zeros(r.n_experts, device=device if device is not None else r.router.weight.device)
+            load = _or_zeros(r, r.step_load, device)  # zeros: no training forward reached it (another rank's stage)
             rows.append(torch.cat([load.float(), load.new_tensor([float(r.step_dropped)])]))
-        totals = all_reduce_sum_(torch.stack(rows), None) / copies  # exact: multiples of copies
+        totals = all_reduce_sum_(torch.stack(rows), self.group) / copies  # exact: multiples of copies
         for r, row in zip(self.routers, totals):
             if r.expert_bias is not None:  # DeepSeek-V3: an expert above the mean load loses bias
                 load = row[:-1].to(r.expert_bias.device)
@@ -121,3 +124,10 @@ class RouterSteps:
             if r.capacity_factor:
                 out[f"moe_dropped_l{index}"] = int(dropped)
         return out
+
+
+def _or_zeros(router, load, device):
+    """A router's load, or zeros where this rank's forwards did not reach it (a pipeline's other stage)."""
+    if load is not None:
+        return load.float()
+    return torch.zeros(router.n_experts, device=device if device is not None else router.router.weight.device)

@@ -135,15 +135,20 @@ class ScheduleSteps:
 
     def forward_backward(self, next_batch: Callable, accum: int, loss: Callable, device, routed: bool = True):
         """Every micro-batch through the stages: one schedule step (its loss the task's
-        cross-entropy, or `loss` where a stage gives a `RowsLoss`)."""
+        cross-entropy, or `loss` where a stage gives a `RowsLoss`); `routed`: the routers count
+        and balance them, as `PlainSteps`' do."""
+        batches = [next_batch() for _ in range(accum)]
         self._routed, self._device = routed and self.routers is not None, device
-        if self._routed:  # no routing pass ahead in a pipeline (refused): this clears the counts
-            self.routers.begin([], loss)
-        return self.schedule.train_batches([next_batch() for _ in range(accum)], _rows_loss(loss))
+        if self._routed:  # the routing pass ahead, through the stages: [Note: routers in a pipeline]
+            from framework.distributed.pipeline_routing import forward_only
+
+            step = lambda group: forward_only(self.schedule, group, _rows_loss(loss))  # noqa: E731
+            self.routers.begin([batches], step, device)
+        return self.schedule.train_batches(batches, _rows_loss(loss))
 
     def end(self, read: bool) -> dict:
-        """The routers' statistics, with `read`, of every stage (the load-balancing losses ride
-        the stages' outputs: [Note: the load-balancing loss in a pipeline])."""
+        """The routers' bias update and, with `read`, statistics, of every stage (the load-balancing
+        losses ride the stages' outputs: [Note: the load-balancing loss in a pipeline])."""
         if not self._routed:
             return {}
         self._routed = False

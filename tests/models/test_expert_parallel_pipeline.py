@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_main
+from conftest import read_metrics
 from models.test_expert_parallel_dims import MOE, TOL, _assert_same, _run
 
 PIPE = [
@@ -86,29 +86,3 @@ def test_ep2_pp2_checkpoint_resumes_at_another_expert_degree(ep2_pp2, tmp_path, 
     assert sorted(got) == [3, 4]
     for step in got:
         assert got[step] == pytest.approx(want[step], abs=TOL), step
-
-
-@pytest.mark.parametrize(
-    "setting, line",
-    [
-        (
-            "model.args.aux_loss_scope=global_batch",
-            "model.args.aux_loss_scope=global_batch with parallelism.pp=2: the routing pass ahead of the step runs "
-            "the whole model, which no pipeline rank holds; set model.args.aux_loss_scope=micro_batch",
-        ),
-        (
-            "model.args.bias_update_rate=0.001",
-            "model.args.bias_update_rate=0.001 with parallelism.pp=2: the aux-loss-free bias update sums each "
-            "router's loads over ranks holding other stages; set model.args.bias_update_rate=0",
-        ),
-    ],
-    ids=["global_batch", "bias"],
-)
-def test_what_experts_cannot_do_in_a_pipeline_is_refused_before_the_ranks_start(tmp_path, setting, line):
-    from framework.config import compose_config, to_config
-    from framework.models.families import job_model_problems
-
-    assert line in job_model_problems(to_config(compose_config([*PIPE, *STAGES, "parallelism.ep=2", setting])))
-    out = run_main([*PIPE, *STAGES, setting, f"hydra.run.dir={tmp_path}/run"], tmp_path)
-    assert out.returncode == 2 and line in out.stdout + out.stderr, (out.stdout, out.stderr)
-    assert not (tmp_path / "run").exists()

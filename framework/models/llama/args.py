@@ -116,31 +116,12 @@ def with_vocab_size(cfg, vocab_size: int):
     return dataclasses.replace(cfg, args={**dict(cfg.args or {}), "vocab_size": vocab_size})
 
 
-def pipeline_problems(a: LlamaArgs, pp: int) -> List[str]:
-    """What experts cannot do inside pipeline stages yet, one line each (also checked at the build,
-    framework/models/llama/pipeline.py): the routing pass ahead of global-batch balancing and the
-    aux-loss-free bias update both read every router of the model, and a pipeline rank holds its
-    stages' only."""
-    out = []
-    if pp > 1 and a.n_experts and a.aux_loss_coef > 0 and a.aux_loss_scope == "global_batch":
-        out.append(
-            f"model.args.aux_loss_scope=global_batch with parallelism.pp={pp}: the routing pass ahead of the "
-            "step runs the whole model, which no pipeline rank holds; set model.args.aux_loss_scope=micro_batch"
-        )
-    if pp > 1 and a.n_experts and a.bias_update_rate > 0:
-        out.append(
-            f"model.args.bias_update_rate={a.bias_update_rate} with parallelism.pp={pp}: the aux-loss-free bias "
-            "update sums each router's loads over ranks holding other stages; set model.args.bias_update_rate=0"
-        )
-    return out
-
-
 def problems(cfg, tp: int, seq_len: int, data_vocab: int, ep: int = 1, cp: int = 1, pp: int = 1) -> List[str]:
     """The refusals of these arguments for a job with this tensor-parallel degree, expert-parallel
     degree, sequence length and pipeline degree (see framework/models/families.py); advice that does
     not stop the job is logged."""
     a = llama_args(cfg)
-    out = pipeline_problems(a, pp)
+    out: List[str] = []
     if cp > 1:
         heads = a.n_heads // tp if a.n_heads % tp == 0 else a.n_heads
         if seq_len % cp:

@@ -5,7 +5,7 @@ from framework.models.llama.args import NAMES as PRESETS
 from framework.models.llama.args import LlamaArgs, check_rope_scaling, llama_args, with_vocab_size
 from framework.models.llama.model import Transformer, TransformerBlock, build_llama  # noqa: F401
 from framework.models.llama.parallelize import tp_plan
-from framework.models.llama.pipeline import check_pipeline, pipeline_stage
+from framework.models.llama.pipeline import pipeline_stage
 from framework.models.record import ModelFamily
 
 
@@ -26,7 +26,6 @@ FAMILY = ModelFamily(
     init_weights=_init_weights,
     tp_plan=tp_plan,
     pipeline_stage=pipeline_stage,
-    check_pipeline=check_pipeline,
     adapter=lambda cfg: LlamaAdapter(tied=llama_args(cfg).tie_embeddings),
     embedding_name="tok_embeddings.weight",
     num_params=lambda model: model.num_params(),

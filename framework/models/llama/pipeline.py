@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from framework.errors import UserInputError
-from framework.models.llama.args import pipeline_problems
 from framework.models.llama.model import Transformer, document_mask, rotary_table
 
 
@@ -115,13 +113,6 @@ class LlamaStage(nn.Module):
         if self.last:  # tensor parallel: the local logits, of the whole sequence (the head gathers it)
             return x, torch.empty(batch, seq, self.vocab_size // tp, dtype=dtype, device="meta")
         return x, torch.empty(batch, hidden, self.dim, dtype=dtype, device="meta")
-
-
-def check_pipeline(model: Transformer, pp: int) -> None:
-    """What a pipeline of this model cannot do yet, refused in one line naming both features."""
-    refused = pipeline_problems(model.cfg, pp)
-    if refused:
-        raise UserInputError(refused[0])
 
 
 def pipeline_stage(model: Transformer, start: int, end: int, first: bool, last: bool) -> LlamaStage:
