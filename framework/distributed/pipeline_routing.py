@@ -8,7 +8,8 @@ global batch are the sum over those ranks. `ScheduleSteps` keeps the whole model
 model order (framework/steps.py's `schedule_for`, before the stages take the modules); a rank
 counts the routers of its stages and zeros for the others, so one sum over all ranks gives every
 router its own stage's ranks' total (and the step's statistics every router), for the
-aux-loss-free bias (every copy of a router moves its bias alike) and for the global-batch shares. The routing pass ahead of the step is `forward_only`: the step's
+aux-loss-free bias (every copy of a router moves its bias alike) and for the global-batch shares.
+The routing pass ahead of the step is `forward_only`: the step's
 micro-batches through the stages, forward only and cut into the training step's microbatches
 (the same rows, weights and operations, hence the same choices), each stage's routers counting
 their slots; its outputs and load-balancing losses are dropped.
