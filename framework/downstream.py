@@ -50,6 +50,9 @@ def make_sharded_lm(job, batch_size: int, max_gen_tokens: int):
     """An lm-eval `LM` over the job's (sharded) model and tokenizer."""
     _, LM = _lm_eval()
     tok, device, seq_len = job.data.tokenizer, job.rt.device, job.cfg.data.seq_len
+    p = job.cfg.parallelism
+    # sequence parallelism cuts every row into tp equal pieces: rows padded to a multiple of tp
+    multiple = p.tp if p.sequence_parallel and p.tp > 1 else 1
 
     class ShardedLM(LM):
         def __init__(self):
@@ -57,8 +60,10 @@ def make_sharded_lm(job, batch_size: int, max_gen_tokens: int):
 
         @torch.no_grad()
         def _log_probs(self, rows: List[List[int]]) -> torch.Tensor:
-            """log-softmax of the model's logits for right-padded rows: (batch, length, vocab)."""
-            length = max(len(r) for r in rows)
+            """log-softmax of the model's logits for right-padded rows: (batch, length, vocab), the
+            length a multiple of `multiple`. The model is causal: a row's positions never see the
+            padding after it, and only a row's own positions are read."""
+            length = -(-max(len(r) for r in rows) // multiple) * multiple
             batch = torch.full((len(rows), length), tok.eod, dtype=torch.long)
             for i, r in enumerate(rows):
                 batch[i, : len(r)] = torch.tensor(r)
@@ -111,8 +116,8 @@ def make_sharded_lm(job, batch_size: int, max_gen_tokens: int):
                 new: List[int] = []
                 text = ""
                 for _ in range(limit):
-                    logp = self._log_probs([(ids + new)[-seq_len:]])
-                    token = int(logp[0, -1].argmax())
+                    row = (ids + new)[-seq_len:]
+                    token = int(self._log_probs([row])[0, len(row) - 1].argmax())  # its last, not a pad's
                     if token == tok.eod:
                         break
                     new.append(token)
