@@ -164,11 +164,10 @@ def generate_stage(job) -> int:
 
     cfg = job.cfg
     prompts = prompts_of(cfg)
-    if cfg.parallelism.sequence_parallel and cfg.parallelism.tp > 1:
-        raise UserInputError(
-            "stage=generate with parallelism.sequence_parallel=true: decoding feeds one token at a time, which "
-            "cannot be split over the tp ranks; set parallelism.sequence_parallel=false (tp stays)"
-        )
+    if cfg.parallelism.sequence_parallel and cfg.parallelism.tp > 1:  # found before the ranks started too
+        from framework.config.validate import GENERATE_SEQUENCE_PARALLEL
+
+        raise UserInputError(GENERATE_SEQUENCE_PARALLEL)
     if job.data.tokenizer is None:
         raise UserInputError(
             "stage=generate needs a tokenizer: the data's (data=stdlib, data.tokenizer=<tokenizer.json>) "

@@ -18,6 +18,11 @@ from framework.config.pipeline import microbatch_problems, pipeline_problems
 from framework.config.schema import Config, DataName, Stage
 from framework.errors import UserInputError
 
+GENERATE_SEQUENCE_PARALLEL = (
+    "stage=generate with parallelism.sequence_parallel=true: decoding feeds one token at a time, which "
+    "cannot be split over the tp ranks; set parallelism.sequence_parallel=false (tp stays)"
+)
+
 
 def world_size_of(cfg: Config) -> int:
     """The world size the job will have: torchrun's if we are under it, else the cluster shape."""
@@ -51,6 +56,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> List[str]:
     errors += pipeline_problems(p) + pipeline_job_problems(cfg)
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallelism.sequence_parallel=true needs parallelism.tp > 1")
+    if cfg.stage == Stage.generate and p.sequence_parallel and p.tp > 1:
+        errors.append(GENERATE_SEQUENCE_PARALLEL)
     if (
         cfg.optimizer.name.value == "muon"
     ):  # whole matrices come from our engine's pieces: [Note: Muon on sharded matrices]

@@ -334,3 +334,15 @@ def test_a_null_micro_batch_fits_the_data_parallel_size(world, micro):
             f"({world}) = {8 * world}; make it a multiple of {8 * world}"
         ]
     )
+
+
+def test_generate_under_sequence_parallel_is_refused_before_any_rank_starts():
+    # decoding feeds one token at a time, which sequence parallelism cannot cut over the tp ranks:
+    # refused by the config's checks (main.py exits 2 with the line) before a model is built
+    line = (
+        "stage=generate with parallelism.sequence_parallel=true: decoding feeds one token at a time, which "
+        "cannot be split over the tp ranks; set parallelism.sequence_parallel=false (tp stays)"
+    )
+    sp = ("parallelism.tp=2", "parallelism.sequence_parallel=true", "model=debug", "cluster.nproc_per_node=2")
+    assert validate(cfg_of("stage=generate", *sp), world_size=2) == [line]
+    assert validate(cfg_of("stage=generate", "parallelism.tp=2", "model=debug"), world_size=2) == []
