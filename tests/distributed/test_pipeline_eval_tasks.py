@@ -1,8 +1,9 @@
-"""lm-eval tasks during training under a pipeline (`trainer.eval_tasks` at pp=2): the stages run
-in turn outside the schedule on lm-eval's rows (any length), the logits broadcast from the last
-stage, and the task's scores equal one process's on the same training. Under sequence parallelism
-(tp=2, at pp=1; inside a pipeline's stages with COMPOSITION_ALL=1) lm-eval's rows, of any length,
-are padded to a multiple of tp, and the scores again equal one process's.
+"""lm-eval tasks during training (`trainer.eval_tasks`) under a pipeline and under sequence
+parallelism, against one process's run on the same data (made once). Under a pipeline (pp=2) the
+stages run in turn outside the schedule on lm-eval's rows (any length), the logits broadcast from
+the last stage; under sequence parallelism (tp=2; inside a pipeline's stages, 4 ranks, with
+COMPOSITION_ALL=1) the rows are padded to a multiple of tp. Either way the tasks' scores (a
+multiple-choice task and a generation task) equal one process's on the same training.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ metric_list:
 """
 
 
-def _workspace(root: Path, odd: bool = False) -> list:
-    """The corpus, tokenizer and task files; `odd`: contexts of 5 to 9 words (rows of odd and even
-    lengths) and a generation task too."""
+def _workspace(root: Path) -> list:
+    """The corpus, tokenizer and task files: contexts of 5 to 9 words (rows of odd and even
+    lengths, which sequence parallelism cannot cut in two unpadded) and a generation task."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -69,17 +70,14 @@ def _workspace(root: Path, odd: bool = False) -> list:
     (root / "tasks").mkdir()
     with open(root / "next_word.jsonl", "w") as f:
         for _ in range(24):
-            words = [rnd.choice(WORDS) for _w in range(rnd.randint(5, 9) if odd else 6)]
+            words = [rnd.choice(WORDS) for _w in range(rnd.randint(5, 9))]
             choices = [f" {rnd.choice(WORDS)}", f" {rnd.choice(WORDS)}", " vvkk"]
             f.write(json.dumps({"context": " ".join(words), "choices": choices, "label": 0}) + "\n")
     (root / "tasks" / "next_word.yaml").write_text(TASK.format(data=root / "next_word.jsonl"))
-    if odd:
-        with open(root / "continue_text.jsonl", "w") as f:
-            for _ in range(6):
-                f.write(
-                    json.dumps({"context": " ".join(rnd.choice(WORDS) for _w in range(5)), "answer": " the"}) + "\n"
-                )
-        (root / "tasks" / "continue_text.yaml").write_text(GENERATE.format(data=root / "continue_text.jsonl"))
+    with open(root / "continue_text.jsonl", "w") as f:
+        for _ in range(6):
+            f.write(json.dumps({"context": " ".join(rnd.choice(WORDS) for _w in range(5)), "answer": " the"}) + "\n")
+    (root / "tasks" / "continue_text.yaml").write_text(GENERATE.format(data=root / "continue_text.jsonl"))
     return [
         *[a for a in TINY if a != "data=synthetic"],
         "data=hf",
@@ -94,46 +92,44 @@ def _workspace(root: Path, odd: bool = False) -> list:
         "trainer.micro_batch_size=2",
         "trainer.global_batch_size=8",
         "optimizer.lr=1e-2",
-        "trainer.eval_tasks=[next_word]",
+        "trainer.eval_tasks=[next_word,continue_text]",
     ]
+
+
+LAYOUTS = {
+    "1f1b": ["cluster.nproc_per_node=2", "parallelism.pp=2", "parallelism.pp_schedule=1f1b"],
+    "interleaved_1f1b": ["cluster.nproc_per_node=2", "parallelism.pp=2", "parallelism.pp_schedule=interleaved_1f1b"],
+    "tp2_sp": ["cluster.nproc_per_node=2", "parallelism.tp=2", "parallelism.sequence_parallel=true"],
+    "pp2_tp2_sp": [  # 4 ranks: opt-in
+        "cluster.nproc_per_node=4",
+        "parallelism.pp=2",
+        "parallelism.tp=2",
+        "parallelism.sequence_parallel=true",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> tuple:
+    """The task files and one process's run on them, made once: (overrides, the reference's run dir)."""
+    root = tmp_path_factory.mktemp("pipeline_eval_tasks")
+    common = _workspace(root)
+    run = root / "one"
+    out = run_main(common + ["cluster.nproc_per_node=1", f"hydra.run.dir={run}"], root, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return common, run
 
 
 def _scores(run: Path) -> dict:
     (results,) = (run / "eval").iterdir()
-    return json.loads(results.read_text())["results"]["next_word"]
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_eval_tasks_at_pp2_equal_one_process(tmp_path, schedule):
-    common = _workspace(tmp_path)
-    runs = {}
-    for name, layout in (
-        ("one", ["cluster.nproc_per_node=1"]),
-        (schedule, ["cluster.nproc_per_node=2", "parallelism.pp=2", f"parallelism.pp_schedule={schedule}"]),
-    ):
-        run = tmp_path / name
-        out = run_main(common + layout + [f"hydra.run.dir={run}"], tmp_path, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = run
-    mine, ref = _scores(runs[schedule]), _scores(runs["one"])
-    # 24 questions of 3 choices each: the same log-likelihoods (1e-5 apart at most, see
-    # test_pipeline.py) pick the same answers, so the accuracy is equal, not close; the trained
-    # model beats chance (1/3), so the answers are not all ties
-    assert mine == ref and mine["sample_len"] == 24 and mine["acc"] > 0.4, (mine, ref)
-    losses = [[r["loss"] for r in read_metrics(runs[n]) if "loss" in r] for n in (schedule, "one")]
-    assert losses[0] == pytest.approx(losses[1], abs=1e-5) and len(losses[0]) == 4
-    assert [r["step"] for r in read_metrics(runs[schedule]) if "eval/next_word/acc" in r] == [4]
-
-
-SP_LAYOUTS = {
-    "tp2_sp": ["cluster.nproc_per_node=2", "parallelism.tp=2"],
-    "pp2_tp2_sp": ["cluster.nproc_per_node=4", "parallelism.tp=2", "parallelism.pp=2"],  # 4 ranks: opt-in
-}
+    return json.loads(results.read_text())["results"]
 
 
 @pytest.mark.parametrize(
     "layout",
     [
+        "1f1b",
+        "interleaved_1f1b",
         "tp2_sp",
         pytest.param(
             "pp2_tp2_sp",
@@ -141,22 +137,17 @@ SP_LAYOUTS = {
         ),
     ],
 )
-def test_eval_tasks_under_sequence_parallel_equal_one_process(tmp_path, layout):
-    """lm-eval's rows have odd lengths (contexts of 5 to 9 words, each choice its own row), which
-    sequence parallelism cannot cut in two: the scored rows and the generated ones are padded."""
-    common = [a for a in _workspace(tmp_path, odd=True) if not a.startswith("trainer.eval_tasks=")]
-    common.append("trainer.eval_tasks=[next_word,continue_text]")
-    runs = {}
-    for name, extra in (("one", ["cluster.nproc_per_node=1"]), (layout, SP_LAYOUTS[layout])):
-        run = tmp_path / name
-        sp = ["parallelism.sequence_parallel=true"] if name != "one" else []
-        out = run_main(common + extra + sp + [f"hydra.run.dir={run}"], tmp_path, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = run
-    mine, ref = (json.loads(next((runs[n] / "eval").iterdir()).read_text())["results"] for n in (layout, "one"))
-    # the same log-likelihoods up to float32 sums in another order (1e-5 apart at most, as at
-    # pp=2) pick the same answers and the same greedy tokens: the scores are equal, not close
+def test_eval_tasks_equal_one_process(workspace, tmp_path, layout):
+    common, one = workspace
+    run = tmp_path / layout
+    out = run_main(common + LAYOUTS[layout] + [f"hydra.run.dir={run}"], tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mine, ref = _scores(run), _scores(one)
+    # 24 questions of 3 choices each: the same log-likelihoods (1e-5 apart at most, see
+    # test_pipeline.py) pick the same answers and the same greedy tokens, so the scores are equal,
+    # not close; the trained model beats chance (1/3), so the answers are not all ties
     assert mine == ref and mine["next_word"]["sample_len"] == 24 and mine["next_word"]["acc"] > 0.4, (mine, ref)
     assert mine["continue_text"]["sample_len"] == 6, mine
-    losses = [[r["loss"] for r in read_metrics(runs[n]) if "loss" in r] for n in (layout, "one")]
+    losses = [[r["loss"] for r in read_metrics(d) if "loss" in r] for d in (run, one)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-5) and len(losses[0]) == 4
+    assert [r["step"] for r in read_metrics(run) if "eval/next_word/acc" in r] == [4]
