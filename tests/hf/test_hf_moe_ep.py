@@ -68,10 +68,9 @@ def _reference(cfg):
     """The trainer's initial weights in a plain transformers model, trained on one process."""
     import transformers
 
-    from framework.data import build_data
     from framework.models import family_of
     from framework.models.hf.model import hf_config
-    from framework.optim import build_optimizer, build_scheduler
+    from tests.hf.one_process import train_steps, whole_batch_data
 
     family = family_of(cfg.model)
     task = family.task(cfg.model)
@@ -82,28 +81,7 @@ def _reference(cfg):
     model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(cfg.model)), dtype=torch.float32)
     model.load_state_dict(built.state_dict())
     model.config.use_cache = False
-    data = build_data(
-        cfg.data,
-        vocab_size=family.vocab_size(cfg.model),
-        micro_batch_size=4,
-        global_batch_size=4,
-        dp_rank=0,
-        dp_size=1,
-        seed=cfg.trainer.seed,
-        sample_kind=task.sample_kind,
-        num_labels=family.num_labels(cfg.model),
-    )
-    optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, STEPS)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        loss = task.loss(model, data.train.next_batch())
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad_norm).item())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    losses, norms = train_steps(model, task, whole_batch_data(cfg, family, task), cfg, STEPS)
     return model, losses, norms
 
 

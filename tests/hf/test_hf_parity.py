@@ -97,9 +97,8 @@ def make_config(model_config: dict, task: str, parallelism: dict, run_dir: str, 
 
 def _reference(cfg, steps: int):
     """The trainer's model build and data, trained by plain transformers on this one process."""
-    from framework.data import build_data
     from framework.models import family_of
-    from framework.optim import build_optimizer, build_scheduler
+    from tests.hf.one_process import train_steps, whole_batch_data
 
     family = family_of(cfg.model)
     task = family.task(cfg.model)
@@ -108,28 +107,7 @@ def _reference(cfg, steps: int):
     model = family.build(cfg.model, "cpu")
     family.init_weights(model, cfg.trainer.seed)
     initial = copy.deepcopy(model)
-    data = build_data(
-        cfg.data,
-        vocab_size=family.vocab_size(cfg.model),
-        micro_batch_size=4,
-        global_batch_size=4,
-        dp_rank=0,
-        dp_size=1,
-        seed=cfg.trainer.seed,
-        sample_kind=task.sample_kind,
-        num_labels=family.num_labels(cfg.model),
-    )
-    optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, steps)
-    losses = []
-    for _ in range(steps):
-        loss = task.loss(model, data.train.next_batch())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    losses, _ = train_steps(model, task, whole_batch_data(cfg, family, task), cfg, steps)
     return initial, losses
 
 
