@@ -18,41 +18,10 @@ from conftest import TINY, pinned_import, read_metrics, run_main
 
 pinned_import("lm_eval")
 
-WORDS = "the model trains on shards of data gathered unit by unit while every rank keeps its own piece".split()
-TASK = """\
-task: next_word
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
-GENERATE = """\
-task: continue_text
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["."]
-  max_gen_toks: 6
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-"""
+# the same tasks and words as the one-process tests of lm-eval (tests/integration/test_evaluate.py)
+from tests.integration.test_evaluate import GENERATE_TASK as GENERATE  # noqa: E402
+from tests.integration.test_evaluate import TASKS as TASK  # noqa: E402
+from tests.integration.test_evaluate import WORDS  # noqa: E402
 
 
 def _workspace(root: Path) -> list:
