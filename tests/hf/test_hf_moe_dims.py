@@ -83,7 +83,7 @@ def _rank(rank, world, run_dir, parallelism, labels):
             "ref_norms": ref_norms,
             "weights": worst,
             "held": held,
-            "attention": trainer.model.config._attn_implementation,
+            "attention": getattr(getattr(trainer.model, "config", None), "_attn_implementation", None),
         }
         if trainer.ckpt is not None:
             trainer.ckpt.close()
