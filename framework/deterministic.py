@@ -48,7 +48,9 @@ class DeterministicSteps:
     def __init__(self, trainer) -> None:
         t, job = trainer.cfg.trainer, trainer.job
         plain = isinstance(job.runner, PlainSteps)  # not a pipeline's schedule
-        if not plain or job.runner.routers is not None or job.dims.tp > 1 or job.dims.cp > 1:
+        routers = job.runner.routers.routers if plain and job.runner.routers is not None else []
+        balanced = any(not getattr(r, "counts_only", False) for r in routers)  # transformers': counts only
+        if not plain or balanced or job.dims.tp > 1 or job.dims.cp > 1:
             raise UserInputError(
                 "trainer.deterministic=true: this model or layout sums across ranks inside a unit "
                 "(pipeline, tensor/context parallel, mixture-of-experts routers); see docs/engine.md"

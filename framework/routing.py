@@ -3,7 +3,8 @@ routing pass that gives the global-batch load-balancing loss its shares, the aux
 update, and the step's router statistics for metrics.jsonl.
 
 A router is any module with the attributes framework/models/llama/moe.py's `MoE` sets for this
-(`routing_ahead`, `ahead_load`, `global_load`, `step_load`, `step_dropped`, `expert_bias`); the
+(`routing_ahead`, `ahead_load`, `global_load`, `step_load`, `step_dropped`, `expert_bias`; a
+transformers model's routers get them from framework/models/hf/moe.py's `count_routers`); the
 trainer builds `RouterSteps.of(model)` (None for a model without one) and calls `begin` before the
 step's micro-batches and `end` after their backward passes.
 
@@ -130,4 +131,5 @@ def _or_zeros(router, load, device):
     """A router's load, or zeros where this rank's forwards did not reach it (a pipeline's other stage)."""
     if load is not None:
         return load.float()
-    return torch.zeros(router.n_experts, device=device if device is not None else router.router.weight.device)
+    weight = getattr(router, "router", router).weight  # ours keeps a Linear `router`; transformers' is one
+    return torch.zeros(router.n_experts, device=device if device is not None else weight.device)

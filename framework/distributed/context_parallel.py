@@ -113,7 +113,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     if not modules:
         raise UserInputError(
             f"parallelism.cp={cp_mesh.size()}: {type(model).__name__} has no attention that can split its "
-            "sequence (our Llama family and model=hf's Llama, Mistral and Qwen2 can); set parallelism.cp=1"
+            "sequence (our Llama family and model=hf's listed types can); set parallelism.cp=1"
         )
     exchange = SequenceExchange(cp_mesh.get_group(), cp_mesh.size())
     for module in modules:

@@ -171,3 +171,32 @@ def test_outside_the_split_the_model_computes_as_sdpa_and_a_padding_mask_is_not_
     # heads the job's config did not state (the class's default) are checked at the build, by name
     with pytest.raises(UserInputError, match="parallelism.cp=3 does not divide the 4 attention heads"):
         prepare_context_parallel(copy.deepcopy(plain), 3)
+
+
+def test_outside_the_split_gpt_oss_keeps_its_attention_sinks():
+    """gpt-oss readied for cp computes, outside the exchange, as transformers' own gpt-oss attention
+    (its sinks join each row's softmax: sdpa would drop them): the same logits with and without a
+    left-padding mask, on its full and sliding-window layers. 1e-5: the sink attention masks by
+    filling where transformers adds the mask, and sums in another order."""
+    from framework.config.schema import ModelConfig
+    from framework.models.hf.context import prepare_context_parallel
+    from framework.models.hf.model import build_hf
+    from tests.hf.test_hf_moe_ep import FAMILIES as MOE
+
+    cfg = ModelConfig(name="hf", config=dict(MOE["gpt_oss"], sliding_window=4))
+    torch.manual_seed(0)
+    plain = build_hf(cfg)
+    with torch.no_grad():
+        for layer in plain.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)  # sinks that matter
+    ready = copy.deepcopy(plain)
+    prepare_context_parallel(ready, 2)
+    assert ready.config._attn_implementation == "framework_sequence_exchange"
+    ids = torch.randint(0, 128, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            got, want = ready(ids, **kwargs).logits, plain(ids, **kwargs).logits
+            rows = slice(None) if not kwargs else (slice(None), slice(3, None))  # padded queries: unspecified
+            assert (got[rows] - want[rows]).abs().max().item() < 1e-5, kwargs

@@ -22,12 +22,19 @@ steps, asserted > 1e-3).
   dp_shard ranks of its pp index; gpt-oss's sliding-window layers get their own mask in a stage,
   as in the whole model; DeepSeek-V3 with 3 blocks cut [2, 1], so that each stage holds experts
   (its first block is dense). transformers' models add no load-balancing loss to ours (they
-  add theirs only when given the labels), so no stage carries one.
+  add theirs only when given the labels), so no stage carries one;
+- cp: ep=2 x cp=2 (dp_shard=2): each cp rank attends through the sequence exchange
+  (framework/models/hf/context.py) and routes its chunk's tokens within its ep group, each expert
+  sharded over the rank's efsdp x cp ranks. Mixtral and Qwen3-MoE (q/k norms) by default;
+  DeepSeek-V3 (MLA: value heads narrower than query/key ones) and gpt-oss (attention sinks, a
+  sliding window of 8 over chunks of 8) with COMPOSITION_ALL=1. Before context parallelism took
+  these model types the job was refused by name.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -35,11 +42,15 @@ import torch
 from tests.hf.test_hf_moe_ep import FAMILIES, STEPS, TOL, _reference
 from tests.hf.test_hf_parity import make_config
 
+ALL = os.environ.get("COMPOSITION_ALL") == "1"
+
 LAYOUTS = {
     "hsdp": ({"strategy": "hybrid", "dp_replicate": 2, "dp_shard": 2, "ep": 2}, sorted(FAMILIES)),
     "tp": ({"dp_shard": 2, "tp": 2, "ep": 2}, ["deepseek_v3", "mixtral", "qwen3_moe"]),
     "tp_ep1": ({"dp_shard": 2, "tp": 2}, ["qwen3_moe"]),
     "pp": ({"dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "ep": 2}, sorted(FAMILIES)),
+    # Mixtral and Qwen3-MoE by default; DeepSeek-V3 (MLA) and gpt-oss (sinks) with COMPOSITION_ALL=1
+    "cp": ({"dp_shard": 2, "cp": 2, "ep": 2}, sorted(FAMILIES) if ALL else ["mixtral", "qwen3_moe"]),
 }
 
 
@@ -72,6 +83,7 @@ def _rank(rank, world, run_dir, parallelism, labels):
             "ref_norms": ref_norms,
             "weights": worst,
             "held": held,
+            "attention": getattr(getattr(trainer.model, "config", None), "_attn_implementation", None),
         }
         if trainer.ckpt is not None:
             trainer.ckpt.close()
@@ -92,7 +104,11 @@ def test_hf_moe_split_by_expert_beside_another_dimension_equals_transformers(tmp
             # (at ep=1 sharded with the block over dp_shard)
             split = parallelism.get("ep", 1) > 1
             assert r["held"] and all(("ep" in mesh) == split for mesh, _ in r["held"].values()), (label, r["held"])
-            assert all(shape[0] == 2 for _, shape in r["held"].values()), (label, r["held"])
+            # (under cp each of the 2 sharded on dim 0 over the rank's efsdp x cp = 2 ranks: 1 row)
+            rows = 2 // parallelism.get("cp", 1)
+            assert all(shape[0] == rows for _, shape in r["held"].values()), (label, r["held"])
+            if parallelism.get("cp", 1) > 1:  # the sequence exchange's attention, not a fallback
+                assert r["attention"] == "framework_sequence_exchange", (label, r["attention"])
             assert len(r["losses"]) == STEPS and all(math.isfinite(x) for x in r["losses"]), (label, r)
             assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= TOL, (label, rank, r)
             assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= TOL, (label, rank, r)

@@ -81,8 +81,31 @@ def _reference(cfg):
     model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(cfg.model)), dtype=torch.float32)
     model.load_state_dict(built.state_dict())
     model.config.use_cache = False
+    model.router_loads = _count_choices(model)
     losses, norms = train_steps(model, task, whole_batch_data(cfg, family, task), cfg, STEPS)
     return model, losses, norms
+
+
+def _count_choices(model) -> list:
+    """Per training step, each router's top-k choices per expert in a plain transformers model
+    (its routers found by class name, in model order; counted by this test's own hook)."""
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    steps: list = []
+
+    def count(index):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled():
+                return
+            if index == 0:  # micro-batches of one step: the reference's step is one forward
+                steps.append([[0] * module.num_experts for _ in routers])
+            for e in output[-1].reshape(-1).tolist():
+                steps[-1][index][e] += 1
+
+        return hook
+
+    for index, router in enumerate(routers):
+        router.register_forward_hook(count(index))
+    return steps
 
 
 def _rank(rank, world, run_dir, parallelism):
@@ -126,6 +149,9 @@ def _rank(rank, world, run_dir, parallelism):
             "weights": worst,
             "held": held,
             "loaded": loaded,
+            # the step records' router statistics, and the reference's choices counted per step
+            "loads": [{k: v for k, v in s.items() if k.startswith("moe_")} for s in steps],
+            "ref_loads": reference.router_loads,
         }
         trainer.ckpt.close()
         del trainer
@@ -248,6 +274,15 @@ def test_hf_moe_split_by_expert_equals_transformers_on_one_process(tmp_path, wor
             assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= TOL, (label, rank, r)
             assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= TOL, (label, rank, r)
             assert r["weights"] <= TOL, (label, rank, r["weights"])
+            # every router's choices per expert over the global batch (summed over the ranks, each
+            # slot once under recomputation) are one process's, every step; max over mean from them
+            assert len(r["ref_loads"]) == STEPS and r["ref_loads"][0], (label, r["ref_loads"])
+            for got, want in zip(r["loads"], r["ref_loads"]):
+                assert got.keys() == {f"moe_{k}_l{i}" for i in range(len(want)) for k in ("load", "max_mean")}
+                for i, counts in enumerate(want):
+                    assert got[f"moe_load_l{i}"] == counts, (label, rank, i, got, want)
+                    assert sum(counts) == 4 * 16 * 2  # global batch 4 rows of 16 tokens, top-2
+                    assert got[f"moe_max_mean_l{i}"] == pytest.approx(max(counts) / (sum(counts) / len(counts)))
         losses = results[0][label]["losses"]
         assert max(losses) - min(losses) > 1e-3, (label, losses)  # it trains
         loaded = results[0][label]["loaded"]

@@ -19,8 +19,10 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 # Model types whose attention context parallelism splits (framework/models/hf/context.py), each
-# tested against one process; the family's attention call is transformers' shared one.
-CONTEXT_PARALLEL_TYPES = ("llama", "mistral", "qwen2")
+# tested against one process; the family's attention call is transformers' shared one. The
+# mixture-of-experts ones (Mixtral, Qwen3-MoE, DeepSeek-V3's MLA, gpt-oss's sinks) with or without
+# parallelism.ep.
+CONTEXT_PARALLEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def _stated(cfg) -> dict:

@@ -2,7 +2,9 @@
 our Llama's is ([Note: context parallelism by all-to-all] in framework/distributed/context_parallel.py).
 
 [Note: context parallelism inside a transformers model]
-A transformers decoder (Llama, Mistral, Qwen2) computes, per block: q/k/v projections, the rotary
+A transformers decoder (Llama, Mistral, Qwen2, and the mixture-of-experts Mixtral, Qwen3-MoE,
+DeepSeek-V3, gpt-oss) computes, per block: q/k/v projections (Qwen3-MoE's q/k norms, DeepSeek-V3's
+latent projections), the rotary
 embedding from `position_ids`, then `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module,
 q, k, v, mask, scaling=..., sliding_window=...)`, then o_proj. Everything but that call is per token.
 So nothing of transformers is changed; the model is only told, on its own config, to use an
@@ -17,6 +19,14 @@ attention implementation registered under `ATTENTION` (the library's documented 
   layer's sliding window, i - j < window, as transformers' mask), and moves the output back. The
   mask transformers built for the chunk is not used (it numbers the chunk's keys from 0): the rows
   carry no padding mask under cp (the hook refuses one), so the whole sequence's mask is causal.
+- DeepSeek-V3's MLA: the value head dim differs from the query/key one, which the exchange (any
+  last dim) and sdpa take as they are. gpt-oss passes its attention sinks (`s_aux`, one logit per
+  head joining each row's softmax): after the exchange the rank holds heads [r h/cp, (r+1) h/cp),
+  so it attends with those heads' sinks (`_with_sinks`, transformers' eager gpt-oss attention).
+- The experts and their routers see tokens only: each cp rank routes its chunk's tokens, as one
+  process routes every token alone (top-k of each token's own scores, dropless), and under
+  `parallelism.ep` exchanges them within its ep group. transformers' models add no load-balancing
+  loss to ours (only when given the labels), so the split changes no routing and no loss.
 - Outside `active(model)` (sampling, evaluation of whole sequences) the function is transformers'
   sdpa, with sdpa's masks: the model computes as an unsplit one.
 
@@ -106,12 +116,22 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     exchange = getattr(module, "sequence_exchange", None)
+    sinks = kwargs.pop("s_aux", None)
+    if (exchange is None or not exchange.active) and sinks is not None:
+        # sdpa takes no sinks: the whole sequence through the same sink attention, all heads
+        groups = module.num_key_value_groups
+        k, v = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        allowed = attention_mask
+        if allowed is None:  # sdpa's mask skipped: causal, the queries the keys' last ones
+            i, j = torch.arange(query.shape[2], device=query.device), torch.arange(k.shape[2], device=query.device)
+            allowed = j[None, :] <= i[:, None] + (k.shape[2] - query.shape[2])
+        return _with_sinks(query, k, v, allowed, sinks, 0, scaling, dropout, module.training), None
     if exchange is None or not exchange.active:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             sliding_window=sliding_window, **kwargs,
         )  # fmt: skip
-    for name in ("softcap", "s_aux", "position_bias"):
+    for name in ("softcap", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"context parallelism with model=hf: {type(module).__name__} passes {name}")
     groups = module.num_key_value_groups
@@ -127,7 +147,32 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         i = torch.arange(seq, device=q.device)
         distance = i[:, None] - i[None, :]
         mask = (distance >= 0) & (distance < sliding_window)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None
-    ).transpose(1, 2)  # (batch, s, heads/cp, d)
+    if sinks is not None:  # gpt-oss: this rank's heads' sink logits join each row's softmax
+        if mask is None:
+            i = torch.arange(seq, device=q.device)
+            mask = i[:, None] >= i[None, :]
+        out = _with_sinks(q, k, v, mask, sinks, exchange.rank * q.shape[1], scaling, dropout, module.training)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None
+        ).transpose(1, 2)  # (batch, s, heads/cp, d)
     return exchange.to_sequence(out.contiguous()), None
+
+
+def _with_sinks(q, k, v, allowed, sinks, first, scaling, dropout, training):
+    """Attention whose softmax over a row's keys also takes one logit per head, dropped after it
+    (gpt-oss's attention sinks: `s_aux`, one per head of this tensor-parallel rank; `first`: the
+    index among them of q's first head, r h/cp after the exchange). `allowed`: a boolean mask
+    broadcastable to the scores, True where a query sees a key. Computed as transformers' eager
+    gpt-oss attention: scores, the mask, the sink column, the max taken off, softmax, the sink
+    dropped. q, k, v: (batch, heads, s, d) -> (batch, s, heads, d)."""
+    heads, seq = q.shape[1], q.shape[2]
+    mine = sinks.reshape(-1)[first : first + heads]
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~allowed.bool(), torch.finfo(scores.dtype).min)
+    column = mine.reshape(1, -1, 1, 1).expand(q.shape[0], -1, seq, 1).to(scores.dtype)
+    logits = torch.cat([scores, column], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1)[..., :-1]
+    probs = F.dropout(probs, p=dropout, training=training).to(v.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)

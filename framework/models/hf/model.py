@@ -185,9 +185,10 @@ def build_hf(cfg: ModelConfig, device="cpu") -> nn.Module:
             f"model.task={task}: transformers has no such model for "
             f"model_type={config.model_type} ({str(exc).splitlines()[0]})"
         ) from None
-    from framework.models.hf.moe import make_splittable
+    from framework.models.hf.moe import count_routers, make_splittable
 
     make_splittable(model)  # splittable by expert (parallelism.ep); computes the same until split
+    count_routers(model)  # the routers' loads in the step's record (framework/routing.py)
     return model
 
 

@@ -120,3 +120,54 @@ def make_splittable(model: nn.Module) -> int:
         module.__class__ = _SPLITTABLE[cls]
         found += 1
     return found
+
+
+# [Note: Hugging Face routers' statistics]
+# transformers' routers (Mixtral's, Qwen3-MoE's and gpt-oss's `TopKRouter`, DeepSeek-V3's
+# `TopkRouter`) are the experts module's sibling (`gate`, gpt-oss's `router`) and return
+# (logits, top-k weights, top-k expert ids). `count_routers` gives each the attributes
+# framework/routing.py's `RouterSteps` reads of a router and a forward hook counting the top-k ids
+# per expert into `step_load` in training forwards (gradients on, not activation checkpointing's
+# recompute, as our Llama's routers count), so the step's record has the same `moe_load_l<l>` and
+# `moe_max_mean_l<l>` keys, summed over all ranks by `RouterSteps.end`. transformers' models add no
+# load-balancing loss to ours and no bias moves (DeepSeek-V3's `e_score_correction_bias` stays as
+# transformers trains it): nothing routes ahead, the counts are the record only.
+
+
+def _router_of(parent: nn.Module):
+    for name in ("gate", "router"):
+        child = getattr(parent, name, None)
+        if isinstance(child, nn.Module) and isinstance(getattr(child, "top_k", None), int):
+            return child
+    return None
+
+
+def _count(router: nn.Module, args, output) -> None:
+    from framework.recompute import recomputing
+
+    if router.routing_ahead or not torch.is_grad_enabled() or recomputing():
+        return  # an evaluation's forward, or the recompute of a counted one
+    ids = output[-1]
+    load = torch.bincount(ids.reshape(-1), minlength=router.n_experts).float()
+    router.step_load = load if router.step_load is None else router.step_load + load
+
+
+def count_routers(model: nn.Module) -> int:
+    """Ready every transformers router of `model` for the step's statistics ([Note: Hugging Face
+    routers' statistics]); returns how many there are."""
+    found = 0
+    for parent in model.modules():
+        experts = getattr(parent, "experts", None)
+        router = _router_of(parent)
+        if router is None or not isinstance(experts, nn.Module) or not is_hf_experts(experts):
+            continue
+        if hasattr(router, "routing_ahead"):
+            continue
+        router.n_experts = experts.num_experts
+        router.routing_ahead, router.ahead_load, router.global_load = False, None, None
+        router.step_load, router.step_dropped, router.expert_bias = None, 0, None
+        router.aux_loss_scope, router.aux_loss_coef, router.capacity_factor = "none", 0.0, None
+        router.counts_only = True  # no loss, no bias: the record only
+        router.register_forward_hook(_count)
+        found += 1
+    return found
