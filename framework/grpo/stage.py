@@ -38,7 +38,7 @@ from framework.generation import generate
 from framework.grpo.loss import group_advantages, grpo_loss, nan_std
 from framework.grpo.rewards import Rewards
 from framework.job import build_job
-from framework.models.tasks import IGNORE_INDEX
+from framework.models.tasks import IGNORE_INDEX, with_aux_loss
 from framework.trainer import Objective, StepWork
 
 
@@ -212,14 +212,20 @@ class GRPOObjective(Objective):
         # clipped tokens and tokens over every iteration (the first clips nothing: its ratios are 1)
         stats = torch.zeros(4, device=device, dtype=torch.float64)
         self._step, self._calls = (rewards, done, stats, parts), 0
-        # the routers (a mixture-of-experts policy's) do not route the rollouts' micro-batches ahead:
-        # the loss, logged and observed, is the first iteration's (the rollout policy's own)
-        return StepWork(self.clipped_loss, accum, micro=micro, passes=g.iterations, routed=False)
+        # a mixture-of-experts policy's routers count and balance each iteration's micro-batches
+        # (global-batch balancing routes them ahead, the policy's forward alone); the loss, logged
+        # and observed, and the router statistics are the first iteration's (the rollout policy's)
+        return StepWork(self.clipped_loss, accum, micro=micro, passes=g.iterations)
 
     def clipped_loss(self, batch) -> torch.Tensor:
         """[Note: the GRPO objective] on one micro-batch of rollouts; its statistics added to the step's."""
         g = self.cfg.grpo
         ids, targets, old, ref, adv = batch
+        routers = self.job.runner.routers
+        if routers is not None and any(r.routing_ahead for r in routers.routers):
+            # the routing pass ahead of the micro-batches ([Note: global-batch load balancing]):
+            # the policy's forward routes the rollouts; no statistics
+            return self._logps(self.model, ids, targets).sum()
         iteration = self._calls // self.data.train.accum_steps
         self._calls += 1
         logps = self._logps(self.model, ids, targets)
@@ -242,7 +248,7 @@ class GRPOObjective(Objective):
         first = float(iteration == 0)
         kl_part = [sums["kl"] * first, sums["tokens"] * first]
         self._step[2].add_(torch.stack([*kl_part, sums["clipped"], sums["tokens"]]).double())
-        return loss
+        return with_aux_loss(self.model, loss)  # a mixture of experts' balancing, of the policy's forward
 
     def step_metrics(self, read: bool) -> Dict[str, float]:
         step, self._step = self._step, None
