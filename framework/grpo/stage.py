@@ -4,13 +4,15 @@ One trainer step is one batch of rollouts and grpo.iterations optimizer steps on
 1. this rank's prompts of the global batch (trainer.global_batch_size prompts over the
    data-parallel ranks, read as training reads its rows, so a resume reads the same ones);
 2. grpo.num_generations completions per prompt from the policy (framework/generation on the
-   sharded model), each sampled from a generator seeded by [Note: the rollout seeds];
+   sharded model; with its experts split over ep ranks, in lockstep: [Note: generation with
+   experts split]), each sampled from a generator seeded by [Note: the rollout seeds];
 3. their rewards ([Note: the GRPO rewards] in framework/grpo/rewards.py) and group advantages;
 4. the rollout policy's log-probabilities (once, only when grpo.iterations > 1: with one iteration
    they equal the policy's own, detached) and the reference's (grpo.beta > 0);
 5. grpo.iterations times: the loss of [Note: the GRPO objective] (framework/grpo/loss.py) over the
-   trainer.micro_batch_size-prompt micro-batches, gradients accumulated, clipped, one optimizer
-   step. The learning-rate schedule advances once per trainer step.
+   trainer.micro_batch_size-prompt micro-batches (plus a mixture-of-experts policy's balancing
+   loss, of its own forward), gradients accumulated, clipped, one optimizer step. The
+   learning-rate schedule advances once per trainer step.
 The reference is the one of [Note: the reference model] (framework/dpo/stage.py): LoRA's base
 with its adapters off, else a frozen sharded copy of the starting model; grpo.beta=0 builds none.
 
