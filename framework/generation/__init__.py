@@ -130,7 +130,7 @@ def _batch(model, rows: List[_Row], max_new_tokens: int, opts: dict, collective:
 
 @torch.no_grad()
 def _generate(model, rows: List[_Row], max_new_tokens: int, opts: dict, collective: bool) -> None:
-    size = opts["batch_size"] or len(rows)
+    size = opts["batch_size"] or max(len(rows), 1)  # no prompts: no batch of its own (spares only)
     batches = [rows[i : i + size] for i in range(0, len(rows), size)]
     # Collective forwards: every rank runs as many batches as the rank with the most (a spare
     # one-token prompt where it has none left).

@@ -297,9 +297,9 @@ class GRPOObjective(Objective):
         data-parallel rank takes every dp-th prompt)."""
         g, tok = self.cfg.grpo, self.data.tokenizer
         mine = self.valid_prompts[self.dp_rank :: self.dims.dp]
-        done = []
-        if mine:
-            done = generate(self.model, [p.ids for p in mine], g.max_new_tokens, eos_ids=[tok.eod], decode=tok.decode)
+        # every rank calls, a rank with no prompt too: under FSDP2 and expert parallelism the
+        # forwards are collective and it runs the others' steps ([Note: generation with experts split])
+        done = generate(self.model, [p.ids for p in mine], g.max_new_tokens, eos_ids=[tok.eod], decode=tok.decode)
         scores = self._scores(mine, done, 1)
         scores = [v for v in scores if not math.isnan(v)]  # no reward applied: left out (TRL's nanmean)
         sums = torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64, device=self.rt.device)

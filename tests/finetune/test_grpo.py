@@ -322,6 +322,8 @@ def test_a_reward_function_of_the_earlier_form_is_refused_and_one_returning_none
 # over the global batch (aux_loss_scope=global_batch, its routing pass ahead) is the same on every
 # layout ([Note: global-batch load balancing] in framework/routing.py).
 MOE = ["model=moe_debug", "model.args.aux_loss_scope=global_batch", "checkpoint.save_final=true"]
+# one held-out prompt, completed at step 5: only rank 0 has one, the other ranks step with it
+MOE += ["data.hf.valid_documents=1", "trainer.eval_interval=5"]
 EXPERTS = {"ep2": ["parallelism.ep=2"]}  # 2 ranks, 2 of the 4 experts each
 if os.environ.get("COMPOSITION_ALL") == "1":
     # 4 ranks: ep=2 x dp_shard=2, each expert sharded over 2 ranks
@@ -362,6 +364,8 @@ def test_expert_parallel_equals_one_process(moe_one_rank, prompts, layout):
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
         assert mine["kl"] == pytest.approx(theirs["kl"], abs=1e-5)
         assert mine["moe_load_l0"] == theirs["moe_load_l0"]
+        assert mine.get("val_reward") == theirs.get("val_reward")
+    assert "val_reward" in mine
     mine, theirs = _final_weights(run), _final_weights(moe_one_rank[0])
     assert mine.keys() == theirs.keys()
     for name, value in mine.items():

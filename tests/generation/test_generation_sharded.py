@@ -119,7 +119,22 @@ def _worker(rank: int, world: int) -> dict:
     for engine in ("native", "torch"):
         out[f"own_prompts_{engine}"] = recorded(_own_prompts, engine, rank, world)
     out["own_prompts_experts_ep2"] = recorded(_own_prompts, "native", rank, world, "experts", 2)
+    out["no_prompts_experts_ep2"] = recorded(_no_prompts_on_rank_1, rank, world)
     return out
+
+
+def _no_prompts_on_rank_1(rank: int, world: int) -> dict:
+    """Experts split over 2 ranks, rank 1 with no prompt at all: it still steps with rank 0."""
+    from framework.generation import generate
+
+    model, reference = _sharded("experts", "native", 1, world, 2)
+    prompts = PROMPTS if rank == 0 else []
+    return {"same": _ids(generate(model, prompts, NEW)) == _ids(generate(reference, prompts, NEW))}
+
+
+def test_a_rank_without_prompts_steps_with_the_others_when_the_experts_are_split(results):
+    r = passed(results["no_prompts_experts_ep2"])
+    assert r["same"], r
 
 
 @pytest.fixture(scope="module")
