@@ -138,19 +138,12 @@ def grpo_problems(cfg) -> List[str]:
             re.compile(getattr(g, name))
         except re.error as exc:
             problems.append(f"grpo.{name}={getattr(g, name)!r} is not a regular expression: {exc}")
-    for degree, why in (
-        (
-            "pp",
-            "GRPO first generates its completions token by token with the whole policy, and each pipeline rank "
-            "holds only some of its layers (its stages keep no decoding cache)",
-        ),
-        ("ep", "expert parallelism is not supported"),
-    ):
-        if getattr(p, degree) > 1:
-            problems.append(
-                f"stage=grpo with parallelism.{degree}={getattr(p, degree)}: {why}; set parallelism.{degree}=1 "
-                "(sharding, tensor and context parallelism are supported)"
-            )
+    if p.pp > 1:
+        problems.append(
+            f"stage=grpo with parallelism.pp={p.pp}: GRPO first generates its completions token by token with "
+            "the whole policy, and each pipeline rank holds only some of its layers (its stages keep no decoding "
+            "cache); set parallelism.pp=1 (sharding, tensor, context and expert parallelism are supported)"
+        )
     if p.tp > 1 and p.sequence_parallel:
         problems.append(
             "stage=grpo with parallelism.sequence_parallel=true: generation takes one token at a time; "

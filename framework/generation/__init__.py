@@ -26,6 +26,19 @@ for its own prompts and stop when they are done; torch's FSDP2 gathers each bloc
 so there every rank runs as many forwards as the busiest one (agreed by an all-reduce per step).
 Under tensor parallelism the ranks of a tensor-parallel group must pass the same prompts and seeds
 (they compute the same whole logits and so pick the same tokens).
+
+[Note: generation with experts split]
+Under expert parallelism (`parallelism.ep`) each rank holds only its share of every block's
+experts, and a forward sends each token to the rank holding its expert by all-to-all
+(framework/distributed/expert_parallel.py). Generation keeps that split and runs in lockstep:
+every rank runs as many batches and decoding steps as the busiest one (the same all-reduce as
+FSDP2's, a spare one-token prompt where a rank has no batch left, and its finished rows fed the
+pad id), so each forward's all-to-all finds every rank of its group. The other way, gathering
+every expert onto every rank for the call as the engine gathers the dense weights, would hold the
+whole model's experts on each rank: the memory expert parallelism exists to save. With dropless
+routing (capacity_factor=0) a token's expert output does not depend on the rows it travels with,
+so a prompt's completion is the one it gets on one process (tests/finetune/test_grpo.py's expert
+parallel runs draw the same completions).
 """
 
 from __future__ import annotations
@@ -117,7 +130,7 @@ def _batch(model, rows: List[_Row], max_new_tokens: int, opts: dict, collective:
 
 @torch.no_grad()
 def _generate(model, rows: List[_Row], max_new_tokens: int, opts: dict, collective: bool) -> None:
-    size = opts["batch_size"] or len(rows)
+    size = opts["batch_size"] or max(len(rows), 1)  # no prompts: no batch of its own (spares only)
     batches = [rows[i : i + size] for i in range(0, len(rows), size)]
     # Collective forwards: every rank runs as many batches as the rank with the most (a spare
     # one-token prompt where it has none left).
@@ -127,17 +140,26 @@ def _generate(model, rows: List[_Row], max_new_tokens: int, opts: dict, collecti
         _batch(model, batch, max_new_tokens, opts, collective)
 
 
+def _experts_split(model) -> bool:
+    """Whether `model`'s experts are split over expert-parallel ranks: [Note: generation with experts
+    split]."""
+    from framework.distributed.expert_parallel import ExpertDispatch, expert_groups
+
+    return any(isinstance(m.dispatch, ExpertDispatch) and m.dispatch.size > 1 for m in expert_groups(model))
+
+
 def _run_sharded(model, fn: Callable[[bool], None]) -> None:
     """fn(collective) as one forward method of a sharded `model` (see the module's docstring)."""
     from framework.distributed.engines import engine_sharding
 
     engine = engine_sharding(model)
+    split = _experts_split(model)
     if engine is None:
-        return fn(False)
+        return fn(split)
     if not hasattr(model, _METHOD + "_collective"):
         setattr(model, _METHOD, lambda thunk: thunk())
         setattr(model, _METHOD + "_collective", engine.register_forward_method(model, _METHOD))
-    collective = getattr(model, _METHOD + "_collective")
+    collective = getattr(model, _METHOD + "_collective") or split
     with torch.no_grad():
         getattr(model, _METHOD)(lambda: fn(collective))
 

@@ -4,13 +4,15 @@ One trainer step is one batch of rollouts and grpo.iterations optimizer steps on
 1. this rank's prompts of the global batch (trainer.global_batch_size prompts over the
    data-parallel ranks, read as training reads its rows, so a resume reads the same ones);
 2. grpo.num_generations completions per prompt from the policy (framework/generation on the
-   sharded model), each sampled from a generator seeded by [Note: the rollout seeds];
+   sharded model; with its experts split over ep ranks, in lockstep: [Note: generation with
+   experts split]), each sampled from a generator seeded by [Note: the rollout seeds];
 3. their rewards ([Note: the GRPO rewards] in framework/grpo/rewards.py) and group advantages;
 4. the rollout policy's log-probabilities (once, only when grpo.iterations > 1: with one iteration
    they equal the policy's own, detached) and the reference's (grpo.beta > 0);
 5. grpo.iterations times: the loss of [Note: the GRPO objective] (framework/grpo/loss.py) over the
-   trainer.micro_batch_size-prompt micro-batches, gradients accumulated, clipped, one optimizer
-   step. The learning-rate schedule advances once per trainer step.
+   trainer.micro_batch_size-prompt micro-batches (plus a mixture-of-experts policy's balancing
+   loss, of its own forward), gradients accumulated, clipped, one optimizer step. The
+   learning-rate schedule advances once per trainer step.
 The reference is the one of [Note: the reference model] (framework/dpo/stage.py): LoRA's base
 with its adapters off, else a frozen sharded copy of the starting model; grpo.beta=0 builds none.
 
@@ -38,7 +40,7 @@ from framework.generation import generate
 from framework.grpo.loss import group_advantages, grpo_loss, nan_std
 from framework.grpo.rewards import Rewards
 from framework.job import build_job
-from framework.models.tasks import IGNORE_INDEX
+from framework.models.tasks import IGNORE_INDEX, with_aux_loss
 from framework.trainer import Objective, StepWork
 
 
@@ -212,14 +214,20 @@ class GRPOObjective(Objective):
         # clipped tokens and tokens over every iteration (the first clips nothing: its ratios are 1)
         stats = torch.zeros(4, device=device, dtype=torch.float64)
         self._step, self._calls = (rewards, done, stats, parts), 0
-        # the routers (a mixture-of-experts policy's) do not route the rollouts' micro-batches ahead:
-        # the loss, logged and observed, is the first iteration's (the rollout policy's own)
-        return StepWork(self.clipped_loss, accum, micro=micro, passes=g.iterations, routed=False)
+        # a mixture-of-experts policy's routers count and balance each iteration's micro-batches
+        # (global-batch balancing routes them ahead, the policy's forward alone); the loss, logged
+        # and observed, and the router statistics are the first iteration's (the rollout policy's)
+        return StepWork(self.clipped_loss, accum, micro=micro, passes=g.iterations)
 
     def clipped_loss(self, batch) -> torch.Tensor:
         """[Note: the GRPO objective] on one micro-batch of rollouts; its statistics added to the step's."""
         g = self.cfg.grpo
         ids, targets, old, ref, adv = batch
+        routers = self.job.runner.routers
+        if routers is not None and any(r.routing_ahead for r in routers.routers):
+            # the routing pass ahead of the micro-batches ([Note: global-batch load balancing]):
+            # the policy's forward routes the rollouts; no statistics
+            return self._logps(self.model, ids, targets).sum()
         iteration = self._calls // self.data.train.accum_steps
         self._calls += 1
         logps = self._logps(self.model, ids, targets)
@@ -242,7 +250,7 @@ class GRPOObjective(Objective):
         first = float(iteration == 0)
         kl_part = [sums["kl"] * first, sums["tokens"] * first]
         self._step[2].add_(torch.stack([*kl_part, sums["clipped"], sums["tokens"]]).double())
-        return loss
+        return with_aux_loss(self.model, loss)  # a mixture of experts' balancing, of the policy's forward
 
     def step_metrics(self, read: bool) -> Dict[str, float]:
         step, self._step = self._step, None
@@ -289,9 +297,9 @@ class GRPOObjective(Objective):
         data-parallel rank takes every dp-th prompt)."""
         g, tok = self.cfg.grpo, self.data.tokenizer
         mine = self.valid_prompts[self.dp_rank :: self.dims.dp]
-        done = []
-        if mine:
-            done = generate(self.model, [p.ids for p in mine], g.max_new_tokens, eos_ids=[tok.eod], decode=tok.decode)
+        # every rank calls, a rank with no prompt too: under FSDP2 and expert parallelism the
+        # forwards are collective and it runs the others' steps ([Note: generation with experts split])
+        done = generate(self.model, [p.ids for p in mine], g.max_new_tokens, eos_ids=[tok.eod], decode=tok.decode)
         scores = self._scores(mine, done, 1)
         scores = [v for v in scores if not math.isnan(v)]  # no reward applied: left out (TRL's nanmean)
         sums = torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64, device=self.rt.device)

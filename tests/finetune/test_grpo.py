@@ -5,6 +5,7 @@ our engine, a resume is exact (the rollouts included), refusals of bad prompt fi
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -313,3 +314,70 @@ def test_a_reward_function_of_the_earlier_form_is_refused_and_one_returning_none
         assert r["rewards/user"] == 1.0 and r["grad_norm"] > 0, r
         # every completion is scored by the built-ins: the reward mean counts the user's 1.0 on half
         assert r["reward"] == pytest.approx(r["rewards/exact_match"] + r["rewards/format"] + 0.5, abs=1e-9), r
+
+
+# Expert parallelism: a mixture-of-experts policy (and its reference) with the experts split over
+# `ep` ranks; generation runs in lockstep, each forward's all-to-all on every rank of the group
+# ([Note: generation with experts split] in framework/generation/__init__.py). The balancing loss
+# over the global batch (aux_loss_scope=global_batch, its routing pass ahead) is the same on every
+# layout ([Note: global-batch load balancing] in framework/routing.py).
+MOE = ["model=moe_debug", "model.args.aux_loss_scope=global_batch", "checkpoint.save_final=true"]
+# one held-out prompt, completed at step 5: only rank 0 has one, the other ranks step with it
+MOE += ["data.hf.valid_documents=1", "trainer.eval_interval=5"]
+EXPERTS = {"ep2": ["parallelism.ep=2"]}  # 2 ranks, 2 of the 4 experts each
+if os.environ.get("COMPOSITION_ALL") == "1":
+    # 4 ranks: ep=2 x dp_shard=2, each expert sharded over 2 ranks
+    EXPERTS["ep2_dp4"] = ["cluster.nproc_per_node=4", "parallelism.ep=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_one_rank(prompts):
+    """5 steps of a mixture-of-experts policy on one process, the export at the end."""
+    from conftest import run_main
+
+    run = prompts / "moe_one_rank"
+    out = run_main(_grpo(prompts, run, *MOE, "trainer.max_steps=5", "cluster.nproc_per_node=1"), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, _records(run)
+
+
+def test_a_mixture_of_experts_policy_adds_its_balancing_loss(moe_one_rank):
+    first = moe_one_rank[1][0]
+    # Before the first update the clipped term is 0 (ratios 1, advantages summing to 0 in each
+    # group) and so is the KL (the policy is the reference): the loss is the routers' aux loss.
+    assert first["kl"] == 0.0 and first["loss"] > 1e-3, first
+    assert "moe_load_l0" in first, first  # the routers count the rollouts' micro-batches
+
+
+@pytest.mark.parametrize("layout", sorted(EXPERTS))
+def test_expert_parallel_equals_one_process(moe_one_rank, prompts, layout):
+    from conftest import run_main
+
+    run = prompts / f"moe_{layout}"
+    out = run_main(_grpo(prompts, run, *MOE, "trainer.max_steps=5", *EXPERTS[layout]), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The same completions (each expert's rows computed on its rank), so the same rewards exactly;
+    # the rest to 1e-5: the same fp32 sums reduced over ranks in another order.
+    for mine, theirs in zip(_records(run), moe_one_rank[1], strict=True):
+        assert mine["reward"] == theirs["reward"] and mine["completion_length"] == theirs["completion_length"]
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), (mine, theirs)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert mine["kl"] == pytest.approx(theirs["kl"], abs=1e-5)
+        assert mine["moe_load_l0"] == theirs["moe_load_l0"]
+        assert mine.get("val_reward") == theirs.get("val_reward")
+    assert "val_reward" in mine
+    mine, theirs = _final_weights(run), _final_weights(moe_one_rank[0])
+    assert mine.keys() == theirs.keys()
+    for name, value in mine.items():
+        assert (value - theirs[name]).abs().max() < 1e-5, name
+
+
+def _final_weights(run) -> dict:
+    """The model of the run's last checkpoint (a mixture of experts has no Hugging Face export)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    final = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))[-1]
+    dcp_to_torch_save(str(final), str(run / "final.pt"))
+    state = torch.load(run / "final.pt", weights_only=False)
+    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
