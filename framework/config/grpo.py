@@ -138,18 +138,11 @@ def grpo_problems(cfg) -> List[str]:
             re.compile(getattr(g, name))
         except re.error as exc:
             problems.append(f"grpo.{name}={getattr(g, name)!r} is not a regular expression: {exc}")
-    for degree, why in (
-        (
-            "pp",
-            "GRPO first generates its completions token by token with the whole policy, and each pipeline rank "
-            "holds only some of its layers (its stages keep no decoding cache)",
-        ),
-        ("ep", "expert parallelism is not supported"),
-    ):
+    for degree, why in (("ep", "expert parallelism is not supported"),):
         if getattr(p, degree) > 1:
             problems.append(
                 f"stage=grpo with parallelism.{degree}={getattr(p, degree)}: {why}; set parallelism.{degree}=1 "
-                "(sharding, tensor and context parallelism are supported)"
+                "(sharding, tensor, context and pipeline parallelism are supported)"
             )
     if p.tp > 1 and p.sequence_parallel:
         problems.append(

@@ -5,6 +5,7 @@ our engine, a resume is exact (the rollouts included), refusals of bad prompt fi
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -313,3 +314,38 @@ def test_a_reward_function_of_the_earlier_form_is_refused_and_one_returning_none
         assert r["rewards/user"] == 1.0 and r["grad_norm"] > 0, r
         # every completion is scored by the built-ins: the reward mean counts the user's 1.0 on half
         assert r["reward"] == pytest.approx(r["rewards/exact_match"] + r["rewards/format"] + 0.5, abs=1e-9), r
+
+
+# Pipeline stages ([Note: GRPO through a pipeline] in framework/grpo/pipeline.py): the rollouts
+# decoded through the stages in turn, the log-probabilities and the loss through the schedule. 1f1b
+# by default; with COMPOSITION_ALL=1 also gpipe with 2 microbatches of 2 prompts (one process runs 4
+# micro-batches of 1: dapo's divisor follows the microbatches) and pp=2 x dp_shard=2 on 4 ranks (each
+# data-parallel rank decodes its own prompts, in step with the other's: the stages' forwards gather
+# over both).
+PIPELINES = {"pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_schedule=1f1b"]}
+if os.environ.get("COMPOSITION_ALL") == "1":
+    PIPELINES["pp2_gpipe"] = ["parallelism.pp=2", "parallelism.pp_schedule=gpipe", "parallelism.pp_microbatches=2"]
+    PIPELINES["pp2_dp2"] = ["cluster.nproc_per_node=4", "parallelism.pp=2", "parallelism.dp_shard=2"]
+
+
+@pytest.mark.parametrize("layout", sorted(PIPELINES))
+def test_pipeline_stages_equal_one_process(one_rank, prompts, layout):
+    from conftest import run_main
+    from safetensors.torch import load_file
+
+    run = prompts / layout
+    extra = [*PIPELINES[layout], "trainer.micro_batch_size=1", "checkpoint.export_safetensors=true"]
+    out = run_main(_grpo(prompts, run, *extra), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The same completions (decoded through the stages without a cache: the same tokens), so the
+    # same rewards exactly; the rest to 1e-5: the same fp32 operations on rows padded at the end,
+    # the gradient norm summed per stage then over the stages.
+    for mine, theirs in zip(_records(run), one_rank[1], strict=True):
+        assert mine["reward"] == theirs["reward"] and mine["completion_length"] == theirs["completion_length"]
+        assert mine["reward_std"] == theirs["reward_std"]
+        for name in ("loss", "grad_norm", "kl", "clip_fraction"):
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), (name, mine, theirs)
+    weights = [load_file(str(r / "checkpoints" / "export" / "model.safetensors")) for r in (run, one_rank[0])]
+    assert weights[0].keys() == weights[1].keys()
+    for name, value in weights[0].items():
+        assert (value - weights[1][name]).abs().max() < 1e-5, name
