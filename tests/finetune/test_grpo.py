@@ -349,3 +349,17 @@ def test_pipeline_stages_equal_one_process(one_rank, prompts, layout):
     assert weights[0].keys() == weights[1].keys()
     for name, value in weights[0].items():
         assert (value - weights[1][name]).abs().max() < 1e-5, name
+
+
+def test_a_pipeline_refuses_rows_longer_than_its_stages_shape_in_one_line(prompts):
+    """The stages take rows of data.seq_len tokens: a prompt plus grpo.max_new_tokens longer is
+    refused before the first step, naming both settings."""
+    from conftest import run_main
+
+    run = prompts / "pp_short"
+    error = _one_error(
+        run_main(_grpo(prompts, run, "parallelism.pp=2", "trainer.micro_batch_size=1", "data.seq_len=8"), prompts)
+    )
+    assert error.startswith("error: stage=grpo with parallelism.pp=2: a prompt of "), error
+    assert "longer than the pipeline's data.seq_len=8" in error and "grpo.max_new_tokens=6" in error, error
+    assert not (run / "checkpoints").exists()
