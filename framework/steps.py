@@ -7,10 +7,10 @@ which layout they run on.
   synchronised on the last, a mixture-of-experts model's routers around them (framework/routing.py).
 - `ScheduleSteps`: the model cut into stages over `parallelism.pp` (framework/distributed/pipeline.py):
   the step's micro-batches through torch's schedule at once, its loss the task's cross-entropy on
-  the last stage, or a stage's own `RowsLoss` (stage=dpo's pairs) that the stage gives as its
-  micro-batch loss (pipelines train causal language models, pre-training, fine-tuning or
-  preference pairs: refused otherwise at the build); the routers' statistics summed over the
-  stages' ranks.
+  the last stage, or a stage's own `RowsLoss` (stage=dpo's pairs, stage=grpo's rollouts) that the
+  stage gives as its micro-batch loss (pipelines train causal language models, pre-training,
+  fine-tuning, preference pairs or GRPO: refused otherwise at the build); the routers' statistics
+  summed over the stages' ranks.
 
 Both return the step's loss summed over this rank's micro-batches (each divided by their number),
 on the device; the trainer owns what follows (clip, observe, optimizer step, zero_grad).

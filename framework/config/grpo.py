@@ -138,12 +138,6 @@ def grpo_problems(cfg) -> List[str]:
             re.compile(getattr(g, name))
         except re.error as exc:
             problems.append(f"grpo.{name}={getattr(g, name)!r} is not a regular expression: {exc}")
-    if p.pp > 1:
-        problems.append(
-            f"stage=grpo with parallelism.pp={p.pp}: GRPO first generates its completions token by token with "
-            "the whole policy, and each pipeline rank holds only some of its layers (its stages keep no decoding "
-            "cache); set parallelism.pp=1 (sharding, tensor, context and expert parallelism are supported)"
-        )
     if p.tp > 1 and p.sequence_parallel:
         problems.append(
             "stage=grpo with parallelism.sequence_parallel=true: generation takes one token at a time; "

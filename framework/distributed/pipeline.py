@@ -485,14 +485,15 @@ class Pipeline:
         loss over a microbatch's labelled positions (the trainer passes the task's cross-entropy)."""
         p, t = cfg.parallelism, cfg.trainer
         self.loss_fn = loss_fn
-        if cfg.stage.value not in ("training", "fine_tuning", "dpo") or task.name != "causal_lm":
+        if cfg.stage.value not in ("training", "fine_tuning", "dpo", "grpo") or task.name != "causal_lm":
             raise UserInputError(
                 f"parallelism.pp={dims.pp} with stage={cfg.stage.value} and model.task={task.name}: pipelines train "
-                "causal language models (pre-training, fine-tuning, preference pairs) only for now; set "
+                "causal language models (pre-training, fine-tuning, preference pairs, GRPO) only for now; set "
                 "parallelism.pp=1"
             )
-        # rows a sample is in the stages: a preference pair is its chosen and its rejected sequence
-        self.rows_per_sample = 2 if cfg.stage.value == "dpo" else 1
+        # rows a sample is in the stages: a preference pair is its chosen and its rejected sequence, a
+        # GRPO prompt its grpo.num_generations completions
+        self.rows_per_sample = {"dpo": 2, "grpo": cfg.grpo.num_generations}.get(cfg.stage.value, 1)
         meta = any(param.is_meta for param in model.parameters())
         if family.pipeline_stage is None:
             raise UserInputError(

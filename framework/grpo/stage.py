@@ -89,9 +89,15 @@ class GRPOObjective(Objective):
         # the user's module is imported here, before anything is written
         self.rewards = Rewards(g, cfg.data.hf.prompt_field)
         self._check_positions()
-        self.reference = None
+        self.reference, reference_runner = None, None
         if g.beta != 0 and not cfg.peft.lora.enabled:
-            self.reference = build_job(cfg, job.rt, reference_of=job).model  # weights in `start`
+            reference = build_job(cfg, job.rt, reference_of=job)  # weights in `start`
+            self.reference, reference_runner = reference.model, reference.runner
+        self.pipelined = None  # pipeline stages: [Note: GRPO through a pipeline] in framework/grpo/pipeline.py
+        if not job.runner.whole_model:
+            from framework.grpo.pipeline import PipelinedRollouts
+
+            self.pipelined = PipelinedRollouts(self, reference_runner)
         self.end_of_run = None  # the rewards show how it does
         self._step = None  # the step's rollouts, rewards and statistics, for its metrics
 
@@ -179,6 +185,8 @@ class GRPOObjective(Objective):
 
     def work(self, step: int) -> StepWork:
         """The step's rollouts, rewards and advantages; grpo.iterations passes of the loss over them."""
+        if self.pipelined is not None:
+            return self.pipelined.work(step)
         g, model, device = self.cfg.grpo, self.model, self.rt.device
         group, loader = g.num_generations, self.data.train
         accum = loader.accum_steps
@@ -261,8 +269,8 @@ class GRPOObjective(Objective):
         r = rewards.double()
         r = r[~torch.isnan(r)]  # a completion with no reward is left out (as TRL's nanstd)
         sums = torch.stack([r.new_tensor(float(r.numel())), r.sum(), (r * r).sum()]).to(self.rt.device)
-        dist.all_reduce(sums)  # tensor- and context-parallel ranks hold the same rewards: each sum tp x cp times
-        n, total, squares = (sums / (self.dims.tp * self.dims.cp)).tolist()
+        dist.all_reduce(sums)  # tensor-, context-parallel and pipeline ranks hold the same rewards: tp x cp x pp times
+        n, total, squares = (sums / (self.dims.tp * self.dims.cp * self.dims.pp)).tolist()
         variance = max(squares - total * total / n, 0.0) / max(n - 1.0, 1.0)
         return torch.tensor(variance**0.5, dtype=rewards.dtype)
 
@@ -295,6 +303,8 @@ class GRPOObjective(Objective):
     def evaluate(self) -> Dict[str, float]:
         """`val_reward`: the mean reward of one greedy completion of each validation prompt (each
         data-parallel rank takes every dp-th prompt)."""
+        if self.pipelined is not None:
+            return self.pipelined.evaluate()
         g, tok = self.cfg.grpo, self.data.tokenizer
         mine = self.valid_prompts[self.dp_rank :: self.dims.dp]
         # every rank calls, a rank with no prompt too: under FSDP2 and expert parallelism the

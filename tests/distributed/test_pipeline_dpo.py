@@ -137,16 +137,11 @@ def test_a_pp2_checkpoint_resumes_on_two_sharded_ranks_with_the_same_losses(pair
         torch.testing.assert_close(weights[name], tensor, atol=TOLERANCE, rtol=0, msg=name)
 
 
-def test_validation_lets_dpo_into_a_pipeline_and_says_why_grpo_stays_out(pairs):
-    """Before any rank starts: stage=dpo at pp=2 passes validation (it was refused); stage=grpo at
-    pp=2 is refused in one line saying why (its completions are generated token by token with the
-    whole policy, which no pipeline rank holds) and naming the fix."""
+def test_validation_lets_dpo_and_grpo_into_a_pipeline(pairs):
+    """Before any rank starts: stage=dpo and stage=grpo at pp=2 pass validation (both were refused;
+    GRPO's pipeline: tests/finetune/test_grpo.py's `test_pipeline_stages_equal_one_process`)."""
     from framework.config import compose_config, to_config, validate
 
     common = ["data=hf", f"data.paths=[{pairs / 'pairs.jsonl'}]", "parallelism.pp=2", "model=debug"]
-    dpo = to_config(compose_config(["stage=dpo", *common]))
-    assert validate(dpo, world_size=2) == []
-    grpo = to_config(compose_config(["stage=grpo", *common]))
-    refused = [p for p in validate(grpo, world_size=2) if "parallelism.pp" in p]
-    assert len(refused) == 1 and refused[0].startswith("stage=grpo with parallelism.pp=2: "), refused
-    assert "token by token with the whole policy" in refused[0] and "set parallelism.pp=1" in refused[0]
+    for stage in ("dpo", "grpo"):
+        assert validate(to_config(compose_config([f"stage={stage}", *common])), world_size=2) == [], stage

@@ -381,3 +381,52 @@ def _final_weights(run) -> dict:
     dcp_to_torch_save(str(final), str(run / "final.pt"))
     state = torch.load(run / "final.pt", weights_only=False)
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+# Pipeline stages ([Note: GRPO through a pipeline] in framework/grpo/pipeline.py): the rollouts
+# decoded through the stages in turn, the log-probabilities and the loss through the schedule. 1f1b
+# by default; with COMPOSITION_ALL=1 also gpipe with 2 microbatches of 2 prompts (one process runs 4
+# micro-batches of 1: dapo's divisor follows the microbatches) and pp=2 x dp_shard=2 on 4 ranks (each
+# data-parallel rank decodes its own prompts, in step with the other's: the stages' forwards gather
+# over both).
+PIPELINES = {"pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_schedule=1f1b"]}
+if os.environ.get("COMPOSITION_ALL") == "1":
+    PIPELINES["pp2_gpipe"] = ["parallelism.pp=2", "parallelism.pp_schedule=gpipe", "parallelism.pp_microbatches=2"]
+    PIPELINES["pp2_dp2"] = ["cluster.nproc_per_node=4", "parallelism.pp=2", "parallelism.dp_shard=2"]
+
+
+@pytest.mark.parametrize("layout", sorted(PIPELINES))
+def test_pipeline_stages_equal_one_process(one_rank, prompts, layout):
+    from conftest import run_main
+    from safetensors.torch import load_file
+
+    run = prompts / layout
+    extra = [*PIPELINES[layout], "trainer.micro_batch_size=1", "checkpoint.export_safetensors=true"]
+    out = run_main(_grpo(prompts, run, *extra), prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The same completions (decoded through the stages without a cache: the same tokens), so the
+    # same rewards exactly; the rest to 1e-5: the same fp32 operations on rows padded at the end,
+    # the gradient norm summed per stage then over the stages.
+    for mine, theirs in zip(_records(run), one_rank[1], strict=True):
+        assert mine["reward"] == theirs["reward"] and mine["completion_length"] == theirs["completion_length"]
+        assert mine["reward_std"] == theirs["reward_std"]
+        for name in ("loss", "grad_norm", "kl", "clip_fraction"):
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), (name, mine, theirs)
+    weights = [load_file(str(r / "checkpoints" / "export" / "model.safetensors")) for r in (run, one_rank[0])]
+    assert weights[0].keys() == weights[1].keys()
+    for name, value in weights[0].items():
+        assert (value - weights[1][name]).abs().max() < 1e-5, name
+
+
+def test_a_pipeline_refuses_rows_longer_than_its_stages_shape_in_one_line(prompts):
+    """The stages take rows of data.seq_len tokens: a prompt plus grpo.max_new_tokens longer is
+    refused before the first step, naming both settings."""
+    from conftest import run_main
+
+    run = prompts / "pp_short"
+    error = _one_error(
+        run_main(_grpo(prompts, run, "parallelism.pp=2", "trainer.micro_batch_size=1", "data.seq_len=8"), prompts)
+    )
+    assert error.startswith("error: stage=grpo with parallelism.pp=2: a prompt of "), error
+    assert "longer than the pipeline's data.seq_len=8" in error and "grpo.max_new_tokens=6" in error, error
+    assert not (run / "checkpoints").exists()

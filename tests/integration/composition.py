@@ -584,6 +584,12 @@ case("dpo pp/1f1b lora", lora="on", stage="dpo", pp="1f1b")
 case("dpo pp/gpipe replicate", dp_replicate=2, stage="dpo", pp="gpipe")
 case("dpo tp pp/interleaved_1f1b", tp=2, stage="dpo", pp="interleaved_1f1b")
 case("dpo pp/zbv ac", ac="full", stage="dpo", pp="zbv")
+# GRPO through the stages: the rollouts decoded through every stage in turn, the policy's and the
+# reference's log-probabilities and the loss through the schedule ([Note: GRPO through a pipeline]).
+case("grpo pp/1f1b", stage="grpo", pp="1f1b")
+case("grpo tp pp/gpipe lora", tp=2, lora="on", stage="grpo", pp="gpipe")
+case("grpo pp/interleaved_1f1b replicate", dp_replicate=2, stage="grpo", pp="interleaved_1f1b")
+case("grpo pp/zbv ac", ac="full", stage="grpo", pp="zbv")
 # Context parallel with transformers' own Llama (framework/models/hf/context.py).
 case("cp hf", dp_shard=2, cp=2, model="hf")
 
