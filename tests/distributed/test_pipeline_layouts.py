@@ -10,6 +10,11 @@ checkpoint holds the embedding and the head under both names, as the whole model
 copies are compared). Clipping at 0.5 (the norms here are 0.6-1.0) makes every step's update
 depend on the gradient norm, so a norm counting the tied matrix twice moves the weights.
 
+One layout of each path runs by default; the other schedules and layouts (interleaved with
+dp_shard=2 and pp=4 for tied embeddings, zbv for torch's engine, zbv and interleaved under torch's
+engine for sequence parallel, torch's engine and tp=2 with sequence parallel for the resume) with
+COMPOSITION_ALL=1.
+
 Tolerance 1e-5: the same operations on the same microbatches; only the order of float32 sums
 differs (gradients added per stage and microbatch, then over ranks; tp's all-reduced partial
 products), a few ulps of values near 5 (loss) and 0.01-1 (weights), grown over 5 AdamW steps.
@@ -17,6 +22,7 @@ products), a few ulps of values near 5 (loss) and 0.01-1 (weights), grown over 5
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +48,18 @@ HF_TIED = [
 ]
 CHEAP = ["parallelism.pp_microbatches=2"]  # 2 microbatches of 4 samples (the reference: 4 of 2)
 TOLERANCE = 1e-5  # see the module docstring
+
+
+def _more(default: dict, more: dict) -> list:
+    """Parameters: `default` in every run; `more` (other schedules and layouts of the same code
+    path) skipped, with the reason, unless COMPOSITION_ALL=1, as the composition matrix's opt-in
+    cases (the suite's time on CI's 2 cores)."""
+    skip = pytest.mark.skipif(
+        os.environ.get("COMPOSITION_ALL") != "1", reason="another layout of the same path: COMPOSITION_ALL=1 runs it"
+    )
+    return [pytest.param(v, id=k) for k, v in default.items()] + [
+        pytest.param(v, id=k, marks=skip) for k, v in more.items()
+    ]
 
 
 def _run(root: Path, name: str, overrides: list) -> Path:
@@ -103,12 +121,15 @@ def reference(tmp_path_factory) -> Path:  # with a validation at the end, which 
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        ["parallelism.pp_schedule=1f1b"],
-        ["parallelism.pp_schedule=interleaved_1f1b", "parallelism.dp_shard=2", "cluster.nproc_per_node=4"] + CHEAP,
-        ["parallelism.pp=4", "cluster.nproc_per_node=4"],
-    ],
-    ids=["1f1b", "interleaved_dp_shard2", "pp4"],
+    _more(
+        {"1f1b": ["parallelism.pp_schedule=1f1b"]},
+        {
+            "interleaved_dp_shard2": ["parallelism.pp_schedule=interleaved_1f1b", "parallelism.dp_shard=2"]
+            + ["cluster.nproc_per_node=4"]
+            + CHEAP,
+            "pp4": ["parallelism.pp=4", "cluster.nproc_per_node=4"],
+        },
+    ),
 )
 def test_tied_embeddings_in_a_pipeline_equal_one_process(tied_reference, tmp_path, layout):
     """The tied matrix on the first stage's rank (the lookup) and the last's (the head), its
@@ -156,12 +177,13 @@ def test_tied_embeddings_with_the_first_and_last_stage_on_one_rank_are_refused(t
 
 @pytest.mark.parametrize(
     "pp",
-    [
-        ["cluster.nproc_per_node=2"],
-        ["cluster.nproc_per_node=2", "parallelism.engine=torch"],
-        ["cluster.nproc_per_node=4", "parallelism.tp=2", "parallelism.sequence_parallel=true"],
-    ],
-    ids=["native", "torch", "tp2_sp"],
+    _more(
+        {"native": ["cluster.nproc_per_node=2"]},
+        {
+            "torch": ["cluster.nproc_per_node=2", "parallelism.engine=torch"],
+            "tp2_sp": ["cluster.nproc_per_node=4", "parallelism.tp=2", "parallelism.sequence_parallel=true"],
+        },
+    ),
 )
 def test_a_tied_pipeline_checkpoint_resumes_on_data_parallel_and_back(tmp_path, pp):
     """pp=2 for 8 steps (checkpoints at 3 and 6); its step 3 resumed on dp_shard=2 (our engine)
@@ -196,7 +218,11 @@ def test_a_tied_pipeline_checkpoint_resumes_on_data_parallel_and_back(tmp_path, 
 
 
 @pytest.mark.parametrize(
-    "schedule", [["parallelism.pp_schedule=1f1b"], ["parallelism.pp_schedule=zbv", "parallelism.pp_split=[1,1,1,1]"]]
+    "schedule",
+    _more(
+        {"1f1b": ["parallelism.pp_schedule=1f1b"]},
+        {"zbv": ["parallelism.pp_schedule=zbv", "parallelism.pp_split=[1,1,1,1]"]},
+    ),
 )
 def test_torch_fully_shard_under_each_stage_equals_one_process(reference, tmp_path, schedule):
     """parallelism.engine=torch at pp=2 x dp_shard=2: torch's PipelineStage drives FSDP2 (one
@@ -221,12 +247,13 @@ def test_tied_embeddings_under_torch_fully_shard_equal_one_process(tied_referenc
 
 @pytest.mark.parametrize(
     "schedule",
-    [
-        ["parallelism.pp_schedule=1f1b", "trainer.eval_interval=5"],
-        ["parallelism.pp_schedule=zbv", "parallelism.pp_split=[1,1,1,1]"] + CHEAP,
-        ["parallelism.pp_schedule=interleaved_1f1b", "parallelism.engine=torch"] + CHEAP,
-    ],
-    ids=["1f1b", "zbv", "interleaved_torch"],
+    _more(
+        {"1f1b": ["parallelism.pp_schedule=1f1b", "trainer.eval_interval=5"]},
+        {
+            "zbv": ["parallelism.pp_schedule=zbv", "parallelism.pp_split=[1,1,1,1]"] + CHEAP,
+            "interleaved_torch": ["parallelism.pp_schedule=interleaved_1f1b", "parallelism.engine=torch"] + CHEAP,
+        },
+    ),
 )
 def test_sequence_parallel_inside_stages_equals_one_process(reference, tmp_path, schedule):
     """pp=2 x tp=2 with parallelism.sequence_parallel: each tp rank sends its half of the sequence
