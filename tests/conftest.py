@@ -254,27 +254,28 @@ def stdlib_cache(tmp_path_factory) -> str:
 # to one rank keep well inside their bounds beside another worker: they run with the rest.)
 SERIAL_FILES = {
     "launcher/test_launcher_real.py",
+    "integration/test_refused_before_ranks.py",  # a refusal within 5 s of the command (a warm fork server)
 }
 
 
 # The longest files (wall time under two workers), started first: pytest-xdist hands out whole
 # files in collection order, so a long one collected last would run alone at the end.
-LONG_FILES = [  # measured sums of the files' test times, longest first
+LONG_FILES = [  # measured sums of the files' test times, longest first (2026-12-07, 2 workers)
     "reliability/test_failures.py",
-    "integration/test_main.py",
+    "reliability/test_memory_snapshots.py",
+    "finetune/test_dpo.py",
     "planner/test_planner.py",
-    "hf/test_hf_families.py",
+    "tp/test_combinations.py",
+    "integration/test_main.py",
+    "distributed/test_pipeline.py",
+    "finetune/test_grpo.py",
+    "docs/test_docs.py",
     "tp/test_tp_training.py",
-    "launcher/test_launcher_cluster_conventions.py",
-    "distributed/test_float8.py",
-    "data/test_hf_data.py",
-    "tp/test_hf_tp.py",
-    "integration/test_trackers.py",
+    "distributed/test_pipeline_layouts.py",
     "checkpoint/test_checkpoint.py",
-    "integration/test_evaluate.py",
-    "distributed/test_engine_parity.py",
-    "hf/test_hf_main.py",
-    "models/test_expert_parallel.py",
+    "launcher/test_launcher_cluster_conventions.py",
+    "reliability/test_run_files.py",
+    "distributed/test_torch_contract.py",
 ]
 
 
