@@ -253,29 +253,29 @@ def stdlib_cache(tmp_path_factory) -> str:
 # hung rank found within a 5 s collective timeout, torchrun's restarts, the time limit and a SIGTERM
 # to one rank keep well inside their bounds beside another worker: they run with the rest.)
 SERIAL_FILES = {
-    "launcher/test_launcher_real.py",
-    "integration/test_refused_before_ranks.py",  # a refusal within 5 s of the command (a warm fork server)
+    "tests/launcher/test_launcher_real.py",
+    "tests/integration/test_refused_before_ranks.py",  # a refusal within 5 s of the command (a warm fork server)
 }
 
 
 # The longest files (wall time under two workers), started first: pytest-xdist hands out whole
 # files in collection order, so a long one collected last would run alone at the end.
 LONG_FILES = [  # measured sums of the files' test times, longest first (2026-12-07, 2 workers)
-    "reliability/test_failures.py",
-    "reliability/test_memory_snapshots.py",
-    "finetune/test_dpo.py",
-    "planner/test_planner.py",
-    "tp/test_combinations.py",
-    "integration/test_main.py",
-    "distributed/test_pipeline.py",
-    "finetune/test_grpo.py",
-    "docs/test_docs.py",
-    "tp/test_tp_training.py",
-    "distributed/test_pipeline_layouts.py",
-    "checkpoint/test_checkpoint.py",
-    "launcher/test_launcher_cluster_conventions.py",
-    "reliability/test_run_files.py",
-    "distributed/test_torch_contract.py",
+    "tests/reliability/test_failures.py",
+    "tests/reliability/test_memory_snapshots.py",
+    "tests/finetune/test_dpo.py",
+    "tests/planner/test_planner.py",
+    "tests/tp/test_combinations.py",
+    "tests/integration/test_main.py",
+    "tests/distributed/test_pipeline.py",
+    "tests/finetune/test_grpo.py",
+    "tests/docs/test_docs.py",
+    "tests/tp/test_tp_training.py",
+    "tests/distributed/test_pipeline_layouts.py",
+    "tests/checkpoint/test_checkpoint.py",
+    "tests/launcher/test_launcher_cluster_conventions.py",
+    "tests/reliability/test_run_files.py",
+    "tests/distributed/test_torch_contract.py",
 ]
 
 
@@ -283,7 +283,7 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
 
     def rel(item) -> str:
-        return Path(str(item.fspath)).resolve().relative_to(REPO / "tests").as_posix()
+        return Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
 
     for item in items:
         if rel(item) in SERIAL_FILES:

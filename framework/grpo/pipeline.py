@@ -145,7 +145,7 @@ class PipelinedRollouts(RowsLoss):
 
     def _rows(self, prompts: List[List[int]], completions: List[List[int]]):
         """(ids, targets) of each prompt and its completion, padded at the end to data.seq_len."""
-        from framework.grpo.stage import sequences
+        from framework.grpo.rows import sequences
 
         ids, targets = sequences(prompts, completions, self.objective.data.tokenizer.eod)
         width = self.seq_len - ids.shape[1]
@@ -178,7 +178,7 @@ class PipelinedRollouts(RowsLoss):
     def work(self, step: int):
         """`GRPOObjective.work` through the stages: the rollouts, their rewards and advantages, the
         rollout policy's and the reference's log-probabilities, grpo.iterations schedule steps."""
-        from framework.grpo.stage import rollout_seed
+        from framework.grpo.rows import rollout_seed
         from framework.trainer import StepWork
 
         o, g = self.objective, self.cfg.grpo

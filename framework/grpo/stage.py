@@ -39,32 +39,10 @@ from framework.finetune.reference import token_logps as _token_logps
 from framework.generation import generate
 from framework.grpo.loss import group_advantages, grpo_loss, nan_std
 from framework.grpo.rewards import Rewards
+from framework.grpo.rows import rollout_seed, sequences
 from framework.job import build_job
 from framework.models.tasks import IGNORE_INDEX, with_aux_loss
 from framework.trainer import Objective, StepWork
-
-
-def rollout_seed(seed: int, step: int, index: int, k: int) -> int:
-    """[Note: the rollout seeds]: a 63-bit mix of the four numbers (splitmix64's finaliser)."""
-    x = 0
-    for part in (seed, step, index, k):
-        x = (x ^ (part & 0xFFFFFFFFFFFFFFFF)) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x & 0x7FFFFFFFFFFFFFFF
-
-
-def sequences(prompts: List[List[int]], completions: List[List[int]], pad_id: int):
-    """(ids, targets) of shape (rows, longest - 1): each row its prompt then its completion, padded
-    at the end; a target is IGNORE_INDEX everywhere but on the completion's tokens."""
-    rows = [p + c for p, c in zip(prompts, completions)]
-    width = max(len(r) for r in rows) - 1
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for j, (p, c) in enumerate(zip(prompts, completions)):
-        row = p + c
-        ids[j, : len(row) - 1] = torch.tensor(row[:-1])
-        targets[j, len(p) - 1 : len(row) - 1] = torch.tensor(c)
-    return ids, targets
 
 
 class GRPOObjective(Objective):

@@ -336,7 +336,7 @@ def test_the_batch_std_of_scale_rewards_batch_is_trls():
     try:  # the group goes with the test: a later in-process group of this worker could not start
         rewards = torch.tensor([0.25, 1.5, -2.0, 3.0, 0.0, 0.75, float("nan"), 2.5])
         rt = types.SimpleNamespace(device=torch.device("cpu"))
-        fake = types.SimpleNamespace(rt=rt, dims=types.SimpleNamespace(tp=1, cp=1))
+        fake = types.SimpleNamespace(rt=rt, dims=types.SimpleNamespace(tp=1, cp=1, pp=1))
         ours = GRPOObjective._batch_std(fake, rewards)
         # float64 sums then float32: within float32 rounding of TRL's float32 two-pass std
         torch.testing.assert_close(ours, nanstd(rewards), rtol=1e-6, atol=1e-6)
