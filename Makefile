@@ -23,11 +23,10 @@ run: venv
 # checkpoint, are built once), then, alone, the tests whose bounds are wall-clock times (Slurm jobs
 # and a pre-emption, two nodes' rendezvous; `serial` in tests/conftest.py): beside another worker's
 # jobs they could overrun. `make test TEST_WORKERS=0`: one process.
-# Measured on 2 cores (2026-12-07, an AMD EPYC, 1334 tests, nothing else running, `.ci/run` on a
-# fresh clone of 7e15871): first phase 1010 s (of e51487c, 2026-12-06, 1097 tests: 645 s + 54 s);
-# 2026-12-03 on an Intel Xeon, 870 tests: 569 s + 58 s; identical runs differ by ~45 s, days by
-# more; one process: 1247 s (an older suite); 3 workers made the first phase slower (1011 s, an
-# older suite).
+# Measured on 2 cores (2026-12-07, an AMD EPYC, 1407 tests, nothing else running, `.ci/run` on a
+# fresh clone of abaa312): first phase 1238 s, serial phase 109 s, the whole of .ci/run 1542 s
+# (of 7e15871, 1334 tests: 1010 s; of e51487c, 2026-12-06, 1097 tests: 645 s + 54 s); identical
+# runs differ by ~45 s, days by more; 3 workers made the first phase slower (1011 s, an older suite).
 TEST_WORKERS ?= 2
 # Each phase lists its skipped tests with their reasons (-rs; -rfE: failures and errors, pytest's
 # default) and writes a JUnit report here; .ci/run ends with both phases' skips (.ci/skips.py).
